@@ -1,0 +1,107 @@
+"""Text data for pretraining-style runs: the packaged corpus, local jsonl/parquet/txt, or HF names.
+
+Documents are tokenized and packed into ``seq_len`` windows by torchtitan's
+``HuggingFaceTextDataset`` (per-document positions, so attention stays inside a
+document; its state is checkpointed, so a resumed run sees the same next batch).
+apiary only registers where the text comes from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from datasets import load_dataset
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets import text_datasets
+
+PACKAGED_CORPUS = Path(__file__).with_name("tiny_corpus.jsonl")
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def _text_of(sample: dict) -> str:
+    return sample["text"]
+
+
+def _load_local(path: str) -> "object":
+    files = local_data_files(path)
+    kinds = {_LOCAL_FORMATS[Path(f).suffix] for f in files}
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: expected files of one format among {sorted(_LOCAL_FORMATS)}")
+    return load_dataset(kinds.pop(), data_files=files, split="train")
+
+
+def local_data_files(path: str) -> list[str]:
+    """The files a local ``data.path`` would read (empty when there are none)."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(str(f) for f in p.rglob("*") if f.suffix in _LOCAL_FORMATS)
+    return [str(p)] if p.is_file() and p.suffix in _LOCAL_FORMATS else []
+
+
+def register(name: str, path: str | None) -> str:
+    """Register a dataset under ``name`` with torchtitan's text loader; return the name to use."""
+    if name == "packaged" or (path is None and name in ("", "tiny")):
+        key, loc, loader = "apiary_packaged", str(PACKAGED_CORPUS), _load_local
+    elif path is not None:
+        key, loc, loader = f"apiary_local_{abs(hash(os.path.abspath(path)))}", path, _load_local
+    else:  # a HuggingFace hub dataset name, streamed
+        key, loc = f"apiary_hf_{name.replace('/', '_')}", name
+        loader = partial(load_dataset, split="train", streaming=True)
+    text_datasets.DATASETS[key] = DatasetConfig(path=loc, loader=loader, sample_processor=_text_of)
+    return key
+
+
+class RankBlocks(IterableDataset, Stateful):
+    """Every rank packs the same document stream; packed windows go to ranks in blocks of
+    ``local_batch``. A global step therefore sees the same sequences for any data-parallel
+    size (1 rank with gradient accumulation == N ranks), which makes runs comparable
+    across world sizes. Costs each rank a pass over the whole text stream.
+    """
+
+    def __init__(self, inner: "text_datasets.HuggingFaceTextDataset", dp_rank: int, dp_world_size: int,
+                 block: int):
+        self.inner, self.rank, self.world, self.block = inner, dp_rank, dp_world_size, block
+        self._window = 0  # packed windows seen by this rank, its own and others'
+
+    def __iter__(self):
+        for sample in self.inner:
+            mine = (self._window // self.block) % self.world == self.rank
+            self._window += 1
+            if mine:
+                yield sample
+
+    def state_dict(self):
+        return {"inner": self.inner.state_dict(), "window": self._window}
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state["inner"])
+        self._window = state["window"]
+
+
+class PackedTextDataLoader(ParallelAwareDataloader):
+    """Packed causal-LM windows from a registered text source (see ``register``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        dataset: str = "apiary_packaged"
+        infinite: bool = True
+        sharding: str = "blocks"  # blocks: identical global batches for any DP size | documents
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+        by_docs = config.sharding == "documents"
+        ds = text_datasets.HuggingFaceTextDataset(
+            dataset_name=config.dataset, dataset_path=config.dataset_path, tokenizer=tokenizer,
+            seq_len=seq_len, dp_rank=dp_rank if by_docs else 0, dp_world_size=dp_world_size if by_docs else 1,
+            infinite=config.infinite,
+        )
+        if not by_docs:
+            ds = RankBlocks(ds, dp_rank, dp_world_size, local_batch_size)
+        super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
+                         batch_size=local_batch_size, snapshot_every_n_steps=snapshot_every_n_steps)

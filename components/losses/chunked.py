@@ -1,0 +1,24 @@
+"""Chunked cross-entropy: torchtitan's ChunkedLossWrapper runs lm_head + CE per sequence
+chunk with an immediate backward, so only [tokens / num_chunks, vocab] logits live at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ChunkedCrossEntropy:
+    @dataclass
+    class Options:
+        name: str = "chunked"
+        num_chunks: int = 8
+
+    @staticmethod
+    def trainer_loss(opts: "ChunkedCrossEntropy.Options", vocab_size: int):
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+        if opts.num_chunks < 1:
+            raise ValueError(f"loss.num_chunks must be >= 1, got {opts.num_chunks}")
+        return ChunkedLossWrapper.Config(
+            num_chunks=opts.num_chunks,
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab_size),
+        )

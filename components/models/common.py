@@ -1,0 +1,124 @@
+"""Helpers shared by the model families: architecture edits on torchtitan model configs,
+and the facts (sizes, experts, heads) the planner and validator need."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+from torchtitan.models.common.attention import FlexAttention, GQAttention
+from torchtitan.models.common.moe import MoE
+from torchtitan.protocols.model_spec import ModelSpec
+
+from framework import devices
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the framework needs to know about an architecture, without building it."""
+
+    family: str
+    flavor: str
+    n_layers: int
+    dim: int
+    vocab_size: int
+    n_params: int  # total parameters
+    n_active_params: int  # parameters touched per token (top-k experts + dense parts)
+    n_expert_params: int  # routed-expert parameters (sharded over EP)
+    num_experts: int  # 0 for dense models
+    top_k: int
+    moe_hidden_dim: int
+    ffn_hidden_dim: int  # dense MLP hidden size (0 when every layer is MoE)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_attention_layers: int  # full softmax-attention layers
+    n_linear_attention_layers: int = 0  # GatedDeltaNet-style layers
+    linear_attn: dict | None = None  # per-family shapes of the linear-attention layers
+    shared_expert_hidden_dim: int = 0
+
+
+def resize_layers(config, n_layers: int | None):
+    """Keep the first n layers, or repeat the last layer's config to grow the stack."""
+    if n_layers is None or n_layers == len(config.layers):
+        return config
+    layers = list(config.layers[:n_layers])
+    while len(layers) < n_layers:
+        layers.append(copy.deepcopy(config.layers[len(layers) % len(config.layers)]))
+    config.layers = layers
+    return config
+
+
+def set_vocab(config, vocab_size: int | None):
+    if vocab_size is None:
+        return config
+    config.vocab_size = vocab_size
+    config.tok_embeddings.num_embeddings = vocab_size
+    if config.lm_head is not None:
+        config.lm_head.out_features = vocab_size
+    return config
+
+
+def use_device_attention(config):
+    """Swap flex attention for the device's implementation (devices decides)."""
+    replacement = devices.inner_attention_config()
+    if replacement is None:
+        return config
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = replacement()
+        else:
+            setattr(parent, attr, replacement())
+    return config
+
+
+def wrap_parallelize(spec: ModelSpec) -> ModelSpec:
+    fn = spec.parallelize_fn
+
+    def parallelize(model, **kwargs):
+        return devices.after_parallelize(fn(model, **kwargs))
+
+    return replace(spec, parallelize_fn=parallelize)
+
+
+def facts_from_config(family: str, flavor: str, config) -> ModelFacts:
+    """Count parameters by building the model on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = copy.deepcopy(config).build()
+    total = expert = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".experts." in name or name.endswith("_EFD") or name.endswith("_EDF"):
+            expert += p.numel()
+    moes = [c for _, c, _, _ in config.traverse(MoE.Config)]
+    attns = [c for _, c, _, _ in config.traverse(GQAttention.Config)]
+    num_experts = moes[0].num_experts if moes else 0
+    top_k = moes[0].router.top_k if moes else 0
+    moe_hidden = moes[0].routed_experts.inner_experts.hidden_dim if moes else 0
+    active = total - expert + (expert * top_k // num_experts if num_experts else 0)
+    ffn_hidden = 0
+    for layer in config.layers:
+        ff = getattr(layer, "feed_forward", None)
+        if ff is not None:
+            ffn_hidden = ff.w1.out_features
+            break
+    a = attns[0]
+    return ModelFacts(
+        family=family,
+        flavor=flavor,
+        n_layers=len(config.layers),
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        n_params=total,
+        n_active_params=active,
+        n_expert_params=expert,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_hidden_dim=moe_hidden,
+        ffn_hidden_dim=ffn_hidden,
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads or a.n_heads,
+        head_dim=a.head_dim or config.dim // a.n_heads,
+        n_attention_layers=len(attns),
+    )

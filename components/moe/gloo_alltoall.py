@@ -1,0 +1,35 @@
+"""Variable-split all-to-all with autograd through ``dist.all_to_all_single``.
+
+gloo implements uneven splits only in all_to_all_single; torchtitan's EP dispatcher goes
+through a path gloo refuses ("ProcessGroupGloo::alltoall: invalid tensor size").
+framework.devices routes CPU runs here; the arithmetic is the same data movement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class AllToAllSingle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_splits):
+    return AllToAllSingle.apply(routed_input_ND, output_splits, input_splits, self.ep_mesh.get_group())
+
+
+def combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
+    return AllToAllSingle.apply(routed_output_RD, input_splits, output_splits, self.ep_mesh.get_group())

@@ -1,0 +1,103 @@
+"""Resolved recipe -> torchtitan ``Trainer.Config``. The only place apiary meets torchtitan's
+trainer configuration; components contribute their parts through their registry entries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from framework import registry
+from framework.resolve import Resolved, model_kwargs, model_module
+
+
+def trainer_config(r: Resolved):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.trainer import Trainer
+
+    from components.data import text
+    from components.data.tokenizer import ByteTokenizer
+    from framework.metrics import ApiaryMetrics
+
+    cfg, lay = r.cfg, r.layout
+    out = Path(cfg.output_dir)
+
+    spec = model_module(cfg).model_spec(cfg.model.flavor, **model_kwargs(cfg))  # fresh per Trainer
+    registry.resolve("moe_chunk", cfg.moe.chunk).apply(spec.model)
+    loss = registry.resolve("loss", cfg.loss.name).trainer_loss(cfg.loss, r.facts.vocab_size)
+    ac = registry.resolve("recompute", cfg.recompute.name).ac_config(cfg.recompute)
+
+    o = cfg.optimizer
+    optimizer = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+        pattern=r".*", optimizer_name=o.name,
+        optimizer_kwargs={"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay},
+    )])
+    lr = LRSchedulersContainer.Config(
+        warmup_steps=min(cfg.lr.warmup_steps, max(cfg.training.steps - 1, 0)),
+        decay_ratio=cfg.lr.decay_ratio, decay_type=cfg.lr.decay_type, min_lr_factor=cfg.lr.min_lr_factor,
+    )
+    dataset = text.register(cfg.data.name, cfg.data.path)
+    if cfg.data.tokenizer == "byte":
+        tokenizer, assets = ByteTokenizer.Config(), str(out)
+    else:
+        tokenizer, assets = HuggingFaceTokenizer.Config(), str(cfg.data.tokenizer)
+    if cfg.logging.wandb:
+        os.environ.setdefault("WANDB_PROJECT", cfg.logging.wandb_project)
+        if not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+
+    tc = Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=assets,
+        dump_folder=str(out),
+        tokenizer=tokenizer,
+        dataloader=text.PackedTextDataLoader.Config(dataset=dataset, num_workers=cfg.data.num_workers,
+                                                   sharding=cfg.data.sharding),
+        loss=loss,
+        activation_checkpoint=ac,
+        optimizer=optimizer,
+        lr_scheduler=lr,
+        metrics=ApiaryMetrics.Config(
+            log_freq=cfg.logging.log_freq, enable_tensorboard=cfg.logging.tensorboard,
+            enable_wandb=cfg.logging.wandb, disable_color_printing=not cfg.logging.color,
+            jsonl_path=str(out / "metrics.jsonl"), total_steps=cfg.training.steps,
+        ),
+        training=TrainingConfig(
+            local_batch_size=cfg.training.local_batch,
+            global_batch_size=cfg.training.global_batch if cfg.training.global_batch is not None else -1,
+            seq_len=cfg.training.seq_len,
+            steps=cfg.training.steps,
+            max_norm=cfg.training.max_norm,
+            mixed_precision_param=cfg.training.dtype,
+            disable_cuda_graphs=True,
+        ),
+        parallelism=ParallelismConfig(
+            data_parallel_replicate_degree=lay.dp_replicate,
+            data_parallel_shard_degree=lay.dp_shard,
+            context_parallel_degree=lay.cp,
+            tensor_parallel_degree=lay.tp,
+            pipeline_parallel_degree=lay.pp,
+            expert_parallel_degree=lay.ep,
+            context_parallel_load_balancer=cfg.parallel.cp_load_balancer,
+            pipeline_parallel_schedule=cfg.parallel.pp_schedule,
+            pipeline_parallel_microbatch_size=cfg.parallel.pp_microbatch_size,
+        ),
+        checkpoint=CheckpointManager.Config(
+            enable=cfg.checkpoint.enable,
+            folder="checkpoint",
+            interval=cfg.checkpoint.interval,
+            keep_latest_k=cfg.checkpoint.keep_latest_k,
+            last_save_model_only=cfg.checkpoint.model_only_last,
+            initial_load_path=cfg.checkpoint.load_path,
+            initial_load_model_only=True,
+            create_seed_checkpoint=cfg.checkpoint.create_seed,
+        ),
+        compile=CompileConfig(enable=False),
+        comm=CommConfig(),
+        debug=DebugConfig(seed=cfg.training.seed, deterministic=cfg.training.deterministic),
+    )
+    registry.resolve("state", cfg.state.name).apply(cfg.state, tc)
+    return tc

@@ -1,0 +1,120 @@
+"""Every device shim lives here; nothing else in apiary branches on the device type.
+
+torchtitan 0.3.0 assumes an accelerator: it picks "cuda" when none is present, reads
+memory statistics from the device module and captures CUDA graphs by default. On a
+machine without CUDA, ``install()`` points torchtitan at the CPU before it is imported,
+gives ``torch.cpu`` the handful of calls torchtitan makes, and makes FSDP2's
+reduce-scatter use plain sums (gloo refuses ReduceOp.PREMUL_SUM).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+_INSTALLED = False
+
+
+def has_accelerator() -> bool:
+    return torch.cuda.is_available() and os.environ.get("APIARY_DEVICE", "") != "cpu"
+
+
+def device_type() -> str:
+    return "cuda" if has_accelerator() else "cpu"
+
+
+def backend() -> str:
+    """Collective backend for this device: nccl on CUDA, gloo on CPU."""
+    return "nccl" if has_accelerator() else "gloo"
+
+
+def inner_attention_config():
+    """Replacement for flex attention on this device, or None to keep flex.
+
+    torch 2.14's flex attention has no CPU backward; on CPU the same masks run
+    through a dense-mask SDPA (components.models.dense_mask_attention).
+    """
+    if has_accelerator():
+        return None
+    _uncompiled_block_masks()
+    from components.models.dense_mask_attention import DenseMaskAttention
+
+    return DenseMaskAttention.Config
+
+
+def peak_memory_bytes() -> int:
+    """Measured peak: CUDA's max reserved bytes, or this process's max RSS on CPU."""
+    if has_accelerator():
+        return int(torch.cuda.max_memory_reserved())
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kib * 1024)
+
+
+def peak_memory_kind() -> str:
+    return "cuda_max_memory_reserved" if has_accelerator() else "cpu_max_rss"
+
+
+def _cpu_module_shims() -> None:
+    cpu = torch.cpu
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu.current_device = lambda: 0  # torchtitan stores it as an int index
+    cpu.get_device_name = lambda *a, **k: "cpu"
+    cpu.get_device_properties = lambda *a, **k: SimpleNamespace(total_memory=total, name="cpu")
+    cpu.reset_peak_memory_stats = lambda *a, **k: None
+    cpu.empty_cache = lambda *a, **k: None
+    cpu.memory_stats = lambda *a, **k: {}
+    cpu.max_memory_reserved = lambda *a, **k: 0
+    cpu.manual_seed = lambda seed: torch.manual_seed(seed)
+    cpu.manual_seed_all = lambda seed: torch.manual_seed(seed)
+
+
+def _uncompiled_block_masks() -> None:
+    """torchtitan compiles create_block_mask; on CPU inductor spends ~30 s on it per process."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    attention._compiled_create_block_mask = create_block_mask
+
+
+def _gloo_expert_parallel() -> None:
+    """gloo handles uneven EP splits only through all_to_all_single."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from components.moe import gloo_alltoall
+
+    AllToAllTokenDispatcher._dispatch_token_exchange = gloo_alltoall.dispatch_token_exchange
+    AllToAllTokenDispatcher._combine_token_exchange = gloo_alltoall.combine_token_exchange
+
+
+def after_parallelize(model: torch.nn.Module) -> torch.nn.Module:
+    """Per-model fix-ups after torchtitan's parallelize_fn (CPU: sum-reduce FSDP comms)."""
+    if has_accelerator():
+        return model
+    from torch.distributed.fsdp import FSDPModule
+
+    _gloo_expert_parallel()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # gloo has no ReduceOp.PREMUL_SUM; reduce with SUM and divide afterwards.
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def install() -> None:
+    """Apply the shims once, before torchtitan is imported."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    if has_accelerator():
+        return
+    if any(m.startswith("torchtitan") for m in sys.modules):
+        raise RuntimeError("framework.devices.install() must run before torchtitan is imported")
+    import torch._utils as tu
+
+    tu._get_available_device_type = lambda: "cpu"
+    _cpu_module_shims()

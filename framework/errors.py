@@ -1,0 +1,31 @@
+"""User errors: one clear paragraph, exit code 2, before any worker starts."""
+
+from __future__ import annotations
+
+import difflib
+
+
+class UserError(Exception):
+    """A problem with the user's input. ``str(err)`` is the whole message."""
+
+    exit_code = 2
+
+    def __init__(self, where: str, reason: str, suggestion: str = ""):
+        self.where, self.reason, self.suggestion = where, reason, suggestion
+        msg = f"apiary: {where}: {reason}"
+        if suggestion:
+            msg += f" {suggestion}"
+        super().__init__(msg)
+
+
+def closest(word: str, options, n: int = 3) -> list[str]:
+    options = list(options)
+    hits = difflib.get_close_matches(word, options, n=n, cutoff=0.5)
+    if not hits:
+        hits = [o for o in options if word.split(".")[-1] in o][:n]
+    return hits
+
+
+def did_you_mean(word: str, options) -> str:
+    hits = closest(word, options)
+    return f"Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""

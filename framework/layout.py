@@ -1,0 +1,153 @@
+"""Derive the parallel layout (dp_shard, cp, ep, pp, tp) from the 4D->2D table.
+
+The table (recipes/_defaults.yaml `layout`) is data; this module applies it to the dims
+a recipe leaves unset and checks every constraint torchtitan imposes, so that an
+impossible layout is a user error before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from framework.errors import UserError
+
+DIMS = ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp")
+
+
+@dataclass
+class Layout:
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+    pp: int
+    tp: int
+    rules: dict[str, str] = field(default_factory=dict)  # dim -> the rule that chose it
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ep_from_table(table, n_params: float) -> int:
+    for rule in table.ep_by_params:
+        if n_params <= float(rule.max_params):
+            return int(rule.ep)
+    return int(table.ep_by_params[-1].ep)
+
+
+def derive(parallel, training, table, facts, world_size: int) -> Layout:
+    """Fill unset dims of ``parallel`` for ``world_size`` ranks; raise UserError if impossible."""
+    rules: dict[str, str] = {}
+    where = f"parallel (world size {world_size})"
+    seq = int(training.seq_len)
+
+    def given(name):
+        v = getattr(parallel, name)
+        if v is not None:
+            if int(v) < 1:
+                raise UserError(f"parallel.{name}={v}", "parallel degrees must be >= 1.")
+            rules[name] = "set by the recipe or command line"
+        return v
+
+    dp_rep = int(parallel.dp_replicate)
+    tp = given("tp")
+    if tp is None:
+        tp, rules["tp"] = int(table.tp), f"table: TP {table.tp} unless the model or hardware needs it"
+    pp = given("pp")
+    if pp is None:
+        pp, rules["pp"] = int(table.pp), f"table: PP {table.pp} (2 optional)"
+    tp, pp = int(tp), int(pp)
+    if facts.n_layers % pp and pp > 1:
+        raise UserError(f"parallel.pp={pp}", f"PP {pp} does not divide the model's {facts.n_layers} layers.",
+                        f"Choose PP among {[d for d in _divisors(facts.n_layers) if d <= 8]}.")
+    base = dp_rep * tp * pp
+    if world_size % base:
+        raise UserError(where, f"dp_replicate x tp x pp = {base} does not divide the world size {world_size}.",
+                        "Change the number of GPUs or the fixed dims.")
+    room = world_size // base  # ranks left for dp_shard x cp
+
+    cp = given("cp")
+    if cp is None:
+        want = max(1, math.ceil(seq / int(table.target_local_seq)))
+        ok = [d for d in _divisors(room) if d >= want and (d == 1 or seq % (2 * d * (tp if tp > 1 else 1)) == 0)]
+        if not ok:
+            raise UserError(where, f"CP must be at least {want} to keep the per-GPU sequence at or below "
+                            f"{table.target_local_seq} tokens (seq_len {seq}), but no divisor of the "
+                            f"{room} ranks left for dp_shard x cp satisfies that and divides the sequence.",
+                            "Use more GPUs, a shorter training.seq_len, or set parallel.cp explicitly.")
+        cp = ok[0]
+        rules["cp"] = (f"table: seq {seq} / target {table.target_local_seq} -> {want}, "
+                       f"rounded to a divisor -> {cp} ({seq // cp} tokens per GPU)")
+    cp = int(cp)
+    if cp > 1 and seq % (2 * cp * (tp if tp > 1 else 1)):
+        raise UserError(f"parallel.cp={cp}", f"training.seq_len {seq} is not divisible by 2 x cp"
+                        f"{' x tp' if tp > 1 else ''} = {2 * cp * (tp if tp > 1 else 1)} (load-balanced CP "
+                        "splits each sequence into 2 x cp chunks).",
+                        "Pick a seq_len that is a multiple of it, or another cp.")
+    if room % cp:
+        raise UserError(f"parallel.cp={cp}", f"CP {cp} does not divide the {room} ranks left after "
+                        f"dp_replicate x tp x pp = {base} of world size {world_size}.",
+                        f"Choose CP among {_divisors(room)}.")
+
+    dp_shard = given("dp_shard")
+    if dp_shard is None:
+        dp_shard, rules["dp_shard"] = room // cp, "the rest: world / (dp_replicate x cp x tp x pp)"
+    dp_shard = int(dp_shard)
+    product = dp_rep * dp_shard * cp * tp * pp
+    if product != world_size:
+        raise UserError(where, f"dp_replicate x dp_shard x cp x tp x pp = {dp_rep} x {dp_shard} x {cp} x {tp} x {pp}"
+                        f" = {product}, not the world size {world_size}.",
+                        "Leave parallel.dp_shard unset to derive it, or change the dims.")
+
+    ep_space = dp_shard * cp * tp  # torchtitan carves EP out of dp_shard x cp x tp
+    ep = given("ep")
+    if facts.num_experts == 0:
+        if ep not in (None, 1):
+            raise UserError(f"parallel.ep={ep}", f"{facts.family} {facts.flavor} is a dense model; EP must be 1.")
+        ep, rules["ep"] = 1, "dense model: no experts"
+    elif ep is None:
+        want = ep_from_table(table, facts.n_params)
+        if want <= ep_space and ep_space % want == 0 and facts.num_experts % want == 0:
+            ep = want
+            rules["ep"] = f"table: {facts.n_params / 1e9:.1f}B total params -> EP {want}"
+        elif want > ep_space:
+            ep = max(d for d in _divisors(ep_space) if facts.num_experts % d == 0)
+            rules["ep"] = (f"table wants EP {want} ({facts.n_params / 1e9:.1f}B params); only "
+                           f"{ep_space} ranks in dp_shard x cp x tp -> EP {ep}")
+        else:
+            raise UserError(where, f"the table's EP {want} (for {facts.n_params / 1e9:.1f}B parameters) does not "
+                            f"divide dp_shard x cp x tp = {ep_space} or the {facts.num_experts} experts.",
+                            "Use a GPU count that is a multiple of it, or set parallel.ep explicitly.")
+    ep = int(ep)
+    if ep_space % ep:
+        raise UserError(f"parallel.ep={ep}", f"EP {ep} must divide dp_shard x cp x tp = {dp_shard} x {cp} x {tp} = "
+                        f"{ep_space} (torchtitan carves EP out of those ranks; world size {world_size}).",
+                        f"Choose EP among {[d for d in _divisors(ep_space) if facts.num_experts % d == 0]}.")
+    if facts.num_experts and facts.num_experts % ep:
+        raise UserError(f"parallel.ep={ep}", f"EP {ep} does not divide the model's {facts.num_experts} experts.",
+                        f"Choose EP among {[d for d in _divisors(ep_space) if facts.num_experts % d == 0]}.")
+    return Layout(world_size, dp_rep, dp_shard, cp, ep, pp, tp, rules)
+
+
+def check_batch(training, layout: Layout) -> int:
+    """Return gradient-accumulation steps; raise if the global batch does not split."""
+    per_step = int(training.local_batch) * layout.dp
+    gb = training.global_batch
+    if gb is None:
+        return 1
+    if int(gb) % per_step:
+        raise UserError(f"training.global_batch={gb}", f"must be a multiple of local_batch x data-parallel ranks "
+                        f"= {training.local_batch} x {layout.dp} = {per_step}.",
+                        f"Try training.global_batch={per_step * max(1, int(gb) // per_step)}.")
+    return int(gb) // per_step

@@ -1,0 +1,67 @@
+"""Run outputs: metrics.jsonl (one object per logged step) and a rich console line per step,
+added to torchtitan's metric loggers (TensorBoard / W&B stay torchtitan's)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
+
+from framework import devices
+
+_console = Console(highlight=False, soft_wrap=True)
+
+
+class JsonlLogger(BaseLogger):
+    def __init__(self, path: str, world_size: int, total_steps: int, color: bool):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.world_size, self.total_steps, self.color = world_size, total_steps, color
+
+    def log(self, metrics: dict, step: int) -> None:
+        rec = {
+            "step": step,
+            "loss": metrics["loss_metrics/global_avg_loss"],
+            "max_loss": metrics["loss_metrics/global_max_loss"],
+            "grad_norm": metrics["grad_norm"],
+            "tokens_per_s": metrics["throughput(tps)"] * self.world_size,
+            "tokens_per_s_per_gpu": metrics["throughput(tps)"],
+            "tflops_per_gpu": metrics["tflops"],
+            "step_time_s": metrics["time_metrics/end_to_end(s)"],
+            "peak_mem_bytes": devices.peak_memory_bytes(),
+            "peak_mem_kind": devices.peak_memory_kind(),
+            "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        style = "bold green" if self.color else ""
+        _console.print(
+            f"[{style}]step {step:>5}/{self.total_steps}[/{style}]" if style else f"step {step:>5}/{self.total_steps}",
+            f"loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
+            f"{rec['tokens_per_s']:,.0f} tok/s  {rec['tflops_per_gpu']:.2f} TFLOPs/GPU  "
+            f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step",
+        )
+
+
+class ApiaryMetrics(MetricsProcessor):
+    """torchtitan's MetricsProcessor plus metrics.jsonl and the console line (rank 0)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_path: str = "metrics.jsonl"
+        total_steps: int = 0
+
+    def _build_metric_logger(self, *, config, parallel_dims, **kwargs):
+        inner = super()._build_metric_logger(config=config, parallel_dims=parallel_dims, **kwargs)
+        if torch.distributed.get_rank() != 0:
+            return inner
+        container = inner if isinstance(inner, LoggerContainer) else LoggerContainer()
+        if container is not inner:
+            container.add_logger(inner)
+        container.add_logger(JsonlLogger(config.jsonl_path, parallel_dims.world_size, config.total_steps,
+                                         not config.disable_color_printing))
+        return container

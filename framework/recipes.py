@@ -1,0 +1,140 @@
+"""Recipe composition: recipe YAML (+ what it extends) + registry groups + CLI overrides
+-> validated, typed config. Hydra's compose API does the composition and override grammar;
+this module turns its failures into user errors that name the key and the closest valid ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework import registry
+from framework.errors import UserError, closest, did_you_mean
+from framework.schema import RecipeConfig
+
+RECIPES_DIR = registry.ROOT / "recipes"
+DEFAULT_RECIPE = "debug_moe"
+_STORED = False
+
+
+def _store() -> None:
+    """Register the schema and every group option (registry.yaml) with Hydra's ConfigStore."""
+    global _STORED
+    if _STORED:
+        return
+    cs = ConfigStore.instance()
+    cs.store(name="_schema", node=RecipeConfig)
+    for kind in registry.GROUP_KINDS:
+        for name in registry.names(kind):
+            options = registry.resolve(kind, name).Options
+            cs.store(group=kind, name=name, node=options(name=name))
+    _STORED = True
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def recipe_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or "/" in name:
+        if not p.is_file():
+            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
+        return p.resolve()
+    path = RECIPES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"recipe={name}",
+            f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}.",
+            did_you_mean(name, recipe_names()) or "Run `apiary ls` to see them.",
+        )
+    return path
+
+
+def _flat_keys(cfg, prefix: str = "") -> list[str]:
+    out = []
+    for k in cfg:
+        path = f"{prefix}{k}"
+        out.append(path)
+        node = cfg[k]
+        if isinstance(node, DictConfig):
+            out.extend(_flat_keys(node, path + "."))
+    return out
+
+
+def _compose(path: Path, overrides: list[str]) -> DictConfig:
+    _store()
+    GlobalHydra.instance().clear()
+    searchpath = [f"file://{RECIPES_DIR}"]
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+        return compose(config_name=path.stem,
+                       overrides=[f"hydra.searchpath=[{','.join(searchpath)}]", *overrides])
+
+
+def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Compose a recipe with overrides into a typed DictConfig (schema: RecipeConfig)."""
+    recipe = recipe or DEFAULT_RECIPE
+    overrides = list(overrides or [])
+    path = recipe_path(recipe)
+    where = f"recipe {recipe}"
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise UserError(where, f"cannot parse the overrides: {e}".rstrip("."),
+                        "Use key=value, group=option, +key=value to add, ~key to delete.") from None
+    group_overrides, value_overrides = [], []
+    for raw, ov in zip(overrides, parsed):
+        key = ov.key_or_group
+        if key in registry.GROUP_KINDS:
+            name = ov.value()
+            registry.check(key, str(name), where=f"{raw}")
+            group_overrides.append(raw)
+        else:
+            value_overrides.append((raw, ov))
+    try:
+        base = _compose(path, group_overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(where, f"does not compose: {_first_line(e)}.",
+                        f"Check {path} and what it extends.") from None
+    known = _flat_keys(base)
+    for raw, ov in value_overrides:
+        key = ov.key_or_group
+        if ov.is_add() or ov.is_force_add() or key.startswith("hydra"):
+            continue
+        if key not in known:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent in known else known
+            hits = closest(key, siblings) or closest(key, known)
+            hint = f"Closest valid keys: {', '.join(hits)}." if hits else "Run `train recipe=X --cfg job` to list the keys."
+            raise UserError(f"override {raw}", f"unknown key {key!r} for recipe {recipe}.", hint)
+    try:
+        cfg = _compose(path, overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.",
+                        "Check the value's type against `train recipe=X --cfg job`.") from None
+    OmegaConf.set_struct(cfg, False)
+    cfg.recipe = path.stem
+    OmegaConf.set_struct(cfg, True)
+    try:
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise UserError(where, f"a required value is missing: {_first_line(e)}.",
+                        "Set it in the recipe or on the command line.") from None
+    return cfg
+
+
+def _first_line(e: Exception) -> str:
+    msg = str(e).strip()
+    if e.__cause__ is not None:
+        msg = f"{msg}: {e.__cause__}"
+    for prefix in ("Error merging override ", "Error merging "):
+        msg = msg.replace(prefix, "")
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
+    return " ".join(lines[:3]).rstrip(".")

@@ -1,0 +1,168 @@
+"""Recipe -> resolved run: typed config, model facts, derived layout, output paths.
+
+Everything here runs before any worker is spawned and turns bad input into UserError.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework import recipes, registry
+from framework.errors import UserError, did_you_mean
+from framework.layout import Layout, check_batch, derive
+
+
+@dataclass
+class Resolved:
+    cfg: DictConfig  # composed recipe, derived dims filled in
+    facts: object  # components.models.common.ModelFacts
+    layout: Layout
+    grad_accum: int
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+def model_module(cfg):
+    return registry.resolve("model", cfg.model.family, where=f"model.family={cfg.model.family}")
+
+
+def model_kwargs(cfg) -> dict:
+    comm = registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}")
+    return dict(attn_backend=cfg.model.attn_backend, moe_comm_backend=comm.torchtitan_backend,
+                n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+
+
+def model_facts(cfg):
+    mod = model_module(cfg)
+    flavors = list(getattr(mod, "FLAVORS", {}))
+    if cfg.model.flavor not in flavors:
+        raise UserError(f"model.flavor={cfg.model.flavor}",
+                        f"unknown flavor for {cfg.model.family}; known: {', '.join(flavors)}.",
+                        did_you_mean(cfg.model.flavor, flavors))
+    if cfg.model.n_layers is not None and cfg.model.n_layers < 1:
+        raise UserError(f"model.n_layers={cfg.model.n_layers}", "must be >= 1.")
+    return mod.facts(cfg.model.flavor, **model_kwargs(cfg))
+
+
+def world_size_from(cfg, for_training: bool = True) -> int:
+    """The real world size when launching; the recipe's intended GPU count when only printing."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if not for_training and cfg.parallel.gpus is not None:
+        return int(cfg.parallel.gpus)
+    launcher = registry.resolve("launcher", cfg.launcher.name)
+    return int(launcher.world_size(cfg.launcher))
+
+
+def default_output_dir(recipe: str) -> str:
+    return str(Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def latest_run_dir(recipe: str) -> Path | None:
+    root = Path("runs") / recipe
+    runs = [p for p in root.glob("*") if (p / "checkpoint").is_dir()] if root.is_dir() else []
+    runs.sort(key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    ck = Path(run_dir) / "checkpoint"
+    steps = []
+    for p in ck.glob("step-*") if ck.is_dir() else []:
+        try:
+            steps.append(int(p.name.split("-", 1)[1]))
+        except ValueError:
+            continue
+    return sorted(steps)
+
+
+def _check_outputs(cfg) -> None:
+    """Resume only from an intact checkpoint; never silently reuse or overwrite one."""
+    ck = cfg.checkpoint
+    if ck.resume:
+        if cfg.output_dir is None:
+            latest = latest_run_dir(cfg.recipe)
+            if latest is None:
+                raise UserError("checkpoint.resume=true", f"no earlier run of {cfg.recipe} with a checkpoint "
+                                f"under runs/{cfg.recipe}/.", "Pass output_dir=PATH of the run to continue.")
+            cfg.output_dir = str(latest)
+        steps = checkpoint_steps(Path(cfg.output_dir))
+        if not steps:
+            raise UserError("checkpoint.resume=true", f"{cfg.output_dir} holds no checkpoint (checkpoint/step-N).",
+                            "Check output_dir, or start a fresh run without checkpoint.resume.")
+        last = Path(cfg.output_dir) / "checkpoint" / f"step-{steps[-1]}"
+        if not (last / ".metadata").is_file():
+            raise UserError("checkpoint.resume=true", f"the latest checkpoint {last} is incomplete or corrupt "
+                            "(no .metadata).", f"Move it aside to resume from step {steps[-2]}." if len(steps) > 1
+                            else "Move it aside and start a fresh run.")
+        if steps[-1] >= cfg.training.steps:
+            raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {steps[-1]} of "
+                            f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
+    else:
+        if cfg.output_dir is None:
+            cfg.output_dir = default_output_dir(cfg.recipe)
+        elif checkpoint_steps(Path(cfg.output_dir)):
+            raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
+                            "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
+                            "choose another output_dir.")
+
+
+def _check_inputs(cfg, facts, for_training: bool) -> None:
+    registry.check("moe_chunk", cfg.moe.chunk, where=f"moe.chunk={cfg.moe.chunk}")
+    registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}").check()
+    if cfg.training.dtype not in ("bfloat16", "float32"):
+        raise UserError(f"training.dtype={cfg.training.dtype}", "must be bfloat16 or float32.")
+    if cfg.training.steps < 1 or cfg.training.seq_len < 2 or cfg.training.local_batch < 1:
+        raise UserError("training", "steps, local_batch must be >= 1 and seq_len >= 2.")
+    if not for_training:
+        return
+    why = getattr(model_module(cfg), "unavailable", lambda: None)()
+    if why:
+        raise UserError(f"model.family={cfg.model.family}", why,
+                        "The recipe resolves and prints (`--cfg job`) and plans; pick another family to train now.")
+    ck = cfg.checkpoint
+    if ck.create_seed and (world_size_from(cfg) != 1 or not ck.enable):
+        raise UserError("checkpoint.create_seed=true", "a seed checkpoint is written by one process with "
+                        "checkpointing enabled.", "Run it without nproc/torchrun and with checkpoint.enable=true.")
+    if ck.load_path is not None and not (Path(ck.load_path) / ".metadata").is_file():
+        raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
+                        "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
+    d = cfg.data
+    if d.path is not None:
+        from components.data.text import local_data_files
+
+        if not local_data_files(d.path):
+            raise UserError(f"data.path={d.path}", "no jsonl, json, parquet or txt file there.",
+                            "Point data.path at a file or a folder of them.")
+    if d.tokenizer != "byte":
+        if not Path(d.tokenizer).is_dir():
+            raise UserError(f"data.tokenizer={d.tokenizer}", "no tokenizer folder there (tokenizer.json and "
+                            "tokenizer_config.json).", "Download the model's tokenizer files there, or use "
+                            "data.tokenizer=byte.")
+    elif facts.vocab_size < 258:
+        raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has {facts.vocab_size}.",
+                        "Set model.vocab_size=320.")
+
+
+def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
+            for_training: bool = True) -> Resolved:
+    cfg = recipes.load(recipe, overrides)
+    facts = model_facts(cfg)
+    _check_inputs(cfg, facts, for_training)
+    world = world_size if world_size is not None else world_size_from(cfg, for_training)
+    layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
+    grad_accum = check_batch(cfg.training, layout)
+    OmegaConf.set_struct(cfg, False)
+    for dim, value in layout.dims.items():
+        cfg.parallel[dim] = value
+    if for_training:
+        _check_outputs(cfg)
+    OmegaConf.set_struct(cfg, True)
+    return Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum)

@@ -1,0 +1,69 @@
+"""Worker side: build the torchtitan Trainer from a resolved recipe and train."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from framework import devices
+
+
+def _single_process_env() -> None:
+    """One process without torchrun: give torch.distributed a one-rank world."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def write_run_files(resolved) -> None:
+    out = Path(resolved.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved.cfg))
+    (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules},
+                                                indent=2))
+
+
+def train(resolved, verbose: bool = False) -> dict | None:
+    """Train; returns the last metrics record on rank 0."""
+    devices.install()
+    _single_process_env()
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        write_run_files(resolved)
+    import torch
+
+    from framework.build import trainer_config
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    if not devices.has_accelerator():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    tc = trainer_config(resolved)
+    trainer = None
+    try:
+        trainer = tc.build()
+        if resolved.cfg.checkpoint.create_seed:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
+    if rank == 0 and metrics.is_file():
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    return None

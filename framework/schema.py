@@ -1,0 +1,141 @@
+"""The typed recipe: dataclasses used as OmegaConf structured configs.
+
+Every key a recipe or a command line may set is declared here (components declare their
+own options in their ``Options`` dataclasses, bound through registry.yaml). ``None`` in
+``parallel`` means "derive it from the layout table in recipes/_defaults.yaml".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    family: str = MISSING  # registry.yaml kind `model`
+    flavor: str = MISSING
+    n_layers: Optional[int] = None  # truncate/extend the layer stack
+    vocab_size: Optional[int] = None  # override the flavor's vocabulary
+    attn_backend: str = "flex"
+    hf_checkpoint: Optional[str] = None
+
+
+@dataclass
+class ParallelConfig:
+    gpus: Optional[int] = None  # GPU count the recipe is laid out for (--cfg job, plan); a launch uses its own
+    dp_replicate: int = 1
+    dp_shard: Optional[int] = None
+    cp: Optional[int] = None
+    ep: Optional[int] = None
+    pp: Optional[int] = None
+    tp: Optional[int] = None
+    cp_load_balancer: str = "headtail"
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 20
+    seq_len: int = 256
+    local_batch: int = 2  # sequences per rank per micro-step
+    global_batch: Optional[int] = None  # sequences per optimizer step; None = local x data-parallel
+    dtype: str = "bfloat16"  # compute (mixed-precision param) dtype: bfloat16 | float32
+    max_norm: float = 1.0
+    seed: int = 42
+    deterministic: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = "packaged"  # packaged | local | an HF hub dataset name
+    path: Optional[str] = None  # local jsonl / parquet / txt file or folder
+    tokenizer: str = "byte"  # byte | path to a HF tokenizer folder
+    num_workers: int = 0
+    sharding: str = "blocks"  # blocks: same global batches for any DP size | documents: split docs by rank
+
+
+@dataclass
+class MoEConfig:
+    comm: str = "alltoall"  # registry.yaml kind `moe_comm`
+    chunk: str = "none"  # registry.yaml kind `moe_chunk`
+    load_balance_coeff: Optional[float] = 1e-3
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRConfig:
+    warmup_steps: int = 2
+    decay_ratio: Optional[float] = None  # None: decay over all steps after warm-up
+    decay_type: str = "linear"  # linear | sqrt | cosine
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    interval: int = 10
+    resume: bool = False  # continue from the latest checkpoint of output_dir (or the recipe's latest run)
+    keep_latest_k: int = 3
+    load_path: Optional[str] = None  # initial weights: a DCP step folder (e.g. a seed checkpoint)
+    create_seed: bool = False  # one process: initialise, save step-0 weights, exit (shared start for A/Bs)
+    model_only_last: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_freq: int = 1
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "apiary"
+    color: bool = True
+
+
+@dataclass
+class LayoutRule:
+    max_params: float = MISSING  # models with at most this many total parameters ...
+    ep: int = MISSING  # ... use this expert-parallel degree
+
+
+@dataclass
+class LayoutTable:
+    """The 4D->2D table (seed 000) as data: applied to every unset parallel dim."""
+
+    ep_by_params: list[LayoutRule] = field(default_factory=list)
+    target_local_seq: int = 32768  # CP = global sequence / this, rounded up to a valid divisor
+    min_local_seq: int = 16384
+    pp: int = 1
+    tp: int = 1
+
+
+@dataclass
+class RecipeConfig:
+    recipe: str = "debug_moe"
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: Any = MISSING  # component options; group `loss`
+    state: Any = MISSING  # group `state`
+    recompute: Any = MISSING  # group `recompute`
+    launcher: Any = MISSING  # group `launcher`
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr: LRConfig = field(default_factory=LRConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    layout: LayoutTable = field(default_factory=LayoutTable)
+    output_dir: Optional[str] = None  # default runs/<recipe>/<timestamp>
