@@ -92,7 +92,7 @@ def trainer_config(r: Resolved):
             keep_latest_k=cfg.checkpoint.keep_latest_k,
             last_save_model_only=cfg.checkpoint.model_only_last,
             initial_load_path=cfg.checkpoint.load_path,
-            initial_load_model_only=True,
+            initial_load_model_only=cfg.checkpoint.load_path is not None,
             create_seed_checkpoint=cfg.checkpoint.create_seed,
         ),
         compile=CompileConfig(enable=False),

@@ -36,7 +36,8 @@ def model_module(cfg):
 def model_kwargs(cfg) -> dict:
     comm = registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}")
     return dict(attn_backend=cfg.model.attn_backend, moe_comm_backend=comm.torchtitan_backend,
-                n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+                n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
+                load_balance_coeff=cfg.moe.load_balance_coeff)
 
 
 def model_facts(cfg):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 import os
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def train(resolved, verbose: bool = False) -> dict | None:
     from torchtitan.tools.logging import init_logger
 
     init_logger()
+    for msg in ("In CPU autocast", "DTensor random operators", "'set_vital' is deprecated",
+                "initial_load_model_only=True has no effect"):
+        warnings.filterwarnings("ignore", message=msg)
     logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
     if not devices.has_accelerator():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))

@@ -60,6 +60,13 @@ def set_vocab(config, vocab_size: int | None):
     return config
 
 
+def set_load_balance(config, coeff: float | None):
+    """Auxiliary-loss-free load balancing strength of every MoE layer (None disables it)."""
+    for _, moe, _, _ in config.traverse(MoE.Config):
+        moe.load_balance_coeff = coeff
+    return config
+
+
 def use_device_attention(config):
     """Swap flex attention for the device's implementation (devices decides)."""
     replacement = devices.inner_attention_config()

@@ -11,10 +11,12 @@ FLAVORS = tt_llama3.llama3_configs
 
 
 def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
-                 n_layers: int | None = None, vocab_size: int | None = None):
+                 n_layers: int | None = None, vocab_size: int | None = None,
+                 load_balance_coeff: float | None = 1e-3):
     config = FLAVORS[flavor](attn_backend=attn_backend)
     config = common.resize_layers(config, n_layers)
     config = common.set_vocab(config, vocab_size)
+    config = common.set_load_balance(config, load_balance_coeff)
     return common.use_device_attention(config)
 
 

@@ -45,13 +45,15 @@ MOE_FLAVORS = {"debugmodel_moe", "30B-A3B", "235B-A22B", "tiny_moe"}
 
 
 def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
-                 n_layers: int | None = None, vocab_size: int | None = None):
+                 n_layers: int | None = None, vocab_size: int | None = None,
+                 load_balance_coeff: float | None = 1e-3):
     kwargs = {"attn_backend": attn_backend}
     if flavor in MOE_FLAVORS:
         kwargs["moe_comm_backend"] = moe_comm_backend
     config = FLAVORS[flavor](**kwargs)
     config = common.resize_layers(config, n_layers)
     config = common.set_vocab(config, vocab_size)
+    config = common.set_load_balance(config, load_balance_coeff)
     return common.use_device_attention(config)
 
 

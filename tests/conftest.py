@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):
+    """Run the real console entry in a fresh interpreter (as a user would)."""
+    import subprocess
+
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        e.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

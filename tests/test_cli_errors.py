@@ -1,0 +1,80 @@
+"""Every user error of the foundation stops before a worker starts: exit code 2, one paragraph."""
+
+import pytest
+
+from conftest import run_cli
+from framework.cli import apiary_main, train_main
+
+
+def _err(capsys, argv):
+    code = train_main(argv)
+    err = capsys.readouterr().err
+    return code, " ".join(err.split())
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["recipe=debug_mo"], ["unknown recipe 'debug_mo'", "Did you mean 'debug_moe'"]),
+    (["training.stpes=5"], ["unknown key 'training.stpes'", "training.steps"]),
+    (["loss=linear_cee"], ["unknown loss 'linear_cee'", "registry.yaml lists"]),
+    (["training.steps=abc"], ["training.steps=abc", "could not be converted to Integer"]),
+    (["parallel.ep=3"], ["EP 3 must divide dp_shard x cp x tp"]),
+    (["parallel.dp_shard=2"], ["not the world size 1"]),
+    (["nproc=2", "parallel.cp=2", "training.seq_len=254"], ["not divisible by 2 x cp = 4"]),
+    (["nproc=4", "parallel.ep=3"], ["EP 3 must divide"]),
+    (["data.path=/nonexistent/corpus.jsonl"], ["data.path=/nonexistent/corpus.jsonl", "no jsonl"]),
+    (["model.flavor=tiny_moee"], ["unknown flavor", "tiny_moe"]),
+    (["moe.comm=deepep"], ["unknown moe_comm 'deepep'"]),
+    (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
+    (["recipe=qwen35_35b_128k", "nproc=8"], ["model.family=qwen3_5", "not built yet"]),
+])
+def test_user_errors(capsys, workdir, argv, needles):
+    code, err = _err(capsys, argv)
+    assert code == 2, err
+    assert err.startswith("error apiary:")
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, (n, err)
+    assert not (workdir / "runs").exists()  # nothing started, nothing written
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(capsys, workdir):
+    step = workdir / "old" / "checkpoint" / "step-10"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"partial")
+    code, err = _err(capsys, ["checkpoint.resume=true", "output_dir=old"])
+    assert code == 2 and "incomplete or corrupt" in err
+    code, err = _err(capsys, ["output_dir=old"])  # a fresh run must not overwrite it either
+    assert code == 2 and "already holds checkpoints" in err
+    assert (step / "__0_0.distcp").read_bytes() == b"partial"
+
+
+def test_real_console_entry_exit_code(workdir):
+    p = run_cli(["train", "training.stpes=5"], cwd=workdir, timeout=300)
+    assert p.returncode == 2
+    assert "unknown key 'training.stpes'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cfg_job_prints_derived_dims_for_large_recipes(capsys, workdir):
+    assert train_main(["recipe=qwen35_35b_128k", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert "family: qwen3_5" in out and "ep: 8" in out and "cp: 4" in out and "dp_shard: 8" in out
+    assert "derived layout for 32 GPUs" in out
+    assert train_main(["recipe=qwen3_30b_a3b_64k", "--cfg", "job", "parallel.cp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "cp: 4" in out and "ep: 8" in out and "dp_shard: 4" in out
+
+
+def test_apiary_ls_show_cp(capsys, workdir):
+    assert apiary_main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for name in ("debug_moe", "qwen35_35b_128k", "chunked", "fsdp2", "alltoall"):
+        assert name in out
+    assert apiary_main(["show", "debug_moe"]) == 0
+    assert "tiny_moe" in capsys.readouterr().out
+    assert apiary_main(["cp", "debug_moe", "mine.yaml"]) == 0
+    capsys.readouterr()
+    assert apiary_main(["cp", "debug_moe", "mine.yaml"]) == 2  # never overwrites
+    assert "already exists" in capsys.readouterr().err
+    assert train_main(["recipe=mine.yaml", "--cfg", "job", "training.steps=7"]) == 0
+    assert "steps: 7" in capsys.readouterr().out
+    assert apiary_main(["show", "nonsense"]) == 2
