@@ -115,9 +115,13 @@ def _check_outputs(cfg) -> None:
                             "choose another output_dir.")
 
 
-def _check_inputs(cfg, facts, for_training: bool) -> None:
+def _check_components(cfg) -> None:
+    """Names that are plain keys (not config groups) must be in registry.yaml and usable here."""
     registry.check("moe_chunk", cfg.moe.chunk, where=f"moe.chunk={cfg.moe.chunk}")
     registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}").check()
+
+
+def _check_inputs(cfg, facts, for_training: bool) -> None:
     if cfg.training.dtype not in ("bfloat16", "float32"):
         raise UserError(f"training.dtype={cfg.training.dtype}", "must be bfloat16 or float32.")
     if cfg.training.steps < 1 or cfg.training.seq_len < 2 or cfg.training.local_batch < 1:
@@ -155,6 +159,7 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
 def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
             for_training: bool = True) -> Resolved:
     cfg = recipes.load(recipe, overrides)
+    _check_components(cfg)
     facts = model_facts(cfg)
     _check_inputs(cfg, facts, for_training)
     world = world_size if world_size is not None else world_size_from(cfg, for_training)

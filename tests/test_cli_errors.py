@@ -23,7 +23,8 @@ def _err(capsys, argv):
     (["nproc=4", "parallel.ep=3"], ["EP 3 must divide"]),
     (["data.path=/nonexistent/corpus.jsonl"], ["data.path=/nonexistent/corpus.jsonl", "no jsonl"]),
     (["model.flavor=tiny_moee"], ["unknown flavor", "tiny_moe"]),
-    (["moe.comm=deepep"], ["unknown moe_comm 'deepep'"]),
+    (["moe.comm=deepep"], ["moe.comm=deepep: the deep_ep package is not installed"]),
+    (["moe.comm=alltoal"], ["unknown moe_comm 'alltoal'", "alltoall"]),
     (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
     (["recipe=qwen35_35b_128k", "nproc=8"], ["model.family=qwen3_5", "not built yet"]),
 ])

@@ -11,3 +11,27 @@ class AllToAll:
     @staticmethod
     def check() -> None:
         return None
+
+
+class DeepEP:
+    """DeepEP >= 2 (deep_ep.ElasticBuffer) kernels through torchtitan's 'deepep' backend.
+
+    Needs CUDA and DeepEP built from source (docs/install.md); asking for it without them is a
+    user error at resolve time, before any worker starts.
+    """
+
+    torchtitan_backend = "deepep"
+
+    @staticmethod
+    def check() -> None:
+        from framework.errors import UserError
+
+        try:
+            import deep_ep
+        except ImportError:
+            raise UserError("moe.comm=deepep", "the deep_ep package is not installed.",
+                            "Build DeepEP >= 2 from source (docs/install.md), or use moe.comm=alltoall.") from None
+        if not hasattr(deep_ep, "ElasticBuffer"):
+            raise UserError("moe.comm=deepep", f"deep_ep {getattr(deep_ep, '__version__', '?')} has no "
+                            "ElasticBuffer; torchtitan's deepep backend needs DeepEP >= 2.",
+                            "Rebuild DeepEP from its current source, or use moe.comm=alltoall.")
