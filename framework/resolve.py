@@ -56,10 +56,10 @@ def world_size_from(cfg, for_training: bool = True) -> int:
     """The real world size when launching; the recipe's intended GPU count when only printing."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    if not for_training and cfg.parallel.gpus is not None:
+    launched = int(registry.resolve("launcher", cfg.launcher.name).world_size(cfg.launcher))
+    if not for_training and launched == 1 and cfg.parallel.gpus is not None:
         return int(cfg.parallel.gpus)
-    launcher = registry.resolve("launcher", cfg.launcher.name)
-    return int(launcher.world_size(cfg.launcher))
+    return launched
 
 
 def default_output_dir(recipe: str) -> str:
