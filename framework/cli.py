@@ -161,6 +161,8 @@ APIARY_USAGE = """usage: apiary COMMAND
   ls                 recipes and registry names with their docs
   show NAME          a recipe's YAML, or a registry name's binding
   cp NAME PATH       copy a recipe to edit it (then `train recipe=PATH`)
+  plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
+                     derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
 """
 
 
@@ -177,6 +179,10 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return _show(rest[0])
         if cmd == "cp" and len(rest) == 2:
             return _cp(*rest)
+        if cmd == "plan":
+            from framework.plan_cli import plan_main
+
+            return plan_main(rest)
         raise UserError(f"apiary {' '.join(argv)}", "unknown command or wrong arguments.",
                         APIARY_USAGE.replace("\n", " ").strip())
     except UserError as e:

@@ -68,6 +68,26 @@ def train(resolved, verbose: bool = False) -> dict | None:
             torch.distributed.destroy_process_group()
     metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
     if rank == 0 and metrics.is_file():
+        _record_plan(resolved, metrics)
         lines = metrics.read_text().splitlines()
         return json.loads(lines[-1]) if lines else None
     return None
+
+
+def _record_plan(resolved, metrics: Path) -> None:
+    """Write the planner's per-GPU estimate next to the measured peak (last record) and print both."""
+    from framework.planner import estimate_for_run, merge_into_last_record
+
+    try:
+        est = estimate_for_run(resolved)
+        merge_into_last_record(metrics, est)
+    except Exception as e:  # an estimate must never fail a finished run
+        logging.getLogger(__name__).warning("apiary: planner estimate skipped: %s", e)
+        return
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    from rich.console import Console
+
+    Console(highlight=False, soft_wrap=True).print(
+        f"memory: measured peak {last['peak_mem_bytes'] / 2**30:.2f} GiB ({last['peak_mem_kind']}), "
+        f"planned {est['plan_torch_reserved_bytes'] / 2**30:.2f} GiB (torch reserved; "
+        f"{est['plan_total_bytes'] / 2**30:.2f} GiB with CUDA context and NCCL)")

@@ -1,0 +1,386 @@
+"""`apiary plan`: derived dims with their rules, per-GPU memory by term, verdict, step time.
+
+    apiary plan recipe=NAME [gpus=N] [gpu_memory=80GiB] [gpu=H100|H200] [gpus_per_node=8]
+                [key=value overrides ...] [calib.CONSTANT=VALUE ...] [calibration=FILE.json|.yaml]
+                [--json] [--search [--top=N]] [--constants]
+
+gpus defaults to the recipe's parallel.gpus (else 8); gpu_memory accepts 80GiB, 141GB, 79.1GiB
+or plain bytes and picks the GPU kind when gpu= is absent (above 100 GiB: H200, else H100).
+Other key=value arguments are recipe overrides, exactly as `train` takes them. --search varies
+ep, cp, pp, tp (those not set on the command line), recompute, loss and state around the
+derived layout, drops what does not fit and ranks the rest by estimated time per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+from framework.errors import UserError
+
+SEARCH_RECOMPUTE = ("none", "selective", "full")
+SEARCH_LOSS = ("ce", "chunked", "linear_ce")
+SEARCH_STATE = ("fsdp2", "zero1")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, where: str = "gpu_memory") -> int:
+    """'80GiB' -> 85899345920, '141GB' -> 141000000000, '85899345920' -> itself."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{where}={text}", "is not a memory size.",
+                        "Write it as 80GiB, 141GB, 79.1GiB or a number of bytes.")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix == "" and not v):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _split(argv: list[str]):
+    opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=False,
+                search=False, top=10, help=False, constants=False)
+    calibration, overrides = {}, []
+    for a in argv:
+        key, sep, val = a.partition("=")
+        if a in ("-h", "--help"):
+            opts["help"] = True
+        elif a == "--json":
+            opts["json"] = True
+        elif a == "--search":
+            opts["search"] = True
+        elif a == "--constants":
+            opts["constants"] = True
+        elif key == "--top" and sep:
+            if not val.isdigit() or int(val) < 1:
+                raise UserError(a, "must be a positive integer.", "For example --top=5.")
+            opts["top"] = int(val)
+        elif a.startswith("-"):
+            raise UserError(f"argument {a}", "unknown flag.", "Flags: --json, --search, --top=N, --constants, -h.")
+        elif key == "recipe":
+            opts["recipe"] = val
+        elif key in ("gpus", "gpus_per_node"):
+            if not val.isdigit() or int(val) < 1:
+                raise UserError(a, "must be a positive integer.", f"For example {key}=32.")
+            opts[key] = int(val)
+        elif key == "gpu_memory":
+            opts["gpu_memory"] = parse_bytes(val)
+        elif key == "gpu":
+            opts["gpu"] = val.upper()
+        elif key.startswith("calib.") and sep:
+            calibration[key[len("calib."):]] = _value(val)
+        elif key == "calibration" and sep:
+            path = Path(val)
+            if not path.is_file():
+                raise UserError(a, f"no file at {path}.", "Give a JSON or YAML file of {constant: value}.")
+            import yaml
+
+            data = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(data, dict):
+                raise UserError(a, "must hold a mapping of planner constants to values.")
+            calibration = {**_flatten(data), **calibration}
+        else:
+            overrides.append(a)
+    return opts, calibration, overrides
+
+
+# --------------------------------------------------------------------------------------------
+# dims: the rules and what each must satisfy
+
+
+def constraints(layout, facts, cfg) -> dict[str, str]:
+    W, dpr, dps, cp, ep, pp, tp = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp,
+                                   layout.ep, layout.pp, layout.tp)
+    seq = int(cfg.training.seq_len)
+    split = 2 * cp * (tp if tp > 1 else 1)
+    room = W // (dpr * tp * pp)
+    ep_space = dps * cp * tp
+
+    def ok(b):
+        return "ok" if b else "VIOLATED"
+    out = {
+        "dp_replicate": f"HSDP replicas; dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok(W % (dpr * tp * pp) == 0)}",
+        "tp": f"dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok(W % (dpr * tp * pp) == 0)}",
+        "pp": f"divides the {facts.n_layers} layers: {ok(pp == 1 or facts.n_layers % pp == 0)}",
+        "cp": (f"seq {seq} divisible by 2 x cp{' x tp' if tp > 1 else ''} = {split}: "
+               f"{ok(cp == 1 or seq % split == 0)}; divides the {room} ranks left after dp_replicate x tp x pp: "
+               f"{ok(room % cp == 0)}; {seq // cp:,} tokens per GPU"),
+        "dp_shard": (f"dp_replicate x dp_shard x cp x tp x pp = {dpr * dps * cp * tp * pp} = world {W}: "
+                     f"{ok(dpr * dps * cp * tp * pp == W)}"),
+        "ep": (f"divides dp_shard x cp x tp = {ep_space}: {ok(ep_space % ep == 0)}; divides the "
+               f"{facts.num_experts} experts: {ok(facts.num_experts % ep == 0)}" if facts.num_experts
+               else "dense model: 1"),
+    }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# search
+
+
+def _registered(kind: str) -> set[str]:
+    from framework import registry
+
+    try:
+        return set(registry.names(kind))
+    except KeyError:
+        return set()
+
+
+def _around(base: int, lo_factor: int, hi_factor: int) -> list[int]:
+    vals, v = [], max(1, base // lo_factor)
+    while v <= base * hi_factor:
+        vals.append(v)
+        v *= 2
+    return sorted(set(vals + [base]))
+
+
+def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, validate=True) -> dict:
+    """Enumerate (ep, cp, pp, tp, recompute, loss, state) around ``resolved``'s layout.
+
+    Each layout is checked with the same derivation ``resolve`` uses (framework.layout); the
+    fastest rows that fit are then re-checked by ``resolve`` itself with the override list
+    shown in the table (a row it rejects is dropped). Returns {"rows", "counts"}.
+    """
+    from framework import planner, recipes
+    from framework.layout import check_batch, derive
+    from framework.resolve import Resolved, resolve
+
+    plan_kwargs = dict(plan_kwargs or {})
+    raw = recipes.load(recipe, overrides)  # un-derived: unset dims stay None
+    f, lay = resolved.facts, resolved.layout
+    fixed = {k.split("=", 1)[0].split(".", 1)[1] for k in overrides if k.startswith("parallel.") and "=" in k}
+    base = lay.dims
+    space = {
+        "ep": [e for e in _around(base["ep"], 4, 4) if not f.num_experts or f.num_experts % e == 0]
+        if f.num_experts else [1],
+        "cp": _around(base["cp"], 2, 2),
+        "pp": sorted({1, 2, base["pp"]}),
+        "tp": sorted({1, 2, base["tp"]}),
+    }
+    for d in fixed & set(space):
+        space[d] = [base[d]]
+    constants = planner.Constants()
+    if plan_kwargs.get("calibration"):
+        constants = constants.calibrated(plan_kwargs.pop("calibration"))
+    plan_kwargs["constants"] = constants
+    reg = {"loss": _registered("loss"), "state": _registered("state"), "recompute": _registered("recompute")}
+    counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
+    rows = []
+    for ep in space["ep"]:
+        for cp in space["cp"]:
+            for pp in space["pp"]:
+                for tp in space["tp"]:
+                    counts["layouts"] += 1
+                    par = SimpleNamespace(**{k: raw.parallel[k] for k in raw.parallel})
+                    par.ep, par.cp, par.pp, par.tp = ep, cp, pp, tp
+                    try:
+                        layout = derive(par, raw.training, raw.layout, f, gpus)
+                        ga = check_batch(raw.training, layout)
+                    except UserError:
+                        counts["invalid_layouts"] += 1
+                        continue
+                    r = Resolved(cfg=resolved.cfg, facts=f, layout=layout, grad_accum=ga)
+                    for rc in SEARCH_RECOMPUTE:
+                        for loss in SEARCH_LOSS:
+                            for state in SEARCH_STATE:
+                                counts["plans"] += 1
+                                p = planner.plan(r, loss=loss, state=state, recompute=rc, **plan_kwargs)
+                                if not p.fits:
+                                    counts["oom"] += 1
+                                    continue
+                                rows.append((p, dict(ep=ep, cp=cp, pp=pp, tp=tp), dict(recompute=rc, loss=loss,
+                                                                                       state=state)))
+    rows.sort(key=lambda x: (-x[0].tokens_per_s_per_gpu, x[0].total_bytes))
+    out = []
+    for p, dims, choice in rows:
+        if len(out) >= top:
+            break
+        set_keys = {f"parallel.{d}" for d in dims} | set(choice)
+        ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
+        ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
+        unregistered = [f"{k}={v}" for k, v in choice.items() if v not in reg[k]]
+        ovr += [f"{k}={v}" for k, v in choice.items() if v in reg[k]]
+        if validate:
+            try:
+                resolve(recipe, ovr, world_size=gpus, for_training=False)
+            except UserError:
+                counts["rejected_by_resolve"] += 1
+                continue
+        out.append({
+            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(resolved.cfg.training.seq_len) // dims["cp"],
+            "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
+            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
+            "overrides": ovr, "not_in_registry": unregistered,
+        })
+    counts["fit"] = len(rows)
+    return {"rows": out, "counts": counts}
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:,.2f}"
+
+
+def _print_plan(console, r, p, rules_constraints) -> None:
+    from rich.table import Table
+
+    f, lay = r.facts, r.layout
+    console.print(f"[bold]apiary plan[/bold] {r.cfg.recipe}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
+                  f"{f.n_active_params / 1e9:,.2f}B active), seq {r.cfg.training.seq_len:,}, local_batch "
+                  f"{r.cfg.training.local_batch}, {lay.world_size} x {p.choices['gpu']} "
+                  f"({_gib(p.gpu_memory_bytes)} GiB)")
+    t = Table(title="derived dims")
+    for col in ("dim", "value", "rule", "constraints"):
+        t.add_column(col, overflow="fold")
+    for dim in ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp"):
+        rule = lay.rules.get(dim, "recipe value" if dim == "dp_replicate" else "")
+        t.add_row(dim, str(lay.dims[dim]), rule, rules_constraints[dim])
+    console.print(t)
+    t = Table(title=f"memory per GPU (peak pipeline stage: {p.choices['stage']}; state {p.choices['state']}, "
+                    f"recompute {p.choices['recompute']}, loss {p.choices['loss']})")
+    for col, just in (("term", "left"), ("GiB", "right"), ("GB", "right"), ("group", "left"), ("count x bytes", "left")):
+        t.add_column(col, justify=just, overflow="fold")
+    for term in p.terms:
+        t.add_row(term.name, _gib(term.bytes), f"{term.bytes / 1e9:,.2f}", term.group, term.formula)
+    console.print(t)
+    color = {"fits": "green", "tight": "yellow", "OOM": "red"}[p.verdict]
+    console.print(f"total [bold]{_gib(p.total_bytes)} GiB[/bold] ({p.total_bytes / 1e9:,.2f} GB) of "
+                  f"{_gib(p.gpu_memory_bytes)} GiB; headroom {_gib(p.headroom_bytes)} GiB -> "
+                  f"[bold {color}]{p.verdict}[/bold {color}]  (torch max_memory_reserved estimate "
+                  f"{_gib(p.torch_reserved_bytes)} GiB)")
+    t = Table(title="step time (roofline)")
+    t.add_column("part")
+    t.add_column("seconds", justify="right")
+    for k, v in p.time_s.items():
+        t.add_row(k, f"{v:.3f}")
+    console.print(t)
+    console.print(f"step [bold]{p.step_time_s:.3f} s[/bold], {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                  f"[bold]{p.tflops_per_gpu:.1f} TFLOPs/GPU[/bold] (model FLOPs)")
+    console.print("assumptions:")
+    for a in p.assumptions:
+        console.print(f"  - {a}", markup=False)
+    for w in p.warnings:
+        console.print(f"[yellow]warning[/yellow] {w}")
+
+
+def _print_search(console, res) -> None:
+    from rich.table import Table
+
+    c = res["counts"]
+    t = Table(title=f"--search: {c['layouts']} layouts ({c['invalid_layouts']} invalid), {c['plans']} plans, "
+                    f"{c['oom']} OOM dropped, {c['fit']} fit; ranked by estimated time per token")
+    for col in ("#", "ep", "cp", "pp", "tp", "dp_shard", "recompute", "loss", "state", "GiB", "verdict",
+                "step s", "tok/s/GPU", "TFLOPs/GPU", "overrides"):
+        t.add_column(col, overflow="fold")
+    for row in res["rows"]:
+        d = row["dims"]
+        note = f" (planned only: {', '.join(row['not_in_registry'])} not in registry.yaml)" if row["not_in_registry"] else ""
+        t.add_row(str(row["rank"]), str(d["ep"]), str(d["cp"]), str(d["pp"]), str(d["tp"]), str(d["dp_shard"]),
+                  row["recompute"], row["loss"], row["state"], _gib(row["total_bytes"]), row["verdict"],
+                  f"{row['step_time_s']:.3f}", f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['tflops_per_gpu']:.1f}",
+                  " ".join(row["overrides"]) + note)
+    console.print(t)
+    if c["rejected_by_resolve"]:
+        console.print(f"{c['rejected_by_resolve']} fitting row(s) skipped: resolve rejected their overrides.")
+
+
+def _print_constants(console) -> None:
+    from rich.table import Table
+
+    from framework.planner import Constants
+
+    c = Constants()
+    t = Table(title="planner constants (override with calib.NAME=VALUE or calibration=FILE)")
+    for col in ("name", "value", "why"):
+        t.add_column(col, overflow="fold")
+    for fld in fields(Constants):
+        t.add_row(fld.name, json.dumps(getattr(c, fld.name)) if isinstance(getattr(c, fld.name), dict)
+                  else f"{getattr(c, fld.name):g}" if isinstance(getattr(c, fld.name), float) else str(getattr(c, fld.name)),
+                  fld.metadata.get("doc", ""))
+    console.print(t)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from framework.cli import _fail
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console(highlight=False, soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
+    try:
+        opts, calibration, overrides = _split(argv)
+        if opts["help"]:
+            console.print(__doc__, markup=False)
+            return 0
+        if opts["constants"]:
+            _print_constants(console)
+            return 0
+        from framework import planner, recipes
+        from framework.resolve import resolve
+
+        if calibration:
+            planner.Constants().calibrated(calibration)  # unknown constants fail before resolving
+        recipe = opts["recipe"]
+        gpus = opts["gpus"]
+        if gpus is None:
+            gpus = int(recipes.load(recipe, overrides).parallel.gpus or 8)
+        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+        kwargs = dict(gpu_memory_bytes=opts["gpu_memory"], gpu=opts["gpu"], gpus_per_node=opts["gpus_per_node"],
+                      calibration=calibration or None)
+        p = planner.plan(r, **kwargs)
+        res = search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs) if opts["search"] else None
+        if opts["json"]:
+            out = {"recipe": r.cfg.recipe, "world_size": gpus, **p.to_json(), "rules": r.layout.rules,
+                   "constraints": constraints(r.layout, r.facts, r.cfg)}
+            if res is not None:
+                out["search"] = res["rows"]
+                out["search_counts"] = res["counts"]
+            print(json.dumps(out, indent=1, default=_json_default))
+            return 0
+        _print_plan(console, r, p, constraints(r.layout, r.facts, r.cfg))
+        if res is not None:
+            _print_search(console, res)
+        return 0
+    except UserError as e:
+        return _fail(e)
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def main() -> None:
+    sys.exit(plan_main())
+
+
+if __name__ == "__main__":
+    main()
