@@ -46,6 +46,14 @@ def inner_attention_config():
     return DenseMaskAttention.Config
 
 
+def accelerator_info() -> tuple[str | None, int | None]:
+    """(device name, total memory in bytes) of local accelerator 0, or (None, None) on CPU."""
+    if not has_accelerator():
+        return None, None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, int(props.total_memory)
+
+
 def peak_memory_bytes() -> int:
     """Measured peak: CUDA's max reserved bytes, or this process's max RSS on CPU."""
     if has_accelerator():
@@ -118,3 +126,84 @@ def install() -> None:
 
     tu._get_available_device_type = lambda: "cpu"
     _cpu_module_shims()
+
+
+def linear_attention_backend() -> str:
+    """Kernels for linear-attention layers (GatedDeltaNet and its causal conv): fla's Triton
+    kernels on CUDA, apiary's chunked torch implementation elsewhere
+    (components.models.gated_deltanet)."""
+    return "fla" if has_accelerator() else "torch"
+
+
+def prepare_context_parallel() -> None:
+    """CP shims. CPU: torch's CP BlockMask sharding compiles create_block_mask with inductor
+    (~30 s per process on CPU); the dense-mask attention needs only the mask_mod, so use the
+    eager builder."""
+    if has_accelerator():
+        return
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _attention._compiled_create_block_mask = create_block_mask
+
+
+# ---- timing and memory for benchmarks (added with moe_chunk; CPU returns None where untracked) ----
+
+
+def bind_local_device(local_rank: int = 0) -> torch.device:
+    """This process's compute device: ``cuda:<local_rank>`` made current, or the CPU."""
+    if has_accelerator():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if has_accelerator() else "cpu"
+
+
+def synchronize() -> None:
+    if has_accelerator():
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-allocation window (CUDA); nothing to do on CPU."""
+    if has_accelerator():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated_bytes() -> int | None:
+    """Bytes held by live tensors now (CUDA caching allocator); None on CPU (not tracked)."""
+    return int(torch.cuda.memory_allocated()) if has_accelerator() else None
+
+
+def max_allocated_bytes() -> int | None:
+    """Peak of allocated_bytes() since reset_peak_memory(); None on CPU."""
+    return int(torch.cuda.max_memory_allocated()) if has_accelerator() else None
+
+
+def elapsed_ms(fn) -> float:
+    """Time of ``fn()`` in ms: CUDA events on the current stream on GPU, perf_counter on CPU."""
+    if has_accelerator():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+# ---- host buffers for optimizer offload (added with components.state zero1 / fsdp2 offload) ----
+
+
+def host_empty(shape, dtype) -> torch.Tensor:
+    """A host buffer for offloaded optimizer state: page-locked when an accelerator copies
+    to and from it (so those copies can be asynchronous); plain CPU memory otherwise."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=has_accelerator())
