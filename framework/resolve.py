@@ -117,8 +117,10 @@ def _check_outputs(cfg) -> None:
 
 def _check_components(cfg) -> None:
     """Names that are plain keys (not config groups) must be in registry.yaml and usable here."""
-    registry.check("moe_chunk", cfg.moe.chunk, where=f"moe.chunk={cfg.moe.chunk}")
-    registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}").check()
+    comm = registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}")
+    comm.check()
+    registry.resolve("moe_chunk", cfg.moe.chunk, where=f"moe.chunk={cfg.moe.chunk}").check(
+        comm.torchtitan_backend, where=f"moe.chunk={cfg.moe.chunk}")
 
 
 def _check_inputs(cfg, facts, for_training: bool) -> None:
