@@ -161,6 +161,9 @@ APIARY_USAGE = """usage: apiary COMMAND
   ls                 recipes and registry names with their docs
   show NAME          a recipe's YAML, or a registry name's binding
   cp NAME PATH       copy a recipe to edit it (then `train recipe=PATH`)
+  launch [recipe=X] [launcher=slurm nodes=N gpus_per_node=G | launcher=local nproc=N] [k=v ...] [--dry-run] [--wait]
+                     check the recipe for that world size, then run it here or submit it to Slurm
+  cp-template LAUNCHER PATH   copy a launcher's script template (then launcher.template=PATH)
   plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
                      derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
 """
@@ -179,6 +182,14 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return _show(rest[0])
         if cmd == "cp" and len(rest) == 2:
             return _cp(*rest)
+        if cmd == "launch":
+            from framework.launch_cli import launch_main
+
+            return launch_main(rest)
+        if cmd == "cp-template":
+            from framework.launch_cli import cp_template_main
+
+            return cp_template_main(rest)
         if cmd == "plan":
             from framework.plan_cli import plan_main
 

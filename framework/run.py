@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from framework import devices
+from framework import devices, preempt
 
 
 def _single_process_env() -> None:
@@ -37,6 +37,7 @@ def write_run_files(resolved) -> None:
 def train(resolved, verbose: bool = False) -> dict | None:
     """Train; returns the last metrics record on rank 0."""
     devices.install()
+    preempt.arm()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75 (requeue)
     _single_process_env()
     rank = int(os.environ["RANK"])
     if rank == 0:
@@ -54,9 +55,10 @@ def train(resolved, verbose: bool = False) -> dict | None:
     if not devices.has_accelerator():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     tc = trainer_config(resolved)
-    trainer = None
+    trainer = guard = None
     try:
         trainer = tc.build()
+        guard = preempt.install(trainer)
         if resolved.cfg.checkpoint.create_seed:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
@@ -66,6 +68,7 @@ def train(resolved, verbose: bool = False) -> dict | None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    preempt.exit_if_stopped(guard)
     metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
     if rank == 0 and metrics.is_file():
         _record_plan(resolved, metrics)
@@ -83,6 +86,8 @@ def _record_plan(resolved, metrics: Path) -> None:
         merge_into_last_record(metrics, est)
     except Exception as e:  # an estimate must never fail a finished run
         logging.getLogger(__name__).warning("apiary: planner estimate skipped: %s", e)
+        return
+    if not devices.has_accelerator():  # the estimate is for GPU memory; CPU RSS is not comparable
         return
     last = json.loads(metrics.read_text().splitlines()[-1])
     from rich.console import Console

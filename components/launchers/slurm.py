@@ -1,0 +1,257 @@
+"""Slurm launcher: render a batch script (one torchrun per node through srun) and submit it.
+
+The script lives in ``launchers/slurm/train.sbatch.j2`` (Jinja2); ``apiary cp-template slurm
+PATH`` copies it and ``launcher.template=PATH`` renders a customised copy instead. The script:
+
+* runs ONE torchrun per node through ``srun`` with c10d rendezvous on the job's first node
+  (rendezvous id = ``$SLURM_JOB_ID``, so a requeued job rejoins the same run directory);
+* always passes ``output_dir`` (fixed when the script is rendered) and adds
+  ``checkpoint.resume=true`` when that directory already holds a checkpoint;
+* handles preemption: ``--signal=B:USR1@<preempt_signal_s>`` reaches the batch shell, which
+  forwards USR1 to the training processes; they checkpoint at the next step boundary and exit
+  (framework.preempt), and the script runs ``scontrol requeue $SLURM_JOB_ID``;
+* writes one log per rank (torchrun ``--log-dir``/``--tee``) under ``<output_dir>/logs``.
+
+``device=cpu`` runs ``gpus_per_node`` gloo ranks per node and requests no GPUs (CI, laptops).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time as _time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "launchers" / "slurm" / "train.sbatch.j2"
+SCRIPT_NAME = "train.sbatch"
+# Keys that choose or configure the launcher: the submitting side consumes them; workers do not
+# see them (a worker learns its world from torchrun's environment).
+_LAUNCH_ONLY = ("launcher", "output_dir", "checkpoint.resume", "nproc")
+
+
+class SlurmLauncher:
+    @dataclass
+    class Options:
+        name: str = "slurm"
+        nodes: int = 1
+        gpus_per_node: int = 8  # ranks per node (one per GPU; with device=cpu, CPU ranks)
+        partition: Optional[str] = None
+        account: Optional[str] = None
+        qos: Optional[str] = None
+        time: str = "04:00:00"  # Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM:SS ...
+        job_name: Optional[str] = None  # default: apiary-<recipe>
+        cpus_per_task: Optional[int] = None  # CPUs for each node's torchrun (all its ranks)
+        mem: Optional[str] = None  # per node, e.g. 0 (all), 500G
+        exclusive: bool = False
+        device: str = "gpu"  # gpu | cpu (cpu: gloo ranks, no GPUs requested)
+        preempt_signal_s: int = 300  # USR1 this long before the time limit: checkpoint + requeue
+        requeue: bool = True  # requeue the job after a preemption checkpoint
+        rdzv_port: Optional[int] = None  # default: 20000 + SLURM_JOB_ID % 20000
+        template: Optional[str] = None  # path to your own .sbatch.j2 (apiary cp-template slurm PATH)
+        extra_sbatch: List[str] = field(default_factory=list)  # e.g. ["--constraint=h200", "--exclusive"]
+        setup: List[str] = field(default_factory=list)  # shell lines before launch, e.g. "module load cuda"
+        wait: bool = False  # sbatch --wait: block until the job ends and return its exit code
+
+    @staticmethod
+    def world_size(opts) -> int:
+        return int(opts.nodes) * int(opts.gpus_per_node)
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def check_options(opts) -> None:
+        """Checks that need no recipe (run before resolving, so the message names the option)."""
+        from framework.errors import UserError
+
+        if opts.nodes < 1 or opts.gpus_per_node < 1:
+            raise UserError(f"launcher.nodes={opts.nodes} launcher.gpus_per_node={opts.gpus_per_node}",
+                            "both must be >= 1.", "E.g. nodes=4 gpus_per_node=8.")
+        if opts.device not in ("gpu", "cpu"):
+            raise UserError(f"launcher.device={opts.device}", "must be gpu or cpu.",
+                            "cpu runs gpus_per_node gloo ranks per node and requests no GPUs.")
+        limit = parse_time(opts.time)
+        if limit is None:
+            raise UserError(f"launcher.time={opts.time}", "is not a Slurm time limit.",
+                            "Use MM, HH:MM:SS, D-HH or D-HH:MM:SS, e.g. time=04:00:00.")
+        if opts.preempt_signal_s < 0:
+            raise UserError(f"launcher.preempt_signal_s={opts.preempt_signal_s}", "must be >= 0.")
+        if limit != float("inf") and opts.preempt_signal_s >= limit:
+            raise UserError(f"launcher.preempt_signal_s={opts.preempt_signal_s}",
+                            f"the checkpoint signal must come before the time limit time={opts.time} "
+                            f"({int(limit)} s).", "Lower launcher.preempt_signal_s or raise launcher.time.")
+        if opts.cpus_per_task is not None and opts.cpus_per_task < 1:
+            raise UserError(f"launcher.cpus_per_task={opts.cpus_per_task}", "must be >= 1.")
+        template_path(opts)  # raises when missing
+
+    @staticmethod
+    def preflight(opts, resolved, *, dry_run: bool = False) -> list[str]:
+        """Raise UserError for options that cannot work; return warnings."""
+        from framework.errors import UserError
+
+        SlurmLauncher.check_options(opts)
+        if not dry_run and shutil.which("sbatch") is None:
+            raise UserError("launcher=slurm", "sbatch is not on PATH here, so nothing can be submitted.",
+                            "Run on a Slurm login node, or add --dry-run to print the script.")
+        out = Path(resolved.cfg.output_dir).resolve()
+        parent = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+        if not os.access(parent, os.W_OK):
+            raise UserError(f"output_dir={resolved.cfg.output_dir}", f"{parent} is not writable.",
+                            "Choose an output_dir on a shared, writable filesystem.")
+        warnings = []
+        if not resolved.cfg.checkpoint.enable:
+            warnings.append("checkpoint.enable=false: a preempted or requeued job starts over from step 0.")
+        return warnings
+
+    # ------------------------------------------------------------------ render
+    @staticmethod
+    def render(opts, resolved, argv: list[str]) -> str:
+        """The batch script for ``train argv`` (recipe=... and overrides) with these options."""
+        import jinja2
+
+        from framework.errors import UserError
+
+        path = template_path(opts)
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(path.parent)),
+                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                 trim_blocks=True, lstrip_blocks=True, autoescape=False)
+        env.filters["shquote"] = lambda v: shlex.quote(str(v))
+        try:
+            return env.get_template(path.name).render(**context(opts, resolved, argv))
+        except jinja2.TemplateError as e:
+            line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise UserError(f"launcher.template={path}", f"does not render ({type(e).__name__}{line}: {e}).",
+                            "Compare it with `apiary cp-template slurm NEW_PATH`.") from None
+
+    # ------------------------------------------------------------------ launch
+    @staticmethod
+    def launch(opts, argv: list[str], run_in_process=None, resolved=None) -> int:
+        """Write the script into the run directory and submit it; returns sbatch's exit code
+        (or the job's, with launcher.wait=true)."""
+        from framework.errors import UserError
+
+        try:
+            if resolved is None:  # called as `train launcher=slurm ...`: resolve for this world size
+                from framework.resolve import resolve
+
+                recipe = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), None)
+                overrides = [a for a in argv if not a.startswith(("recipe=", "-"))]
+                resolved = resolve(recipe, overrides, world_size=SlurmLauncher.world_size(opts))
+                for w in SlurmLauncher.preflight(opts, resolved):
+                    print(f"warning: {w}", file=sys.stderr)
+            script = SlurmLauncher.render(opts, resolved, argv)
+        except UserError as e:
+            print(f"error {e}", file=sys.stderr)
+            return e.exit_code
+        out = Path(resolved.cfg.output_dir).resolve()
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        path = out / SCRIPT_NAME
+        path.write_text(script)
+        path.chmod(0o755)
+        cmd = ["sbatch", "--parsable", *(["--wait"] if opts.wait else []), str(path)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.readline().strip()  # sbatch prints (and flushes) the id at submission
+        if first:
+            job = first.split(";")[0]
+            print(f"submitted Slurm job {job}: {path}\n  batch log  {out / 'logs' / f'slurm-{job}.out'}\n"
+                  f"  rank logs  {out / 'logs' / f'job{job}.<restart>'}/node<N>/...\n"
+                  f"  follow     tail -f {out / 'logs' / f'slurm-{job}.out'}", flush=True)
+        rest = proc.stdout.read()
+        if rest.strip():
+            print(rest.strip(), flush=True)
+        return proc.wait()
+
+
+# ---------------------------------------------------------------------- helpers
+def template_path(opts) -> Path:
+    from framework.errors import UserError
+
+    if not opts.template:
+        return TEMPLATE
+    p = Path(opts.template).expanduser()
+    if not p.is_file():
+        raise UserError(f"launcher.template={opts.template}", "no template file there.",
+                        "Copy the default with `apiary cp-template slurm my.sbatch.j2` and edit it.")
+    return p.resolve()
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_time(s: str) -> float | None:
+    """Slurm's time formats -> seconds (inf for UNLIMITED); None when malformed."""
+    s = str(s).strip()
+    if s.upper() in ("UNLIMITED", "INFINITE"):
+        return float("inf")
+    m = _TIME.match(s)
+    if not m:
+        return None
+    d, a, b, c = m.groups()
+    if d is not None:  # D-HH[:MM[:SS]]
+        return int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    if c is not None:  # HH:MM:SS
+        return int(a) * 3600 + int(b) * 60 + int(c)
+    if b is not None:  # MM:SS
+        return int(a) * 60 + int(b)
+    return int(a) * 60  # MM
+
+
+def worker_args(argv: list[str]) -> list[str]:
+    """``train`` arguments for the workers: the recipe and its overrides, without the keys only
+    the submitting side uses (launcher choice/options, output_dir, checkpoint.resume)."""
+    out = []
+    for a in argv:
+        key = a.lstrip("+~").split("=", 1)[0]
+        if key in _LAUNCH_ONLY or key.startswith("launcher."):
+            continue
+        if a.startswith("--cfg") or a in ("-h", "--help", "--dry-run", "--wait"):
+            continue
+        out.append(a)
+    return out
+
+
+def context(opts, resolved, argv: list[str]) -> dict:
+    """Everything the template may use (documented in docs/launching.md)."""
+    from omegaconf import OmegaConf
+
+    from framework.preempt import EXIT_CODE
+
+    cfg = resolved.cfg
+    out = Path(cfg.output_dir).resolve()
+    venv_bin = Path(sys.executable).parent
+    o = OmegaConf.to_container(opts, resolve=True) if OmegaConf.is_config(opts) else dict(vars(opts))
+    nproc = int(o["gpus_per_node"])
+    limit = parse_time(o["time"]) or 0
+    grace = int(o["preempt_signal_s"])
+    return dict(
+        opts=o,
+        recipe=cfg.recipe,
+        job_name=o.get("job_name") or f"apiary-{cfg.recipe}",
+        nodes=int(o["nodes"]),
+        nproc_per_node=nproc,
+        world_size=int(o["nodes"]) * nproc,
+        gpu=o["device"] == "gpu",
+        dims=dict(resolved.layout.dims),
+        output_dir=str(out),
+        log_dir=str(out / "logs"),
+        workdir=str(Path.cwd().resolve()),
+        venv_bin=str(venv_bin),
+        venv=sys.prefix,
+        python=sys.executable,
+        torchrun=str(venv_bin / "torchrun"),
+        train_args=worker_args(argv),
+        total_steps=int(cfg.training.steps),
+        checkpoint_enabled=bool(cfg.checkpoint.enable),
+        preempt_signal_s=grace,
+        # how long torchrun lets ranks finish their step and checkpoint after USR1/TERM
+        shutdown_timeout_s=max(30, grace - 30) if grace else 30,
+        time_limit_s=limit,
+        preempt_exit_code=EXIT_CODE,
+        rendered_at=_time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        command=" ".join(shlex.quote(a) for a in ["apiary", "launch", *argv]),
+    )

@@ -1,0 +1,230 @@
+"""`apiary launch` and `apiary cp-template`: preflight a recipe for a launcher, then run or submit it.
+
+    apiary launch [recipe=NAME] [launcher=local|slurm] [SHORTHAND=v ...] [overrides] [--dry-run] [--wait] [-v]
+    apiary cp-template LAUNCHER PATH
+
+Shorthands are the chosen launcher's option names without ``launcher.``: ``nodes=4
+gpus_per_node=8 partition=gpu account=proj time=04:00:00 qos=high`` for slurm, ``nproc=2`` for
+local. Everything is resolved for the launcher's world size before anything is spawned or
+submitted: dims, data/tokenizer/checkpoint paths, output_dir, launcher options. Bad input exits
+with code 2 and one paragraph (framework.errors.UserError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from framework.errors import UserError, did_you_mean
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+LAUNCH_USAGE = __doc__
+
+
+def _fail(e: UserError) -> int:
+    err_console.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+    return e.exit_code
+
+
+def _split(argv: list[str]):
+    recipe, launcher, flags, tokens = None, None, set(), []
+    for a in argv:
+        if a.startswith("recipe="):
+            recipe = a.split("=", 1)[1]
+        elif a.startswith("launcher="):
+            launcher = a.split("=", 1)[1]
+        elif a in ("--dry-run", "--dry_run", "-n"):
+            flags.add("dry_run")
+        elif a == "--wait":
+            flags.add("wait")
+        elif a in ("-v", "--verbose"):
+            flags.add("verbose")
+        elif a in ("-h", "--help"):
+            flags.add("help")
+        elif a.startswith("-"):
+            raise UserError(f"apiary launch {a}", "unknown flag.", "Flags: --dry-run, --wait, -v/--verbose, -h/--help.")
+        else:
+            tokens.append(a)
+    return recipe, launcher, flags, tokens
+
+
+def _launcher_class(name: str | None, recipe: str | None):
+    from framework import recipes, registry
+
+    if name is None:
+        name = str(recipes.load(recipe, []).launcher.name)
+    registry.check("launcher", name, where=f"launcher={name}")
+    return name, registry.resolve("launcher", name)
+
+
+def _expand(tokens: list[str], option_names: set[str]) -> list[str]:
+    """``nodes=4`` -> ``launcher.nodes=4`` for the chosen launcher's option names."""
+    out = []
+    for t in tokens:
+        key, sep, val = t.partition("=")
+        out.append(f"launcher.{key}{sep}{val}" if sep and key in option_names else t)
+    return out
+
+
+def _check_shorthands(tokens: list[str], name: str, fields: set[str]) -> None:
+    """A bare ``key=v`` that belongs to another launcher: say which launcher it belongs to."""
+    from framework import registry
+    from framework.schema import RecipeConfig
+
+    top = {f.name for f in dataclasses.fields(RecipeConfig)}
+    for t in tokens:
+        key, sep, _ = t.partition("=")
+        if not sep or "." in key or key in fields or key in top or key.startswith(("+", "~")):
+            continue
+        owners = []
+        for other in registry.names("launcher"):
+            if other != name:
+                opts = registry.resolve("launcher", other).Options
+                if key in {f.name for f in dataclasses.fields(opts)}:
+                    owners.append(other)
+        if owners:
+            raise UserError(f"apiary launch {t}", f"{key} is an option of launcher {' and '.join(owners)}, "
+                            f"not of {name}.", f"Add launcher={owners[0]}, or use {name}'s options: "
+                            f"{', '.join(sorted(fields))}.")
+
+
+def _recipe_arg(recipe: str | None) -> list[str]:
+    if recipe is None:
+        return []
+    p = Path(recipe)
+    if (p.suffix in (".yaml", ".yml") or "/" in recipe) and p.is_file():
+        return [f"recipe={p.resolve()}"]  # the job may start in another directory
+    return [f"recipe={recipe}"]
+
+
+def _worker_argv(recipe, overrides, r, flags) -> list[str]:
+    """What each worker runs as `train ...`: fixed output_dir, resume when asked (as `train` does)."""
+    argv = _recipe_arg(recipe) + [o for o in overrides if not o.startswith(("output_dir=", "checkpoint.resume="))]
+    argv.append(f"output_dir={Path(r.cfg.output_dir).resolve()}")
+    if r.cfg.checkpoint.resume:
+        argv.append("checkpoint.resume=true")
+    if "verbose" in flags:
+        argv.append("-v")
+    return argv
+
+
+def launch_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        recipe, name, flags, tokens = _split(argv)
+        if "help" in flags:
+            console.print(LAUNCH_USAGE, markup=False)
+            return 0
+        name, cls = _launcher_class(name, recipe)
+        fields = {f.name for f in dataclasses.fields(cls.Options)} - {"name"}
+        _check_shorthands(tokens, name, fields)
+        overrides = [f"launcher={name}", *_expand(tokens, fields)]
+        if "wait" in flags:
+            if "wait" not in fields:
+                raise UserError("--wait", f"launcher {name} has no wait option.", "Drop --wait.")
+            overrides.append("launcher.wait=true")
+
+        from framework import recipes
+        from framework.resolve import resolve
+
+        opts = recipes.load(recipe, overrides).launcher
+        if hasattr(cls, "check_options"):
+            cls.check_options(opts)
+        world = int(cls.world_size(opts))
+        r = resolve(recipe, overrides, world_size=world)
+        opts = r.cfg.launcher
+        warnings = []
+        if hasattr(cls, "preflight"):
+            warnings = cls.preflight(opts, r, dry_run="dry_run" in flags) or []
+        if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
+            warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "
+                            f"{world} ranks, so its dims are derived for {world}.")
+        argv_w = _worker_argv(recipe, [o for o in overrides], r, flags)
+    except UserError as e:
+        return _fail(e)
+
+    summary = (f"[bold]apiary launch[/bold] {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
+               f"{r.facts.family} {r.facts.flavor} ({r.facts.n_params / 1e6:,.1f}M params), "
+               f"output {Path(r.cfg.output_dir).resolve()}")
+    out = err_console if "dry_run" in flags else console  # a dry run's stdout is the script alone
+    out.print(summary)
+    for w in warnings:
+        err_console.print(f"[yellow]warning[/yellow] {w}", markup=True)
+
+    if hasattr(cls, "render"):  # a batch-script launcher (slurm)
+        try:
+            script = cls.render(opts, r, argv_w)
+        except UserError as e:
+            return _fail(e)
+        if "dry_run" in flags:
+            sys.stdout.write(script)
+            sys.stdout.flush()
+            err_console.print("dry run: nothing submitted. Without --dry-run the script is written to "
+                              f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.")
+            return 0
+        try:
+            return int(cls.launch(opts, argv_w, None, resolved=r))
+        except UserError as e:
+            return _fail(e)
+
+    # a process launcher (local): in-process for one rank, torchrun otherwise
+    if "dry_run" in flags:
+        if world == 1:
+            cmd = ["train", *argv_w]
+        else:
+            cmd = ["torchrun", "--standalone", f"--nproc_per_node={world}", "-m", "framework.cli", "train", *argv_w]
+        console.print(" ".join(shlex.quote(c) for c in cmd), markup=False)
+        err_console.print("dry run: nothing started.")
+        return 0
+
+    from framework import run
+
+    def in_process():
+        last = run.train(r, verbose="verbose" in flags)
+        if last:
+            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
+        return 0
+
+    return int(cls.launch(opts, argv_w, in_process))
+
+
+CP_TEMPLATE_USAGE = "usage: apiary cp-template LAUNCHER PATH   (then launch with launcher.template=PATH)"
+
+
+def cp_template_main(argv: list[str]) -> int:
+    """``apiary cp-template slurm my.sbatch.j2``: copy a launcher's script template to edit it."""
+    try:
+        if len(argv) != 2:
+            raise UserError(f"apiary cp-template {' '.join(argv)}".strip(), "needs a launcher name and a path.",
+                            CP_TEMPLATE_USAGE)
+        from framework import registry
+
+        name, dest = argv
+        registry.check("launcher", name, where=f"apiary cp-template {name}")
+        cls = registry.resolve("launcher", name)
+        src = getattr(sys.modules[cls.__module__], "TEMPLATE", None)
+        if src is None or not Path(src).is_file():
+            with_tpl = [n for n in registry.names("launcher")
+                        if getattr(sys.modules.get(registry.resolve("launcher", n).__module__), "TEMPLATE", None)]
+            raise UserError(f"apiary cp-template {name}", f"launcher {name} has no script template.",
+                            did_you_mean(name, with_tpl) or f"Launchers with one: {', '.join(with_tpl) or 'none'}.")
+        d = Path(dest)
+        if d.is_dir():
+            d = d / Path(src).name
+        if d.exists():
+            raise UserError(f"apiary cp-template {name} {dest}", f"{d} already exists; not overwriting it.",
+                            "Choose another path or remove it first.")
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, d)
+    except UserError as e:
+        return _fail(e)
+    console.print(f"copied {Path(src).name} -> {d}  (use it with `apiary launch ... launcher={name} "
+                  f"launcher.template={d}`)", markup=False)
+    return 0

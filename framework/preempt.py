@@ -1,0 +1,266 @@
+"""Preemption: a signal asks training to checkpoint at the next step boundary and exit.
+
+``arm()`` installs a SIGUSR1/SIGTERM handler that sets a flag (before any trainer is hooked,
+there is nothing to save: it exits at once with ``EXIT_CODE``). ``install(trainer)`` wraps
+the trainer's ``should_continue_training`` (on the instance): at every step boundary the flag is
+all-reduced (MAX) over all ranks, so when ANY rank was signalled every rank stops after the same
+step. The stopping ranks save a full, resumable checkpoint of that step (unless the step's regular
+save already wrote it), then the loop ends normally. The worker then exits with ``EXIT_CODE``
+(75, EX_TEMPFAIL: "try again"), which the Slurm script reads as "requeue me".
+
+Two ways in:
+* ``python -m framework.preempt train ARGS`` (the Slurm template's worker command) arms the
+  handlers before anything else, hooks every torchtitan Trainer this process trains, runs
+  ``train ARGS`` and exits with ``EXIT_CODE`` when training stopped for a signal;
+* framework/run.py: ``guard = preempt.install(trainer)`` after the Trainer is built and
+  ``preempt.exit_if_stopped(guard)`` after it is closed (see docs/launching.md).
+Both may be active at once: ``install`` hooks a trainer only once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+@dataclass
+class _Flag:
+    signum: int | None = None
+    at: float | None = None
+    previous: dict = field(default_factory=dict)
+
+
+_FLAG = _Flag()
+_GUARDS: list["Guard"] = []
+
+
+def _handler(signum, frame) -> None:
+    first = _FLAG.signum is None
+    if first:
+        _FLAG.signum, _FLAG.at = signum, time.time()
+    rank, name = os.environ.get("RANK", "0"), signal.Signals(signum).name
+    if not _GUARDS:  # no training loop yet: nothing to checkpoint, so stop now and ask to be rerun
+        os.write(2, f"apiary: rank {rank}: got {name} before training started; exiting with code "
+                    f"{EXIT_CODE}\n".encode())
+        raise SystemExit(EXIT_CODE)
+    if first:  # os.write: safe inside a signal handler (print may hold the stream's lock)
+        os.write(2, f"apiary: rank {rank}: got {name}; checkpointing at the next step boundary\n".encode())
+
+
+def arm(signals=SIGNALS) -> bool:
+    """Install the flag-setting handler (main thread only; returns False elsewhere)."""
+    try:
+        for s in signals:
+            prev = signal.signal(s, _handler)
+            if prev is not _handler:
+                _FLAG.previous.setdefault(s, prev)
+    except ValueError:  # not the main thread
+        return False
+    return True
+
+
+def disarm() -> None:
+    """Restore the handlers ``arm`` replaced."""
+    for s, prev in _FLAG.previous.items():
+        try:
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        except ValueError:
+            pass
+    _FLAG.previous.clear()
+
+
+def requested() -> bool:
+    """Whether this process received a preemption signal."""
+    return _FLAG.signum is not None
+
+
+def request(signum: int = signal.SIGUSR1) -> None:
+    """Ask for a stop as a signal would (tests, or an in-process watchdog); like the signal, it
+    raises SystemExit(EXIT_CODE) when no trainer is hooked yet."""
+    _handler(signum, None)
+
+
+def reset() -> None:
+    _FLAG.signum = _FLAG.at = None
+    _GUARDS.clear()
+
+
+@dataclass
+class Guard:
+    """One trainer's preemption hook; ``stopped_at`` is the step it stopped after, or None."""
+
+    trainer: object
+    check_every: int = 1
+    stopped_at: int | None = None
+    saved: bool = False
+    start_step: int | None = None
+    last_saved: int | None = None
+    _group: object = None
+    _group_ready: bool = False
+
+    # -- the collective decision ------------------------------------------------------
+    def _agree(self) -> bool:
+        """True on every rank when any rank was signalled (one small all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = 1 if requested() else 0
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return bool(mine)
+        if not self._group_ready:
+            self._group, self._group_ready = _cpu_group(), True
+        if self._group is not None:
+            t = torch.tensor([mine], dtype=torch.int32)
+        else:  # default group (NCCL): the flag travels as a device tensor
+            from framework import devices
+
+            t = torch.tensor([mine], dtype=torch.int32, device=devices.device_type())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(int(t.item()))
+
+    def should_stop(self) -> bool:
+        step = int(self.trainer.step)
+        if self.start_step is None:
+            self.start_step = step
+        if self.check_every > 1 and (step - self.start_step) % self.check_every:
+            return False
+        return self._agree()
+
+    # -- stopping ---------------------------------------------------------------------
+    def stop(self) -> None:
+        t = self.trainer
+        step = int(t.step)
+        ck = getattr(t, "checkpointer", None)
+        rank = os.environ.get("RANK", "0")
+        if ck is None or not getattr(ck, "enable", False):
+            note = "checkpointing is off: a rerun starts over"
+        elif step == self.start_step:
+            note = f"no step trained since start (step {step}); the checkpoint it started from stays"
+        elif self.last_saved == step:
+            note = f"checkpoint step-{step} already written this step"
+            self.saved = True
+        else:
+            self.saved = _force_save(ck, step)
+            note = f"checkpoint step-{step} saved" if self.saved else f"checkpoint step-{step} NOT saved"
+        self.stopped_at = step
+        name = signal.Signals(_FLAG.signum).name if _FLAG.signum else "a signal on another rank"
+        print(f"apiary: rank {rank}: preempted ({name}) after step {step}; {note}; exiting with code "
+              f"{EXIT_CODE} to be run again", file=sys.stderr, flush=True)
+
+
+def _cpu_group():
+    """A gloo group for the flag, so the per-step check never waits on the GPU stream."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend()):  # gloo, or "cuda:nccl,cpu:gloo": CPU tensors go through gloo
+        return dist.group.WORLD
+    try:
+        return dist.new_group(backend="gloo")
+    except Exception:  # gloo unavailable: fall back to the default group
+        return None
+
+
+def _force_save(ck, step: int) -> bool:
+    """A full (resumable) checkpoint of ``step`` off the interval: same path, same async mode."""
+    ck.maybe_wait_for_saving()
+    interval = getattr(ck, "interval", None)
+    try:
+        if interval is not None:
+            ck.interval = 1  # every step is "on the interval" for this one call
+        saved = ck.save(step, last_step=False)
+    finally:
+        if interval is not None:
+            ck.interval = interval
+    ck.maybe_wait_for_saving()  # an async save must land before the process exits
+    return bool(saved)
+
+
+def install(trainer, *, check_every: int = 1, signals=SIGNALS) -> Guard:
+    """Hook ``trainer`` (a built torchtitan Trainer): every rank must call this, in the same order."""
+    existing = getattr(trainer, "_apiary_preempt", None)
+    if existing is not None:
+        return existing
+    arm(signals)
+    guard = Guard(trainer=trainer, check_every=max(1, int(check_every)))
+    original_continue = trainer.should_continue_training
+
+    def should_continue_training() -> bool:
+        if not original_continue():
+            return False
+        if guard.stopped_at is None and guard.should_stop():
+            guard.stop()
+        return guard.stopped_at is None
+
+    trainer.should_continue_training = should_continue_training
+    ck = getattr(trainer, "checkpointer", None)
+    if ck is not None:
+        original_save = ck.save
+
+        def save(curr_step, last_step=False):
+            written = original_save(curr_step, last_step=last_step)
+            if written:
+                guard.last_saved = int(curr_step)
+            return written
+
+        ck.save = save
+    trainer._apiary_preempt = guard
+    _GUARDS.append(guard)
+    return guard
+
+
+def stopped(guard: Guard | None = None) -> bool:
+    """Whether ``guard`` (default: any trainer hooked in this process) stopped for a signal."""
+    guards = [guard] if guard is not None else _GUARDS
+    return any(g is not None and g.stopped_at is not None for g in guards)
+
+
+def exit_if_stopped(guard: Guard | None = None) -> None:
+    """After the trainer is closed: exit with EXIT_CODE when it stopped for a signal."""
+    if stopped(guard):
+        raise SystemExit(EXIT_CODE)
+
+
+def _hook_trainer_class() -> None:
+    """Hook every torchtitan Trainer when its train() starts (used by ``main``)."""
+    from torchtitan.trainer import Trainer
+
+    if getattr(Trainer.train, "_apiary_preempt", False):
+        return
+    original = Trainer.train
+
+    def train(self, *args, **kwargs):
+        install(self)
+        return original(self, *args, **kwargs)
+
+    train._apiary_preempt = True
+    Trainer.train = train
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m framework.preempt train ARGS``: ``train ARGS``, preemptible."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        argv = argv[1:]
+    arm()  # a signal during start-up exits with EXIT_CODE instead of killing the process
+    from framework import devices
+
+    devices.install()  # point torchtitan at the CPU (when there is no GPU) before importing it
+    _hook_trainer_class()
+    from framework.cli import train_main
+
+    code = train_main(argv)
+    if code == 0 and stopped():
+        return EXIT_CODE
+    return code
+
+
+if __name__ == "__main__":
+    from framework import preempt as _preempt  # one module object: the handler's flag lives there
+
+    sys.exit(_preempt.main())

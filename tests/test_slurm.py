@@ -1,0 +1,428 @@
+"""Slurm launcher: the rendered script, preflight errors, the preemption hook, and a real
+single-node Slurm cluster (shared/tools/slurm-local.sh) running debug_moe on 2 CPU ranks through
+the generated script, preempted with USR1, requeued and resumed to the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+SLURM_LOCAL = ROOT.parent / "shared" / "tools" / "slurm-local.sh"
+SLURM_DIR = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/slurm-test"))
+ENTRY = {"target": "components.launchers.slurm:SlurmLauncher",
+         "doc": "Slurm: sbatch script, one torchrun per node via srun, preemption -> checkpoint + requeue"}
+
+
+@pytest.fixture
+def slurm_registered():
+    """`launcher=slurm` composes only once registry.yaml lists it; until then add it here
+    (the registry dict and Hydra's ConfigStore, whichever ran first in this process)."""
+    from hydra.core.config_store import ConfigStore
+
+    from components.launchers.slurm import SlurmLauncher
+    from framework import registry
+
+    launchers = registry.entries()["launcher"]
+    added = "slurm" not in launchers
+    if added:
+        launchers["slurm"] = dict(ENTRY)
+    ConfigStore.instance().store(group="launcher", name="slurm", node=SlurmLauncher.Options(name="slurm"))
+    yield
+    if added:
+        launchers.pop("slurm", None)
+
+
+def _launch(capsys, argv):
+    from framework.launch_cli import launch_main
+
+    code = launch_main(argv)
+    cap = capsys.readouterr()
+    return code, cap.out, " ".join(cap.err.split())
+
+
+# ----------------------------------------------------------------------------- script
+def test_dry_run_renders_the_script(capsys, workdir, slurm_registered):
+    code, script, err = _launch(capsys, [
+        "recipe=debug_moe", "launcher=slurm", "nodes=4", "gpus_per_node=8", "partition=gpu", "account=proj",
+        "time=02:00:00", "qos=high", "training.steps=50", "--dry-run"])
+    assert code == 0, err
+    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
+                 "#SBATCH --time=02:00:00", "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue",
+                 "#SBATCH --open-mode=append"]:
+        assert line in script, line
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in script
+    assert '--rdzv-backend=c10d' in script and '--rdzv-id="$SLURM_JOB_ID"' in script
+    assert "--nproc-per-node=8" in script and "--tee=3" in script and "--log-dir=" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script and "trap on_usr1 USR1" in script
+    assert "checkpoint.resume=true" in script  # added at run time when a checkpoint exists
+    assert f"export PATH={Path(sys.executable).parent}:" in script
+    for env in ("NCCL_NVLS_ENABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"):
+        assert f"export {env}=" in script, env
+    assert "APIARY_DEVICE=cpu" not in script
+    out_dir = re.search(r"^OUTPUT_DIR=(\S+)$", script, re.M).group(1)
+    assert Path(out_dir).is_absolute() and out_dir.startswith(str(workdir))
+    # the workers get the recipe and overrides, never the launcher's own keys
+    args = re.search(r"^TRAIN_ARGS=\((.*)\)$", script, re.M).group(1)
+    assert "recipe=debug_moe" in args and "training.steps=50" in args and "launcher" not in args
+    assert "dims {'dp_replicate': 1, 'dp_shard': 32" in script  # derived for 4 x 8 ranks
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not (workdir / "runs").exists()  # a dry run writes nothing
+
+
+def test_cpu_device_mode(capsys, workdir, slurm_registered):
+    code, script, err = _launch(capsys, ["launcher=slurm", "nodes=2", "gpus_per_node=2", "device=cpu",
+                                         "cpus_per_task=4", "--dry-run"])
+    assert code == 0, err
+    assert "--gpus-per-node" not in script and "export APIARY_DEVICE=cpu" in script
+    assert "#SBATCH --cpus-per-task=4" in script and "--nproc-per-node=2" in script
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["parallel.ep=3"], ["parallel.ep=3", "EP 3 must divide", "world size 8"]),
+    (["parallel.dp_shard=4"], ["not the world size 8"]),
+    (["data.path=/nonexistent/corpus.jsonl"], ["data.path=/nonexistent/corpus.jsonl", "no jsonl"]),
+    (["checkpoint.load_path=/nonexistent/step-0"], ["not a DCP checkpoint folder"]),
+    (["launcher.nodez=2"], ["unknown key 'launcher.nodez'", "launcher.nodes"]),
+    (["nodes=0"], ["launcher.nodes=0", "must be >= 1"]),
+    (["time=abc"], ["launcher.time=abc", "not a Slurm time limit"]),
+    (["time=5", "preempt_signal_s=300"], ["preempt_signal_s=300", "before the time limit"]),
+    (["template=/nonexistent.sbatch.j2"], ["no template file", "apiary cp-template slurm"]),
+    (["device=tpu"], ["launcher.device=tpu", "gpu or cpu"]),
+    (["recipe=debug_mo"], ["unknown recipe 'debug_mo'"]),
+    (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
+    (["--bogus"], ["unknown flag"]),
+    (["nproc=4"], ["nproc is an option of launcher local", "gpus_per_node"]),
+])
+def test_preflight_errors(capsys, workdir, slurm_registered, argv, needles):
+    code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=8", *argv, "--dry-run"])
+    assert code == 2, err
+    assert err.startswith("error apiary:") and "Traceback" not in err
+    for n in needles:
+        assert n in err, (n, err)
+    assert not (workdir / "runs").exists()
+
+
+def test_no_sbatch_is_a_user_error(capsys, workdir, slurm_registered, monkeypatch):
+    monkeypatch.setenv("PATH", str(workdir))  # no sbatch here
+    code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=2"])
+    assert code == 2 and "sbatch is not on PATH" in err and "--dry-run" in err
+    assert not (workdir / "runs").exists()
+
+
+def test_a_shorthand_of_another_launcher_names_it(capsys, workdir, slurm_registered):
+    code, _, err = _launch(capsys, ["nodes=4", "--dry-run"])  # the recipe's launcher is local
+    assert code == 2 and "nodes is an option of launcher slurm" in err and "launcher=slurm" in err
+
+
+def test_unregistered_launcher_is_a_user_error(capsys, workdir):
+    code, _, err = _launch(capsys, ["launcher=slurmm", "--dry-run"])
+    assert code == 2 and "unknown launcher 'slurmm'" in err
+
+
+def test_cp_template_and_custom_template(capsys, workdir, slurm_registered):
+    from framework.launch_cli import cp_template_main
+
+    assert cp_template_main(["slurm", "my.sbatch.j2"]) == 0
+    mine = workdir / "my.sbatch.j2"
+    assert mine.read_text() == (ROOT / "launchers/slurm/train.sbatch.j2").read_text()
+    assert cp_template_main(["slurm", "my.sbatch.j2"]) == 2  # never overwrites
+    mine.write_text(mine.read_text().replace("set -uo pipefail", "set -uo pipefail\nmodule load site-stack  # mine"))
+    capsys.readouterr()
+    code, script, err = _launch(capsys, ["launcher=slurm", "gpus_per_node=2", "template=my.sbatch.j2", "--dry-run"])
+    assert code == 0, err
+    assert "module load site-stack  # mine" in script
+    mine.write_text("#!/bin/bash\n{{ no_such_variable }}\n")
+    code, _, err = _launch(capsys, ["launcher=slurm", "gpus_per_node=2", "template=my.sbatch.j2", "--dry-run"])
+    assert code == 2 and "does not render" in err and "no_such_variable" in err
+
+
+def test_local_launcher_dry_run(capsys, workdir):
+    code, out, err = _launch(capsys, ["launcher=local", "nproc=2", "training.steps=3", "--dry-run"])
+    assert code == 0, err
+    assert "torchrun --standalone --nproc_per_node=2 -m framework.cli train" in out
+    assert "launcher.nproc=2" in out and "output_dir=" in out
+    assert not (workdir / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- preempt hook
+class _FakeCheckpointer:
+    def __init__(self, interval):
+        self.enable, self.interval, self.saved = True, interval, []
+
+    def save(self, curr_step, last_step=False):
+        if last_step or curr_step % self.interval == 0:
+            self.saved.append(curr_step)
+            return True
+        return False
+
+    def maybe_wait_for_saving(self):
+        pass
+
+
+class _FakeTrainer:
+    """torchtitan's loop shape: should_continue_training / step / checkpointer.save."""
+
+    def __init__(self, steps, interval, signal_at=None):
+        self.step, self.steps, self.signal_at = 0, steps, signal_at
+        self.checkpointer = _FakeCheckpointer(interval)
+
+    def should_continue_training(self):
+        return self.step < self.steps
+
+    def train(self):
+        while self.should_continue_training():
+            self.step += 1
+            if self.step == self.signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step
+            self.checkpointer.save(self.step, last_step=self.step == self.steps)
+
+
+@pytest.fixture
+def preempt():
+    from framework import preempt as p
+
+    p.reset()
+    yield p
+    p.disarm()
+    p.reset()
+
+
+@pytest.mark.parametrize("interval,signal_at,saved", [(100, 3, [3]), (3, 3, [3]), (2, 3, [2, 3])])
+def test_preempt_checkpoints_at_the_step_boundary(preempt, capsys, interval, signal_at, saved):
+    t = _FakeTrainer(steps=10, interval=interval, signal_at=signal_at)
+    guard = preempt.install(t)
+    assert preempt.install(t) is guard  # hooks a trainer once
+    t.train()
+    assert guard.stopped_at == 3 and t.step == 3 and guard.saved
+    assert t.checkpointer.saved == saved  # one checkpoint of step 3, never two
+    assert "preempted (SIGUSR1) after step 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        preempt.exit_if_stopped(guard)
+    assert e.value.code == preempt.EXIT_CODE == 75
+
+
+def test_preempt_before_any_step_saves_nothing(preempt):
+    t = _FakeTrainer(steps=5, interval=100)
+    guard = preempt.install(t)
+    preempt.request()
+    t.train()
+    assert guard.stopped_at == 0 and t.checkpointer.saved == [] and not guard.saved
+
+
+def test_a_signal_before_training_exits_at_once(preempt):
+    preempt.arm()
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)  # the handler runs at the next bytecode
+    assert e.value.code == preempt.EXIT_CODE
+
+
+def test_no_signal_trains_to_the_end(preempt):
+    t = _FakeTrainer(steps=5, interval=100)
+    guard = preempt.install(t)
+    t.train()
+    assert guard.stopped_at is None and t.step == 5 and t.checkpointer.saved == [5]
+    preempt.exit_if_stopped(guard)  # no exit
+
+
+_RANKS = textwrap.dedent("""
+    import os, sys, json
+    import torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    from test_slurm import _FakeTrainer
+    from framework import preempt
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    class T(_FakeTrainer):
+        def train(self):
+            while self.should_continue_training():
+                self.step += 1
+                if rank == 1 and self.step == 4:
+                    preempt.request()          # only rank 1 is signalled
+                self.checkpointer.save(self.step, last_step=self.step == self.steps)
+    t = T(steps=10, interval=100)
+    g = preempt.install(t)
+    t.train()
+    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANKS)
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(ROOT / "tests")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    # rank 1 was signalled during step 4; both ranks stop after step 4 and both save step 4
+    assert [r["stopped_at"] for r in results] == [4, 4]
+    assert [r["saved"] for r in results] == [[4], [4]]
+
+
+# ----------------------------------------------------------------------------- real Slurm
+def _slurm_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the local Slurm cluster (slurm-local.sh) runs its daemons as root; not root here"
+    if not SLURM_LOCAL.is_file():
+        return f"{SLURM_LOCAL} is missing (it lives in the shared checkout next to the repository)"
+    return None
+
+
+def _daemons_running() -> bool:
+    for f in (SLURM_DIR / "run/slurmctld.pid", SLURM_DIR / "run/slurmd.pid"):
+        try:
+            os.kill(int(f.read_text().strip()), 0)
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    reason = _slurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    started = False
+    if not _daemons_running():  # reuse a cluster someone already brought up; stop only ours
+        up = subprocess.run(["bash", str(SLURM_LOCAL), "up"], capture_output=True, text=True, timeout=600)
+        assert up.returncode == 0, f"slurm-local.sh up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        started = True
+    conf = str(SLURM_DIR / "slurm.conf")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield conf
+    finally:
+        if started:
+            subprocess.run(["bash", str(SLURM_LOCAL), "down"], capture_output=True, text=True, timeout=120)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _job(job_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def _steps(metrics: Path) -> list[int]:
+    if not metrics.is_file():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_registered, slurm_cluster):
+    """debug_moe on 2 CPU ranks (nodes=1 gpus_per_node=2 device=cpu) through the generated script
+    with sbatch --wait; USR1 to the batch shell mid-run (as --signal=B:USR1 would send it): both ranks
+    checkpoint, the script requeues the job, the requeued job resumes from that checkpoint."""
+    steps = 12
+    run = workdir / "run"
+    name = f"apiary-test-{os.getpid()}"
+    events: dict = {}
+
+    def driver():
+        deadline = time.time() + 420
+        try:
+            while time.time() < deadline:  # job id, then training has done 2 steps
+                ids = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
+                                     text=True).stdout.split()
+                if ids:
+                    events["job"] = ids[0]
+                if ids and len(_steps(run / "metrics.jsonl")) >= 2:
+                    break
+                time.sleep(1)
+            else:
+                raise TimeoutError("training did not reach step 2")
+            job = events["job"]
+            subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+            events["signalled_after"] = len(_steps(run / "metrics.jsonl"))
+            while time.time() < deadline:  # requeued: Slurm holds it ~2 min (BeginTime); start it now
+                info = _job(job)
+                if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+                    events["requeued"] = True
+                    break
+                if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                    break
+                time.sleep(1)
+        except Exception as e:  # noqa: BLE001 - reported by the test body
+            events["error"] = repr(e)
+        finally:
+            if "error" in events and "job" in events:
+                subprocess.run(["scancel", events["job"]])  # unblocks sbatch --wait
+
+    th = threading.Thread(target=driver, daemon=True)
+    th.start()
+    code, out, err = _launch(capsys, [
+        "recipe=debug_moe", "launcher=slurm", "nodes=1", "gpus_per_node=2", "device=cpu", "cpus_per_task=2",
+        "time=15", "preempt_signal_s=60", f"job_name={name}", f"training.steps={steps}",
+        "checkpoint.interval=100", "logging.tensorboard=false", f"output_dir={run}", "--wait"])
+    th.join(timeout=60)
+    batch_logs = list((run / "logs").glob("slurm-*.out"))
+    batch = batch_logs[0].read_text() if batch_logs else ""
+    assert "error" not in events, (events, batch[-4000:])
+    assert code == 0, (out, err, batch[-4000:])
+    assert events.get("requeued"), (events, batch[-4000:])
+    job = events["job"]
+    info = _job(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+
+    # the script lives in the run directory; the batch log spans both runs of the job
+    assert (run / "train.sbatch").is_file() and f"submitted Slurm job {job}" in out
+    k = int(re.search(r"resuming from checkpoint step-(\d+)", batch).group(1))
+    assert 2 <= k < steps
+    assert "USR1" in batch and f"requeueing job {job}" in batch and "training exited with code 0" in batch
+
+    # per-rank logs of the preempted run: both ranks stopped after step k and saved it
+    for rank in (0, 1):
+        first = list((run / "logs" / f"job{job}.0" / "node0").glob(f"*/attempt_0/{rank}/stderr.log"))
+        assert first, sorted(p.relative_to(run) for p in (run / "logs").rglob("*"))
+        text = first[0].read_text()
+        assert f"rank {rank}: preempted" in text and f"after step {k}; checkpoint step-{k} saved" in text, text[-2000:]
+        assert list((run / "logs" / f"job{job}.1" / "node0").glob(f"*/attempt_0/{rank}/stderr.log"))
+    # the step lines come from rank 0's log; the resumed run continues at k + 1
+    rank0 = next((run / "logs" / f"job{job}.1" / "node0").glob("*/attempt_0/0/stdout.log")).read_text()
+    assert re.search(rf"step\s+{k + 1}/{steps}", rank0), rank0[-2000:]
+
+    # checkpoints: the preemption's and the last; metrics: every step exactly once
+    for s in (k, steps):
+        assert (run / "checkpoint" / f"step-{s}" / ".metadata").is_file(), s
+    assert _steps(run / "metrics.jsonl") == list(range(1, steps + 1))
+
+    # launching the finished run again: nothing to resume; with more steps it would resume
+    code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=2", "device=cpu",
+                                    f"output_dir={run}", "checkpoint.resume=true", f"training.steps={steps}",
+                                    "--dry-run"])
+    assert code == 2 and f"already at step {steps}" in err
+    code, script, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=2", "device=cpu",
+                                         f"output_dir={run}", "checkpoint.resume=true",
+                                         f"training.steps={steps + 4}", "--dry-run"])
+    assert code == 0, err
+    assert f"OUTPUT_DIR={run}" in script
