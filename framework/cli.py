@@ -1,7 +1,7 @@
 """Console scripts: `train` (Hydra override grammar) and `apiary` (ls, show, cp).
 
     train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [--cfg job] [-v]
-    apiary ls | show NAME | cp NAME PATH
+    apiary ls | show NAME | cp NAME PATH | compare KEY=A,B ... | plan ... | launch ... | cp-template ...
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ APIARY_USAGE = """usage: apiary COMMAND
   launch [recipe=X] [launcher=slurm nodes=N gpus_per_node=G | launcher=local nproc=N] [k=v ...] [--dry-run] [--wait]
                      check the recipe for that world size, then run it here or submit it to Slurm
   cp-template LAUNCHER PATH   copy a launcher's script template (then launcher.template=PATH)
+  compare KEY=A,B    run variants from one seed checkpoint side by side (--check, --json)
   plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
                      derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
 """
@@ -190,6 +191,10 @@ def apiary_main(argv: list[str] | None = None) -> int:
             from framework.launch_cli import cp_template_main
 
             return cp_template_main(rest)
+        if cmd == "compare":
+            from framework.compare import compare_main
+
+            return compare_main(rest)
         if cmd == "plan":
             from framework.plan_cli import plan_main
 

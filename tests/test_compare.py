@@ -1,0 +1,149 @@
+"""apiary compare: one seed checkpoint, variants side by side, tolerances and --check.
+
+The paired runs are tiny (4 steps of 64 tokens) and share one seed checkpoint; the whole
+file takes about two minutes on two CPU cores. recompute=selective vs full is expected to be
+bitwise identical in fp32 on CPU (recompute reruns the same ops), and it is: every
+difference is asserted to be exactly 0.
+"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from framework import compare
+from framework.compare import TOLERANCES, classify, compare_main
+
+TINY = ["training.steps=4", "training.seq_len=64", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def identical(tmp_path_factory):
+    """recompute=selective,full from a seed the comparison creates itself."""
+    out = tmp_path_factory.mktemp("cmp") / "identical"
+    rc = compare_main(["recompute=selective,full", *TINY, f"output_dir={out}", "--check", "--jobs=2"])
+    return rc, out, json.loads((out / "compare.json").read_text())
+
+
+def test_identical_pair_is_bitwise_equal(identical):
+    rc, out, res = identical
+    assert rc == 0, res["check"]
+    assert res["key"] == "recompute" and res["values"] == ["selective", "full"]
+    assert res["tolerance"]["kind"] == "exact"
+    base, var = res["variants"]
+    assert base["status"] == var["status"] == "ok"
+    assert base["steps"] == var["steps"] == [1, 2, 3, 4]
+    # the shared seed: one seed checkpoint, both runs loaded it
+    seed = out / "seed" / "checkpoint" / "step-0"
+    assert (seed / ".metadata").is_file()
+    assert base["seed"] == var["seed"] == str(seed)
+    d = var["diff"]
+    for key in ("loss_max_rel", "grad_norm_max_rel", "step0_loss_abs", "logits_max_abs", "logits_rel",
+                "grads_max_abs", "grads_rel"):
+        assert d[key] == 0.0, (key, d[key])
+    assert d["grads_n_params"] > 10  # every parameter's gradient was compared
+    assert var["loss"] == base["loss"] and var["grad_norm"] == base["grad_norm"]
+    # the probe's step-0 loss is the training run's step-1 loss (same weights, same first batch)
+    for r in (base, var):
+        assert r["probe"]["step1_loss_abs_diff"] == 0.0
+        assert r["probe"]["logits"]["shape"] == [4, 64, 320]  # local_batch x seq_len x vocab
+        assert r["summary"]["step_time_s"] > 0 and r["summary"]["tokens_per_s"] > 0
+        assert r["summary"]["peak_mem_bytes"] > 0
+        assert not (Path(r["dir"]) / "checkpoint").exists()  # variant checkpoints are cleaned up
+    import torch
+
+    grads = torch.load(Path(var["dir"]) / "probe" / "grads.pt", weights_only=True)
+    assert "lm_head.weight" in grads and grads["lm_head.weight"].shape == (320, 64)
+    assert all(float(g.abs().sum()) > 0 for k, g in grads.items() if "lm_head" in k or "tok_embeddings" in k)
+    md = (out / "compare.md").read_text()
+    assert "apiary compare recompute=selective,full training.steps=4" in md
+    assert "| recompute=selective | recompute=full |" in md.replace("| metric ", "")
+
+
+def test_deliberate_change_fails_check_and_crash_is_reported(identical, capsys):
+    """lr 3e-3 vs 3e-2 from the same seed: same step 1, then apart; --check fails naming the
+    variant, metric, difference and tolerance. lr=nan crashes at step 2 (the trainer stops on a
+    non-finite loss): reported with its log tail, the other variants unaffected."""
+    _, out, _ = identical
+    seed = out / "seed" / "checkpoint" / "step-0"
+    dest = out.parent / "lr"
+    rc = compare_main(["optimizer.lr=3e-3,3e-2,nan", *TINY, f"checkpoint.load_path={seed}",
+                       f"output_dir={dest}", "--check", "--no-probe", "--jobs=2", "--json"])
+    text = capsys.readouterr()
+    assert rc == 1
+    res = json.loads((dest / "compare.json").read_text())
+    assert json.loads(text.out) == res  # --json: the same results on stdout, the tables on stderr
+    base, fast, broken = res["variants"]
+    assert res["tolerance"]["kind"] == "fp32"  # --check holds a deliberate change to rounding level
+    assert base["seed"] == fast["seed"] == str(seed) and not (dest / "seed").exists()
+    assert base["status"] == fast["status"] == "ok"
+    assert base["loss"][0] == fast["loss"][0]  # step 1 precedes the first update
+    assert fast["diff"]["loss_max_rel"] > 1e-2
+    msgs = [f["message"] for f in res["check"]["failures"]]
+    curve = [m for m in msgs if m.startswith("optimizer.lr=0.03: loss curve")]
+    assert curve and "from optimizer.lr=0.003, above the fp32 tolerance 0.001" in curve[0], msgs
+    assert broken["status"] == "crashed" and broken["returncode"] != 0
+    assert "Loss is not finite" in broken["log_tail"]
+    assert any(m.startswith("optimizer.lr=nan: the run crashed") for m in msgs)
+    assert "check failed" in text.err and "optimizer.lr=0.03: loss curve" in text.err
+    assert "Loss is not finite" in text.err  # the crash's log tail is shown
+    assert "optimizer.lr=nan: crashed" in (dest / "compare.md").read_text().replace("## ", "")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "no key to compare"),
+    (["loss=ce,chunked", "optimizer.lr=1e-3,2e-3"], "2 keys take several values (loss, optimizer.lr)"),
+    (["loss=ce,bogus"], "variant loss=bogus"),
+    (["optimizer.lr=1e-3,fast"], "variant optimizer.lr=fast"),
+    (["loss=ce,chunked", "--tol=close"], "unknown tolerance kind"),
+    (["loss=ce,chunked", "checkpoint.resume=true"], "every variant starts fresh"),
+])
+def test_user_errors_stop_before_anything_runs(tmp_path, capsys, argv, needle):
+    out = tmp_path / "never"
+    assert compare_main([*argv, *TINY, f"output_dir={out}"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _variant(dtype="float32", local_batch=4, dp=1, accum=1, sharding="blocks", deterministic=False, ep=1):
+    cfg = SimpleNamespace(training=SimpleNamespace(dtype=dtype, local_batch=local_batch,
+                                                   deterministic=deterministic),
+                          data=SimpleNamespace(sharding=sharding))
+    dims = {"dp_shard": dp, "ep": ep, "cp": 1, "tp": 1, "pp": 1}
+    r = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=dp, dims=dims), grad_accum=accum)
+    return compare.Variant(0, "v", "k=v", "0-v", [], resolved=r)
+
+
+def test_tolerance_kinds():
+    one, two = _variant(accum=2), _variant(dp=2)
+    assert classify("moe.chunk", [one, one], accelerator=False)[0] == "exact"
+    assert classify("moe.chunk", [one, one], accelerator=True)[0] == "fp32"  # GPU: not bitwise run to run
+    assert classify("moe.chunk", [_variant(deterministic=True)] * 2, accelerator=True)[0] == "exact"
+    assert classify("launcher.nproc", [one, two], accelerator=False)[0] == "exact"  # same 8 sequences
+    kind, why = classify("launcher.nproc", [one, _variant(dp=2, ep=2)], accelerator=False)
+    assert kind == "fp32" and "ep 1 -> 2" in why  # the table's EP grows with the ranks: another partition
+    kind, why = classify("launcher.nproc", [_variant(), two], accelerator=False)
+    assert kind == "any" and "global batch" in why  # 4 vs 8 sequences per step
+    assert classify("launcher.nproc", [_variant(accum=4), _variant(dp=4)], accelerator=False)[0] == "fp32"
+    assert classify("launcher.nproc", [one, _variant(dp=2, sharding="documents")], False)[0] == "any"
+    assert classify("loss", [_variant(dtype="bfloat16")] * 2, accelerator=False)[0] == "bf16"
+    assert classify("loss.num_chunks", [one, one], accelerator=False)[0] == "fp32"
+    assert classify("parallel.ep", [one, one], accelerator=False)[0] == "fp32"
+    assert classify("optimizer.lr", [one, one], accelerator=False)[0] == "any"
+    assert TOLERANCES["exact"].step0 == 0.0 and TOLERANCES["any"].step0 is None
+
+
+def test_check_names_variant_metric_difference_and_tolerance():
+    base = {"label": "loss=ce", "status": "ok", "steps": [1, 2], "loss": [5.0, 4.0], "grad_norm": [1.0, 1.0]}
+    var = {"label": "loss=fast", "status": "ok", "steps": [1, 2], "loss": [5.0, 4.1], "grad_norm": [1.0, 1.0],
+           "probe": None}
+    var["diff"] = compare.differences(dict(base, probe=None), var)
+    assert var["diff"]["loss_max_rel"] == pytest.approx(0.025)
+    (v,) = compare.check(base, var, TOLERANCES["fp32"])
+    assert v["message"] == ("loss=fast: loss curve (max rel over steps) differs by 2.500e-02 from loss=ce, "
+                            "above the fp32 tolerance 0.001")
+    assert compare.check(base, var, TOLERANCES["bf16"]) == []  # 2.5e-2 is within bf16's 5e-2 for curves
+    assert compare.check(base, var, TOLERANCES["any"]) == []
+    crashed = dict(var, status="crashed", returncode=1, log="w.log")
+    assert compare.check(base, crashed, TOLERANCES["any"])[0]["metric"] == "run"
