@@ -1,0 +1,310 @@
+"""LM head + loss, forward + backward: time and extra peak memory per implementation.
+
+    python benchmarks/loss_bench.py --out loss_bench.json                      # H200: H=2048, V=248,320, 8K and 32K tokens
+    python benchmarks/loss_bench.py --device cpu --tokens 256 --vocab 4096 --hidden 64 --out /tmp/lb.json   # smoke (fp32)
+
+Rows (each in its own try/except, with a per-row time limit):
+  gemms      the three bare GEMMs of an LM head's fwd+bwd: h W^T, dZ W, dZ^T h (dZ given)
+  ce         materialised logits (input dtype) -> fp32 cross-entropy (torchtitan's ce)
+  chunked    torch chunked x8 over tokens: logits + CE + backward per chunk (torchtitan's chunked)
+  linear_ce  components.losses.linear_ce.linear_cross_entropy, default backend (CUDA: "cublas":
+             fp32 logits slices from cuBLAS into a bounded workspace, Triton reductions)
+  linear_ce_fused  the same with backend "triton": a fused Triton kernel keeps logit tiles on chip
+  logprob    components.losses.logprob.token_logprobs, backward of sum(logprobs)
+  logprob_entropy  same with entropy, backward of sum(logprobs) + 0.01 * sum(entropy)
+  liger      Liger-Kernel's fused linear cross-entropy (skipped with a note if not installed)
+  cce        Cut Cross-Entropy (skipped with a note if not installed)
+Time: median of --iters timed runs after --warmup runs (CUDA events on GPU, perf_counter on CPU).
+Memory: torch.cuda.max_memory_allocated() during one fwd+bwd minus the allocation before it
+(inputs and any earlier .grad freed); gradients of hidden and weight are counted. CPU: n/a.
+Ratio: row time / gemms time at the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import statistics
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ROWS = ["gemms", "ce", "chunked", "linear_ce", "linear_ce_fused", "logprob", "logprob_entropy", "liger", "cce"]
+
+
+class RowTimeout(Exception):
+    pass
+
+
+@contextmanager
+def time_limit(seconds: float):
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise RowTimeout(f"row exceeded {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---- implementations: each returns a callable running one fwd+bwd on (h, w, labels) ----------
+
+
+def make_gemms(h, w, labels):
+    n, v = h.shape[0], w.shape[0]
+    dz = torch.randn(n, v, device=h.device, dtype=h.dtype) * 1e-3
+
+    def run():
+        z = h @ w.T
+        dh = dz @ w
+        dw = dz.T @ h
+        return z, dh, dw
+
+    return run, dz  # keep dz alive outside the memory window
+
+
+def make_ce(h, w, labels):
+    def run():
+        logits = h @ w.T
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+        loss.backward()
+
+    return run
+
+
+def make_chunked(h, w, labels, num_chunks=8):
+    def run():
+        dh = torch.empty_like(h)
+        for hc_src, lc, dst in zip(h.detach().chunk(num_chunks), labels.chunk(num_chunks), dh.chunk(num_chunks)):
+            hc = hc_src.requires_grad_(True)
+            loss = F.cross_entropy((hc @ w.T).float(), lc, reduction="sum")
+            loss.backward()
+            dst.copy_(hc.grad)
+        h.backward(dh)
+
+    return run
+
+
+def make_linear_ce(h, w, labels, backend="auto"):
+    from components.losses.linear_ce import linear_cross_entropy
+
+    def run():
+        linear_cross_entropy(h, w, labels, reduction="sum", backend=backend).backward()
+
+    return run
+
+
+def make_logprob(h, w, labels, entropy=False):
+    from components.losses.logprob import token_logprobs
+
+    def run():
+        lp, ent = token_logprobs(h, w, labels, with_entropy=entropy)
+        loss = lp.sum() + (0.01 * ent.sum() if entropy else 0.0)
+        loss.backward()
+
+    return run
+
+
+def make_liger(h, w, labels):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+    def run():
+        fn(w, h, labels).backward()
+
+    return run
+
+
+def make_cce(h, w, labels):
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    def run():
+        cce(h, w, labels, reduction="sum").backward()
+
+    return run
+
+
+MAKERS = {
+    "gemms": make_gemms, "ce": make_ce, "chunked": make_chunked, "linear_ce": make_linear_ce,
+    "linear_ce_fused": lambda h, w, l: make_linear_ce(h, w, l, backend="triton" if h.is_cuda else "torch"),
+    "logprob": make_logprob, "logprob_entropy": lambda h, w, l: make_logprob(h, w, l, entropy=True),
+    "liger": make_liger, "cce": make_cce,
+}
+
+
+# ---- measurement ------------------------------------------------------------------------------
+
+
+class Timer:
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn) -> float:
+        """Seconds for one call."""
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def bench_row(name, h, w, labels, args, timer: Timer) -> dict:
+    def zero():
+        h.grad = None
+        w.grad = None
+
+    made = MAKERS[name](h, w, labels)
+    keep = None
+    if isinstance(made, tuple):
+        made, keep = made
+    run = made
+
+    def step():
+        zero()
+        run()
+
+    for _ in range(args.warmup):
+        step()
+    timer.sync()
+    times = [timer.time(step) for _ in range(args.iters)]
+    extra = None
+    if timer.cuda:
+        zero()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+    zero()
+    del keep
+    return {"time_ms": statistics.median(times) * 1e3, "times_ms": [t * 1e3 for t in times],
+            "extra_peak_bytes": extra}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--vocab", type=int, default=248320)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: bfloat16 on cuda, float32 on cpu (CPU bf16 matmuls are very slow)")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
+    p.add_argument("--row-timeout", type=float, default=300.0, help="seconds per row (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
+            return 2
+        torch.backends.cudnn.enabled = False
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = getattr(torch, args.dtype)
+    timer = Timer(args.device)
+    env = {"torch": torch.__version__, "device": args.device,
+           "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    results = []
+    for n in args.tokens:
+        g = torch.Generator(device="cpu").manual_seed(args.seed)
+        # Scaled so that logits have unit variance.
+        h = (torch.randn(n, args.hidden, generator=g) / math.sqrt(args.hidden) ** 0.5).to(args.device, dtype)
+        w = (torch.randn(args.vocab, args.hidden, generator=g) / math.sqrt(args.hidden) ** 0.5).to(args.device, dtype)
+        labels = torch.randint(0, args.vocab, (n,), generator=g).to(args.device)
+        h.requires_grad_(True)
+        w.requires_grad_(True)
+        gemm_ms = None
+        for name in args.rows:
+            row = {"row": name, "tokens": n, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype}
+            try:
+                with time_limit(args.row_timeout):
+                    row.update(bench_row(name, h, w, labels, args, timer))
+                row["status"] = "ok"
+            except ImportError as e:
+                row.update(status="skipped", note=f"not installed: {e}")
+            except RowTimeout as e:
+                row.update(status="timeout", note=str(e))
+            except torch.OutOfMemoryError as e:
+                row.update(status="oom", note=str(e).splitlines()[0])
+            except Exception as e:  # keep the other rows
+                row.update(status="error", note=f"{type(e).__name__}: {e}".splitlines()[0],
+                           traceback=traceback.format_exc(limit=4))
+            finally:
+                h.grad = None
+                w.grad = None
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+            if name == "gemms" and row.get("status") == "ok":
+                gemm_ms = row["time_ms"]
+            if row.get("status") == "ok" and gemm_ms:
+                row["ratio_to_gemms"] = row["time_ms"] / gemm_ms
+            results.append(row)
+        del h, w, labels
+    report = {"env": env, "args": vars(args), "results": results}
+    _print_table(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print_table(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"LM head + loss fwd+bwd ({report['env']['device_name']}, {report['args']['dtype']}, "
+                    f"H={report['args']['hidden']}, V={report['args']['vocab']:,})")
+    for col in ("tokens", "row", "time (ms)", "x 3 GEMMs", "extra peak (GiB)", "status"):
+        t.add_column(col)
+    for r in report["results"]:
+        ok = r.get("status") == "ok"
+        t.add_row(f"{r['tokens']:,}", r["row"],
+                  f"{r['time_ms']:.2f}" if ok else "-",
+                  f"{r['ratio_to_gemms']:.2f}" if ok and "ratio_to_gemms" in r else "-",
+                  f"{r['extra_peak_bytes'] / 2**30:.2f}" if ok and r.get("extra_peak_bytes") is not None else "n/a",
+                  r.get("status", "?") + (f": {r['note']}" if r.get("note") else ""))
+    Console(width=160).print(t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

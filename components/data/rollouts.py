@@ -1,0 +1,158 @@
+"""RL rollouts from jsonl / parquet files -> padded (optionally packed) tensors for the RL losses.
+
+One record per sampled sequence (prompt + response):
+
+    input_ids     list[int]              the whole sequence, length L
+    loss_mask     list[0/1] (L)          1 where the token is trained (response tokens)
+    old_logprobs  list[float] (L)        log p_old(input_ids[t] | input_ids[:t]) from the sampler;
+                                         any value where loss_mask is 0 (position 0 must be 0)
+    advantages    float | list[float]    per sequence, or per token (L)
+    ref_logprobs  list[float] (L)        optional: reference policy, for a KL term
+    sequence_id   int | str              optional: kept in ``meta``
+    group_id      int | str              optional: the prompt group (GRPO), kept in ``meta``
+
+Per-token fields describe the token at the same index (``field[t]`` is about ``input_ids[t]``).
+The model's output at position t predicts token t+1, so the reader shifts them by one:
+``labels[t] = input_ids[t+1]`` where ``loss_mask[t+1]`` (else -100), and likewise loss_mask,
+old_logprobs, advantages and ref_logprobs, so that everything lines up with
+``token_logprobs(hidden, weight, labels)``. Output (B rows, T columns):
+
+    input_ids [B, T] long (pad_id), labels [B, T] long (-100), loss_mask [B, T] bool,
+    old_logprobs / advantages / ref_logprobs [B, T] float32 (0 at padding),
+    positions [B, T] long (restart at every packed sequence), sequence_ids [B, T] long (index of
+    the sequence inside its row, -1 at padding), meta: list per row of the records' (index,
+    sequence_id, group_id).
+
+Packing (``pack_to``): sequences are placed in order, each row filled until the next one does
+not fit (no sequence is split); without it each row holds one sequence and T is the longest.
+``pad_multiple`` rounds T up (context parallelism wants T divisible by 2 x cp).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100
+REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
+_FORMATS = (".jsonl", ".parquet")
+
+
+def rollout_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+    if p.is_file() and p.suffix in _FORMATS:
+        return [p]
+    return []
+
+
+def _records(path: Path):
+    if path.suffix == ".jsonl":
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{path}:{i}", json.loads(line)
+    else:
+        import pyarrow.parquet as pq
+
+        for i, rec in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path}[{i}]", rec
+
+
+def _check(where: str, rec: dict) -> int:
+    missing = [k for k in REQUIRED if k not in rec or rec[k] is None]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}; a rollout record needs "
+                         f"{', '.join(REQUIRED)} (ref_logprobs optional)")
+    n = len(rec["input_ids"])
+    if n < 2:
+        raise ValueError(f"{where}: input_ids needs at least 2 tokens, got {n}")
+    per_token = ("loss_mask", "old_logprobs", "ref_logprobs")
+    if isinstance(rec["advantages"], list):
+        per_token += ("advantages",)
+    for k in per_token:
+        if rec.get(k) is not None and len(rec[k]) != n:
+            raise ValueError(f"{where}: {k} has {len(rec[k])} entries, input_ids {n}")
+    return n
+
+
+def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int = 0, pad_multiple: int = 1,
+                  ignore_index: int = IGNORE_INDEX) -> dict:
+    files = rollout_files(path)
+    if not files:
+        raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
+    recs = []
+    for f in files:
+        for where, rec in _records(f):
+            _check(where, rec)
+            recs.append((where, rec))
+    if not recs:
+        raise ValueError(f"{path}: no rollout records")
+    with_ref = [r.get("ref_logprobs") is not None for _, r in recs]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError(f"{path}: ref_logprobs present in some records but not all")
+    with_ref = all(with_ref)
+
+    # Rows: lists of record indices.
+    lengths = [len(r["input_ids"]) for _, r in recs]
+    if pack_to is None:
+        rows = [[i] for i in range(len(recs))]
+        width = max(lengths)
+    else:
+        rows, cur, used = [], [], 0
+        for i, n in enumerate(lengths):
+            if n > pack_to:
+                raise ValueError(f"{recs[i][0]}: {n} tokens do not fit pack_to={pack_to}")
+            if used + n > pack_to:
+                rows.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += n
+        rows.append(cur)
+        width = pack_to
+    width = int(math.ceil(width / pad_multiple) * pad_multiple)
+
+    b = len(rows)
+    out = {
+        "input_ids": torch.full((b, width), pad_id, dtype=torch.long),
+        "labels": torch.full((b, width), ignore_index, dtype=torch.long),
+        "loss_mask": torch.zeros((b, width), dtype=torch.bool),
+        "old_logprobs": torch.zeros((b, width), dtype=torch.float32),
+        "advantages": torch.zeros((b, width), dtype=torch.float32),
+        "positions": torch.zeros((b, width), dtype=torch.long),
+        "sequence_ids": torch.full((b, width), -1, dtype=torch.long),
+    }
+    if with_ref:
+        out["ref_logprobs"] = torch.zeros((b, width), dtype=torch.float32)
+    meta = []
+    for r, idxs in enumerate(rows):
+        col, row_meta = 0, []
+        for k, i in enumerate(idxs):
+            where, rec = recs[i]
+            n = lengths[i]
+            ids = torch.tensor(rec["input_ids"], dtype=torch.long)
+            mask = torch.tensor(rec["loss_mask"], dtype=torch.bool)
+            adv = rec["advantages"]
+            adv = torch.tensor(adv, dtype=torch.float32) if isinstance(adv, list) else torch.full((n,), float(adv))
+            sl = slice(col, col + n)
+            out["input_ids"][r, sl] = ids
+            out["positions"][r, sl] = torch.arange(n)
+            out["sequence_ids"][r, sl] = k
+            # shifted: position t predicts token t+1 of the same sequence
+            nx = slice(col, col + n - 1)
+            m = mask[1:]
+            out["loss_mask"][r, nx] = m
+            out["labels"][r, nx] = torch.where(m, ids[1:], torch.full_like(ids[1:], ignore_index))
+            out["old_logprobs"][r, nx] = torch.tensor(rec["old_logprobs"], dtype=torch.float32)[1:] * m
+            out["advantages"][r, nx] = adv[1:] * m
+            if with_ref:
+                out["ref_logprobs"][r, nx] = torch.tensor(rec["ref_logprobs"], dtype=torch.float32)[1:] * m
+            row_meta.append((i, rec.get("sequence_id"), rec.get("group_id")))
+            col += n
+        meta.append(row_meta)
+    out["meta"] = meta
+    return out

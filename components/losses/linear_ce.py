@@ -1,0 +1,289 @@
+"""Linear cross-entropy: LM head + cross-entropy without ever materialising [tokens, vocab]
+logits. ``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N])`` is the function;
+``LinearCrossEntropy`` is the registry component (``loss=linear_ce``) whose torchtitan loss
+takes the model's hidden states (the trainer skips the lm_head) and the lm_head weight.
+
+Per token (valid label y, s = h @ W^T, lse = logsumexp(s), V = global vocabulary):
+
+    loss = lse - (1 - eps) * s_y - (eps / V) * sum_v s_v + z_loss * lse^2
+
+(eps = label_smoothing, torch's convention; z-loss as in PaLM). Tokens whose label equals
+``ignore_index`` contribute 0 and get no gradient. The logit gradient is
+``p * (1 + 2 z_loss lse) - (1 - eps) onehot(y) - eps / V``.
+
+Gradient placement: recompute-in-backward. The forward computes only per-token statistics
+(lse, target logit, sum of logits) in one pass over the vocabulary; the backward recomputes
+the logits slice by slice, forms dz and produces dH and dW. Why not gradient-in-forward
+(compute dH, dW in the forward and scale them by grad_output):
+
+* without stored logits both choices cost the same four GEMM-sized passes: the softmax of a
+  token needs its full-vocabulary lse before any dz exists, so dz needs a second pass over
+  h @ W^T whichever function runs it;
+* recompute-in-backward accepts any upstream gradient, including a per-token one
+  (``reduction="none"``, and the RL objectives on ``token_logprobs``, which share this
+  engine); gradient-in-forward can rescale dH per token but not dW = sum_t g_t dz_t h_t;
+* nothing is computed that autograd does not ask for: no gradients under ``no_grad`` or in
+  evaluation, dW is skipped for a frozen head, dH for a detached input;
+* between forward and backward it holds only lse [N] (plus references to h and W), not a
+  [V, H] gradient for the rest of the forward.
+In the trainer the loss runs its backward at once (torchtitan's ChunkedLossWrapper protocol),
+so the forward and the backward run back to back anyway.
+
+Backends (``backend=``; details in _lm_head.py): "triton" = fused Triton kernels (the
+statistics kernel keeps logit tiles on chip; the gradient kernel recomputes one vocabulary
+slice's logits and writes its dz into a bounded workspace, then cuBLAS runs dH += dz W and
+dW = dz^T h); "cublas" = cuBLAS writes fp32 logits of one vocabulary slice into the bounded
+workspace, Triton folds/converts them; "mixed" (the CUDA default of "auto") = cublas
+statistics + triton gradients, fastest measured on an H200; "torch" (CPU default and the
+reference) = token x vocabulary chunks in fp32. No backend allocates [tokens, vocab]: the
+CUDA ones cap their buffers at ``workspace_mb`` (default 256 MiB). Vocabulary sharding: pass
+``vocab_group`` (weight = this rank's contiguous rows, labels global); sequence sharding needs
+nothing (local tokens, ``reduction="sum"``, divide by the global valid-token count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from components.losses import _lm_head as E
+
+IGNORE_INDEX = E.IGNORE_INDEX
+
+
+@dataclass
+class _Cfg:
+    ignore_index: int
+    z_loss: float
+    label_smoothing: float
+    shard: E.Shard
+    backend: str
+    chunk_tokens: int
+    chunk_vocab: int
+    workspace_mb: float
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, labels, cfg: _Cfg):
+        eps = cfg.label_smoothing
+        st = E.statistics(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=1.0,
+                          need_sum=eps > 0, need_ps=False, backend=cfg.backend,
+                          chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
+                          workspace_mb=cfg.workspace_mb)
+        loss = st.lse - (1.0 - eps) * st.target
+        if eps > 0:
+            loss = loss - (eps / cfg.shard.total) * st.sum_s
+        if cfg.z_loss > 0:
+            loss = loss + cfg.z_loss * st.lse * st.lse
+        valid = labels != cfg.ignore_index
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        ctx.save_for_backward(h, w, labels, st.lse)
+        ctx.cfg = cfg
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, labels, lse = ctx.saved_tensors
+        cfg: _Cfg = ctx.cfg
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dh or need_dw):
+            return None, None, None, None
+        g = torch.where(labels != cfg.ignore_index, g.float(), torch.zeros_like(lse))
+        eps = cfg.label_smoothing
+        a = g * (1.0 + 2.0 * cfg.z_loss * lse) if cfg.z_loss > 0 else g
+        c = -(1.0 - eps) * g
+        d = -(eps / cfg.shard.total) * g
+        dh, dw = E.gradients(h, w, labels, lse, a, None, c, d, shard=cfg.shard,
+                             ignore_index=cfg.ignore_index, inv_temp=1.0, need_dh=need_dh,
+                             need_dw=need_dw, backend=cfg.backend, chunk_tokens=cfg.chunk_tokens,
+                             chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb)
+        return dh, dw, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         ignore_index: int = IGNORE_INDEX, reduction: str = "sum",
+                         z_loss: float = 0.0, label_smoothing: float = 0.0,
+                         vocab_group=None, backend: str = "auto", chunk_tokens: int = 4096,
+                         chunk_vocab: int = 16384, workspace_mb: float = 256.0) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight^T`` against ``labels`` without [N, V] logits.
+
+    hidden [..., H] (bf16 or fp32), weight [V_local, H], labels [...] (global ids).
+    reduction: "sum" (default; divide by a global token count yourself under DP/CP), "mean"
+    (over non-ignored tokens; NaN when there are none, as torch's), "none" (per token, fp32,
+    0 at ignored tokens). Statistics and gradients accumulate in fp32; dH comes back in
+    hidden's dtype and dW in weight's. vocab_group: process group over which the vocabulary
+    rows are split (contiguous, in rank order); dH is all-reduced over it.
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be sum, mean or none, got {reduction!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    shape = labels.shape
+    h, w, lab = E.as_2d(hidden, weight, labels)
+    cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), E.vocab_shard(w, vocab_group),
+               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb))
+    per_token = _LinearCE.apply(h, w, lab, cfg)
+    if reduction == "none":
+        return per_token.reshape(shape)
+    total = per_token.sum()
+    if reduction == "mean":
+        return total / (lab != ignore_index).sum()
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Registry component and its torchtitan loss
+# --------------------------------------------------------------------------------------------
+
+
+class LinearCrossEntropy:
+    @dataclass
+    class Options:
+        name: str = "linear_ce"
+        z_loss: float = 0.0
+        label_smoothing: float = 0.0
+        backend: str = "auto"  # auto (mixed on CUDA, torch otherwise) | mixed | cublas | triton | torch
+        chunk_tokens: int = 4096  # torch path: tokens per logits chunk
+        chunk_vocab: int = 16384  # torch path: vocabulary columns per logits chunk
+        workspace_mb: float = 256.0  # CUDA paths: cap on the [tokens, vocab slice] buffers
+
+    @staticmethod
+    def trainer_loss(opts: "LinearCrossEntropy.Options", vocab_size: int):
+        if not 0.0 <= opts.label_smoothing < 1.0:
+            raise ValueError(f"loss.label_smoothing must be in [0, 1), got {opts.label_smoothing}")
+        if opts.z_loss < 0:
+            raise ValueError(f"loss.z_loss must be >= 0, got {opts.z_loss}")
+        if opts.backend not in E.BACKENDS:
+            raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
+        if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
+            raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
+        cls = fused_loss_class()
+        return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
+                          chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
+                          workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
+
+
+_FUSED_CLASS = None
+
+
+def fused_loss_class():
+    """torchtitan loss class (built lazily: importing torchtitan has to wait for devices.install)."""
+    global _FUSED_CLASS
+    if _FUSED_CLASS is None:
+        _FUSED_CLASS = _make_fused_loss_class()
+    return _FUSED_CLASS
+
+
+def _make_fused_loss_class():
+    import contextlib
+    from dataclasses import dataclass as tt_dataclass
+
+    import spmd_types as spmd
+    from torch.distributed.tensor import DTensor
+    from torchtitan.components.loss import ChunkedLossWrapper, _DecoderOutputGradientBackProp
+
+    class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
+        """ChunkedLossWrapper protocol (the trainer hands over lm_head and skips it in the model;
+        ``__call__`` runs its own backward and returns a loss whose backward feeds the decoder)
+        with one fused linear cross-entropy instead of per-chunk logits.
+
+        FSDP: like ChunkedLossWrapper, the lm_head stays unsharded for the call and is resharded
+        after; the fused function runs *as the lm_head's forward* (its forward is swapped for the
+        duration of the call), so FSDP2's own hooks unshard the weight, accumulate its gradient
+        and reduce-scatter it exactly as for a plain lm_head call.
+        """
+
+        @tt_dataclass(kw_only=True, slots=True)
+        class Config(ChunkedLossWrapper.Config):
+            num_chunks: int = 1
+            z_loss: float = 0.0
+            label_smoothing: float = 0.0
+            backend: str = "auto"
+            chunk_tokens: int = 4096
+            chunk_vocab: int = 16384
+            workspace_mb: float = 256.0
+            global_vocab_size: int | None = None
+
+        def __init__(self, config, *, compile_config=None):
+            del compile_config  # the fused path is not torch.compile'd
+            self.num_chunks = 1
+            self.loss_fn = None
+            self.lm_head = None
+            self.config = config
+
+        @contextlib.contextmanager
+        def _fused_lm_head(self):
+            head = self.lm_head
+            cfg = self.config
+            had_own = "forward" in head.__dict__
+
+            def forward(h2d, labels):
+                if getattr(head, "bias", None) is not None:
+                    raise NotImplementedError("linear_ce: an lm_head with a bias is not supported")
+                w = head.weight
+                if isinstance(w, DTensor):
+                    raise NotImplementedError(
+                        "linear_ce in the trainer takes a plain (FSDP-unsharded) lm_head weight; a "
+                        "tensor-parallel (vocab-sharded) head is supported by "
+                        "linear_cross_entropy(vocab_group=...) but not wired into the trainer yet. "
+                        "Use loss=chunked with tp > 1.")
+                return linear_cross_entropy(
+                    h2d, w, labels, reduction="sum", z_loss=cfg.z_loss,
+                    label_smoothing=cfg.label_smoothing, backend=cfg.backend,
+                    chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
+                    workspace_mb=cfg.workspace_mb)
+
+            head.forward = forward
+            try:
+                yield head
+            finally:
+                if not had_own:
+                    del head.__dict__["forward"]
+
+        def __call__(self, pred: torch.Tensor, labels: torch.Tensor,
+                     global_valid_tokens: torch.Tensor | None = None, **loss_inputs: Any):
+            from torch.distributed.fsdp import FSDPModule
+
+            del loss_inputs  # per-token extras (positions) do not change cross-entropy
+            head = self.lm_head
+            assert head is not None, "set_lm_head must run before the first call"
+            fsdp = isinstance(head, FSDPModule)
+            requires_grad = pred.requires_grad
+            local = pred.to_local() if isinstance(pred, DTensor) else pred
+            lab = labels.to_local() if isinstance(labels, DTensor) else labels
+            h = local.detach().reshape(-1, local.shape[-1]).requires_grad_(requires_grad)
+            lab = lab.reshape(-1)
+            if fsdp:
+                head.set_reshard_after_forward(False)
+                head.set_reshard_after_backward(False)
+                with spmd.no_typecheck():
+                    head.unshard()
+            try:
+                with spmd.local(), self._fused_lm_head() as fused:
+                    loss = fused(h, lab)
+                    if global_valid_tokens is not None:
+                        loss = loss / global_valid_tokens
+                    if requires_grad:
+                        with spmd.no_typecheck():
+                            loss.backward()
+            finally:
+                if fsdp:
+                    head.set_reshard_after_forward(True)
+                    head.set_reshard_after_backward(True)
+                    head.reshard()
+            loss = loss.detach()
+            if not requires_grad:
+                return loss, {}
+            grad = h.grad.reshape(local.shape)
+            if isinstance(pred, DTensor):
+                grad = DTensor.from_local(grad, device_mesh=pred.device_mesh, placements=pred.placements)
+            with spmd.no_typecheck():
+                out = _DecoderOutputGradientBackProp.apply(pred, grad, loss)
+            return out, {}
+
+    return FusedLinearCrossEntropyLoss

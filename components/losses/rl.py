@@ -1,0 +1,235 @@
+"""RL policy objectives on per-token log-probabilities (from ``logprob.token_logprobs``).
+
+Every objective is a function
+
+    fn(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, <hyperparameters>,
+       sequence_ids=None, normalizer=None) -> (loss, metrics)
+
+on [B, T] tensors (or [N]; every per-token tensor the same shape). ``loss_mask`` (bool or 0/1)
+selects the tokens that are trained (the response tokens). ``advantages`` is per token, or per
+row ([B], broadcast over T). ``sequence_ids`` ([B, T] ints, < 0 for padding) marks several
+sequences packed in one row; without it each row is one sequence. ``normalizer`` replaces the
+local denominator (token count for token-level means, sequence count for sequence-level ones)
+by a global one, e.g. the valid-token count summed over data- and context-parallel ranks, so
+that summing the local losses over ranks gives the global objective. ``loss`` is a scalar to
+minimise; ``metrics`` are detached scalars (clip fractions, KL).
+
+Notation: r_t = exp(logp_t - logp_old_t) (per-token importance ratio), A = advantage,
+clip(x, a, b) = min(max(x, a), b), sg = stop-gradient, |o_i| = tokens of sequence i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _mask(loss_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return loss_mask.to(like.dtype)
+
+
+def _adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    a = advantages.to(like.dtype)
+    if a.dim() == like.dim() - 1:
+        a = a.unsqueeze(-1)
+    return a.expand_as(like)
+
+
+def _token_mean(x: torch.Tensor, m: torch.Tensor, normalizer) -> torch.Tensor:
+    """sum(x * m) / (normalizer or sum(m)): every token of the batch weighs the same."""
+    den = m.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=x.dtype, device=x.device)
+    return (x * m).sum() / den.clamp_min(1)
+
+
+def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None):
+    """Flat segment index per token (one segment per sequence) and the segment count."""
+    rows = m.shape[0] if m.dim() > 1 else 1
+    m2 = m.reshape(rows, -1)
+    if sequence_ids is None:
+        seg = torch.arange(rows, device=m.device)[:, None].expand_as(m2)
+        return seg.reshape(-1), rows
+    sid = sequence_ids.reshape(rows, -1).long()
+    width = int(sid.max().item()) + 1 if sid.numel() else 1
+    seg = torch.arange(rows, device=m.device)[:, None] * width + sid.clamp_min(0)
+    seg = torch.where(sid >= 0, seg, torch.zeros_like(seg))
+    return seg.reshape(-1), rows * width
+
+
+def _segment_sum(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, x.reshape(-1))
+
+
+def _sequence_mean(x, m, sequence_ids, normalizer):
+    """mean over sequences of (mean over the sequence's masked tokens): GRPO's 1/G sum_i 1/|o_i| sum_t."""
+    seg, n = _segments(m, sequence_ids)
+    tok = _segment_sum(m, seg, n)
+    per_seq = _segment_sum(x * m, seg, n) / tok.clamp_min(1)
+    has = tok > 0
+    den = has.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=x.dtype, device=x.device)
+    return (per_seq * has).sum() / torch.as_tensor(den, dtype=x.dtype).clamp_min(1)
+
+
+def _reduce(x, m, norm: str, sequence_ids, normalizer):
+    if norm == "token":
+        return _token_mean(x, m, normalizer)
+    if norm == "sequence":
+        return _sequence_mean(x, m, sequence_ids, normalizer)
+    raise ValueError(f"norm must be token or sequence, got {norm!r}")
+
+
+def _kl_k3(logprobs, ref_logprobs):
+    """k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def _clip_metrics(ratio, lo, hi, m):
+    with torch.no_grad():
+        n = m.sum().clamp_min(1)
+        low = ((ratio < lo).to(m.dtype) * m).sum() / n
+        high = ((ratio > hi).to(m.dtype) * m).sum() / n
+    return {"clip_low_frac": low, "clip_high_frac": high}
+
+
+def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
+        eps_high: float | None = None, kl_coef: float = 0.0, norm: str = "token", sequence_ids=None,
+        normalizer=None):
+    """PPO clipped surrogate (Schulman et al. 2017), per token:
+
+        L = -mean_t [ min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) ] + kl_coef * mean_t KL_t
+
+    eps_high defaults to eps. KL_t is the k3 estimator exp(ref - logp) - (ref - logp) - 1, used
+    only when kl_coef > 0 (needs ref_logprobs). norm="token" averages over all masked tokens of
+    the batch; "sequence" averages per sequence, then over sequences.
+    """
+    m = _mask(loss_mask, logprobs)
+    hi = eps if eps_high is None else eps_high
+    a = _adv(advantages, logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)
+    surr = torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + hi) * a)
+    per_tok = -surr
+    metrics = _clip_metrics(ratio, 1 - eps, 1 + hi, m)
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = _kl_k3(logprobs, ref_logprobs)
+        per_tok = per_tok + kl_coef * kl
+        metrics["kl_mean"] = _token_mean(kl.detach(), m, None)
+    loss = _reduce(per_tok, m, norm, sequence_ids, normalizer)
+    return loss, metrics
+
+
+def grpo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
+         kl_coef: float = 0.0, norm: str = "sequence", sequence_ids=None, normalizer=None):
+    """GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip on group-normalised advantages
+    (A_i = (R_i - mean_group R) / std_group R, see ``group_advantages``) with an optional KL
+    penalty to a reference policy, averaged per sequence then over the G sequences:
+
+        L = -1/G sum_i 1/|o_i| sum_t [ min(r A_i, clip(r, 1 - eps, 1 + eps) A_i) - kl_coef * KL_t ]
+
+    KL_t = exp(ref - logp) - (ref - logp) - 1 (k3). norm="token" gives the token-level variant.
+    """
+    return ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, eps=eps, kl_coef=kl_coef,
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer)
+
+
+def dapo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 0.2,
+         eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None):
+    """DAPO (Yu et al. 2025): clip-higher with decoupled ranges and token-level normalisation,
+    no KL term:
+
+        L = -1 / sum_i |o_i| * sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+
+    (Dynamic sampling and overlong reward shaping are data-side: filter groups whose rewards
+    are all equal, and shape rewards, before writing the rollouts.) ref_logprobs is ignored.
+    """
+    del ref_logprobs
+    return ppo(logprobs, old_logprobs, advantages, loss_mask, None, eps=eps_low, eps_high=eps_high,
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer)
+
+
+def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 3e-4,
+         eps_high: float = 4e-4, sequence_ids=None, normalizer=None):
+    """GSPO (Zheng et al. 2025): a sequence-level importance ratio, the geometric mean of the
+    token ratios over the sequence's masked tokens, clipped per sequence:
+
+        s_i = exp( 1/|o_i| sum_t (logp_t - logp_old_t) )
+        L   = -1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+
+    A_i is the sequence's advantage (mean of its per-token advantages, which are constant over
+    a sequence in GRPO-style rollouts). The defaults (3e-4, 4e-4) are the paper's. The gradient
+    flows through s_i (the GSPO, not the GSPO-token, variant). ref_logprobs is ignored.
+    """
+    del ref_logprobs
+    m = _mask(loss_mask, logprobs)
+    a = _adv(advantages, logprobs)
+    seg, n = _segments(m, sequence_ids)
+    tok = _segment_sum(m, seg, n)
+    has = tok > 0
+    log_s = _segment_sum((logprobs - old_logprobs) * m, seg, n) / tok.clamp_min(1)
+    s = torch.exp(log_s)
+    a_seq = _segment_sum(a * m, seg, n) / tok.clamp_min(1)
+    per_seq = -torch.minimum(s * a_seq, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a_seq)
+    den = has.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=s.dtype, device=s.device)
+    loss = (per_seq * has).sum() / torch.as_tensor(den, dtype=s.dtype).clamp_min(1)
+    hm = has.to(s.dtype)
+    metrics = _clip_metrics(s, 1 - eps_low, 1 + eps_high, hm)
+    return loss, metrics
+
+
+def cispo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float | None = None,
+          eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None):
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight, so
+    every token keeps a gradient (PPO's clip zeroes the gradient of clipped tokens):
+
+        L = -1 / sum_i |o_i| * sum_i sum_t sg( clip(r_t, 1 - eps_low, 1 + eps_high) ) A_t logp_t
+
+    eps_low=None: no lower bound (the paper sets it large). eps_high=0.28 is this project's
+    default, not a published value: tune it. ref_logprobs is ignored.
+    """
+    del ref_logprobs
+    m = _mask(loss_mask, logprobs)
+    a = _adv(advantages, logprobs)
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    lo = 0.0 if eps_low is None else 1 - eps_low
+    w = torch.clamp(ratio, min=lo, max=1 + eps_high)
+    per_tok = -(w * a * logprobs)
+    metrics = _clip_metrics(ratio, lo, 1 + eps_high, m)
+    return _reduce(per_tok, m, norm, sequence_ids, normalizer), metrics
+
+
+def sft(logprobs, old_logprobs=None, advantages=None, loss_mask=None, ref_logprobs=None, *,
+        norm: str = "token", sequence_ids=None, normalizer=None):
+    """Supervised fine-tuning: masked negative log-likelihood, L = -sum_t m_t logp_t / sum_t m_t.
+    old_logprobs, advantages and ref_logprobs are ignored."""
+    del old_logprobs, advantages, ref_logprobs
+    m = torch.ones_like(logprobs) if loss_mask is None else _mask(loss_mask, logprobs)
+    return _reduce(-logprobs, m, norm, sequence_ids, normalizer), {}
+
+
+OBJECTIVES: dict[str, Callable] = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "ppo": ppo, "sft": sft}
+
+
+def objective(name: str) -> Callable:
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown RL objective {name!r}; known: {', '.join(OBJECTIVES)}") from None
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's outcome advantages: (R_i - mean_g R) / (std_g R + eps) within each group g of
+    responses to one prompt (std with Bessel's correction; scale=False keeps R_i - mean, as in
+    Dr. GRPO). rewards, group_ids: [G_total]."""
+    r = rewards.double()
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    k = len(uniq)
+    cnt = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, r) / cnt
+    out = r - mean[inv]
+    if scale:
+        var = torch.zeros(k, dtype=r.dtype).index_add_(0, inv, out * out) / (cnt - 1).clamp_min(1)
+        out = out / (var.sqrt()[inv] + eps)
+    return out.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
