@@ -81,7 +81,8 @@ def trainer_config(r: Resolved):
             tensor_parallel_degree=lay.tp,
             pipeline_parallel_degree=lay.pp,
             expert_parallel_degree=lay.ep,
-            context_parallel_load_balancer=cfg.parallel.cp_load_balancer,
+            context_parallel_load_balancer=(None if str(cfg.parallel.cp_load_balancer).lower() in ("none", "null", "")
+                                            else cfg.parallel.cp_load_balancer),
             pipeline_parallel_schedule=cfg.parallel.pp_schedule,
             pipeline_parallel_microbatch_size=cfg.parallel.pp_microbatch_size,
         ),

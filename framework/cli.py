@@ -157,6 +157,24 @@ def _cp(name: str, dest: str) -> int:
     return 0
 
 
+def _export(run_dir: str, out: str) -> int:
+    from omegaconf import OmegaConf
+
+    from framework import registry
+
+    cfg_path = Path(run_dir) / "config.yaml"
+    if not cfg_path.is_file():
+        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
+                        "Point it at runs/RECIPE/TIMESTAMP.")
+    family = OmegaConf.load(cfg_path).model.family
+    mod = registry.resolve("model", family)
+    if not hasattr(mod, "export_hf"):
+        raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
+                        "Export exists for qwen3_5.")
+    console.print(f"exported {run_dir} -> {mod.export_hf(run_dir, out)}", markup=False)
+    return 0
+
+
 APIARY_USAGE = """usage: apiary COMMAND
   ls                 recipes and registry names with their docs
   show NAME          a recipe's YAML, or a registry name's binding
@@ -164,6 +182,7 @@ APIARY_USAGE = """usage: apiary COMMAND
   launch [recipe=X] [launcher=slurm nodes=N gpus_per_node=G | launcher=local nproc=N] [k=v ...] [--dry-run] [--wait]
                      check the recipe for that world size, then run it here or submit it to Slurm
   cp-template LAUNCHER PATH   copy a launcher's script template (then launcher.template=PATH)
+  export RUN_DIR --hf OUT   latest checkpoint as a HuggingFace folder (qwen3_5)
   compare KEY=A,B    run variants from one seed checkpoint side by side (--check, --json)
   plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
                      derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
@@ -191,6 +210,8 @@ def apiary_main(argv: list[str] | None = None) -> int:
             from framework.launch_cli import cp_template_main
 
             return cp_template_main(rest)
+        if cmd == "export" and len(rest) == 3 and rest[1] == "--hf":
+            return _export(rest[0], rest[2])
         if cmd == "compare":
             from framework.compare import compare_main
 

@@ -35,9 +35,12 @@ def model_module(cfg):
 
 def model_kwargs(cfg) -> dict:
     comm = registry.resolve("moe_comm", cfg.moe.comm, where=f"moe.comm={cfg.moe.comm}")
-    return dict(attn_backend=cfg.model.attn_backend, moe_comm_backend=comm.torchtitan_backend,
-                n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
-                load_balance_coeff=cfg.moe.load_balance_coeff)
+    kw = dict(attn_backend=cfg.model.attn_backend, moe_comm_backend=comm.torchtitan_backend,
+              n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
+              load_balance_coeff=cfg.moe.load_balance_coeff)
+    if cfg.model.hf_checkpoint:
+        kw["hf_checkpoint"] = cfg.model.hf_checkpoint
+    return kw
 
 
 def model_facts(cfg):
@@ -49,7 +52,14 @@ def model_facts(cfg):
                         did_you_mean(cfg.model.flavor, flavors))
     if cfg.model.n_layers is not None and cfg.model.n_layers < 1:
         raise UserError(f"model.n_layers={cfg.model.n_layers}", "must be >= 1.")
-    return mod.facts(cfg.model.flavor, **model_kwargs(cfg))
+    try:
+        return mod.facts(cfg.model.flavor, **model_kwargs(cfg))
+    except TypeError as e:
+        if cfg.model.hf_checkpoint and "hf_checkpoint" in str(e):
+            raise UserError(f"model.hf_checkpoint={cfg.model.hf_checkpoint}",
+                            f"model.family={cfg.model.family} does not load HF checkpoints.",
+                            "Drop model.hf_checkpoint, or use a family that loads them (qwen3_5).") from None
+        raise
 
 
 def world_size_from(cfg, for_training: bool = True) -> int:
@@ -166,6 +176,9 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     _check_inputs(cfg, facts, for_training)
     world = world_size if world_size is not None else world_size_from(cfg, for_training)
     layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
+    check = getattr(model_module(cfg), "check_layout", None)
+    if check is not None:
+        check(cfg, layout)
     grad_accum = check_batch(cfg.training, layout)
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():

@@ -32,7 +32,7 @@ class ParallelConfig:
     ep: Optional[int] = None
     pp: Optional[int] = None
     tp: Optional[int] = None
-    cp_load_balancer: str = "headtail"
+    cp_load_balancer: str = "headtail"  # headtail (balanced causal attention) | none (contiguous)
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
 

@@ -26,7 +26,7 @@ def _err(capsys, argv):
     (["moe.comm=deepep"], ["moe.comm=deepep: the deep_ep package is not installed"]),
     (["moe.comm=alltoal"], ["unknown moe_comm 'alltoal'", "alltoall"]),
     (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
-    (["recipe=qwen35_35b_128k", "nproc=8"], ["model.family=qwen3_5", "not built yet"]),
+    (["recipe=qwen35_35b_128k", "nproc=8"], ["data.tokenizer=./assets/hf/Qwen3.5-35B-A3B", "no tokenizer folder"]),
 ])
 def test_user_errors(capsys, workdir, argv, needles):
     code, err = _err(capsys, argv)

@@ -1,0 +1,326 @@
+"""HuggingFace checkpoints for the text-only Qwen3.5 family: architecture, load, export.
+
+* ``arch_from_hf_config(config.json)``: a text config (``qwen3_5_moe_text`` / ``qwen3_5_text``)
+  or the ``text_config`` of a multimodal one (``qwen3_5_moe`` / ``qwen3_5``) -> ``Arch``.
+* ``load_hf(model, path)``: safetensors -> model parameters (plain, FSDP- or EP-sharded
+  DTensors), one layer at a time, through ``TextStateDictAdapter``.
+* ``export_hf(run_dir, out_path)``: the latest DCP checkpoint of a run -> a HF text-only
+  folder (config.json + model.safetensors) that ``Qwen3_5MoeForCausalLM`` /
+  ``Qwen3_5ForCausalLM`` and ``load_hf`` read.
+
+Key formats read: text-only ``model.layers.*`` and multimodal ``model.language_model.layers.*``
+(vision ``model.visual.*`` and ``mtp.*`` are skipped); routed experts either per expert
+(``mlp.experts.{e}.gate_proj.weight`` ..., the hub layout) or fused in transformers' in-memory
+layout (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]).
+Export writes text-only keys with per-expert weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+from framework.errors import UserError
+
+_MM = "model.language_model."
+_SKIP = ("model.visual.", "mtp.", "model.mtp.")
+_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$")
+_CHECKED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rotary_dim", "linear_key_heads",
+            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "vocab_size", "num_experts",
+            "top_k", "moe_hidden_dim", "shared_expert_hidden_dim", "ffn_hidden_dim", "full_attention_interval",
+            "conv_kernel", "rope_theta", "norm_eps")
+
+
+# --------------------------------------------------------------------------- architecture
+
+def _read_config(config) -> dict:
+    if isinstance(config, dict):
+        return config
+    p = Path(config)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"model.hf_checkpoint={config}", "no config.json there.",
+                        "Point it at a HuggingFace model folder (config.json + *.safetensors).")
+    return json.loads(p.read_text())
+
+
+def arch_from_hf_config(config):
+    """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
+    from components.models.qwen3_5 import Arch
+
+    c = _read_config(config)
+    if "text_config" in c:
+        c = {**c["text_config"], "tie_word_embeddings": c["text_config"].get(
+            "tie_word_embeddings", c.get("tie_word_embeddings", False))}
+    mt = c.get("model_type", "")
+    if mt and not mt.startswith("qwen3_5"):
+        raise UserError(f"model.hf_checkpoint (model_type={mt})", "is not a Qwen3.5 checkpoint.",
+                        "Use a Qwen3.5 or Qwen3.5-MoE checkpoint, or another model.family.")
+    rope = dict(c.get("rope_parameters") or {})
+    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
+        if k in c and k not in rope:
+            rope[k] = c[k]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    interval = c.get("full_attention_interval", 4)
+    if types:
+        full = [i for i, t in enumerate(types[:n]) if t == "full_attention"]
+        interval = full[0] + 1 if full else n + 1
+        want = [i for i in range(n) if (i + 1) % interval == 0]
+        if full != want:
+            raise UserError("model.hf_checkpoint", f"layer_types {types[:n]} is not 'full attention every Nth "
+                            "layer'; apiary's Qwen3.5 builds that pattern only.")
+    moe = bool(c.get("num_experts"))
+    return Arch(
+        dim=c["hidden_size"], n_layers=n, n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+        head_dim=head_dim, rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        linear_key_heads=c["linear_num_key_heads"], linear_value_heads=c["linear_num_value_heads"],
+        linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
+        vocab_size=c["vocab_size"],
+        num_experts=c["num_experts"] if moe else 0, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=c.get("moe_intermediate_size", 0) if moe else 0,
+        shared_expert_hidden_dim=c.get("shared_expert_intermediate_size", 0) if moe else 0,
+        ffn_hidden_dim=0 if moe else c["intermediate_size"], full_attention_interval=interval,
+        conv_kernel=c.get("linear_conv_kernel_dim", 4), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+        max_seq_len=c.get("max_position_embeddings", 262144), norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
+
+
+def check_against_hf(a, flavor: str, path: str, *, n_layers=None, vocab_size=None) -> None:
+    """A recipe whose model settings contradict the checkpoint's config.json is a user error."""
+    hf = arch_from_hf_config(path)
+    want = dataclasses.replace(a, **{k: v for k, v in (("n_layers", n_layers), ("vocab_size", vocab_size))
+                                     if v is not None})
+    bad = [f"{k}: recipe {getattr(want, k)} vs checkpoint {getattr(hf, k)}" for k in _CHECKED
+           if getattr(want, k) != getattr(hf, k)]
+    if bad:
+        from components.models.qwen3_5 import FLAVORS
+
+        match = [n for n, f in FLAVORS.items() if all(getattr(f, k) == getattr(hf, k) for k in _CHECKED
+                                                      if k not in ("n_layers", "vocab_size"))]
+        raise UserError(f"model.hf_checkpoint={path}", f"contradicts model.flavor={flavor}"
+                        f"{' and the recipe overrides' if n_layers or vocab_size else ''}: " + "; ".join(bad) + ".",
+                        f"Use model.flavor={match[0]} and drop the overrides." if match else
+                        "No apiary flavor has this architecture; add one to components/models/qwen3_5.py.")
+
+
+def hf_text_config(a) -> dict:
+    """config.json of a HF text-only model with this architecture."""
+    d = dict(hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+             num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+             linear_num_key_heads=a.linear_key_heads, linear_num_value_heads=a.linear_value_heads,
+             linear_key_head_dim=a.linear_key_head_dim, linear_value_head_dim=a.linear_value_head_dim,
+             linear_conv_kernel_dim=a.conv_kernel, rms_norm_eps=a.norm_eps, hidden_act="silu",
+             max_position_embeddings=a.max_seq_len, tie_word_embeddings=a.tie_embeddings,
+             rope_parameters=dict(rope_type="default", rope_theta=a.rope_theta,
+                                  partial_rotary_factor=a.rotary_dim / a.head_dim,
+                                  mrope_section=list(a.mrope_section), mrope_interleaved=True),
+             layer_types=["full_attention" if (i + 1) % a.full_attention_interval == 0 else "linear_attention"
+                          for i in range(a.n_layers)])
+    if a.num_experts:
+        d.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], num_experts=a.num_experts,
+                 num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_hidden_dim,
+                 shared_expert_intermediate_size=a.shared_expert_hidden_dim)
+    else:
+        d.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], intermediate_size=a.ffn_hidden_dim)
+    return d
+
+
+# --------------------------------------------------------------------------- state dict adapter
+
+class TextStateDictAdapter(Qwen35StateDictAdapter):
+    """torchtitan's Qwen3.5 adapter for text-only checkpoints (see the module docstring)."""
+
+    def from_hf(self, hf_state_dict: dict) -> dict:
+        sd, direct, experts = {}, {}, defaultdict(dict)
+        for key, value in hf_state_dict.items():
+            key = canonical_key(key)
+            if key is None:
+                continue
+            m = _EXPERT.match(key)
+            if m:
+                experts[m["pre"]][(m["w"], int(m["e"]))] = value
+            elif key.endswith(".mlp.experts.gate_up_proj"):  # transformers layout [E, 2F, D]
+                w1, w3 = value.chunk(2, dim=1)
+                direct[f"layers.{_layer_of(key)}.moe.routed_experts.inner_experts.w1_EFD"] = w1
+                direct[f"layers.{_layer_of(key)}.moe.routed_experts.inner_experts.w3_EFD"] = w3
+            elif key.endswith(".mlp.experts.down_proj"):  # [E, D, F]
+                direct[f"layers.{_layer_of(key)}.moe.routed_experts.inner_experts.w2_EDF"] = value
+            else:
+                sd[_MM + key[len("model."):] if key.startswith("model.") else key] = value
+        head = "lm_head.weight" in sd or f"{_MM}embed_tokens.weight" in sd
+        if not head:  # a group of layer weights only: the parent insists on an output head
+            sd["lm_head.weight"] = None
+        out = super().from_hf(sd)
+        if not head:
+            out.pop("lm_head.weight", None)
+        out.update(direct)
+        for pre, parts in experts.items():
+            n = 1 + max(e for _, e in parts)
+            for w, name in (("gate_proj", "w1_EFD"), ("up_proj", "w3_EFD"), ("down_proj", "w2_EDF")):
+                missing = [e for e in range(n) if (w, e) not in parts]
+                if missing:
+                    raise ValueError(f"HF checkpoint: {pre}.{{e}}.{w} missing for experts {missing[:8]}")
+                out[f"layers.{_layer_of(pre)}.moe.routed_experts.inner_experts.{name}"] = torch.stack(
+                    [parts[(w, e)] for e in range(n)])
+        return out
+
+    def to_hf(self, state_dict: dict) -> dict:
+        dense = {k: v for k, v in state_dict.items() if ".routed_experts." not in k}
+        hf = {}
+        for k, v in super().to_hf(dense).items():
+            hf["model." + k[len(_MM):] if k.startswith(_MM) else k] = v
+        for k, v in state_dict.items():
+            m = re.match(r"^layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$", k)
+            if not m:
+                continue
+            w = {"w1_EFD": "gate_proj", "w3_EFD": "up_proj", "w2_EDF": "down_proj"}[m[2]]
+            for e in range(v.shape[0]):
+                hf[f"model.layers.{m[1]}.mlp.experts.{e}.{w}.weight"] = v[e]
+        return hf
+
+
+def canonical_key(key: str) -> str | None:
+    """HF key -> text-only form ``model.…`` / ``lm_head.weight``; None for vision and MTP weights."""
+    if key.startswith(_SKIP):
+        return None
+    if key.startswith(_MM):
+        return "model." + key[len(_MM):]
+    return key
+
+
+def _layer_of(key: str) -> int:
+    return int(re.search(r"layers\.(\d+)\.", key + ".")[1])
+
+
+# --------------------------------------------------------------------------- load
+
+def _index(path: Path) -> dict[str, Path]:
+    """HF key -> safetensors file."""
+    idx = path / "model.safetensors.index.json"
+    if idx.is_file():
+        return {k: path / f for k, f in json.loads(idx.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def _clean(name: str) -> str:
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(junk, "")
+    return name
+
+
+@torch.no_grad()
+def load_hf(model: torch.nn.Module, path: str) -> None:
+    """Copy a HF checkpoint's text weights into ``model`` (any sharding), one layer at a time."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    path = Path(path)
+    index = _index(path)
+    adapter = TextStateDictAdapter(model.config, None)
+    params = {_clean(n): p for n, p in model.named_parameters()}
+    groups = defaultdict(list)  # layer index (or -1) -> HF keys
+    for key in index:
+        ck = canonical_key(key)
+        if ck is None:
+            continue
+        m = re.match(r"^model\.layers\.(\d+)\.", ck)
+        groups[int(m[1]) if m else -1].append(key)
+    unknown = [k for g, keys in groups.items() if g >= len(model.layers) for k in keys]
+    if unknown:
+        raise ValueError(f"{path}: weights for layers beyond the model's {len(model.layers)}: {unknown[:4]}")
+    seen = set()
+    handles = {}
+    for g in sorted(groups):
+        raw = {}
+        for key in groups[g]:
+            f = index[key]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt")
+            raw[key] = handles[f].get_tensor(key)
+        tied = getattr(model.config, "enable_weight_tying", False)
+        for name, value in adapter.from_hf(raw).items():
+            if tied and name == "lm_head.weight":
+                continue
+            if name not in params:
+                raise ValueError(f"{path}: checkpoint weight {name} has no parameter in the model")
+            p = params[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{path}: {name} has shape {tuple(value.shape)}, the model {tuple(p.shape)}")
+            value = value.to(dtype=p.dtype)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                          src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(value)
+            seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"{path}: no weights for {len(missing)} parameters, e.g. {missing[:4]}")
+
+
+# --------------------------------------------------------------------------- export
+
+def save_hf(state_dict: dict, arch, out_path: str, model_config) -> Path:
+    """A torchtitan state dict of this family -> HF text-only folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out_path)
+    out.mkdir(parents=True, exist_ok=True)
+    adapter = TextStateDictAdapter(model_config, None)
+    hf = {k: v.detach().to("cpu").contiguous() for k, v in adapter.to_hf(state_dict).items()}
+    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_text_config(arch), indent=2))
+    return out
+
+
+def export_hf(run_dir: str, out_path: str) -> Path:
+    """`apiary export RUN_DIR --hf OUT`: the run's latest checkpoint -> a HF text-only folder."""
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from components.models import qwen3_5
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
+                        "Point it at runs/RECIPE/TIMESTAMP.")
+    cfg = OmegaConf.load(run / "config.yaml")
+    if cfg.model.family != "qwen3_5":
+        raise UserError(f"apiary export {run_dir}", f"model.family={cfg.model.family}: this exporter writes Qwen3.5.")
+    steps = sorted((int(p.name.split("-")[1]), p) for p in (run / "checkpoint").glob("step-*")
+                   if (p / ".metadata").is_file() and p.name.split("-")[1].isdigit())
+    if not steps:
+        raise UserError(f"apiary export {run_dir}", "holds no complete checkpoint (checkpoint/step-N/.metadata).",
+                        "Train with checkpoint.enable=true first.")
+    step_dir = steps[-1][1]
+    a = qwen3_5.arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+    config = qwen3_5.build_config(a)
+    from components.models.qwen3_5_model import Qwen35TextModel
+
+    with torch.device("meta"):
+        model = Qwen35TextModel(config)
+    # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
+    sd = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    return save_hf(sd, a, out_path, config)

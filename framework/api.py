@@ -1,0 +1,84 @@
+"""Python API: build a recipe's (or a flavor's) model on one process.
+
+    from framework.api import build_model
+    model = build_model("qwen35_debug_moe")                 # a recipe: its model section
+    model = build_model("qwen3_5:35B-A3B", n_layers=4)      # family:flavor (or a unique flavor)
+    model = build_model("qwen35_debug_moe", hf_checkpoint="path/to/hf")   # HF weights
+    logits = model(tokens)                                  # [B, S] token ids -> [B, S, V]
+
+Generic over model families: the family module (registry.yaml kind ``model``) supplies
+``model_config``; this module only resolves names and materialises the model in fp32 on
+this process's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from framework import devices, recipes, registry  # importing framework applies the device shims
+from framework.errors import UserError, did_you_mean
+
+
+def _family_of_flavor(name: str) -> tuple[str, str]:
+    if ":" in name:
+        family, flavor = name.split(":", 1)
+        registry.check("model", family, where=f"build_model({name!r})")
+        return family, flavor
+    hits = [f for f in registry.names("model") if name in getattr(registry.resolve("model", f), "FLAVORS", {})]
+    if len(hits) == 1:
+        return hits[0], name
+    known = recipes.recipe_names()
+    if not hits:
+        raise UserError(f"build_model({name!r})", "no recipe or model flavor of that name.",
+                        did_you_mean(name, known) or "Pass a recipe name or FAMILY:FLAVOR.")
+    raise UserError(f"build_model({name!r})", f"flavor {name!r} exists in several families: {', '.join(hits)}.",
+                    f"Write it as FAMILY:FLAVOR, e.g. {hits[0]}:{name}.")
+
+
+def model_settings(recipe_or_flavor: str, hf_checkpoint: str | None = None, **overrides) -> tuple[str, str, dict]:
+    """(family, flavor, model_config kwargs) for a recipe or flavor name plus overrides."""
+    kwargs: dict = {}
+    if recipe_or_flavor in recipes.recipe_names() or recipe_or_flavor.endswith((".yaml", ".yml")):
+        from framework.resolve import model_kwargs
+
+        cfg = recipes.load(recipe_or_flavor, [])
+        family, flavor = cfg.model.family, cfg.model.flavor
+        kwargs = model_kwargs(cfg)
+        if cfg.model.hf_checkpoint:
+            kwargs["hf_checkpoint"] = cfg.model.hf_checkpoint
+    else:
+        family, flavor = _family_of_flavor(recipe_or_flavor)
+    family = overrides.pop("family", family)
+    flavor = overrides.pop("flavor", flavor)
+    kwargs.update(overrides)
+    if hf_checkpoint is not None:
+        kwargs["hf_checkpoint"] = hf_checkpoint
+    return family, flavor, kwargs
+
+
+def build_model(recipe_or_flavor: str, hf_checkpoint: str | None = None, *, device: str | None = None,
+                **overrides) -> torch.nn.Module:
+    """The model of a recipe or flavor: token ids [B, S] -> logits [B, S, V], fp32, one process.
+
+    ``overrides`` are the family's ``model_config`` arguments (n_layers, vocab_size,
+    attn_backend, ...) and may replace ``family`` / ``flavor``. ``hf_checkpoint`` loads a
+    HuggingFace folder after the random init (families that support it).
+    """
+    family, flavor, kwargs = model_settings(recipe_or_flavor, hf_checkpoint, **overrides)
+    mod = registry.resolve("model", family, where=f"model.family={family}")
+    flavors = list(getattr(mod, "FLAVORS", {}))
+    if flavor not in flavors:
+        raise UserError(f"model.flavor={flavor}", f"unknown flavor for {family}; known: {', '.join(flavors)}.",
+                        did_you_mean(flavor, flavors))
+    try:
+        config = mod.model_config(flavor, **kwargs)
+    except TypeError as e:
+        raise UserError(f"build_model({recipe_or_flavor!r})", f"{family}.model_config does not take these "
+                        f"settings: {e}.", "Drop the override (e.g. hf_checkpoint) for this family.") from None
+    dev = torch.device(device or devices.device_type())
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        model.init_states(buffer_device=dev)
+    return model
