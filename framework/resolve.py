@@ -177,7 +177,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     world = world_size if world_size is not None else world_size_from(cfg, for_training)
     layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
     check = getattr(model_module(cfg), "check_layout", None)
-    if check is not None:
+    if check is not None and for_training:  # planning may explore layouts a family cannot train yet
         check(cfg, layout)
     grad_accum = check_batch(cfg.training, layout)
     OmegaConf.set_struct(cfg, False)

@@ -50,7 +50,8 @@ def test_auto_rule_table():
     assert auto_num_chunks(65_536, ep_size=8, **q35) == 4
     # kernel-shape floor: 4K tokens, EP=2 -> 256 rows per local expert: one chunk only
     assert auto_num_chunks(4_096, ep_size=2, **q35) == 1
-    assert auto_num_chunks(8_192, ep_size=2, **q35) == 2  # 512 rows per expert: 2 chunks of 256
+    assert auto_num_chunks(8_192, ep_size=2, **q35) == 1  # EP 2 in one node: measured no gain
+    assert auto_num_chunks(16_384, ep_size=4, **q35) == 2  # 512 rows per expert: 2 chunks of 256
     assert auto_num_chunks(65_536, ep_size=8, num_experts=8192, top_k=8) == 2  # 512 rows: 4 -> 2 chunks
     assert AUTO_TOKEN_TABLE[-1][0] == math.inf
 
@@ -154,9 +155,10 @@ def _check_layer(rank, mesh):
     x = torch.randn(B, L, D, generator=gen)
     g = torch.randn(B, L, D, generator=gen)
 
-    table, floor = chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT
+    table, floor, min_ep = chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT, chunk_mod.AUTO_MIN_EP
     chunk_mod.AUTO_TOKEN_TABLE = ((16, 1), (math.inf, 3))  # force auto -> 3 chunks at 64 tokens
     chunk_mod.AUTO_MIN_ROWS_PER_EXPERT = 1
+    chunk_mod.AUTO_MIN_EP = 2
     # (policy, chunks it must use, recompute modes to pair with none)
     policies = {"chunk2": (chunk_mod.chunk2, 2, ("none", "full", "selective")),
                 "chunk3": (chunk_mod.chunk3, 3, ("none", "full")),
@@ -190,7 +192,7 @@ def _check_layer(rank, mesh):
                         assert b[key].abs().max() > 0, (tag, key)
                         assert _rel_err(r[key], b[key]) < 2e-2, (tag, key, _rel_err(r[key], b[key]))
     finally:
-        chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT = table, floor
+        chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT, chunk_mod.AUTO_MIN_EP = table, floor, min_ep
 
 
 def _check_model(rank, mesh):

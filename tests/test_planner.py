@@ -65,7 +65,7 @@ def test_chunked_and_linear_ce_shrink_the_loss_terms(seed_baseline):
     assert lin.memory_bytes["loss_hidden_grad"] == 65536 * 2048 * 4
     assert lin.total_bytes < chunked.total_bytes < planner.plan(seed_baseline).total_bytes
     # the recipe's own num_chunks is honoured
-    r = resolve(QWEN, ["loss.num_chunks=4"], world_size=32, for_training=False)
+    r = resolve(QWEN, ["loss=chunked", "loss.num_chunks=4"], world_size=32, for_training=False)
     assert planner.plan(r).memory_bytes["logits_fp32"] == 32768 // 4 * 248320 * 4
 
 

@@ -29,6 +29,10 @@ AUTO_TOKEN_TABLE: tuple[tuple[float, int], ...] = (
 # H100/H200-class GPUs runs mostly partial 128-row tiles and its efficiency drops fast, which
 # eats the overlap gain; the auto rule lowers the chunk count until every chunk clears it.
 AUTO_MIN_ROWS_PER_EXPERT = 256
+# Smallest EP size the auto rule chunks. Measured on 2 x H200 (NVLink, EP=2, dim 2048, 256
+# experts top-8; docs/benchmarks.md): chunk2/3/4 were 0.7-28% slower than none at 4K-64K
+# tokens per rank, so there is nothing to hide at EP 2 inside one node. Larger EP is unmeasured.
+AUTO_MIN_EP = 4
 
 
 def auto_num_chunks(num_tokens: int, *, ep_size: int, num_experts: int, top_k: int,
@@ -40,7 +44,7 @@ def auto_num_chunks(num_tokens: int, *, ep_size: int, num_experts: int, top_k: i
     """
     table = AUTO_TOKEN_TABLE if table is None else table
     min_rows_per_expert = AUTO_MIN_ROWS_PER_EXPERT if min_rows_per_expert is None else min_rows_per_expert
-    if ep_size <= 1 or num_tokens <= 0:
+    if ep_size < AUTO_MIN_EP or num_tokens <= 0:
         return 1
     n = next(chunks for limit, chunks in table if num_tokens < limit)
     rows_per_expert = num_tokens * top_k * ep_size / num_experts
