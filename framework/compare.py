@@ -306,6 +306,12 @@ def classify(key: str, variants: list[Variant], accelerator: bool) -> tuple[str,
             kind, why = "exact", f"{why}: the same {gb.pop()} sequences per step, at most two partial sums"
     if kind == "exact" and accelerator and not base.training.deterministic:
         kind, why = "dtype", f"{why}; on GPU only bitwise with training.deterministic=true"
+    eps = sorted({v.resolved.layout.dims["ep"] for v in variants})
+    if len(eps) > 1 and variants[0].resolved.facts.num_experts and kind in ("exact", "dtype", "fp32"):
+        # torchtitan's GroupedExperts run their GEMMs in bf16 whatever training.dtype is, and
+        # another EP size reorders each expert's rows: expert gradients agree to bf16 only.
+        kind, why = "bf16", (f"{why}; EP {' -> '.join(map(str, eps))} reorders each expert's rows and the "
+                             "grouped expert GEMMs run in bf16 whatever training.dtype is")
     if kind == "dtype":
         kind = "fp32" if base.training.dtype == "float32" else "bf16"
     return kind, why

@@ -111,7 +111,8 @@ def _variant(dtype="float32", local_batch=4, dp=1, accum=1, sharding="blocks", d
                                                    deterministic=deterministic),
                           data=SimpleNamespace(sharding=sharding))
     dims = {"dp_shard": dp, "ep": ep, "cp": 1, "tp": 1, "pp": 1}
-    r = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=dp, dims=dims), grad_accum=accum)
+    r = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=dp, dims=dims), grad_accum=accum,
+                        facts=SimpleNamespace(num_experts=8))
     return compare.Variant(0, "v", "k=v", "0-v", [], resolved=r)
 
 
@@ -122,7 +123,8 @@ def test_tolerance_kinds():
     assert classify("moe.chunk", [_variant(deterministic=True)] * 2, accelerator=True)[0] == "exact"
     assert classify("launcher.nproc", [one, two], accelerator=False)[0] == "exact"  # same 8 sequences
     kind, why = classify("launcher.nproc", [one, _variant(dp=2, ep=2)], accelerator=False)
-    assert kind == "fp32" and "ep 1 -> 2" in why  # the table's EP grows with the ranks: another partition
+    # the table's EP grows with the ranks: another partition, and torchtitan's experts run in bf16
+    assert kind == "bf16" and "ep 1 -> 2" in why and "reorders each expert's rows" in why
     kind, why = classify("launcher.nproc", [_variant(), two], accelerator=False)
     assert kind == "any" and "global batch" in why  # 4 vs 8 sequences per step
     assert classify("launcher.nproc", [_variant(accum=4), _variant(dp=4)], accelerator=False)[0] == "fp32"
