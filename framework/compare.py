@@ -314,6 +314,9 @@ def classify(key: str, variants: list[Variant], accelerator: bool) -> tuple[str,
                              "grouped expert GEMMs run in bf16 whatever training.dtype is")
     if kind == "dtype":
         kind = "fp32" if base.training.dtype == "float32" else "bf16"
+        if kind == "fp32" and variants[0].resolved.facts.num_experts:
+            kind, why = "bf16", (f"{why}; the model's grouped expert GEMMs run in bf16 whatever "
+                                 "training.dtype is, so expert gradients agree to bf16 only")
     return kind, why
 
 

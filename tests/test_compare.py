@@ -119,7 +119,7 @@ def _variant(dtype="float32", local_batch=4, dp=1, accum=1, sharding="blocks", d
 def test_tolerance_kinds():
     one, two = _variant(accum=2), _variant(dp=2)
     assert classify("moe.chunk", [one, one], accelerator=False)[0] == "exact"
-    assert classify("moe.chunk", [one, one], accelerator=True)[0] == "fp32"  # GPU: not bitwise run to run
+    assert classify("moe.chunk", [one, one], accelerator=True)[0] == "bf16"  # GPU: not bitwise run to run
     assert classify("moe.chunk", [_variant(deterministic=True)] * 2, accelerator=True)[0] == "exact"
     assert classify("launcher.nproc", [one, two], accelerator=False)[0] == "exact"  # same 8 sequences
     kind, why = classify("launcher.nproc", [one, _variant(dp=2, ep=2)], accelerator=False)
@@ -127,11 +127,14 @@ def test_tolerance_kinds():
     assert kind == "bf16" and "ep 1 -> 2" in why and "reorders each expert's rows" in why
     kind, why = classify("launcher.nproc", [_variant(), two], accelerator=False)
     assert kind == "any" and "global batch" in why  # 4 vs 8 sequences per step
-    assert classify("launcher.nproc", [_variant(accum=4), _variant(dp=4)], accelerator=False)[0] == "fp32"
+    assert classify("launcher.nproc", [_variant(accum=4), _variant(dp=4)], accelerator=False)[0] == "bf16"
     assert classify("launcher.nproc", [one, _variant(dp=2, sharding="documents")], False)[0] == "any"
     assert classify("loss", [_variant(dtype="bfloat16")] * 2, accelerator=False)[0] == "bf16"
-    assert classify("loss.num_chunks", [one, one], accelerator=False)[0] == "fp32"
-    assert classify("parallel.ep", [one, one], accelerator=False)[0] == "fp32"
+    assert classify("loss.num_chunks", [one, one], accelerator=False)[0] == "bf16"  # MoE: bf16 experts
+    dense = _variant()
+    dense.resolved.facts.num_experts = 0
+    assert classify("loss.num_chunks", [dense, dense], accelerator=False)[0] == "fp32"
+    assert classify("parallel.ep", [one, one], accelerator=False)[0] == "bf16"
     assert classify("optimizer.lr", [one, one], accelerator=False)[0] == "any"
     assert TOLERANCES["exact"].step0 == 0.0 and TOLERANCES["any"].step0 is None
 
