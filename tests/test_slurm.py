@@ -256,7 +256,8 @@ _RANKS = textwrap.dedent("""
     t = T(steps=10, interval=100)
     g = preempt.install(t)
     t.train()
-    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}))
+    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}), flush=True)
+    dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
     dist.destroy_process_group()
 """)
 
