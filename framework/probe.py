@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -68,12 +67,6 @@ class _CaptureLogits:
             p = p.full_tensor()
         self.preds.append(p.float().cpu())
         return self.inner(pred, labels, *args, **kwargs)
-
-
-def _fresh_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _first_step(trainer, dump: Path, rank: int, max_numel: int, n_params: int) -> dict:
@@ -222,8 +215,8 @@ def probe(resolved, dump_dir: str | os.PathLike | None = None, max_numel: int = 
     from framework import run
 
     devices.install()
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # one process, maybe after a run in this process
-        os.environ["MASTER_PORT"] = _fresh_port()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # one process, maybe after a run in this process:
+        os.environ.pop("MASTER_PORT", None)  # _single_process_env picks a fresh one
     run._single_process_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     import torch

@@ -24,3 +24,14 @@ def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = N
 def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is several times faster than two on a shared 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

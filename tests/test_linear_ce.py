@@ -22,13 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 IGN = -100
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is several times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(h, w, labels, *, z_loss=0.0, label_smoothing=0.0, reduction="sum"):

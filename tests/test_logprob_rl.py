@@ -23,12 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 IGN = -100
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _data(n, hd, v, dtype, seed=0, n_ignored=3, device="cpu"):
