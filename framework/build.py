@@ -16,11 +16,10 @@ def trainer_config(r: Resolved):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
-    from torchtitan.trainer import Trainer
-
     from components.data import text
     from components.data.tokenizer import ByteTokenizer
     from framework.metrics import ApiaryMetrics
+    from framework.trainer import ApiaryTrainer
 
     cfg, lay = r.cfg, r.layout
     out = Path(cfg.output_dir)
@@ -39,7 +38,16 @@ def trainer_config(r: Resolved):
         warmup_steps=min(cfg.lr.warmup_steps, max(cfg.training.steps - 1, 0)),
         decay_ratio=cfg.lr.decay_ratio, decay_type=cfg.lr.decay_type, min_lr_factor=cfg.lr.min_lr_factor,
     )
-    dataset = text.register(cfg.data.name, cfg.data.path)
+    if cfg.data.format == "rollouts":
+        from components.data.rollout_loader import RolloutDataLoader
+        from components.data.rollouts import source
+
+        dataloader = RolloutDataLoader.Config(
+            path=source(cfg.data.name, cfg.data.path), num_workers=cfg.data.num_workers, vocab_size=r.facts.vocab_size,
+            global_batch=cfg.training.global_batch if cfg.training.global_batch is not None else -1)
+    else:
+        dataloader = text.PackedTextDataLoader.Config(dataset=text.register(cfg.data.name, cfg.data.path),
+                                                      num_workers=cfg.data.num_workers, sharding=cfg.data.sharding)
     if cfg.data.tokenizer == "byte":
         tokenizer, assets = ByteTokenizer.Config(), str(out)
     else:
@@ -49,13 +57,12 @@ def trainer_config(r: Resolved):
         if not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
 
-    tc = Trainer.Config(
+    tc = ApiaryTrainer.Config(
         model_spec=spec,
         hf_assets_path=assets,
         dump_folder=str(out),
         tokenizer=tokenizer,
-        dataloader=text.PackedTextDataLoader.Config(dataset=dataset, num_workers=cfg.data.num_workers,
-                                                   sharding=cfg.data.sharding),
+        dataloader=dataloader,
         loss=loss,
         activation_checkpoint=ac,
         optimizer=optimizer,

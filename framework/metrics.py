@@ -35,6 +35,7 @@ class JsonlLogger(BaseLogger):
             "peak_mem_bytes": devices.peak_memory_bytes(),
             "peak_mem_kind": devices.peak_memory_kind(),
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
+            **{k: v for k, v in metrics.items() if k.startswith("policy/")},
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -54,6 +55,13 @@ class ApiaryMetrics(MetricsProcessor):
     class Config(MetricsProcessor.Config):
         jsonl_path: str = "metrics.jsonl"
         total_steps: int = 0
+
+    extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.extra_source is not None:
+            extra_metrics = {**(extra_metrics or {}), **self.extra_source()}
+        return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):
         inner = super()._build_metric_logger(config=config, parallel_dims=parallel_dims, **kwargs)

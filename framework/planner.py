@@ -521,9 +521,13 @@ def _chunks(name: str) -> int:
     return 2 if name == "auto" else 1
 
 
+# Losses on the fused LM-head engine (no [tokens, vocab] logits): planned as linear_ce.
+FUSED_HEAD_LOSSES = ("linear_ce", "grpo", "dapo", "gspo", "cispo", "ppo", "sft")
+
+
 def _loss_terms(loss: str, cfg, f, c: Constants, T: float, tp: int, warnings: list[str]) -> list[Term]:
     cols = math.ceil(f.vocab_size / tp)
-    if loss == "linear_ce":
+    if loss in FUSED_HEAD_LOSSES:
         return [Term("loss_tile", 1, c.linear_ce_tile_bytes, "loss", "one logits tile of the fused kernel"),
                 Term("loss_hidden_grad", T * f.dim, c.linear_ce_hidden_grad_bytes, "loss",
                      f"{T:,.0f} tokens x dim {f.dim} x {c.linear_ce_hidden_grad_bytes:g} B")]
@@ -571,7 +575,8 @@ def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, coun
         extra.update(dense=1 / 3, experts=1 / 3, attention=1 / 3, linear_attention=1 / 3)
     elif rc == "selective":
         extra.update(dense=c.selective_recompute_fraction / 3, experts=c.selective_recompute_fraction / 3)
-    loss_factor = float(c.loss_time_factor.get(ch["loss"], c.loss_time_factor.get("ce", 1.65)))
+    loss_key = "linear_ce" if ch["loss"] in FUSED_HEAD_LOSSES else ch["loss"]
+    loss_factor = float(c.loss_time_factor.get(loss_key, c.loss_time_factor.get("ce", 1.65)))
     per_gpu_tokens = tokens_step / W
     time_s: dict[str, float] = {}
     for k, fl in parts.items():

@@ -152,12 +152,15 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     d = cfg.data
-    if d.path is not None:
+    _check_rollouts(cfg, facts)
+    if d.path is not None and d.format == "text":
         from components.data.text import local_data_files
 
         if not local_data_files(d.path):
             raise UserError(f"data.path={d.path}", "no jsonl, json, parquet or txt file there.",
                             "Point data.path at a file or a folder of them.")
+    if d.format == "rollouts":
+        return  # rollouts come tokenized
     if d.tokenizer != "byte":
         if not Path(d.tokenizer).is_dir():
             raise UserError(f"data.tokenizer={d.tokenizer}", "no tokenizer folder there (tokenizer.json and "
@@ -166,6 +169,45 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
     elif facts.vocab_size < 258:
         raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has {facts.vocab_size}.",
                         "Set model.vocab_size=320.")
+
+
+def _check_rollouts(cfg, facts) -> None:
+    """data.format and the loss agree; rollout files exist, parse, fit seq_len and the vocabulary."""
+    d, loss = cfg.data, cfg.loss.name
+    policy = getattr(registry.resolve("loss", loss), "needs_rollouts", False)
+    if d.format not in ("text", "rollouts"):
+        raise UserError(f"data.format={d.format}", "must be text or rollouts.")
+    if policy and d.format != "rollouts":
+        raise UserError(f"loss={loss}", "is a policy objective: it trains on RL rollouts (old log-probs, "
+                        "advantages, loss masks), not on text.",
+                        "Add data.format=rollouts data.path=ROLLOUTS (jsonl/parquet records with input_ids, "
+                        "loss_mask, old_logprobs, advantages; see docs/skills/rl_objectives.md).")
+    if d.format != "rollouts":
+        return
+    from components.data.rollouts import read_rollouts, rollout_files, source
+
+    path = source(d.name, d.path)
+    if path is None:
+        raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged rollouts).",
+                        "Set data.path to a rollout .jsonl/.parquet file or a folder of them.")
+    if not rollout_files(path):
+        raise UserError(f"data.path={path}", "no .jsonl or .parquet rollout file there.",
+                        "Point data.path at a rollout file or a folder of them.")
+    if cfg.parallel.pp not in (None, 1):
+        raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
+                        "Set parallel.pp=1.")
+    try:
+        t = read_rollouts(path, pack_to=cfg.training.seq_len)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(f"data.path={path}", f"{e}.".replace("pack_to", "training.seq_len"),
+                        "Fix the records, or raise training.seq_len above the longest sequence.") from None
+    top = int(t["input_ids"].max())
+    if top >= facts.vocab_size:
+        raise UserError(f"data.path={path}", f"token id {top} is outside the model's vocabulary "
+                        f"({facts.vocab_size}): the rollouts were tokenized for another model.")
+    if getattr(cfg.loss, "kl_coef", 0.0) and "ref_logprobs" not in t:
+        raise UserError(f"loss.kl_coef={cfg.loss.kl_coef}", "needs ref_logprobs in every rollout record.",
+                        "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
 
 
 def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,

@@ -51,8 +51,9 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
+    format: str = "text"  # text: documents packed for LM training | rollouts: RL rollouts (loss=grpo ...)
     name: str = "packaged"  # packaged | local | an HF hub dataset name
-    path: Optional[str] = None  # local jsonl / parquet / txt file or folder
+    path: Optional[str] = None  # local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)
     tokenizer: str = "byte"  # byte | path to a HF tokenizer folder
     num_workers: int = 0
     sharding: str = "blocks"  # blocks: same global batches for any DP size | documents: split docs by rank

@@ -20,8 +20,9 @@ old_logprobs, advantages and ref_logprobs, so that everything lines up with
     input_ids [B, T] long (pad_id), labels [B, T] long (-100), loss_mask [B, T] bool,
     old_logprobs / advantages / ref_logprobs [B, T] float32 (0 at padding),
     positions [B, T] long (restart at every packed sequence), sequence_ids [B, T] long (index of
-    the sequence inside its row, -1 at padding), meta: list per row of the records' (index,
-    sequence_id, group_id).
+    the sequence inside its row, -1 at padding), seq_tokens [B, T] long (trained tokens of the
+    token's sequence, the |o_i| of sequence-level means; 0 at padding), meta: list per row of
+    the records' (index, sequence_id, group_id).
 
 Packing (``pack_to``): sequences are placed in order, each row filled until the next one does
 not fit (no sequence is split); without it each row holds one sequence and T is the longest.
@@ -37,8 +38,16 @@ from pathlib import Path
 import torch
 
 IGNORE_INDEX = -100
+PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
 _FORMATS = (".jsonl", ".parquet")
+
+
+def source(name: str, path: str | None) -> str | None:
+    """The rollouts a recipe's ``data`` section names: ``data.path``, or the packaged ones."""
+    if path is not None:
+        return str(path)
+    return str(PACKAGED_ROLLOUTS) if name == "packaged" else None
 
 
 def rollout_files(path: str | Path) -> list[Path]:
@@ -155,4 +164,8 @@ def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int =
             col += n
         meta.append(row_meta)
     out["meta"] = meta
+    seg = out["sequence_ids"].clamp_min(0)
+    counts = torch.zeros(b, max(int(seg.max()) + 1, 1), dtype=torch.long).scatter_add_(
+        1, seg, out["loss_mask"].long())
+    out["seq_tokens"] = torch.where(out["sequence_ids"] >= 0, counts.gather(1, seg), 0)
     return out

@@ -168,122 +168,19 @@ class LinearCrossEntropy:
                           workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
 
 
-_FUSED_CLASS = None
-
-
 def fused_loss_class():
     """torchtitan loss class (built lazily: importing torchtitan has to wait for devices.install)."""
-    global _FUSED_CLASS
-    if _FUSED_CLASS is None:
-        _FUSED_CLASS = _make_fused_loss_class()
-    return _FUSED_CLASS
+    from components.losses import _head_loss
+
+    return _head_loss.subclass("FusedLinearCrossEntropyLoss", _linear_ce_head_loss, {
+        "z_loss": 0.0, "label_smoothing": 0.0, "global_vocab_size": None})
 
 
-def _make_fused_loss_class():
-    import contextlib
-    from dataclasses import dataclass as tt_dataclass
-
-    import spmd_types as spmd
-    from torch.distributed.tensor import DTensor
-    from torchtitan.components.loss import ChunkedLossWrapper, _DecoderOutputGradientBackProp
-
-    class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
-        """ChunkedLossWrapper protocol (the trainer hands over lm_head and skips it in the model;
-        ``__call__`` runs its own backward and returns a loss whose backward feeds the decoder)
-        with one fused linear cross-entropy instead of per-chunk logits.
-
-        FSDP: like ChunkedLossWrapper, the lm_head stays unsharded for the call and is resharded
-        after; the fused function runs *as the lm_head's forward* (its forward is swapped for the
-        duration of the call), so FSDP2's own hooks unshard the weight, accumulate its gradient
-        and reduce-scatter it exactly as for a plain lm_head call.
-        """
-
-        @tt_dataclass(kw_only=True, slots=True)
-        class Config(ChunkedLossWrapper.Config):
-            num_chunks: int = 1
-            z_loss: float = 0.0
-            label_smoothing: float = 0.0
-            backend: str = "auto"
-            chunk_tokens: int = 4096
-            chunk_vocab: int = 16384
-            workspace_mb: float = 256.0
-            global_vocab_size: int | None = None
-
-        def __init__(self, config, *, compile_config=None):
-            del compile_config  # the fused path is not torch.compile'd
-            self.num_chunks = 1
-            self.loss_fn = None
-            self.lm_head = None
-            self.config = config
-
-        @contextlib.contextmanager
-        def _fused_lm_head(self):
-            head = self.lm_head
-            cfg = self.config
-            had_own = "forward" in head.__dict__
-
-            def forward(h2d, labels):
-                if getattr(head, "bias", None) is not None:
-                    raise NotImplementedError("linear_ce: an lm_head with a bias is not supported")
-                w = head.weight
-                if isinstance(w, DTensor):
-                    raise NotImplementedError(
-                        "linear_ce in the trainer takes a plain (FSDP-unsharded) lm_head weight; a "
-                        "tensor-parallel (vocab-sharded) head is supported by "
-                        "linear_cross_entropy(vocab_group=...) but not wired into the trainer yet. "
-                        "Use loss=chunked with tp > 1.")
-                return linear_cross_entropy(
-                    h2d, w, labels, reduction="sum", z_loss=cfg.z_loss,
-                    label_smoothing=cfg.label_smoothing, backend=cfg.backend,
-                    chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
-                    workspace_mb=cfg.workspace_mb)
-
-            head.forward = forward
-            try:
-                yield head
-            finally:
-                if not had_own:
-                    del head.__dict__["forward"]
-
-        def __call__(self, pred: torch.Tensor, labels: torch.Tensor,
-                     global_valid_tokens: torch.Tensor | None = None, **loss_inputs: Any):
-            from torch.distributed.fsdp import FSDPModule
-
-            del loss_inputs  # per-token extras (positions) do not change cross-entropy
-            head = self.lm_head
-            assert head is not None, "set_lm_head must run before the first call"
-            fsdp = isinstance(head, FSDPModule)
-            requires_grad = pred.requires_grad
-            local = pred.to_local() if isinstance(pred, DTensor) else pred
-            lab = labels.to_local() if isinstance(labels, DTensor) else labels
-            h = local.detach().reshape(-1, local.shape[-1]).requires_grad_(requires_grad)
-            lab = lab.reshape(-1)
-            if fsdp:
-                head.set_reshard_after_forward(False)
-                head.set_reshard_after_backward(False)
-                with spmd.no_typecheck():
-                    head.unshard()
-            try:
-                with spmd.local(), self._fused_lm_head() as fused:
-                    loss = fused(h, lab)
-                    if global_valid_tokens is not None:
-                        loss = loss / global_valid_tokens
-                    if requires_grad:
-                        with spmd.no_typecheck():
-                            loss.backward()
-            finally:
-                if fsdp:
-                    head.set_reshard_after_forward(True)
-                    head.set_reshard_after_backward(True)
-                    head.reshard()
-            loss = loss.detach()
-            if not requires_grad:
-                return loss, {}
-            grad = h.grad.reshape(local.shape)
-            if isinstance(pred, DTensor):
-                grad = DTensor.from_local(grad, device_mesh=pred.device_mesh, placements=pred.placements)
-            with spmd.no_typecheck():
-                out = _DecoderOutputGradientBackProp.apply(pred, grad, loss)
-            return out, {}
-
-    return FusedLinearCrossEntropyLoss
+def _linear_ce_head_loss(self, h, w, labels, global_valid_tokens):
+    """sum of per-token linear cross-entropy over this rank's tokens / global valid tokens."""
+    cfg = self.config
+    loss = linear_cross_entropy(
+        h, w, labels.reshape(-1), reduction="sum", z_loss=cfg.z_loss,
+        label_smoothing=cfg.label_smoothing, backend=cfg.backend,
+        chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb)
+    return loss if global_valid_tokens is None else loss / global_valid_tokens

@@ -3,7 +3,7 @@
 Every objective is a function
 
     fn(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, <hyperparameters>,
-       sequence_ids=None, normalizer=None) -> (loss, metrics)
+       sequence_ids=None, normalizer=None, seq_tokens=None) -> (loss, metrics)
 
 on [B, T] tensors (or [N]; every per-token tensor the same shape). ``loss_mask`` (bool or 0/1)
 selects the tokens that are trained (the response tokens). ``advantages`` is per token, or per
@@ -13,6 +13,13 @@ local denominator (token count for token-level means, sequence count for sequenc
 by a global one, e.g. the valid-token count summed over data- and context-parallel ranks, so
 that summing the local losses over ranks gives the global objective. ``loss`` is a scalar to
 minimise; ``metrics`` are detached scalars (clip fractions, KL).
+
+Sequences split over ranks (context parallelism): ``seq_tokens`` ([B, T], per token the number
+of trained tokens of its whole sequence, counted before the split) makes the sequence-level
+means exact on any shard: a token contributes x_t / |o_i|, so a sequence's tokens sum to its
+mean wherever they live, and ``normalizer`` is then the global sequence count. GSPO's
+sequence ratio also needs the other shards' log-prob sums: ``seq_group`` (a process group,
+with ``sequence_ids`` numbered the same on every member) all-reduces them, differentiably.
 
 Notation: r_t = exp(logp_t - logp_old_t) (per-token importance ratio), A = advantage,
 clip(x, a, b) = min(max(x, a), b), sg = stop-gradient, |o_i| = tokens of sequence i.
@@ -42,8 +49,9 @@ def _token_mean(x: torch.Tensor, m: torch.Tensor, normalizer) -> torch.Tensor:
     return (x * m).sum() / den.clamp_min(1)
 
 
-def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None):
-    """Flat segment index per token (one segment per sequence) and the segment count."""
+def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None, group=None):
+    """Flat segment index per token (one segment per sequence) and the segment count; with
+    ``group``, numbered the same on every member (the widest row of sequences across it)."""
     rows = m.shape[0] if m.dim() > 1 else 1
     m2 = m.reshape(rows, -1)
     if sequence_ids is None:
@@ -51,6 +59,12 @@ def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None):
         return seg.reshape(-1), rows
     sid = sequence_ids.reshape(rows, -1).long()
     width = int(sid.max().item()) + 1 if sid.numel() else 1
+    if group is not None:
+        import torch.distributed as dist
+
+        w = torch.tensor([width], device=m.device)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=group)
+        width = int(w.item())
     seg = torch.arange(rows, device=m.device)[:, None] * width + sid.clamp_min(0)
     seg = torch.where(sid >= 0, seg, torch.zeros_like(seg))
     return seg.reshape(-1), rows * width
@@ -60,8 +74,12 @@ def _segment_sum(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seg, x.reshape(-1))
 
 
-def _sequence_mean(x, m, sequence_ids, normalizer):
+def _sequence_mean(x, m, sequence_ids, normalizer, seq_tokens=None):
     """mean over sequences of (mean over the sequence's masked tokens): GRPO's 1/G sum_i 1/|o_i| sum_t."""
+    if seq_tokens is not None:  # shard-local: each token carries its share of its sequence's mean
+        w = m / seq_tokens.to(x.dtype).clamp_min(1)
+        den = w.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=x.dtype, device=x.device)
+        return (x * w).sum() / torch.as_tensor(den, dtype=x.dtype).clamp_min(1)
     seg, n = _segments(m, sequence_ids)
     tok = _segment_sum(m, seg, n)
     per_seq = _segment_sum(x * m, seg, n) / tok.clamp_min(1)
@@ -70,11 +88,11 @@ def _sequence_mean(x, m, sequence_ids, normalizer):
     return (per_seq * has).sum() / torch.as_tensor(den, dtype=x.dtype).clamp_min(1)
 
 
-def _reduce(x, m, norm: str, sequence_ids, normalizer):
+def _reduce(x, m, norm: str, sequence_ids, normalizer, seq_tokens=None):
     if norm == "token":
         return _token_mean(x, m, normalizer)
     if norm == "sequence":
-        return _sequence_mean(x, m, sequence_ids, normalizer)
+        return _sequence_mean(x, m, sequence_ids, normalizer, seq_tokens)
     raise ValueError(f"norm must be token or sequence, got {norm!r}")
 
 
@@ -94,7 +112,7 @@ def _clip_metrics(ratio, lo, hi, m):
 
 def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
         eps_high: float | None = None, kl_coef: float = 0.0, norm: str = "token", sequence_ids=None,
-        normalizer=None):
+        normalizer=None, seq_tokens=None):
     """PPO clipped surrogate (Schulman et al. 2017), per token:
 
         L = -mean_t [ min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) ] + kl_coef * mean_t KL_t
@@ -116,12 +134,13 @@ def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps
         kl = _kl_k3(logprobs, ref_logprobs)
         per_tok = per_tok + kl_coef * kl
         metrics["kl_mean"] = _token_mean(kl.detach(), m, None)
-    loss = _reduce(per_tok, m, norm, sequence_ids, normalizer)
+    loss = _reduce(per_tok, m, norm, sequence_ids, normalizer, seq_tokens)
     return loss, metrics
 
 
 def grpo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
-         kl_coef: float = 0.0, norm: str = "sequence", sequence_ids=None, normalizer=None):
+         kl_coef: float = 0.0, norm: str = "sequence", sequence_ids=None, normalizer=None,
+         seq_tokens=None):
     """GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip on group-normalised advantages
     (A_i = (R_i - mean_group R) / std_group R, see ``group_advantages``) with an optional KL
     penalty to a reference policy, averaged per sequence then over the G sequences:
@@ -131,11 +150,12 @@ def grpo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     KL_t = exp(ref - logp) - (ref - logp) - 1 (k3). norm="token" gives the token-level variant.
     """
     return ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, eps=eps, kl_coef=kl_coef,
-               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer)
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens)
 
 
 def dapo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 0.2,
-         eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None):
+         eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None,
+         seq_tokens=None):
     """DAPO (Yu et al. 2025): clip-higher with decoupled ranges and token-level normalisation,
     no KL term:
 
@@ -146,11 +166,12 @@ def dapo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     """
     del ref_logprobs
     return ppo(logprobs, old_logprobs, advantages, loss_mask, None, eps=eps_low, eps_high=eps_high,
-               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer)
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens)
 
 
 def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 3e-4,
-         eps_high: float = 4e-4, sequence_ids=None, normalizer=None):
+         eps_high: float = 4e-4, sequence_ids=None, normalizer=None, seq_tokens=None,
+         seq_group=None):
     """GSPO (Zheng et al. 2025): a sequence-level importance ratio, the geometric mean of the
     token ratios over the sequence's masked tokens, clipped per sequence:
 
@@ -160,26 +181,42 @@ def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     A_i is the sequence's advantage (mean of its per-token advantages, which are constant over
     a sequence in GRPO-style rollouts). The defaults (3e-4, 4e-4) are the paper's. The gradient
     flows through s_i (the GSPO, not the GSPO-token, variant). ref_logprobs is ignored.
+
+    Split sequences: with ``seq_group`` the per-sequence sums are all-reduced over the group (the
+    log-ratio sum differentiably), and each member's loss holds the sequence terms in proportion
+    to the tokens it has, so the members' losses add up to L. ``seq_tokens`` is not needed.
     """
-    del ref_logprobs
+    del ref_logprobs, seq_tokens
     m = _mask(loss_mask, logprobs)
     a = _adv(advantages, logprobs)
-    seg, n = _segments(m, sequence_ids)
-    tok = _segment_sum(m, seg, n)
+    seg, n = _segments(m, sequence_ids, seq_group)
+    local_tok = _segment_sum(m, seg, n)
+    log_sum = _segment_sum((logprobs - old_logprobs) * m, seg, n)
+    a_sum = _segment_sum(a.detach() * m, seg, n)
+    tok = local_tok
+    if seq_group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        tok, a_sum = local_tok.clone(), a_sum.clone()
+        dist.all_reduce(tok, group=seq_group)
+        dist.all_reduce(a_sum, group=seq_group)
+        log_sum = all_reduce(log_sum, group=seq_group)
     has = tok > 0
-    log_s = _segment_sum((logprobs - old_logprobs) * m, seg, n) / tok.clamp_min(1)
-    s = torch.exp(log_s)
-    a_seq = _segment_sum(a * m, seg, n) / tok.clamp_min(1)
+    s = torch.exp(log_sum / tok.clamp_min(1))
+    a_seq = a_sum / tok.clamp_min(1)
     per_seq = -torch.minimum(s * a_seq, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a_seq)
+    share = local_tok / tok.clamp_min(1)  # 1 without a group
     den = has.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=s.dtype, device=s.device)
-    loss = (per_seq * has).sum() / torch.as_tensor(den, dtype=s.dtype).clamp_min(1)
+    loss = (per_seq * share * has).sum() / torch.as_tensor(den, dtype=s.dtype).clamp_min(1)
     hm = has.to(s.dtype)
     metrics = _clip_metrics(s, 1 - eps_low, 1 + eps_high, hm)
     return loss, metrics
 
 
 def cispo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float | None = None,
-          eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None):
+          eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None,
+          seq_tokens=None):
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight, so
     every token keeps a gradient (PPO's clip zeroes the gradient of clipped tokens):
 
@@ -196,16 +233,16 @@ def cispo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, e
     w = torch.clamp(ratio, min=lo, max=1 + eps_high)
     per_tok = -(w * a * logprobs)
     metrics = _clip_metrics(ratio, lo, 1 + eps_high, m)
-    return _reduce(per_tok, m, norm, sequence_ids, normalizer), metrics
+    return _reduce(per_tok, m, norm, sequence_ids, normalizer, seq_tokens), metrics
 
 
 def sft(logprobs, old_logprobs=None, advantages=None, loss_mask=None, ref_logprobs=None, *,
-        norm: str = "token", sequence_ids=None, normalizer=None):
+        norm: str = "token", sequence_ids=None, normalizer=None, seq_tokens=None):
     """Supervised fine-tuning: masked negative log-likelihood, L = -sum_t m_t logp_t / sum_t m_t.
     old_logprobs, advantages and ref_logprobs are ignored."""
     del old_logprobs, advantages, ref_logprobs
     m = torch.ones_like(logprobs) if loss_mask is None else _mask(loss_mask, logprobs)
-    return _reduce(-logprobs, m, norm, sequence_ids, normalizer), {}
+    return _reduce(-logprobs, m, norm, sequence_ids, normalizer, seq_tokens), {}
 
 
 OBJECTIVES: dict[str, Callable] = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "ppo": ppo, "sft": sft}

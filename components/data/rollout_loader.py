@@ -1,0 +1,97 @@
+"""The trainer's data loader for RL rollouts (``data.format=rollouts``): jsonl/parquet records
+(format in ``rollouts.py``) packed into ``seq_len`` rows, dealt to data-parallel ranks.
+
+Each sample is ``({"input", "positions", "rl_*"}, labels)``: ``input``/``positions`` go to the
+model (positions restart at every packed sequence, so attention stays inside it), ``labels`` are
+-100 except on trained tokens (so the trainer's global valid-token count is the number of
+trained tokens of the step), and the ``rl_*`` tensors travel to the policy loss (the trainer
+takes them out before the model call and context-shards them like the labels):
+
+    rl_old_logprobs, rl_advantages[, rl_ref_logprobs]   [T] float32
+    rl_sequence_ids                                     [T] long (-1 at padding)
+    rl_seq_tokens                                       [T] long, |o_i| of the token's sequence
+    rl_num_seqs                                         []  float, sequences with a trained token
+                                                            in the whole optimizer step (all ranks)
+
+Rows go to ranks in blocks of ``local_batch`` (global row g belongs to data-parallel rank
+(g // local_batch) % dp), and one optimizer step takes ``global_batch`` consecutive rows, so a
+step sees the same rows for any data-parallel size. The rows repeat when the file is used up
+(epochs). The position in the stream is checkpointed, so a resumed run continues with the next
+row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+
+from components.data.rollouts import read_rollouts
+
+RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens")
+STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
+
+
+class RolloutRows(IterableDataset, Stateful):
+    def __init__(self, path: str, *, seq_len: int, dp_rank: int, dp_world_size: int, local_batch: int,
+                 global_batch: int, vocab_size: int | None = None):
+        t = read_rollouts(path, pack_to=seq_len)
+        ids = t["input_ids"]
+        if vocab_size is not None and int(ids.max()) >= vocab_size:
+            raise ValueError(f"{path}: token id {int(ids.max())} is outside the model's vocabulary "
+                             f"({vocab_size}); the rollouts were tokenized for another model")
+        self.t = t
+        self.n = ids.shape[0]
+        self.rank, self.world, self.block, self.step_rows = dp_rank, dp_world_size, local_batch, global_batch
+        # sequences with at least one trained token, per row
+        self.row_seqs = torch.tensor([len({int(s) for s in r[m].tolist()})
+                                      for r, m in zip(t["sequence_ids"], t["loss_mask"])], dtype=torch.float32)
+        self._g = 0  # next global row index (all ranks')
+
+    def _num_seqs(self, step: int) -> torch.Tensor:
+        rows = torch.arange(step * self.step_rows, (step + 1) * self.step_rows) % self.n
+        return self.row_seqs[rows].sum()
+
+    def __iter__(self):
+        t = self.t
+        while True:
+            g = self._g
+            self._g += 1
+            if (g // self.block) % self.world != self.rank:
+                continue
+            i = g % self.n
+            sample = {"input": t["input_ids"][i], "positions": t["positions"][i],
+                      "rl_old_logprobs": t["old_logprobs"][i], "rl_advantages": t["advantages"][i],
+                      "rl_sequence_ids": t["sequence_ids"][i], "rl_seq_tokens": t["seq_tokens"][i],
+                      "rl_num_seqs": self._num_seqs(g // self.step_rows)}
+            if "ref_logprobs" in t:
+                sample["rl_ref_logprobs"] = t["ref_logprobs"][i]
+            yield sample, t["labels"][i]
+
+    def state_dict(self):
+        return {"row": self._g}
+
+    def load_state_dict(self, state):
+        self._g = int(state["row"])
+
+
+class RolloutDataLoader(ParallelAwareDataloader):
+    """Packed RL rollouts for the policy losses (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        path: str = ""
+        global_batch: int = -1  # rows per optimizer step; -1: local batch x data-parallel ranks
+        vocab_size: int | None = None
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+        del tokenizer  # rollouts come tokenized
+        step_rows = config.global_batch if config.global_batch > 0 else local_batch_size * dp_world_size
+        ds = RolloutRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                         local_batch=local_batch_size, global_batch=step_rows, vocab_size=config.vocab_size)
+        super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
+                         batch_size=local_batch_size, snapshot_every_n_steps=snapshot_every_n_steps)

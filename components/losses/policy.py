@@ -1,0 +1,180 @@
+"""RL policy losses for the trainer, by name: ``loss=grpo|dapo|gspo|cispo|ppo|sft``.
+
+Each is ``token_logprobs`` (fused LM head, no [tokens, vocab] logits; temperature) followed by
+the objective of the same name in ``rl.py``, on batches from the rollout loader
+(``data.format=rollouts``, see ``components/data/rollout_loader.py``). The options under
+``loss.`` are the objective's hyperparameters (defaults as in rl.py) plus ``temperature`` (use
+the sampler's) and the LM-head engine settings shared with linear_ce.
+
+Normalisation, so that a step's loss and gradient do not depend on how its rows are split
+over data-parallel ranks, context-parallel shards or gradient-accumulation micro-steps:
+token-level means divide by the step's trained-token count (the trainer's global valid
+tokens); sequence-level means weigh each token by 1 / |o_i| (its sequence's trained tokens,
+counted by the loader before any split) and divide by the step's sequence count (also from
+the loader); GSPO's sequence ratio all-reduces its per-sequence sums over the context-parallel
+group. The policy metrics (clip fractions, KL) of the last micro-step are logged with the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from components.losses import rl
+
+RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
+
+
+@dataclass
+class _Head:
+    temperature: float = 1.0
+    backend: str = "auto"  # as linear_ce: auto | mixed | cublas | triton | torch
+    chunk_tokens: int = 4096
+    chunk_vocab: int = 16384
+    workspace_mb: float = 256.0
+
+
+_HEAD_FIELDS = {f.name for f in fields(_Head)}
+
+
+class _Policy:
+    """Registry component: ``Options`` (objective hyperparameters + head settings) -> the
+    trainer loss ``PolicyLoss``."""
+
+    objective = ""
+    needs_rollouts = True
+
+    @classmethod
+    def trainer_loss(cls, opts, vocab_size: int):
+        from components.losses import _lm_head as E
+
+        if opts.temperature <= 0:
+            raise ValueError(f"loss.temperature must be > 0, got {opts.temperature}")
+        if opts.backend not in E.BACKENDS:
+            raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
+        if getattr(opts, "norm", "token") not in ("token", "sequence"):
+            raise ValueError(f"loss.norm must be token or sequence, got {opts.norm!r}")
+        hp = {f.name: getattr(opts, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
+        head = {k: getattr(opts, k) for k in _HEAD_FIELDS if k != "temperature"}
+        return policy_loss_class().Config(objective=cls.objective, hparams=hp, temperature=opts.temperature,
+                                          **head)
+
+
+class GRPO(_Policy):
+    objective = "grpo"
+
+    @dataclass
+    class Options(_Head):
+        name: str = "grpo"
+        eps: float = 0.2
+        kl_coef: float = 0.0
+        norm: str = "sequence"
+
+
+class DAPO(_Policy):
+    objective = "dapo"
+
+    @dataclass
+    class Options(_Head):
+        name: str = "dapo"
+        eps_low: float = 0.2
+        eps_high: float = 0.28
+        norm: str = "token"
+
+
+class GSPO(_Policy):
+    objective = "gspo"
+
+    @dataclass
+    class Options(_Head):
+        name: str = "gspo"
+        eps_low: float = 3e-4
+        eps_high: float = 4e-4
+
+
+class CISPO(_Policy):
+    objective = "cispo"
+
+    @dataclass
+    class Options(_Head):
+        name: str = "cispo"
+        eps_low: Optional[float] = None
+        eps_high: float = 0.28
+        norm: str = "token"
+
+
+class PPO(_Policy):
+    objective = "ppo"
+
+    @dataclass
+    class Options(_Head):
+        name: str = "ppo"
+        eps: float = 0.2
+        eps_high: Optional[float] = None
+        kl_coef: float = 0.0
+        norm: str = "token"
+
+
+class SFT(_Policy):
+    """Also trains on text data (every label is a trained token): the same loss as ce."""
+
+    objective = "sft"
+    needs_rollouts = False
+
+    @dataclass
+    class Options(_Head):
+        name: str = "sft"
+        norm: str = "token"
+
+
+def policy_loss(self, h, w, labels, global_valid_tokens):
+    """Policy objective on fused token log-probs; normalised over the whole optimizer step."""
+    from components.losses.logprob import token_logprobs
+
+    cfg = self.config
+    batch = self.batch or {}
+    hp = dict(cfg.hparams)
+    lp, _ = token_logprobs(h, w, labels.reshape(-1), temperature=cfg.temperature, backend=cfg.backend,
+                           chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
+                           workspace_mb=cfg.workspace_mb)
+    lp = lp.reshape(labels.shape)
+    mask = labels != -100
+    zeros = torch.zeros_like(lp)
+    old = batch.get("rl_old_logprobs", zeros).float()
+    adv = batch.get("rl_advantages", zeros).float()
+    ref = batch.get("rl_ref_logprobs")
+    if cfg.objective not in ("sft",) and "rl_old_logprobs" not in batch:
+        raise ValueError(f"loss={cfg.objective} needs rollouts (old log-probs, advantages): {RL_DATA_HINT}")
+    if hp.get("kl_coef", 0.0) > 0 and ref is None:
+        raise ValueError(f"loss.kl_coef > 0 needs ref_logprobs in every rollout record")
+    kw = {"sequence_ids": batch.get("rl_sequence_ids")}
+    seq_level = cfg.objective == "gspo" or hp.get("norm") == "sequence"
+    if seq_level:
+        if "rl_num_seqs" not in batch:
+            raise ValueError(f"loss={cfg.objective} with sequence-level normalisation needs rollouts: {RL_DATA_HINT}")
+        kw["normalizer"] = batch["rl_num_seqs"].reshape(-1)[0].float()
+        if cfg.objective == "gspo":
+            kw["seq_group"] = self.seq_group
+        else:
+            kw["seq_tokens"] = batch["rl_seq_tokens"]
+    elif global_valid_tokens is not None:
+        kw["normalizer"] = global_valid_tokens.float()
+    loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
+    self.metrics = {k: float(v) for k, v in metrics.items()}
+    return loss
+
+
+def set_batch(self, batch: dict, seq_group=None) -> None:
+    """The trainer hands over this micro-step's rl_* tensors (already context-sharded) and the
+    group a sequence's tokens are split over (context parallelism; None without)."""
+    self.batch, self.seq_group = batch, seq_group
+
+
+def policy_loss_class():
+    from components.losses import _head_loss
+
+    return _head_loss.subclass("PolicyLoss", policy_loss, {
+        "objective": "grpo", "hparams": {}, "temperature": 1.0},
+        {"batch": None, "seq_group": None, "metrics": {}, "set_batch": set_batch})

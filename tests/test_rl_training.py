@@ -1,0 +1,256 @@
+"""Policy losses in the trainer (loss=grpo|dapo|gspo|cispo|ppo|sft on data.format=rollouts): the
+trainer-side loss against the objective's formula on materialised logits, sequence splits over
+ranks, the rollout loader's rows and counts, and end-to-end training on 1 and 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from components.data import rollouts as R
+from components.losses import rl
+from tests.conftest import run_cli
+
+SEQ_OBJECTIVES = [("grpo", dict(eps=0.2, kl_coef=0.05, norm="sequence")), ("gspo", dict(eps_low=0.02, eps_high=0.03))]
+OBJECTIVES = [("ppo", dict(eps=0.2, eps_high=None, kl_coef=0.0, norm="token")),
+              ("dapo", dict(eps_low=0.2, eps_high=0.28, norm="token")),
+              ("cispo", dict(eps_low=None, eps_high=0.28, norm="token")),
+              ("sft", dict(norm="token")), *SEQ_OBJECTIVES]
+
+
+def _packed_batch(seed=0, b=2, t=24, h=16, v=37):
+    """Rows of 2-3 packed sequences with prompt (untrained) and response tokens, as the loader makes them."""
+    g = torch.Generator().manual_seed(seed)
+    sid = torch.full((b, t), -1)
+    lens = [[9, 8, 5], [11, 10]]
+    for r in range(b):
+        c = 0
+        for k, n in enumerate(lens[r]):
+            sid[r, c:c + n] = k
+            c += n
+    mask = (sid >= 0) & (torch.rand(b, t, generator=g) > 0.3)
+    labels = torch.where(mask, torch.randint(0, v, (b, t), generator=g), torch.full((b, t), -100))
+    counts = torch.zeros(b, 4, dtype=torch.long).scatter_add_(1, sid.clamp_min(0), mask.long())
+    seq_tokens = torch.where(sid >= 0, counts.gather(1, sid.clamp_min(0)), 0)
+    batch = {
+        "rl_old_logprobs": -3 + 0.4 * torch.randn(b, t, generator=g),
+        "rl_advantages": torch.randn(b, 4, generator=g).gather(1, sid.clamp_min(0)) * (sid >= 0),
+        "rl_ref_logprobs": -3 + 0.4 * torch.randn(b, t, generator=g),
+        "rl_sequence_ids": sid, "rl_seq_tokens": seq_tokens,
+        "rl_num_seqs": torch.full((b,), float(sum(len(x) for x in lens))),
+    }
+    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64)
+    weight = 0.3 * torch.randn(v, h, generator=g, dtype=torch.float64)
+    return hidden, weight, labels, batch
+
+
+def _policy_loss(name, hp, temperature):
+    from framework import devices
+
+    devices.install()
+    from components.losses.policy import policy_loss_class
+
+    fn = policy_loss_class().Config(objective=name, hparams=hp, temperature=temperature, backend="torch").build()
+    return fn
+
+
+@pytest.mark.parametrize("name,hp", OBJECTIVES)
+def test_trainer_policy_loss_matches_the_objective_on_logits(name, hp):
+    """The trainer's fused policy loss (hidden states + lm_head, its own backward) against
+    log_softmax(h W^T / T) -> rl.<objective> with the step normaliser in fp64 (the fused torch
+    path accumulates in fp32: fp32 tolerances)."""
+    hidden, weight, labels, batch = _packed_batch()
+    temp = 0.7
+    fn = _policy_loss(name, hp, temp)
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.float64)
+    head.weight.data.copy_(weight)
+    fn.set_lm_head(head)
+    fn.set_batch(batch)
+    pred = hidden.clone().requires_grad_(True)
+    gvt = (labels != -100).sum()
+    out, _ = fn(pred, labels, gvt)
+    out.backward()
+
+    h2 = hidden.clone().requires_grad_(True)
+    w2 = weight.clone().requires_grad_(True)
+    lp = torch.log_softmax(h2 @ w2.T / temp, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    mask = labels != -100
+    kw = dict(sequence_ids=batch["rl_sequence_ids"])
+    if name == "gspo" or hp.get("norm") == "sequence":
+        kw["normalizer"] = None  # whole batch here: the local count is the step's count
+    else:
+        kw["normalizer"] = gvt
+    want, _ = rl.objective(name)(lp, batch["rl_old_logprobs"].double(), batch["rl_advantages"].double(), mask,
+                                 batch["rl_ref_logprobs"].double(), **hp, **kw)
+    want.backward()
+    assert out.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    assert torch.allclose(pred.grad, h2.grad, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(head.weight.grad, w2.grad, rtol=1e-4, atol=1e-7)
+    if name in ("ppo", "grpo", "dapo"):
+        assert set(fn.metrics) >= {"clip_low_frac", "clip_high_frac"}
+
+
+def test_policy_loss_without_rollouts_says_what_is_missing():
+    hidden, weight, labels, _ = _packed_batch()
+    fn = _policy_loss("grpo", dict(eps=0.2, kl_coef=0.0, norm="sequence"), 1.0)
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.float64)
+    fn.set_lm_head(head)
+    with pytest.raises(ValueError, match="needs rollouts.*data.format=rollouts"):
+        fn(hidden.requires_grad_(True), labels, (labels != -100).sum())
+
+
+def _split_worker(rank, world, port, name, hp, q):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        lp, old, adv, mask, ref, sid, seq_tokens, nseq = torch.load(q["data"])
+        t = lp.shape[1]
+        half = slice(rank * t // 2, (rank + 1) * t // 2)  # this rank's part of every sequence
+        x = lp[:, half].clone().requires_grad_(True)
+        kw = dict(sequence_ids=sid[:, half], normalizer=nseq)
+        if name == "gspo":
+            kw["seq_group"] = dist.group.WORLD
+        else:
+            kw["seq_tokens"] = seq_tokens[:, half]
+        loss, _ = rl.objective(name)(x, old[:, half], adv[:, half], mask[:, half], ref[:, half], **hp, **kw)
+        loss.backward()
+        torch.save((loss.detach(), x.grad), f"{q['out']}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,hp", SEQ_OBJECTIVES)
+def test_sequence_level_objectives_split_over_two_ranks(tmp_path, name, hp):
+    """Context parallelism cuts sequences: sequence means through seq_tokens, GSPO's sequence
+    ratio through an all-reduce over the group; the ranks' losses add up to the whole-batch loss
+    and each rank gets its tokens' gradient."""
+    hidden, weight, labels, b = _packed_batch(seed=3)
+    lp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0].detach()
+    mask = labels != -100
+    args = (lp, b["rl_old_logprobs"].double(), b["rl_advantages"].double(), mask, b["rl_ref_logprobs"].double())
+    x = lp.clone().requires_grad_(True)
+    whole, _ = rl.objective(name)(x, *args[1:], **hp, sequence_ids=b["rl_sequence_ids"])
+    whole.backward()
+    data = tmp_path / "batch.pt"
+    torch.save((*args, b["rl_sequence_ids"], b["rl_seq_tokens"], torch.tensor(5.0, dtype=torch.float64)), data)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = {"data": str(data), "out": str(tmp_path / "part")}
+    torch.multiprocessing.spawn(_split_worker, args=(2, port, name, hp, q), nprocs=2, join=True)
+    parts = [torch.load(f"{q['out']}.{r}") for r in range(2)]
+    assert (parts[0][0] + parts[1][0]).item() == pytest.approx(whole.item(), rel=1e-10)
+    assert torch.allclose(torch.cat([parts[0][1], parts[1][1]], dim=1), x.grad, rtol=1e-9, atol=1e-14)
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_rollout_loader_deals_rows_by_step(tmp_path):
+    from framework import devices
+
+    devices.install()
+    from components.data.rollout_loader import RolloutRows
+
+    recs = [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1], "old_logprobs": [0.0, 0, -1, -1, -1],
+             "advantages": float(i)} for i in range(10)]
+    path = _write(tmp_path / "r.jsonl", recs)
+    # seq_len 10: two sequences per row, 5 rows; a step is 4 rows (local 2 x 2 ranks)
+    one = RolloutRows(str(path), seq_len=10, dp_rank=0, dp_world_size=1, local_batch=4, global_batch=4)
+    ranks = [RolloutRows(str(path), seq_len=10, dp_rank=r, dp_world_size=2, local_batch=2, global_batch=4)
+             for r in range(2)]
+    it1, its = iter(one), [iter(r) for r in ranks]
+    for step in range(3):  # the 5 rows repeat: step 1 holds rows 4, 0, 1, 2
+        s1 = [next(it1) for _ in range(4)]
+        s2 = [next(its[0]) for _ in range(2)] + [next(its[1]) for _ in range(2)]
+        for (a, la), (b, lb) in zip(s1, s2):
+            assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb)
+            assert torch.equal(a["rl_advantages"], b["rl_advantages"])
+        assert all(x["rl_num_seqs"].item() == 8 for x, _ in s1 + s2)  # 4 rows x 2 sequences
+    adv = [int(x["rl_advantages"].max()) for x, _ in s1]
+    assert adv == [7, 9, 1, 3]  # step 2 holds rows 3, 4, 0, 1 -> sequences (6,7) (8,9) (0,1) (2,3) max
+    # labels: shifted, -100 outside the response; seq_tokens = 3 trained tokens per sequence
+    x, lab = s1[0]
+    assert lab[:5].tolist() == [-100, 3, 4, 5, -100] and x["rl_seq_tokens"][:5].tolist() == [3] * 5
+    # resume: the position in the stream is the state
+    st = ranks[1].state_dict()
+    again = RolloutRows(str(path), seq_len=10, dp_rank=1, dp_world_size=2, local_batch=2, global_batch=4)
+    again.load_state_dict(st)
+    assert torch.equal(next(iter(again))[0]["input"], next(its[1])[0]["input"])
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_on_rollouts_equals_ce_on_rollouts(workdir):
+    """The fused policy path in the trainer: sft (-mean log-prob of trained tokens) and the
+    baseline ce (materialised logits) on the same rollouts follow each other step by step."""
+    common = ["recipe=debug_grpo", "training.steps=3", "checkpoint.enable=false", "logging.tensorboard=false"]
+    runs = {}
+    for loss in ("sft", "ce"):
+        p = run_cli(["train", *common, f"loss={loss}", f"output_dir={loss}"], cwd=workdir)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[loss] = _metrics(workdir / loss)
+    for a, b in zip(runs["sft"], runs["ce"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_grpo_on_fixed_rollouts_raises_the_good_responses(workdir):
+    """GRPO on one step's rollouts repeated: the objective falls (the policy moves toward the
+    positive-advantage responses), and clip fractions are logged."""
+    recs = [json.loads(x) for x in R.PACKAGED_ROLLOUTS.read_text().splitlines()[:12]]  # 4 rows of 3
+    path = _write(workdir / "fixed.jsonl", recs)
+    p = run_cli(["train", "recipe=debug_grpo", f"data.path={path}", "training.steps=8", "lr.warmup_steps=0",
+                 "checkpoint.enable=false", "logging.tensorboard=false", "output_dir=run"], cwd=workdir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = _metrics(workdir / "run")
+    assert m[-1]["loss"] < m[0]["loss"] - 0.05, [r["loss"] for r in m]
+    assert "policy/clip_high_frac" in m[0]
+
+
+def test_policy_loss_on_text_is_refused_before_training(workdir):
+    p = run_cli(["train", "recipe=debug_moe", "loss=grpo"], cwd=workdir)
+    assert p.returncode == 2
+    assert "is a policy objective" in p.stderr and "data.format=rollouts" in p.stderr
+    assert not (workdir / "runs").exists()
+    long = _write(workdir / "long.jsonl", [{"input_ids": list(range(50)), "loss_mask": [1] * 50,
+                                             "old_logprobs": [0.0] * 50, "advantages": 1.0}])
+    p = run_cli(["train", "recipe=debug_grpo", f"data.path={long}", "training.seq_len=32"], cwd=workdir)
+    assert p.returncode == 2 and "50 tokens do not fit training.seq_len=32" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("loss,dims", [("grpo", "dp2"), ("gspo", "cp2")])
+def test_two_ranks_match_one_rank(workdir, loss, dims):
+    """The step's normalisers do not depend on the split: 2 gloo ranks (data-parallel, or context-
+    parallel with sequences cut in two) follow the 1-rank run from the same seed checkpoint.
+    GSPO's clip range is opened so every sequence ratio carries gradient through the all-reduce."""
+    wide = ["loss.eps_low=0.99", "loss.eps_high=100"] if loss == "gspo" else []
+    base = ["recipe=qwen35_debug_moe", f"loss={loss}", *wide, "data.format=rollouts", "training.steps=3",
+            "training.local_batch=2", "checkpoint.interval=100", "logging.tensorboard=false"]
+    p = run_cli(["train", *base, "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
+    one_batch = "training.global_batch=4" if dims == "dp2" else "training.global_batch=2"
+    p1 = run_cli(["train", *base, seed, one_batch, "output_dir=one"], cwd=workdir)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    two = ["nproc=2"] + (["parallel.cp=2"] if dims == "cp2" else [])
+    p2 = run_cli(["train", *base, seed, *two, "output_dir=two"], cwd=workdir)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
+    assert (lay["dp_shard"], lay["cp"]) == ((2, 1) if dims == "dp2" else (1, 2))
+    one, two = _metrics(workdir / "one"), _metrics(workdir / "two")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (loss, dims)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (loss, dims)
+        assert a["policy/clip_low_frac"] + a["policy/clip_high_frac"] < 1
