@@ -339,9 +339,22 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
 
 
+def _fail_with_context(events, code, out, err, batch, run):
+    """Everything needed to tell why a Slurm run went wrong, unabridged (pytest.fail keeps long text)."""
+    job = events.get("job")
+    ctld = SLURM_DIR / "log" / "slurmctld.log"
+    ranks = "\n".join(f"--- {p.relative_to(run)}\n{p.read_text()[-1500:]}"
+                      for p in sorted((run / "logs").rglob("std*.log")) if p.stat().st_size)
+    pytest.fail(f"events {events}\nlaunch exit code {code}\n--- launch stdout\n{out[-3000:]}\n--- launch stderr\n"
+                f"{err[-3000:]}\n--- batch log\n{batch[-4000:]}\n--- scontrol show job {job}\n"
+                f"{_job(job) if job else ''}\n--- slurmctld.log (tail)\n"
+                f"{ctld.read_text()[-3000:] if ctld.is_file() else 'n/a'}\n--- rank logs\n{ranks[-6000:]}",
+                pytrace=False)
+
+
 def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_registered, slurm_cluster):
     """debug_moe on 2 CPU ranks (nodes=1 gpus_per_node=2 device=cpu) through the generated script
-    with sbatch --wait; USR1 to the batch shell mid-run (as --signal=B:USR1 would send it): both ranks
+    with --wait; USR1 to the batch shell mid-run (as --signal=B:USR1 would send it): both ranks
     checkpoint, the script requeues the job, the requeued job resumes from that checkpoint."""
     steps = 12
     run = workdir / "run"
@@ -377,7 +390,7 @@ def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_regi
             events["error"] = repr(e)
         finally:
             if "error" in events and "job" in events:
-                subprocess.run(["scancel", events["job"]])  # unblocks sbatch --wait
+                subprocess.run(["scancel", events["job"]])  # unblocks --wait
 
     th = threading.Thread(target=driver, daemon=True)
     th.start()
@@ -388,9 +401,8 @@ def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_regi
     th.join(timeout=60)
     batch_logs = list((run / "logs").glob("slurm-*.out"))
     batch = batch_logs[0].read_text() if batch_logs else ""
-    assert "error" not in events, (events, batch[-4000:])
-    assert code == 0, (out, err, batch[-4000:])
-    assert events.get("requeued"), (events, batch[-4000:])
+    if "error" in events or code != 0 or not events.get("requeued"):
+        _fail_with_context(events, code, out, err, batch, run)
     job = events["job"]
     info = _job(job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info

@@ -57,7 +57,7 @@ class SlurmLauncher:
         template: Optional[str] = None  # path to your own .sbatch.j2 (apiary cp-template slurm PATH)
         extra_sbatch: List[str] = field(default_factory=list)  # e.g. ["--constraint=h200", "--exclusive"]
         setup: List[str] = field(default_factory=list)  # shell lines before launch, e.g. "module load cuda"
-        wait: bool = False  # sbatch --wait: block until the job ends and return its exit code
+        wait: bool = False  # block until the job ends (through requeues) and return its exit code
 
     @staticmethod
     def world_size(opts) -> int:
@@ -153,18 +153,57 @@ class SlurmLauncher:
         path = out / SCRIPT_NAME
         path.write_text(script)
         path.chmod(0o755)
-        cmd = ["sbatch", "--parsable", *(["--wait"] if opts.wait else []), str(path)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.readline().strip()  # sbatch prints (and flushes) the id at submission
-        if first:
-            job = first.split(";")[0]
-            print(f"submitted Slurm job {job}: {path}\n  batch log  {out / 'logs' / f'slurm-{job}.out'}\n"
-                  f"  rank logs  {out / 'logs' / f'job{job}.<restart>'}/node<N>/...\n"
-                  f"  follow     tail -f {out / 'logs' / f'slurm-{job}.out'}", flush=True)
-        rest = proc.stdout.read()
-        if rest.strip():
-            print(rest.strip(), flush=True)
-        return proc.wait()
+        proc = subprocess.run(["sbatch", "--parsable", str(path)], stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+        if proc.returncode != 0 or not first:
+            return proc.returncode or 1
+        job = first.split(";")[0]
+        print(f"submitted Slurm job {job}: {path}\n  batch log  {out / 'logs' / f'slurm-{job}.out'}\n"
+              f"  rank logs  {out / 'logs' / f'job{job}.<restart>'}/node<N>/...\n"
+              f"  follow     tail -f {out / 'logs' / f'slurm-{job}.out'}", flush=True)
+        return wait_for_job(job) if opts.wait else 0
+
+
+# ---------------------------------------------------------------------- waiting
+# Final states (scontrol's JobState names). COMPLETING is not one: a job shows it on its way to
+# COMPLETED, and also on its way back to PENDING when it is requeued.
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED")
+
+
+def job_info(job: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def exit_code(info: dict) -> int:
+    """scontrol's ExitCode=STATUS:SIGNAL -> a shell exit code (128 + signal when signalled)."""
+    status, _, sig = info.get("ExitCode", "1:0").partition(":")
+    return 128 + int(sig) if sig.isdigit() and int(sig) else int(status) if status.isdigit() else 1
+
+
+def wait_for_job(job: str, poll_s: float = 2.0) -> int:
+    """Block until the job reaches a final state, through any number of requeues, printing its
+    state changes; return its exit code. (``sbatch --wait`` is not used: it can read a requeued
+    job's brief COMPLETING state as the end and return 1.)"""
+    last, misses = None, 0
+    while True:
+        info = job_info(job)
+        if not info:  # purged from slurmctld's memory (MinJobAge) or a transient error
+            misses += 1
+            if misses >= 5:
+                print(f"Slurm job {job}: no longer known to scontrol; see its batch log for the outcome", flush=True)
+                return 1
+            _time.sleep(poll_s)
+            continue
+        misses = 0
+        state, restarts = info.get("JobState", "?"), info.get("Restarts", "0")
+        if (state, restarts) != last:
+            print(f"Slurm job {job}: {state}" + (f" (restart {restarts})" if restarts != "0" else ""), flush=True)
+            last = (state, restarts)
+        if state in FINAL_STATES:
+            return 0 if state == "COMPLETED" else (exit_code(info) or 1)
+        _time.sleep(poll_s)
 
 
 # ---------------------------------------------------------------------- helpers
