@@ -34,7 +34,7 @@ def overrides(run: str, a) -> list[str]:
     common = [f"model.n_layers={a.layers}", f"training.seq_len={a.seq}", f"training.steps={a.steps}",
               "training.local_batch=1", "data.name=packaged", "data.tokenizer=byte", "checkpoint.enable=false",
               "logging.tensorboard=false", "logging.color=false", "lr.warmup_steps=2",
-              f"output_dir={Path(a.out) / run}"]
+              f"model.flex_autotune={str(a.flex_autotune).lower()}", f"output_dir={Path(a.out) / run}"]
     if run == "apiary_cp":
         return common + [f"parallel.cp={a.gpus}", f"parallel.ep={a.gpus}", "parallel.dp_shard=1"]
     return common + ["parallel.cp=1", f"parallel.ep={a.gpus}", f"parallel.dp_shard={a.gpus}"]
@@ -110,6 +110,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=4, help="first step counted in the medians")
     p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--no-flex-autotune", dest="flex_autotune", action="store_false",
+                   help="compile flex attention without max-autotune (minutes less before step 1)")
     p.add_argument("--out", default=str(ROOT / "runs" / "qwen35_bench"))
     p.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -121,7 +123,8 @@ def main() -> int:
         (Path(a.out) / run / "metrics.jsonl").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}",
                str(Path(__file__).resolve()), "--worker", run, f"--gpus={a.gpus}", f"--layers={a.layers}",
-               f"--seq={a.seq}", f"--steps={a.steps}", f"--out={a.out}"]
+               f"--seq={a.seq}", f"--steps={a.steps}", f"--out={a.out}",
+               *([] if a.flex_autotune else ["--no-flex-autotune"])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         print(f"== {run}: {' '.join(cmd)}", flush=True)
         if subprocess.call(cmd, cwd=ROOT, env=env):

@@ -24,6 +24,9 @@ def trainer_config(r: Resolved):
     cfg, lay = r.cfg, r.layout
     out = Path(cfg.output_dir)
 
+    from framework import devices
+
+    devices.set_flex_autotune(bool(cfg.model.flex_autotune))
     spec = model_module(cfg).model_spec(cfg.model.flavor, **model_kwargs(cfg))  # fresh per Trainer
     registry.resolve("moe_chunk", cfg.moe.chunk).apply(spec.model)
     loss = registry.resolve("loss", cfg.loss.name).trainer_loss(cfg.loss, r.facts.vocab_size)

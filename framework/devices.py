@@ -46,6 +46,31 @@ def inner_attention_config():
     return DenseMaskAttention.Config
 
 
+FLEX_COMPILE_OPTIONS: dict | None = None  # what set_flex_autotune compiled flex attention with
+
+
+def set_flex_autotune(enabled: bool) -> None:
+    """Compile flex attention with torchtitan's inductor options (max-autotune and coordinate
+    descent tuning: fastest kernels, minutes of tuning per new shape, e.g. head dim 256 at long
+    context) or, with ``enabled=False``, the same options without the two tuners (seconds to
+    compile, inductor's default flex kernel configs). Process-wide: torchtitan keeps the
+    compiled function on the FlexAttention class."""
+    global FLEX_COMPILE_OPTIONS
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    options = dict(FlexAttention.inductor_configs)
+    if not enabled:
+        options.update(max_autotune=False, coordinate_descent_tuning=False)
+    if FLEX_COMPILE_OPTIONS is None and enabled:  # torchtitan's own compiled function already has them
+        FLEX_COMPILE_OPTIONS = options
+        return
+    if options == FLEX_COMPILE_OPTIONS:
+        return
+    FlexAttention._compiled_flex_attn = torch.compile(flex_attention, options=options)
+    FLEX_COMPILE_OPTIONS = options
+
+
 def accelerator_info() -> tuple[str | None, int | None]:
     """(device name, total memory in bytes) of local accelerator 0, or (None, None) on CPU."""
     if not has_accelerator():

@@ -20,6 +20,7 @@ class ModelConfig:
     n_layers: Optional[int] = None  # truncate/extend the layer stack
     vocab_size: Optional[int] = None  # override the flavor's vocabulary
     attn_backend: str = "flex"
+    flex_autotune: bool = True  # inductor max-autotune + coordinate descent for flex attention (false: faster compile)
     hf_checkpoint: Optional[str] = None
 
 
