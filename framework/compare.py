@@ -38,7 +38,7 @@ chosen from the key (table KEY_KINDS) and can be forced with --tol=exact|fp32|bf
 | fp32  | 1e-5        | 1e-3        | another kernel or partition of the same math in float32: loss (ce/chunked/linear_ce), state, moe.comm, parallel.ep/cp/tp/pp, attention backend |
 | bf16  | 2e-2        | 5e-2        | the same in bfloat16 |
 | dtype | fp32 or bf16 by the baseline's training.dtype | | what KEY_KINDS says for kernels |
-| any   | not checked | not checked | deliberate changes: optimizer, lr, seed, dtype, model shape, unknown keys; with --check (and no --tol) they are held to dtype level, so --check answers "are these equivalent?" |
+| any   | not checked | not checked | deliberate changes: optimizer, lr, seed, dtype, model shape, another objective (loss=ce,grpo or grpo,dapo; loss.z_loss, loss.eps, ...), unknown keys; with --check (and no --tol) they are held to dtype level, so --check answers "are these equivalent?" |
 
 Relative differences: a scalar's |a-b|/|b|; logits' and each gradient's ||a-b||/||b|| (the
 gradients' value is the worst parameter's); curves take the worst logged step. An exact kind
@@ -70,6 +70,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from framework import registry
 from framework.errors import UserError, did_you_mean
 
 
@@ -273,6 +274,27 @@ class Plan:
     recipe: str
 
 
+def _objective(loss_name: str) -> str:
+    """What a loss optimises: the cross-entropy family (ce, chunked, linear_ce, and sft, which is
+    the same masked NLL) or a policy objective by name."""
+    obj = getattr(registry.resolve("loss", loss_name), "objective", "") or "cross-entropy"
+    return "cross-entropy" if obj == "sft" else obj
+
+
+def _objective_change(key: str, cfgs) -> str | None:
+    """Why sweeping ``key`` changes the loss's objective (not just its kernel), or None."""
+    if not (key == "loss" or key.startswith("loss.")) or getattr(cfgs[0], "loss", None) is None:
+        return None
+    if key == "loss":
+        objs = sorted({_objective(c.loss.name) for c in cfgs})
+        return (f"loss swaps the objective ({', '.join(objs)}), not only its kernel: a deliberate change, "
+                "reported, not checked") if len(objs) > 1 else None
+    sub = key.split(".", 1)[1]
+    if sub in getattr(registry.resolve("loss", cfgs[0].loss.name), "objective_keys", ()):
+        return f"{key} is a hyperparameter of the objective: a deliberate change, reported, not checked"
+    return None
+
+
 def classify(key: str, variants: list[Variant], accelerator: bool) -> tuple[str, str]:
     """The tolerance kind for sweeping ``key`` over ``variants`` (resolved) and why."""
     kind, why = "any", f"no tolerance is known for {key}: treated as a deliberate change (pass --tol to check)"
@@ -287,6 +309,9 @@ def classify(key: str, variants: list[Variant], accelerator: bool) -> tuple[str,
                 break
     cfgs = [v.resolved.cfg for v in variants]
     base = cfgs[0]
+    deliberate = _objective_change(key, cfgs)
+    if deliberate:
+        kind, why = "any", deliberate
     if kind == "dp":
         gb = {v.resolved.cfg.training.local_batch * v.resolved.layout.dp * v.resolved.grad_accum for v in variants}
         sums = max(v.resolved.layout.dp * v.resolved.grad_accum for v in variants)

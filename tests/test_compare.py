@@ -106,10 +106,11 @@ def test_user_errors_stop_before_anything_runs(tmp_path, capsys, argv, needle):
     assert not out.exists()
 
 
-def _variant(dtype="float32", local_batch=4, dp=1, accum=1, sharding="blocks", deterministic=False, ep=1):
+def _variant(dtype="float32", local_batch=4, dp=1, accum=1, sharding="blocks", deterministic=False, ep=1,
+             loss="ce"):
     cfg = SimpleNamespace(training=SimpleNamespace(dtype=dtype, local_batch=local_batch,
                                                    deterministic=deterministic),
-                          data=SimpleNamespace(sharding=sharding))
+                          data=SimpleNamespace(sharding=sharding), loss=SimpleNamespace(name=loss))
     dims = {"dp_shard": dp, "ep": ep, "cp": 1, "tp": 1, "pp": 1}
     r = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=dp, dims=dims), grad_accum=accum,
                         facts=SimpleNamespace(num_experts=8))
@@ -136,6 +137,16 @@ def test_tolerance_kinds():
     assert classify("loss.num_chunks", [dense, dense], accelerator=False)[0] == "fp32"
     assert classify("parallel.ep", [one, one], accelerator=False)[0] == "bf16"
     assert classify("optimizer.lr", [one, one], accelerator=False)[0] == "any"
+    # another objective is a deliberate change; another kernel of the same one is not
+    assert classify("loss", [_variant(loss="ce"), _variant(loss="linear_ce")], False)[0] == "bf16"
+    assert classify("loss", [_variant(loss="ce"), _variant(loss="sft")], False)[0] == "bf16"
+    kind, why = classify("loss", [_variant(loss="grpo"), _variant(loss="dapo")], False)
+    assert kind == "any" and "dapo, grpo" in why
+    assert classify("loss", [_variant(loss="ce"), _variant(loss="ppo")], False)[0] == "any"
+    assert classify("loss.eps", [_variant(loss="grpo")] * 2, False)[0] == "any"
+    assert classify("loss.temperature", [_variant(loss="grpo")] * 2, False)[0] == "any"
+    assert classify("loss.backend", [_variant(loss="grpo")] * 2, False)[0] == "bf16"
+    assert classify("loss.z_loss", [_variant(loss="linear_ce")] * 2, False)[0] == "any"
     assert TOLERANCES["exact"].step0 == 0.0 and TOLERANCES["any"].step0 is None
 
 

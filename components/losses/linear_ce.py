@@ -142,6 +142,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 class LinearCrossEntropy:
+    objective_keys = ("z_loss", "label_smoothing")  # change what is optimised (apiary compare)
+
     @dataclass
     class Options:
         name: str = "linear_ce"

@@ -46,6 +46,13 @@ class _Policy:
     objective = ""
     needs_rollouts = True
 
+    objective_keys: tuple[str, ...] = ()  # options that change what is optimised (apiary compare)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        engine = (_HEAD_FIELDS - {"temperature"}) | {"name"}
+        cls.objective_keys = tuple(f.name for f in fields(cls.Options) if f.name not in engine)
+
     @classmethod
     def trainer_loss(cls, opts, vocab_size: int):
         from components.losses import _lm_head as E
