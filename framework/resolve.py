@@ -177,9 +177,11 @@ def _check_rollouts(cfg, facts) -> None:
     policy = getattr(registry.resolve("loss", loss), "needs_rollouts", False)
     if d.format not in ("text", "rollouts"):
         raise UserError(f"data.format={d.format}", "must be text or rollouts.")
-    if policy and d.format != "rollouts":
-        raise UserError(f"loss={loss}", "is a policy objective: it trains on RL rollouts (old log-probs, "
-                        "advantages, loss masks), not on text.",
+    seq_norm = getattr(cfg.loss, "norm", "token") == "sequence"
+    if (policy or seq_norm) and d.format != "rollouts":
+        what = ("is a policy objective: it trains on RL rollouts (old log-probs, advantages, loss masks), not "
+                "on text." if policy else "with loss.norm=sequence needs the rollouts' sequence boundaries.")
+        raise UserError(f"loss={loss}", what,
                         "Add data.format=rollouts data.path=ROLLOUTS (jsonl/parquet records with input_ids, "
                         "loss_mask, old_logprobs, advantages; see docs/skills/rl_objectives.md).")
     if d.format != "rollouts":

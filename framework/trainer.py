@@ -27,7 +27,8 @@ class ApiaryTrainer(Trainer):
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL
-            self.metrics_processor.extra_source = lambda: {f"policy/{k}": v for k, v in self.loss_fn.metrics.items()}
+            self.metrics_processor.extra_source = lambda: {f"policy/{k}": float(v)
+                                                           for k, v in self.loss_fn.metrics.items()}
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
         rl = {k: input_dict.pop(k) for k in (*RL_KEYS, *STEP_KEYS) if k in input_dict}

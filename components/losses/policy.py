@@ -155,7 +155,7 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     if cfg.objective not in ("sft",) and "rl_old_logprobs" not in batch:
         raise ValueError(f"loss={cfg.objective} needs rollouts (old log-probs, advantages): {RL_DATA_HINT}")
     if hp.get("kl_coef", 0.0) > 0 and ref is None:
-        raise ValueError(f"loss.kl_coef > 0 needs ref_logprobs in every rollout record")
+        raise ValueError("loss.kl_coef > 0 needs ref_logprobs in every rollout record")
     kw = {"sequence_ids": batch.get("rl_sequence_ids")}
     seq_level = cfg.objective == "gspo" or hp.get("norm") == "sequence"
     if seq_level:
@@ -169,7 +169,7 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     elif global_valid_tokens is not None:
         kw["normalizer"] = global_valid_tokens.float()
     loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
-    self.metrics = {k: float(v) for k, v in metrics.items()}
+    self.metrics = metrics  # detached scalars; read (synchronised) only when a step is logged
     return loss
 
 
