@@ -259,3 +259,24 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (loss, dims)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (loss, dims)
         assert a["policy/clip_low_frac"] + a["policy/clip_high_frac"] < 1
+
+
+def test_rollout_run_resumes_at_the_next_rows(workdir):
+    """The loader's position is checkpointed: resuming from step 2 gives the uninterrupted run's
+    steps 3 and 4 (other rows would give other losses)."""
+    import shutil
+
+    common = ["recipe=debug_grpo", "training.steps=4", "checkpoint.interval=2", "logging.tensorboard=false"]
+    p = run_cli(["train", *common, "output_dir=run"], cwd=workdir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    full = _metrics(workdir / "run")
+    assert len({round(r["loss"], 6) for r in full}) == 4  # every step sees other rows
+    shutil.copytree(workdir / "run", workdir / "resumed")
+    shutil.rmtree(workdir / "resumed" / "checkpoint" / "step-4")
+    (workdir / "resumed" / "metrics.jsonl").unlink()
+    p = run_cli(["train", *common, "checkpoint.resume=true", f"output_dir={workdir / 'resumed'}"], cwd=workdir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = _metrics(workdir / "resumed")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
