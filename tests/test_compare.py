@@ -145,6 +145,7 @@ def test_tolerance_kinds():
     assert classify("loss", [_variant(loss="ce"), _variant(loss="ppo")], False)[0] == "any"
     assert classify("loss.eps", [_variant(loss="grpo")] * 2, False)[0] == "any"
     assert classify("loss.temperature", [_variant(loss="grpo")] * 2, False)[0] == "any"
+    assert classify("loss.entropy_coef", [_variant(loss="dapo")] * 2, False)[0] == "any"
     assert classify("loss.backend", [_variant(loss="grpo")] * 2, False)[0] == "bf16"
     assert classify("loss.z_loss", [_variant(loss="linear_ce")] * 2, False)[0] == "any"
     assert TOLERANCES["exact"].step0 == 0.0 and TOLERANCES["any"].step0 is None

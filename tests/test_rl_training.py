@@ -48,24 +48,27 @@ def _packed_batch(seed=0, b=2, t=24, h=16, v=37):
     return hidden, weight, labels, batch
 
 
-def _policy_loss(name, hp, temperature):
+def _policy_loss(name, hp, temperature, entropy_coef=0.0):
     from framework import devices
 
     devices.install()
     from components.losses.policy import policy_loss_class
 
-    fn = policy_loss_class().Config(objective=name, hparams=hp, temperature=temperature, backend="torch").build()
+    fn = policy_loss_class().Config(objective=name, hparams=hp, temperature=temperature, backend="torch",
+                                    entropy_coef=entropy_coef).build()
     return fn
 
 
-@pytest.mark.parametrize("name,hp", OBJECTIVES)
-def test_trainer_policy_loss_matches_the_objective_on_logits(name, hp):
+@pytest.mark.parametrize("name,hp,ent_coef", [(n, h, 0.0) for n, h in OBJECTIVES] + [
+    ("grpo", dict(eps=0.2, kl_coef=0.0, norm="sequence"), 0.05), ("dapo", OBJECTIVES[1][1], 0.01)])
+def test_trainer_policy_loss_matches_the_objective_on_logits(name, hp, ent_coef):
     """The trainer's fused policy loss (hidden states + lm_head, its own backward) against
-    log_softmax(h W^T / T) -> rl.<objective> with the step normaliser in fp64 (the fused torch
-    path accumulates in fp32: fp32 tolerances)."""
+    log_softmax(h W^T / T) -> rl.<objective> with the step normaliser (and the entropy bonus
+    - coef x token mean of -sum p log p) in fp64; the fused torch path accumulates in fp32:
+    fp32 tolerances."""
     hidden, weight, labels, batch = _packed_batch()
     temp = 0.7
-    fn = _policy_loss(name, hp, temp)
+    fn = _policy_loss(name, hp, temp, ent_coef)
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.float64)
     head.weight.data.copy_(weight)
     fn.set_lm_head(head)
@@ -77,7 +80,8 @@ def test_trainer_policy_loss_matches_the_objective_on_logits(name, hp):
 
     h2 = hidden.clone().requires_grad_(True)
     w2 = weight.clone().requires_grad_(True)
-    lp = torch.log_softmax(h2 @ w2.T / temp, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    logp_all = torch.log_softmax(h2 @ w2.T / temp, -1)
+    lp = logp_all.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
     mask = labels != -100
     kw = dict(sequence_ids=batch["rl_sequence_ids"])
     if name == "gspo" or hp.get("norm") == "sequence":
@@ -86,6 +90,11 @@ def test_trainer_policy_loss_matches_the_objective_on_logits(name, hp):
         kw["normalizer"] = gvt
     want, _ = rl.objective(name)(lp, batch["rl_old_logprobs"].double(), batch["rl_advantages"].double(), mask,
                                  batch["rl_ref_logprobs"].double(), **hp, **kw)
+    if ent_coef:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        mean_entropy = (entropy * mask).sum() / gvt
+        want = want - ent_coef * mean_entropy
+        assert float(fn.metrics["entropy"]) == pytest.approx(mean_entropy.item(), rel=1e-5)
     want.backward()
     assert out.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
     assert torch.allclose(pred.grad, h2.grad, rtol=1e-4, atol=1e-7)

@@ -30,6 +30,7 @@ RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format i
 @dataclass
 class _Head:
     temperature: float = 1.0
+    entropy_coef: float = 0.0  # > 0: subtract entropy_coef x (token mean of the policy's entropy)
     backend: str = "auto"  # as linear_ce: auto | mixed | cublas | triton | torch
     chunk_tokens: int = 4096
     chunk_vocab: int = 16384
@@ -50,7 +51,7 @@ class _Policy:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        engine = (_HEAD_FIELDS - {"temperature"}) | {"name"}
+        engine = (_HEAD_FIELDS - {"temperature", "entropy_coef"}) | {"name"}
         cls.objective_keys = tuple(f.name for f in fields(cls.Options) if f.name not in engine)
 
     @classmethod
@@ -63,10 +64,11 @@ class _Policy:
             raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
         if getattr(opts, "norm", "token") not in ("token", "sequence"):
             raise ValueError(f"loss.norm must be token or sequence, got {opts.norm!r}")
+        if opts.entropy_coef < 0:
+            raise ValueError(f"loss.entropy_coef must be >= 0, got {opts.entropy_coef}")
         hp = {f.name: getattr(opts, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
-        head = {k: getattr(opts, k) for k in _HEAD_FIELDS if k != "temperature"}
-        return policy_loss_class().Config(objective=cls.objective, hparams=hp, temperature=opts.temperature,
-                                          **head)
+        head = {k: getattr(opts, k) for k in _HEAD_FIELDS}
+        return policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
 
 
 class GRPO(_Policy):
@@ -143,9 +145,10 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     cfg = self.config
     batch = self.batch or {}
     hp = dict(cfg.hparams)
-    lp, _ = token_logprobs(h, w, labels.reshape(-1), temperature=cfg.temperature, backend=cfg.backend,
-                           chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
-                           workspace_mb=cfg.workspace_mb)
+    with_entropy = cfg.entropy_coef > 0
+    lp, ent = token_logprobs(h, w, labels.reshape(-1), temperature=cfg.temperature, with_entropy=with_entropy,
+                             backend=cfg.backend, chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
+                             workspace_mb=cfg.workspace_mb)
     lp = lp.reshape(labels.shape)
     mask = labels != -100
     zeros = torch.zeros_like(lp)
@@ -169,6 +172,11 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     elif global_valid_tokens is not None:
         kw["normalizer"] = global_valid_tokens.float()
     loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
+    if with_entropy:  # entropy bonus: a token mean over the step's trained tokens, like the token-level losses
+        den = global_valid_tokens.float() if global_valid_tokens is not None else mask.sum()
+        bonus = (ent.reshape(labels.shape) * mask).sum() / den.clamp_min(1)
+        loss = loss - cfg.entropy_coef * bonus
+        metrics = {**metrics, "entropy": bonus.detach()}
     self.metrics = metrics  # detached scalars; read (synchronised) only when a step is logged
     return loss
 
@@ -183,5 +191,5 @@ def policy_loss_class():
     from components.losses import _head_loss
 
     return _head_loss.subclass("PolicyLoss", policy_loss, {
-        "objective": "grpo", "hparams": {}, "temperature": 1.0},
+        "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0},
         {"batch": None, "seq_group": None, "metrics": {}, "set_batch": set_batch})
