@@ -380,6 +380,10 @@ def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_regi
             while time.time() < deadline:  # requeued: Slurm holds it ~2 min (BeginTime); start it now
                 info = _job(job)
                 if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
+                    # slurmd refuses a credential issued in the same second as the previous run's
+                    # revocation ("Job credential revoked": the job fails); Slurm's own hold avoids
+                    # that, and so does starting it from a later second.
+                    time.sleep(2.0)
                     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
                     events["requeued"] = True
                     break
