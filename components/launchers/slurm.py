@@ -184,8 +184,7 @@ def exit_code(info: dict) -> int:
 
 def wait_for_job(job: str, poll_s: float = 2.0) -> int:
     """Block until the job reaches a final state, through any number of requeues, printing its
-    state changes; return its exit code. (``sbatch --wait`` is not used: it can read a requeued
-    job's brief COMPLETING state as the end and return 1.)"""
+    state changes (so a requeue and its outcome are visible); return its exit code."""
     last, misses = None, 0
     while True:
         info = job_info(job)
