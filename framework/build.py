@@ -46,7 +46,7 @@ def trainer_config(r: Resolved):
         from components.data.rollouts import source
 
         dataloader = RolloutDataLoader.Config(
-            path=source(cfg.data.name, cfg.data.path), num_workers=cfg.data.num_workers, vocab_size=r.facts.vocab_size,
+            path=source(cfg.data.name, cfg.data.path), num_workers=cfg.data.num_workers,
             global_batch=cfg.training.global_batch if cfg.training.global_batch is not None else -1)
     else:
         dataloader = text.PackedTextDataLoader.Config(dataset=text.register(cfg.data.name, cfg.data.path),

@@ -37,14 +37,11 @@ STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
 
 class RolloutRows(IterableDataset, Stateful):
     def __init__(self, path: str, *, seq_len: int, dp_rank: int, dp_world_size: int, local_batch: int,
-                 global_batch: int, vocab_size: int | None = None):
+                 global_batch: int):
+        # (resolve has already checked the records, their lengths and their token ids)
         t = read_rollouts(path, pack_to=seq_len)
-        ids = t["input_ids"]
-        if vocab_size is not None and int(ids.max()) >= vocab_size:
-            raise ValueError(f"{path}: token id {int(ids.max())} is outside the model's vocabulary "
-                             f"({vocab_size}); the rollouts were tokenized for another model")
         self.t = t
-        self.n = ids.shape[0]
+        self.n = t["input_ids"].shape[0]
         self.rank, self.world, self.block, self.step_rows = dp_rank, dp_world_size, local_batch, global_batch
         # sequences with at least one trained token, per row
         self.row_seqs = torch.tensor([len({int(s) for s in r[m].tolist()})
@@ -85,13 +82,12 @@ class RolloutDataLoader(ParallelAwareDataloader):
     class Config(ParallelAwareDataloader.Config):
         path: str = ""
         global_batch: int = -1  # rows per optimizer step; -1: local batch x data-parallel ranks
-        vocab_size: int | None = None
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # rollouts come tokenized
         step_rows = config.global_batch if config.global_batch > 0 else local_batch_size * dp_world_size
         ds = RolloutRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                         local_batch=local_batch_size, global_batch=step_rows, vocab_size=config.vocab_size)
+                         local_batch=local_batch_size, global_batch=step_rows)
         super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
                          batch_size=local_batch_size, snapshot_every_n_steps=snapshot_every_n_steps)

@@ -64,6 +64,26 @@ def _prune_small(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+@triton.jit
+def _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w,
+                UPCAST: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+    """fp32 [BN, BV] tile of h[rn] @ w[rv]^T, accumulated over K in BK steps."""
+    rk0 = tl.arange(0, BK)
+    acc = tl.zeros([BN, BV], tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + rk0
+        kmask = rk < K
+        h = tl.load(h_ptr + rn[:, None] * stride_h + rk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rv[:, None] * stride_w + rk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(h.dtype)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
 @triton.autotune(configs=_configs("stats"), key=["K", "NB", "NEED_SUM", "NEED_PS"],
                  prune_configs_by={"early_config_prune": _prune_small})
 @triton.jit
@@ -83,22 +103,10 @@ def _stats_kernel(h_ptr, w_ptr, lab_ptr, m_ptr, se_ptr, t_ptr, ss_ptr, sps_ptr,
     sps = tl.zeros([BN], tl.float32)
     v_begin = pid_s * cols_per_split
     v_end = tl.minimum(V, v_begin + cols_per_split)
-    rk0 = tl.arange(0, BK)
     for vt in range(v_begin, v_end, BV):
         rv = vt + tl.arange(0, BV)
         vmask = rv < v_end
-        acc = tl.zeros([BN, BV], tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + rk0
-            kmask = rk < K
-            h = tl.load(h_ptr + rn[:, None] * stride_h + rk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + rv[:, None] * stride_w + rk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-            if UPCAST:
-                h = h.to(tl.float32)
-                w = w.to(tl.float32)
-            else:
-                w = w.to(h.dtype)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+        acc = _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w, UPCAST, PREC, BN, BV, BK)
         s = acc * inv_temp
         s_valid = tl.where(vmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s_valid, axis=1))
@@ -146,19 +154,7 @@ def _dz_kernel(h_ptr, w_ptr, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dz_pt
     cv = pid_v * BV + tl.arange(0, BV)
     vmask = cv < V
     rv = v0 + cv
-    rk0 = tl.arange(0, BK)
-    acc = tl.zeros([BN, BV], tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + rk0
-        kmask = rk < K
-        h = tl.load(h_ptr + rn[:, None] * stride_h + rk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rv[:, None] * stride_w + rk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-        if UPCAST:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        else:
-            w = w.to(h.dtype)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+    acc = _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w, UPCAST, PREC, BN, BV, BK)
     s = acc * inv_temp
     lse = tl.load(lse_ptr + rn, mask=rmask, other=0.0)
     a = tl.load(a_ptr + rn, mask=rmask, other=0.0)

@@ -180,17 +180,22 @@ class _Bucket:
         return flat[self.r * self.S: (self.r + 1) * self.S]
 
     # data movement ---------------------------------------------------------------------
+    def _blocks(self, s):
+        """(rank, first row, rows) of each rank's valid rows of ``s`` (the last rank's may be short)."""
+        for q in range(self.W):
+            lo = q * s.c
+            n = min(s.c, s.d0 - lo)
+            if n <= 0:
+                break
+            yield q, lo, n
+
     def scatter_rows(self, dst_rank_major, s, src2d, op):
         """dst[(rank, row)] op= src2d[rank * c + row] for the valid rows of ``s``."""
         dst = self.rank_major(dst_rank_major, s)
         if s.d0 == self.W * s.c:
             op(dst, src2d.view(self.W, s.c, s.row))
             return
-        for q in range(self.W):
-            lo = q * s.c
-            n = min(s.c, s.d0 - lo)
-            if n <= 0:
-                break
+        for q, lo, n in self._blocks(s):
             op(dst[q, :n], src2d[lo: lo + n])
 
     def gather_rows(self, src_rank_major, s, dst2d):
@@ -198,11 +203,7 @@ class _Bucket:
         if s.d0 == self.W * s.c:
             dst2d.view(self.W, s.c, s.row).copy_(src)
             return
-        for q in range(self.W):
-            lo = q * s.c
-            n = min(s.c, s.d0 - lo)
-            if n <= 0:
-                break
+        for q, lo, n in self._blocks(s):
             dst2d[lo: lo + n].copy_(src[q, :n])
 
 
