@@ -10,8 +10,11 @@ full recompute, chunked CE, bf16, packaged byte corpus so nothing is downloaded)
   apiary_nocp  apiary Qwen3.5, CP 1, dp_shard = EP = gpus, --seq tokens per rank
   torchtitan   torchtitan.models.qwen3_5 model_registry("35B-A3B") truncated to --layers, CP 1
                (torchtitan refuses CP for Qwen3.5), dp_shard = EP = gpus, --seq tokens per rank
-Prints tokens/s (all GPUs), tokens/s/GPU, TFLOPs/GPU (torchtitan's count, which treats every
-layer as softmax attention) and peak memory (max reserved), medians over steps >= --skip.
+Prints tokens/s (all GPUs), tokens/s/GPU, two TFLOPs/GPU counts, peak memory (max reserved) and
+the planner's estimate of it, medians over steps >= --skip. "model TFLOPs" = tokens/s/GPU x the
+planner's model FLOPs per token (6 x active parameters, causal softmax attention on the attention
+layers only, GatedDeltaNet's chunked recurrence; no recompute); "tt TFLOPs" is torchtitan's logged
+count, which treats every layer as non-causal softmax attention.
 Per-run metrics land in OUT/RUN/metrics.jsonl. The first steps compile flex attention and
 autotune fla's kernels (minutes); give the command a generous timeout.
 """
@@ -90,6 +93,15 @@ def worker(run: str, a) -> None:
         torch.distributed.destroy_process_group()
 
 
+def planned(run: str, a) -> tuple[float, float]:
+    """The planner's model FLOPs per token and torch max-reserved bytes per GPU for ``run`` on H200s."""
+    from framework import planner
+    from framework.resolve import resolve
+
+    p = planner.plan(resolve("qwen35_35b_128k", overrides(run, a), world_size=a.gpus), gpu="H200")
+    return p.tflops_per_gpu * 1e12 / p.tokens_per_s_per_gpu, p.torch_reserved_bytes
+
+
 def summary(run: str, a) -> dict | None:
     path = Path(a.out) / run / "metrics.jsonl"
     if not path.is_file():
@@ -97,9 +109,13 @@ def summary(run: str, a) -> dict | None:
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     steady = [x for x in recs if x["step"] >= a.skip] or recs
     med = lambda k: statistics.median(x[k] for x in steady)  # noqa: E731
+    flops_per_token, plan_bytes = planned(run, a)
     return dict(run=run, steps=len(steady), tokens_per_s=med("tokens_per_s"),
-                tokens_per_s_per_gpu=med("tokens_per_s_per_gpu"), tflops_per_gpu=med("tflops_per_gpu"),
-                peak_gib=max(x["peak_mem_bytes"] for x in steady) / 2**30, loss=steady[-1]["loss"])
+                tokens_per_s_per_gpu=med("tokens_per_s_per_gpu"),
+                model_tflops_per_gpu=med("tokens_per_s_per_gpu") * flops_per_token / 1e12,
+                tt_tflops_per_gpu=med("tflops_per_gpu"), flops_per_token=flops_per_token,
+                peak_gib=max(x["peak_mem_bytes"] for x in steady) / 2**30, plan_gib=plan_bytes / 2**30,
+                loss=steady[-1]["loss"])
 
 
 def main() -> int:
@@ -113,13 +129,14 @@ def main() -> int:
     p.add_argument("--no-flex-autotune", dest="flex_autotune", action="store_false",
                    help="compile flex attention without max-autotune (minutes less before step 1)")
     p.add_argument("--out", default=str(ROOT / "runs" / "qwen35_bench"))
+    p.add_argument("--report", action="store_true", help="print the table from OUT's metrics; run nothing")
     p.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a.worker, a)
         return 0
     failed = []
-    for run in a.runs.split(","):
+    for run in [] if a.report else a.runs.split(","):
         (Path(a.out) / run / "metrics.jsonl").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.gpus}",
                str(Path(__file__).resolve()), "--worker", run, f"--gpus={a.gpus}", f"--layers={a.layers}",
@@ -131,10 +148,12 @@ def main() -> int:
             failed.append(run)
     rows = [s for s in (summary(r, a) for r in a.runs.split(",")) if s]
     print(f"\nQwen3.5-35B-A3B width, {a.layers} layers, seq {a.seq}, {a.gpus} GPUs, steps >= {a.skip}")
-    print(f"{'run':<12} {'tok/s':>10} {'tok/s/GPU':>10} {'TFLOPs/GPU':>11} {'peak GiB':>9} {'loss':>7}")
+    print(f"{'run':<12} {'tok/s':>10} {'tok/s/GPU':>10} {'model TFLOPs':>13} {'tt TFLOPs':>10} "
+          f"{'peak GiB':>9} {'plan GiB':>9} {'loss':>7}")
     for s in rows:
         print(f"{s['run']:<12} {s['tokens_per_s']:>10,.0f} {s['tokens_per_s_per_gpu']:>10,.0f} "
-              f"{s['tflops_per_gpu']:>11.1f} {s['peak_gib']:>9.1f} {s['loss']:>7.3f}")
+              f"{s['model_tflops_per_gpu']:>13.1f} {s['tt_tflops_per_gpu']:>10.1f} {s['peak_gib']:>9.1f} "
+              f"{s['plan_gib']:>9.1f} {s['loss']:>7.3f}")
     (Path(a.out) / "summary.json").parent.mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "summary.json").write_text(json.dumps(rows, indent=2))
     if failed:

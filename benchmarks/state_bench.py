@@ -40,8 +40,6 @@ VARIANTS = {
     "zero1": ["state=zero1"],
     "zero1+offload": ["state=zero1", "state.offload=optimizer"],
 }
-ZERO1 = {"target": "components.state.zero1:Zero1",
-         "doc": "ZeRO-1: params+grads follow EP/PP, optimizer + fp32 master sharded over DP"}
 REAL = dict(dim=2048, layers=8, experts=64, top_k=8, moe_hidden=768, heads=32, kv_heads=4, head_dim=128,
             vocab=151936, seq=4096, local_batch=1, steps=6, warmup=3, dtype="bfloat16", recompute="full")
 SMOKE = dict(dim=64, layers=2, experts=8, top_k=2, moe_hidden=64, heads=4, kv_heads=2, head_dim=16,
@@ -75,9 +73,8 @@ def bench_model(a, attn_backend: str, moe_comm_backend: str, load_balance_coeff)
 
 def worker(a) -> None:
     import framework  # noqa: F401  (device shims before torchtitan)
-    from framework import devices, registry
+    from framework import devices
 
-    registry.entries()["state"].setdefault("zero1", ZERO1)  # until registry.yaml lists it
     import logging
 
     import torch
