@@ -595,7 +595,10 @@ def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, coun
         else:
             inter = (ep - g) / (ep - 1)
             comm["ep_alltoall"] = vol * (1 - inter) / hw.nvlink_alltoall_bw + vol * inter / hw.ib_alltoall_bw
-        overlap["ep_alltoall"] = float(c.ep_overlap.get(ch["moe_chunk"], 0.0))
+        from components.moe.chunk import AUTO_MIN_EP
+
+        policy = "none" if ch["moe_chunk"] == "auto" and ep < AUTO_MIN_EP else ch["moe_chunk"]  # what auto runs
+        overlap["ep_alltoall"] = float(c.ep_overlap.get(policy, 0.0))
     if cp > 1:
         passes = 2 + (1 if rc == "full" else 0)  # K,V all-gather fwd, dK,dV reduce-scatter bwd (+ recompute)
         kvd = f.n_kv_heads * f.head_dim

@@ -131,6 +131,13 @@ def _check_components(cfg) -> None:
     comm.check()
     registry.resolve("moe_chunk", cfg.moe.chunk, where=f"moe.chunk={cfg.moe.chunk}").check(
         comm.torchtitan_backend, where=f"moe.chunk={cfg.moe.chunk}")
+    state = registry.resolve("state", cfg.state.name, where=f"state={cfg.state.name}")
+    if hasattr(state, "check"):
+        try:
+            state.check(cfg.state)
+        except ValueError as e:
+            raise UserError(f"state={cfg.state.name}", f"{e}.", "See docs/skills/fsdp2.md and docs/skills/zero1.md "
+                            "for each backend's options.") from None
 
 
 def _check_inputs(cfg, facts, for_training: bool) -> None:

@@ -25,6 +25,9 @@ def _err(capsys, argv):
     (["model.flavor=tiny_moee"], ["unknown flavor", "tiny_moe"]),
     (["moe.comm=deepep"], ["moe.comm=deepep: the deep_ep package is not installed"]),
     (["moe.comm=alltoal"], ["unknown moe_comm 'alltoal'", "alltoall"]),
+    (["state.offload=bogus"], ["state=fsdp2", "state.offload must be none|optimizer|all", "'bogus'"]),
+    (["state=zero1", "state.offload=all"], ["state=zero1", "state.offload must be none|optimizer for zero1"]),
+    (["state=zero1", "state.offload_threads=-1"], ["state.offload_threads must be >= 0"]),
     (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
     (["recipe=qwen35_35b_128k", "nproc=8"], ["data.tokenizer=./assets/hf/Qwen3.5-35B-A3B", "no tokenizer folder"]),
 ])

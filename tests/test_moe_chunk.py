@@ -51,7 +51,8 @@ def test_auto_rule_table():
     # kernel-shape floor: 4K tokens, EP=2 -> 256 rows per local expert: one chunk only
     assert auto_num_chunks(4_096, ep_size=2, **q35) == 1
     assert auto_num_chunks(8_192, ep_size=2, **q35) == 1  # EP 2 in one node: measured no gain
-    assert auto_num_chunks(16_384, ep_size=4, **q35) == 2  # 512 rows per expert: 2 chunks of 256
+    assert auto_num_chunks(16_384, ep_size=4, **q35) == 1  # EP 4 in one node: measured no gain either
+    assert auto_num_chunks(65_536, ep_size=4, **q35) == 1
     assert auto_num_chunks(65_536, ep_size=8, num_experts=8192, top_k=8) == 2  # 512 rows: 4 -> 2 chunks
     assert AUTO_TOKEN_TABLE[-1][0] == math.inf
 

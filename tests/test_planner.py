@@ -145,6 +145,12 @@ def test_ep_across_nodes_costs_more(base):
     chunked = planner.plan(r16, gpus_per_node=8, moe_chunk="chunk2")
     hidden = planner.Constants().ep_overlap["chunk2"]
     assert 0 < hidden < 1 and chunked.time_s["exposed_ep_alltoall"] == pytest.approx(across * (1 - hidden))
+    # moe.chunk=auto runs unchunked below EP 8 (measured: no gain inside one node), so no overlap there
+    r4 = _with(base, ep=4)
+    auto4, none4 = (planner.plan(r4, gpus_per_node=8, moe_chunk=m).time_s["exposed_ep_alltoall"] for m in ("auto", "none"))
+    assert auto4 == none4 > 0
+    auto16 = planner.plan(r16, gpus_per_node=8, moe_chunk="auto").time_s["exposed_ep_alltoall"]
+    assert auto16 == pytest.approx(across * (1 - planner.Constants().ep_overlap["auto"]))
 
 
 def test_step_time_reproduces_the_seed_anchor_it_was_fitted_to(base):

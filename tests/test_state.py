@@ -307,3 +307,45 @@ def test_static_bytes_tell_the_backends_apart(runs):
     assert abs(z["optimizer"] - f["optimizer"]) <= 1024
     # bf16 parameters halve zero1's parameter bytes and add an fp32 master shard to the optimizer
     assert zb["params"] * 2 == z["params"] and abs(zb["optimizer"] - z["optimizer"] - 4 * n / world) <= 1024
+
+
+def test_host_update_threads(monkeypatch):
+    """offload=optimizer: the host Adam runs with state.offload_threads CPU threads (auto: this
+    process's CPUs over the node's ranks; torchrun would leave it at OMP_NUM_THREADS=1), the
+    count is restored after the step, and the update is the same whatever the count."""
+    import torch
+    import torch.nn as nn
+
+    from components.state.common import host_threads
+    from framework.build import trainer_config
+    from framework.resolve import resolve
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_threads(0) == 16 and host_threads(3) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert host_threads(0) == 1
+    with pytest.raises(ValueError, match="offload_threads must be >= 0"):
+        host_threads(-2)
+
+    before = torch.get_num_threads()
+    weights = []
+    try:
+        torch.set_num_threads(1)
+        for threads in (1, 2):
+            tc = trainer_config(resolve("debug_moe", ["state.offload=optimizer", f"state.offload_threads={threads}"]))
+            torch.manual_seed(0)
+            m = nn.Linear(64, 32)
+            opt = tc.optimizer.build(model_parts=[m])
+            seen = []
+            for o in opt.optimizers:
+                o.register_step_pre_hook(lambda *a: seen.append(torch.get_num_threads()))
+            for _ in range(2):
+                m(torch.randn(5, 64)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert seen == [threads, threads] and torch.get_num_threads() == 1
+            weights.append(m.weight.detach().clone())
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-7)

@@ -29,10 +29,13 @@ AUTO_TOKEN_TABLE: tuple[tuple[float, int], ...] = (
 # H100/H200-class GPUs runs mostly partial 128-row tiles and its efficiency drops fast, which
 # eats the overlap gain; the auto rule lowers the chunk count until every chunk clears it.
 AUTO_MIN_ROWS_PER_EXPERT = 256
-# Smallest EP size the auto rule chunks. Measured on 2 x H200 (NVLink, EP=2, dim 2048, 256
-# experts top-8; docs/benchmarks.md): chunk2/3/4 were 0.7-28% slower than none at 4K-64K
-# tokens per rank, so there is nothing to hide at EP 2 inside one node. Larger EP is unmeasured.
-AUTO_MIN_EP = 4
+# Smallest EP size the auto rule chunks. Measured with benchmarks/moe_layer_bench.py on H200s
+# of one host (NVLink; dim 2048, 256 experts top-8; docs/benchmarks.md): at EP 2, chunk2/3/4 were
+# 0.7-28% slower than none at 4K-64K tokens per rank; at EP 4, the best chunked policy was within
+# -2.7%..+3.0% of none (noise-sized) and chunk3/4 lost 12-22% at 4K. Inside one node the
+# all-to-all leaves nothing worth hiding, so auto chunks from EP 8 on (the seed's cross-node
+# setting, unmeasured here).
+AUTO_MIN_EP = 8
 
 
 def auto_num_chunks(num_tokens: int, *, ep_size: int, num_experts: int, top_k: int,

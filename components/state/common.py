@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 
 def local(t):
     """The local shard of a DTensor, or the tensor itself."""
@@ -31,3 +34,37 @@ def materialize_state(optimizers) -> None:
             for p in g["params"]:
                 p.grad = next(it)
             g["lr"] = g.pop("_lr")
+
+
+def host_threads(requested: int = 0) -> int:
+    """CPU threads for one rank's host-side optimizer update (``state.offload_threads``).
+
+    ``requested`` > 0 is used as given. 0 (auto): the CPUs this process may run on, split evenly
+    over the ranks of its node (``LOCAL_WORLD_SIZE``). torchrun starts every worker with
+    OMP_NUM_THREADS=1, which would run a multi-GB Adam update on one core.
+    """
+    if requested < 0:
+        raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {requested}")
+    if requested:
+        return int(requested)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, cpus // ranks_here)
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` intra-op CPU threads, then restore the previous count."""
+    import torch
+
+    old = torch.get_num_threads()
+    if n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != old:
+            torch.set_num_threads(old)

@@ -18,14 +18,22 @@ class FSDP2:
         reshard_after_forward: str = "default"  # default | always | never
         # none | optimizer (Adam states, fp32 master, update on the host) | all (+ params and grads)
         offload: str = "none"
+        offload_threads: int = 0  # CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)
 
     @staticmethod
-    def apply(opts: "FSDP2.Options", tt_config) -> None:
+    def check(opts: "FSDP2.Options") -> None:
+        """ValueError for option values this backend cannot run (resolve calls it before launch)."""
         if opts.reshard_after_forward not in ("default", "always", "never"):
             raise ValueError(
                 f"state.reshard_after_forward must be default|always|never, got {opts.reshard_after_forward!r}")
         if opts.offload not in ("none", "optimizer", "all"):
             raise ValueError(f"state.offload must be none|optimizer|all for fsdp2, got {opts.offload!r}")
+        if int(opts.offload_threads) < 0:
+            raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {opts.offload_threads}")
+
+    @staticmethod
+    def apply(opts: "FSDP2.Options", tt_config) -> None:
+        FSDP2.check(opts)
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
         if opts.offload == "optimizer":
@@ -36,4 +44,5 @@ class FSDP2:
                 param_groups=list(o.param_groups),
                 implementation=o.implementation,
                 optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
+                threads=int(opts.offload_threads),
             )

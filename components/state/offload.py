@@ -5,7 +5,8 @@ are unchanged); the optimizer works on the host: each step copies the sharded gr
 device->host, runs Adam/AdamW on host fp32 masters and host states (plain CPU tensors, so
 the update is an ordinary CPU kernel), and copies the updated shards host->device. Host
 memory per rank: master + gradient staging + two Adam moments = 16 bytes per locally held
-(sharded) parameter; the device no longer holds the 8 bytes of Adam moments.
+(sharded) parameter; the device no longer holds the 8 bytes of Adam moments. The host update
+runs with ``state.offload_threads`` CPU threads (0: this process's CPUs / ranks on the node).
 
 The optimizer state dict is FQN-keyed with each state wrapped in its parameter's DTensor
 placements (torchtitan's flat layout: ``state.{fqn}.exp_avg``, ``param_groups.{fqn}.lr``),
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 
-from components.state.common import local, materialize_state
+from components.state.common import host_threads, local, materialize_state, torch_threads
 
 
 def _like(template, t):
@@ -42,9 +43,10 @@ class HostOptimizers(OptimizersContainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        pass
+        threads: int = 0  # CPU threads of the host update (0: auto, components.state.common.host_threads)
 
     def __init__(self, config: Config, *, model_parts) -> None:
+        self.threads = host_threads(config.threads)
         self._pairs: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (device param, master, staging)
         self._param_of: dict[int, nn.Parameter] = {}
         super().__init__(config, model_parts=model_parts)
@@ -85,8 +87,9 @@ class HostOptimizers(OptimizersContainer):
         devices.synchronize()
         for p, master, staging in self._pairs:
             master.grad = staging if p.grad is not None else None
-        for opt in self.optimizers:  # not super().step(): its hook wrapper would rerun our pre-hooks
-            opt.step()
+        with torch_threads(self.threads):
+            for opt in self.optimizers:  # not super().step(): its hook wrapper would rerun our pre-hooks
+                opt.step()
         for p, master, _ in self._pairs:
             master.grad = None
             local(p).detach().copy_(master, non_blocking=True)

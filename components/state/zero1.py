@@ -43,17 +43,25 @@ class Zero1:
     class Options:
         name: str = "zero1"
         offload: str = "none"  # none | optimizer (master weights, optimizer states and the update on the host)
+        offload_threads: int = 0  # CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)
         grad_reduce: str = "reduce_scatter"  # reduce_scatter | all_reduce
         bucket_mb: float = 256.0  # fp32 gradient bucket size; bounds the all-gather buffer too
 
     @staticmethod
-    def apply(opts: "Zero1.Options", tt_config) -> None:
+    def check(opts: "Zero1.Options") -> None:
+        """ValueError for option values this backend cannot run (resolve calls it before launch)."""
         if opts.offload not in ("none", "optimizer"):
             raise ValueError(f"state.offload must be none|optimizer for zero1, got {opts.offload!r}")
         if opts.grad_reduce not in _REDUCE:
             raise ValueError(f"state.grad_reduce must be one of {'|'.join(_REDUCE)}, got {opts.grad_reduce!r}")
         if not opts.bucket_mb > 0:
             raise ValueError(f"state.bucket_mb must be > 0, got {opts.bucket_mb}")
+        if int(opts.offload_threads) < 0:
+            raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {opts.offload_threads}")
+
+    @staticmethod
+    def apply(opts: "Zero1.Options", tt_config) -> None:
+        Zero1.check(opts)
         par = tt_config.parallelism
         # ZeRO-1 has no replicate/shard split: every data-parallel rank holds the parameters
         # and the optimizer is sharded over all of them. Fold dp_replicate into dp_shard so
@@ -75,6 +83,7 @@ class Zero1:
             implementation=o.implementation,
             optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
             offload=opts.offload == "optimizer",
+            offload_threads=int(opts.offload_threads),
             grad_reduce=opts.grad_reduce,
             bucket_mb=float(opts.bucket_mb),
             param_dtype=tt_config.training.mixed_precision_param,
@@ -138,6 +147,8 @@ def without_fsdp(parallelize_fn):
 # --------------------------------------------------------------------------------------
 
 from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402  (after the device shims)
+
+from components.state.common import host_threads, torch_threads  # noqa: E402
 
 
 class _Slot:
@@ -231,6 +242,7 @@ class Zero1Optimizers(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         offload: bool = False
+        offload_threads: int = 0  # CPU threads of the host update (0: auto, components.state.common.host_threads)
         grad_reduce: str = "reduce_scatter"
         bucket_mb: float = 256.0
         param_dtype: str = "bfloat16"
@@ -259,6 +271,7 @@ class Zero1Optimizers(OptimizersContainer):
         self.model_parts = model_parts
         self.config = config
         self.offload = bool(config.offload)
+        self.threads = host_threads(config.offload_threads) if self.offload else None
         self.grad_reduce = config.grad_reduce
         param_dtype = TORCH_DTYPE_MAP[config.param_dtype]
         reduce_dtype = TORCH_DTYPE_MAP[config.reduce_dtype]
@@ -499,8 +512,9 @@ class Zero1Optimizers(OptimizersContainer):
             for b in self.buckets:
                 b.host_grad.copy_(b.own_region(b.main_grad), non_blocking=True)
             devices.synchronize()
-        for opt in self.optimizers:
-            opt.step()
+        with torch_threads(self.threads or torch.get_num_threads()):
+            for opt in self.optimizers:
+                opt.step()
         with torch.no_grad():
             self._params_from_masters(dist)
         self._reduced = False
