@@ -57,8 +57,11 @@ class ApiaryMetrics(MetricsProcessor):
         total_steps: int = 0
 
     extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
+    max_loss_source = None  # callable -> max loss over data parallel, replacing torchtitan's (under CP)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.max_loss_source is not None:  # a collective: every rank calls log
+            global_max_loss = self.max_loss_source()
         if self.extra_source is not None:
             extra_metrics = {**(extra_metrics or {}), **self.extra_source()}
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)

@@ -7,6 +7,11 @@ inputs, labels and positions for context parallelism, shards the per-token ``rl_
 same way (same load balancer, so token t of every tensor lands on the same rank), and hands them
 to the policy loss together with the context-parallel group. Batches without ``rl_*`` keys go
 through unchanged.
+
+Under context parallelism it also reports a true ``max_loss``: torchtitan divides each rank's
+loss by the tokens of its whole (unsharded) sequences, so its max over ranks is a max of CP
+shares (about loss / cp). Here each data-parallel rank's loss is summed over its CP group and
+divided by that rank's tokens, then the max is taken over data parallel.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.trainer import Trainer
 
 from components.data.rollout_loader import RL_KEYS, STEP_KEYS
@@ -29,6 +36,30 @@ class ApiaryTrainer(Trainer):
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL
             self.metrics_processor.extra_source = lambda: {f"policy/{k}": float(v)
                                                            for k, v in self.loss_fn.metrics.items()}
+        self._dp_rank_loss: list | None = None  # [step, loss share sum, this rank's tokens, global tokens]
+        if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
+            self.metrics_processor.max_loss_source = self._max_loss_over_dp
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=global_valid_tokens)
+        if self.metrics_processor.max_loss_source is not None:
+            if self._dp_rank_loss is None or self._dp_rank_loss[0] != self.step:
+                self._dp_rank_loss = [self.step, 0.0, 0, global_valid_tokens]
+            self._dp_rank_loss[1] = self._dp_rank_loss[1] + loss.detach().float()
+            self._dp_rank_loss[2] = self._dp_rank_loss[2] + (labels != IGNORE_INDEX).sum()  # before CP sharding
+        return loss
+
+    def _max_loss_over_dp(self) -> float:
+        """Max over data-parallel ranks of each rank's mean loss (its CP group's shares summed)."""
+        _, share, tokens, global_tokens = self._dp_rank_loss
+        share = share.clone()
+        dist.all_reduce(share, group=self.parallel_dims.get_mesh("cp").get_group())
+        mean = share * global_tokens / torch.clamp(torch.as_tensor(tokens, device=share.device), min=1)
+        batch = self.parallel_dims.get_optional_mesh("batch")
+        if batch is not None:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=batch.get_group())
+        return float(mean)
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
         rl = {k: input_dict.pop(k) for k in (*RL_KEYS, *STEP_KEYS) if k in input_dict}

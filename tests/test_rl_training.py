@@ -268,6 +268,8 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (loss, dims)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (loss, dims)
         assert a["policy/clip_low_frac"] + a["policy/clip_high_frac"] < 1
+        if dims == "cp2":  # one data-parallel rank: its loss (CP shares summed) is the max
+            assert b["max_loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (b["max_loss"], b["loss"])
 
 
 def test_rollout_run_resumes_at_the_next_rows(workdir):
