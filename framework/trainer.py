@@ -8,7 +8,9 @@ same way (same load balancer, so token t of every tensor lands on the same rank)
 to the policy loss together with the context-parallel group. Batches without ``rl_*`` keys go
 through unchanged.
 
-Under context parallelism it also reports a true ``max_loss``: torchtitan divides each rank's
+Policy metrics (clip fractions, KL, entropy) are reduced over the step's micro-steps and the
+data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also
+reports a true ``max_loss``: torchtitan divides each rank's
 loss by the tokens of its whole (unsharded) sequences, so its max over ranks is a max of CP
 shares (about loss / cp). Here each data-parallel rank's loss is summed over its CP group and
 divided by that rank's tokens, then the max is taken over data parallel.
@@ -33,9 +35,9 @@ class ApiaryTrainer(Trainer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL
-            self.metrics_processor.extra_source = lambda: {f"policy/{k}": float(v)
-                                                           for k, v in self.loss_fn.metrics.items()}
+        self._policy: list | None = None  # [step, {metric: weighted sum}, weight] over the step's micro-steps
+        if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
+            self.metrics_processor.extra_source = self._policy_metrics
         self._dp_rank_loss: list | None = None  # [step, loss share sum, this rank's tokens, global tokens]
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
@@ -43,12 +45,33 @@ class ApiaryTrainer(Trainer):
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
+        if self.metrics_processor.extra_source is not None and self.loss_fn.metric_weight is not None:
+            if self._policy is None or self._policy[0] != self.step:
+                self._policy = [self.step, {}, 0.0]
+            w = self.loss_fn.metric_weight.float()
+            for k, v in self.loss_fn.metrics.items():
+                self._policy[1][k] = self._policy[1].get(k, 0.0) + v.float() * w
+            self._policy[2] = self._policy[2] + w
         if self.metrics_processor.max_loss_source is not None:
             if self._dp_rank_loss is None or self._dp_rank_loss[0] != self.step:
                 self._dp_rank_loss = [self.step, 0.0, 0, global_valid_tokens]
             self._dp_rank_loss[1] = self._dp_rank_loss[1] + loss.detach().float()
             self._dp_rank_loss[2] = self._dp_rank_loss[2] + (labels != IGNORE_INDEX).sum()  # before CP sharding
         return loss
+
+    def _policy_metrics(self) -> dict[str, float]:
+        """The policy metrics as means over the step's trained tokens: each micro-step's value
+        weighed by its local trained tokens, summed over micro-steps and data/context-parallel
+        ranks (a collective: every rank calls it when a step is logged)."""
+        if self._policy is None or self._policy[0] != self.step:
+            return {}
+        keys = sorted(self._policy[1])
+        sums = torch.stack([torch.as_tensor(self._policy[1][k]).float() for k in keys]
+                           + [torch.as_tensor(self._policy[2]).float()])
+        mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
+        if mesh is not None:
+            dist.all_reduce(sums, group=mesh.get_group())
+        return {f"policy/{k}": float(v / sums[-1].clamp_min(1)) for k, v in zip(keys, sums[:-1])}
 
     def _max_loss_over_dp(self) -> float:
         """Max over data-parallel ranks of each rank's mean loss (its CP group's shares summed)."""

@@ -247,9 +247,11 @@ def test_policy_loss_on_text_is_refused_before_training(workdir):
 def test_two_ranks_match_one_rank(workdir, loss, dims):
     """The step's normalisers do not depend on the split: 2 gloo ranks (data-parallel, or context-
     parallel with sequences cut in two) follow the 1-rank run from the same seed checkpoint.
-    GSPO's clip range is opened so every sequence ratio carries gradient through the all-reduce."""
+    GSPO's clip range is opened so every sequence ratio carries gradient through the all-reduce;
+    an entropy bonus is on, and its logged token mean must match the 1-rank run's too."""
     wide = ["loss.eps_low=0.99", "loss.eps_high=100"] if loss == "gspo" else []
-    base = ["recipe=qwen35_debug_moe", f"loss={loss}", *wide, "data.format=rollouts", "training.steps=3",
+    base = ["recipe=qwen35_debug_moe", f"loss={loss}", *wide, "loss.entropy_coef=0.01", "data.format=rollouts",
+            "training.steps=3",
             "training.local_batch=2", "checkpoint.interval=100", "logging.tensorboard=false"]
     p = run_cli(["train", *base, "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -268,6 +270,10 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (loss, dims)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (loss, dims)
         assert a["policy/clip_low_frac"] + a["policy/clip_high_frac"] < 1
+        # policy metrics are token means over the whole step, whatever the split (not rank 0's part)
+        assert {k for k in a if k.startswith("policy/")} == {k for k in b if k.startswith("policy/")}
+        for k in (k for k in a if k.startswith("policy/")):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
         if dims == "cp2":  # one data-parallel rank: its loss (CP shares summed) is the max
             assert b["max_loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (b["max_loss"], b["loss"])
 

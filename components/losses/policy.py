@@ -12,7 +12,8 @@ token-level means divide by the step's trained-token count (the trainer's global
 tokens); sequence-level means weigh each token by 1 / |o_i| (its sequence's trained tokens,
 counted by the loader before any split) and divide by the step's sequence count (also from
 the loader); GSPO's sequence ratio all-reduces its per-sequence sums over the context-parallel
-group. The policy metrics (clip fractions, KL) of the last micro-step are logged with the loss.
+group. The policy metrics (clip fractions, KL, entropy) are logged with the loss as means over the
+step's trained tokens, across micro-steps and data/context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -174,10 +175,12 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
     if with_entropy:  # entropy bonus: a token mean over the step's trained tokens, like the token-level losses
         den = global_valid_tokens.float() if global_valid_tokens is not None else mask.sum()
-        bonus = (ent.reshape(labels.shape) * mask).sum() / den.clamp_min(1)
-        loss = loss - cfg.entropy_coef * bonus
-        metrics = {**metrics, "entropy": bonus.detach()}
-    self.metrics = metrics  # detached scalars; read (synchronised) only when a step is logged
+        ent_sum = (ent.reshape(labels.shape) * mask).sum()
+        loss = loss - cfg.entropy_coef * ent_sum / den.clamp_min(1)
+        metrics = {**metrics, "entropy": ent_sum.detach() / mask.sum().clamp_min(1)}
+    # detached scalars, each a mean over this micro-step's local tokens (or sequences); the trainer
+    # weighs them by the local trained tokens over the step's micro-steps and ranks when it logs
+    self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
 
 
@@ -192,4 +195,4 @@ def policy_loss_class():
 
     return _head_loss.subclass("PolicyLoss", policy_loss, {
         "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0},
-        {"batch": None, "seq_group": None, "metrics": {}, "set_batch": set_batch})
+        {"batch": None, "seq_group": None, "metrics": {}, "metric_weight": None, "set_batch": set_batch})
