@@ -35,39 +35,40 @@ class ApiaryTrainer(Trainer):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self._policy: list | None = None  # [step, {metric: weighted sum}, weight] over the step's micro-steps
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._policy_metrics
-        self._dp_rank_loss: list | None = None  # [step, loss share sum, this rank's tokens, global tokens]
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
+
+    def train_step(self, data_iterator):
+        # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
+        self._policy_sums, self._policy_tokens = {}, 0.0
+        self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None
+        return super().train_step(data_iterator)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
         if self.metrics_processor.extra_source is not None and self.loss_fn.metric_weight is not None:
-            if self._policy is None or self._policy[0] != self.step:
-                self._policy = [self.step, {}, 0.0]
             w = self.loss_fn.metric_weight.float()
             for k, v in self.loss_fn.metrics.items():
-                self._policy[1][k] = self._policy[1].get(k, 0.0) + v.float() * w
-            self._policy[2] = self._policy[2] + w
+                self._policy_sums[k] = self._policy_sums.get(k, 0.0) + v.float() * w
+            self._policy_tokens = self._policy_tokens + w
         if self.metrics_processor.max_loss_source is not None:
-            if self._dp_rank_loss is None or self._dp_rank_loss[0] != self.step:
-                self._dp_rank_loss = [self.step, 0.0, 0, global_valid_tokens]
-            self._dp_rank_loss[1] = self._dp_rank_loss[1] + loss.detach().float()
-            self._dp_rank_loss[2] = self._dp_rank_loss[2] + (labels != IGNORE_INDEX).sum()  # before CP sharding
+            self._loss_share = self._loss_share + loss.detach().float()
+            self._rank_tokens = self._rank_tokens + (labels != IGNORE_INDEX).sum()  # before CP sharding
+            self._global_tokens = global_valid_tokens
         return loss
 
     def _policy_metrics(self) -> dict[str, float]:
         """The policy metrics as means over the step's trained tokens: each micro-step's value
         weighed by its local trained tokens, summed over micro-steps and data/context-parallel
         ranks (a collective: every rank calls it when a step is logged)."""
-        if self._policy is None or self._policy[0] != self.step:
+        if not self._policy_sums:
             return {}
-        keys = sorted(self._policy[1])
-        sums = torch.stack([torch.as_tensor(self._policy[1][k]).float() for k in keys]
-                           + [torch.as_tensor(self._policy[2]).float()])
+        keys = sorted(self._policy_sums)
+        sums = torch.stack([torch.as_tensor(v).float() for v in (*(self._policy_sums[k] for k in keys),
+                                                                 self._policy_tokens)])
         mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
         if mesh is not None:
             dist.all_reduce(sums, group=mesh.get_group())
@@ -75,10 +76,10 @@ class ApiaryTrainer(Trainer):
 
     def _max_loss_over_dp(self) -> float:
         """Max over data-parallel ranks of each rank's mean loss (its CP group's shares summed)."""
-        _, share, tokens, global_tokens = self._dp_rank_loss
-        share = share.clone()
+        share = self._loss_share.clone()
         dist.all_reduce(share, group=self.parallel_dims.get_mesh("cp").get_group())
-        mean = share * global_tokens / torch.clamp(torch.as_tensor(tokens, device=share.device), min=1)
+        tokens = torch.as_tensor(self._rank_tokens, device=share.device).clamp_min(1)
+        mean = share * self._global_tokens / tokens
         batch = self.parallel_dims.get_optional_mesh("batch")
         if batch is not None:
             dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=batch.get_group())

@@ -56,11 +56,12 @@ def host_threads(requested: int = 0) -> int:
 
 
 @contextmanager
-def torch_threads(n: int):
-    """Run the block with ``n`` intra-op CPU threads, then restore the previous count."""
+def torch_threads(n: int | None):
+    """Run the block with ``n`` intra-op CPU threads (None: as they are), then restore the count."""
     import torch
 
     old = torch.get_num_threads()
+    n = old if n is None else n
     if n != old:
         torch.set_num_threads(n)
     try:

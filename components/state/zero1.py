@@ -512,7 +512,7 @@ class Zero1Optimizers(OptimizersContainer):
             for b in self.buckets:
                 b.host_grad.copy_(b.own_region(b.main_grad), non_blocking=True)
             devices.synchronize()
-        with torch_threads(self.threads or torch.get_num_threads()):
+        with torch_threads(self.threads):
             for opt in self.optimizers:
                 opt.step()
         with torch.no_grad():
