@@ -279,6 +279,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         _check_layer(rank, mesh)
         _check_model(rank, mesh)
         _check_bench_smoke(rank, out_path)
+        dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
     finally:
         dist.destroy_process_group()
 

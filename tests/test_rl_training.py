@@ -130,6 +130,7 @@ def _split_worker(rank, world, port, name, hp, q):
         loss, _ = rl.objective(name)(x, old[:, half], adv[:, half], mask[:, half], ref[:, half], **hp, **kw)
         loss.backward()
         torch.save((loss.detach(), x.grad), f"{q['out']}.{rank}")
+        dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
     finally:
         dist.destroy_process_group()
 
