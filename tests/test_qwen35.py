@@ -284,3 +284,16 @@ def test_flex_autotune_switch(tmp_path):
     finally:
         FlexAttention._compiled_flex_attn = before
         devices.FLEX_COMPILE_OPTIONS = None
+
+
+def test_fla_fp32_training_warns_once(caplog, monkeypatch):
+    from components.models import gated_deltanet as gdn
+
+    monkeypatch.setattr(gdn, "_FP32_WARNED", False)
+    assert not gdn.warn_fla_fp32(torch.bfloat16, training=True)
+    assert not gdn.warn_fla_fp32(torch.float32, training=False)  # inference / reference logprobs
+    with caplog.at_level("WARNING", logger=gdn.__name__):
+        assert gdn.warn_fla_fp32(torch.float32, training=True)
+        assert not gdn.warn_fla_fp32(torch.float32, training=True)
+    [record] = caplog.records
+    assert "fp32 gate gradients" in record.getMessage() and "training.dtype=bfloat16" in record.getMessage()

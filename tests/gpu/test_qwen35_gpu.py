@@ -1,7 +1,9 @@
 """Qwen3.5 on CUDA: the torch GatedDeltaNet path (what CPU CI runs) and fla's kernels agree,
 for one layer (forward and gradients, packed documents, bf16 and fp32) and for the whole
 model; and, on 2 GPUs, CP=2 through fla's context-parallel kernels (head-tail = fla's
-"zigzag" layout, and contiguous) matches CP=1 for logits, loss and gradients.
+"zigzag" layout, and contiguous) matches CP=1 for logits, loss and gradients. In fp32, fla's
+gate gradients (A_log, dt_bias, in_proj_a) do not agree: test_fla_fp32_gate_gradients is a
+strict xfail that records it (it fails once fla's fp32 path agrees).
 
     python -m pytest -q tests/gpu/test_qwen35_gpu.py        # skipped without CUDA
 """
@@ -48,24 +50,58 @@ def _context(positions, backend):
     return GDNContext(resets=positions == 0, varlen=varlen)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
-def test_gated_deltanet_torch_path_matches_fla(dtype, tol):
+GATE = ("A_log", "dt_bias", "in_proj_a")  # parameters whose gradient flows only through g
+FLA_FP32_GATE = (
+    "fla 0.6.0's fp32 chunk kernels (H200, Triton 3.8) give the gate gradient (dg -> A_log, dt_bias, "
+    "in_proj_a) 1%-12% off in the layer test and up to 40x off on the debug model's near-zero gate "
+    "grads, while every other gradient agrees to <2e-3; the torch path matches fp64 to 1e-5 on CPU "
+    "and fla in bf16 (the training dtype) agrees with it to 0.3%. Measured 2026-11-22.")
+
+
+def _is_gate(name):
+    return any(name.endswith(g) or name.endswith(g + ".weight") for g in GATE)
+
+
+def _assert_close(pairs, rtol):
+    """max|a - b| <= rtol * max|b| for every (name, a, b); prints every pair's numbers and reports
+    all failures together."""
+    failed = []
+    for name, a, b in pairs:
+        diff, own = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
+        print(f"{name:48s} diff {diff:.3e}  max|ref| {own:.3e}  rel {diff / max(own, 1e-30):.2e}")
+        if not diff <= rtol * own:
+            failed.append(f"{name}: diff {diff:.3e} > {rtol} x {own:.3e}")
+    assert not failed, "; ".join(failed)
+
+
+def _layer_grads(dtype):
     fla, ref = _layer_pair(dtype)
     B, L = 2, 2048
     positions = torch.cat([torch.arange(700), torch.arange(1000), torch.arange(348)]).cuda().expand(B, L)
     x = torch.randn(B, L, 512, device="cuda", dtype=dtype, requires_grad=True)
     y_fla = fla(x, _context(positions, "fla"))
     y_ref = ref(x, _context(positions, "torch"))
-    diff, scale = (y_fla.float() - y_ref.float()).abs().max(), y_ref.float().abs().max()
-    assert diff <= tol * scale, (diff, scale)
     g = torch.randn_like(y_ref)
     pa, pb = list(fla.parameters()), list(ref.parameters())
     ga = torch.autograd.grad(y_fla, [x, *pa], g)
     gb = torch.autograd.grad(y_ref, [x, *pb], g)
     names = ["x"] + [n for n, _ in fla.named_parameters()]
-    for n, a, b in zip(names, ga, gb):
-        d, m = (a.float() - b.float()).abs().max(), b.float().abs().max()
-        assert d <= 5 * tol * m + 1e-6, (n, d, m)
+    return [("out", y_fla, y_ref)], list(zip(names, ga, gb))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
+def test_gated_deltanet_torch_path_matches_fla(dtype, tol):
+    out, grads = _layer_grads(dtype)
+    _assert_close(out, tol)
+    if dtype == torch.float32:  # the gate gradients: test_fla_fp32_gate_gradients
+        grads = [g for g in grads if not _is_gate(g[0])]
+    _assert_close(grads, 5 * tol)
+
+
+@pytest.mark.xfail(strict=True, reason=FLA_FP32_GATE)
+def test_fla_fp32_gate_gradients():
+    _, grads = _layer_grads(torch.float32)
+    _assert_close([g for g in grads if _is_gate(g[0])], 2.5e-2)
 
 
 def test_whole_model_torch_path_matches_fla():
@@ -79,11 +115,11 @@ def test_whole_model_torch_path_matches_fla():
     masks = fla.get_attention_masks(positions)
     a = fla(tokens, positions=positions, attention_masks=masks)
     b = ref(tokens, positions=positions, attention_masks=masks)
-    assert (a - b).abs().max() <= 2e-3 * b.abs().max()
+    _assert_close([("logits", a, b)], 2e-3)
     a.float().logsumexp(-1).mean().backward()
     b.float().logsumexp(-1).mean().backward()
-    for (n, p), (_, q) in zip(fla.named_parameters(), ref.named_parameters()):
-        assert (p.grad - q.grad).abs().max() <= 1e-2 * q.grad.abs().max() + 1e-6, n
+    grads = [(n, p.grad, q.grad) for (n, p), (_, q) in zip(fla.named_parameters(), ref.named_parameters())]
+    _assert_close([g for g in grads if not _is_gate(g[0])], 1e-2)  # fp32 gate grads: see FLA_FP32_GATE
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
