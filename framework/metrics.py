@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from framework import devices
+from framework import devices, kernel_cache
 
 _console = Console(highlight=False, soft_wrap=True)
 
@@ -36,6 +36,7 @@ class JsonlLogger(BaseLogger):
             "peak_mem_kind": devices.peak_memory_kind(),
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
             **{k: v for k, v in metrics.items() if k.startswith("policy/")},
+            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -44,8 +45,16 @@ class JsonlLogger(BaseLogger):
             f"[{style}]step {step:>5}/{self.total_steps}[/{style}]" if style else f"step {step:>5}/{self.total_steps}",
             f"loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
             f"{rec['tokens_per_s']:,.0f} tok/s  {rec['tflops_per_gpu']:.2f} TFLOPs/GPU  "
-            f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step",
+            f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step"
+            + _autotune_note(rec),
         )
+
+
+def _autotune_note(rec: dict) -> str:
+    if not rec.get("autotuned_kernels") and not rec.get("autotune_cache_hits"):
+        return ""
+    return (f"  (autotuning {rec['autotune_s']:.1f} s: {rec['autotuned_kernels']} kernels tuned, "
+            f"{rec['autotune_cache_hits']} from the disk cache)")
 
 
 class ApiaryMetrics(MetricsProcessor):
@@ -64,6 +73,7 @@ class ApiaryMetrics(MetricsProcessor):
             global_max_loss = self.max_loss_source()
         if self.extra_source is not None:
             extra_metrics = {**(extra_metrics or {}), **self.extra_source()}
+        extra_metrics = {**(extra_metrics or {}), **{f"kernels/{k}": v for k, v in kernel_cache.LOG.take().items()}}
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):

@@ -48,6 +48,8 @@ class TrainingConfig:
     max_norm: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    cache_autotuning: bool = True  # keep Triton's autotuning results on disk across launches
+    kernel_cache: Optional[str] = None  # Triton + inductor caches under this path (None: their defaults)
 
 
 @dataclass
