@@ -193,7 +193,7 @@ def _check_rollouts(cfg, facts) -> None:
                         "loss_mask, old_logprobs, advantages; see docs/skills/rl_objectives.md).")
     if d.format != "rollouts":
         return
-    from components.data.rollouts import read_rollouts, rollout_files, source
+    from components.data.rollouts import RolloutIndex, pack_rows, rollout_files, source
 
     path = source(d.name, d.path)
     if path is None:
@@ -206,15 +206,16 @@ def _check_rollouts(cfg, facts) -> None:
         raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
                         "Set parallel.pp=1.")
     try:
-        t = read_rollouts(path, pack_to=cfg.training.seq_len)
+        index = RolloutIndex(path)
+        pack_rows(index.lengths, cfg.training.seq_len, index.where)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(f"data.path={path}", f"{e}.".replace("pack_to", "training.seq_len"),
                         "Fix the records, or raise training.seq_len above the longest sequence.") from None
-    top = int(t["input_ids"].max())
+    top = index.max_token
     if top >= facts.vocab_size:
         raise UserError(f"data.path={path}", f"token id {top} is outside the model's vocabulary "
                         f"({facts.vocab_size}): the rollouts were tokenized for another model.")
-    if getattr(cfg.loss, "kl_coef", 0.0) and "ref_logprobs" not in t:
+    if getattr(cfg.loss, "kl_coef", 0.0) and not index.with_ref:
         raise UserError(f"loss.kl_coef={cfg.loss.kl_coef}", "needs ref_logprobs in every rollout record.",
                         "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
 

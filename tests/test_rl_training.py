@@ -298,3 +298,44 @@ def test_rollout_run_resumes_at_the_next_rows(workdir):
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(full[2:], resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_rollout_rows_read_on_demand_equal_the_whole_set(tmp_path):
+    """The loader keeps an index, not the records: each row it builds on demand equals that row
+    of the whole set read at once, for jsonl files in a folder and parquet with several row groups."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from framework import devices
+
+    devices.install()
+    from components.data.rollout_loader import RolloutRows
+    from components.data.rollouts import read_rollouts
+
+    rng = random.Random(0)
+    recs = []
+    for i in range(23):
+        n = rng.randint(3, 9)
+        recs.append({"input_ids": [rng.randint(1, 50) for _ in range(n)],
+                     "loss_mask": [0] + [rng.randint(0, 1) for _ in range(n - 1)],
+                     "old_logprobs": [0.0] + [-rng.random() for _ in range(n - 1)],
+                     "advantages": [rng.uniform(-1, 1)] * n, "ref_logprobs": [-rng.random() for _ in range(n)]})
+    (tmp_path / "j").mkdir()
+    _write(tmp_path / "j" / "a.jsonl", recs[:10])
+    (tmp_path / "j" / "b.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in recs[10:]))  # blank line
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "r.parquet", row_group_size=4)
+    for path in (tmp_path / "j", tmp_path / "r.parquet"):
+        whole = read_rollouts(path, pack_to=16)
+        ds = RolloutRows(str(path), seq_len=16, dp_rank=0, dp_world_size=1, local_batch=1, global_batch=1)
+        assert ds.n == whole["input_ids"].shape[0] > 5
+        held = [t for v in vars(ds).values() for t in (v.values() if isinstance(v, dict) else [v])
+                if isinstance(t, torch.Tensor)]
+        assert sum(t.numel() for t in held) <= ds.n  # per-row counts only, no [rows, seq_len] tensors
+        for i in [*range(ds.n), 3, 0]:  # in order, then back (parquet re-reads a row group)
+            row = ds.row(i)
+            for k, v in row.items():
+                assert torch.equal(v, whole[k][i]), (path, i, k)
+        x, labels = next(iter(ds))
+        assert torch.equal(x["rl_ref_logprobs"], whole["ref_logprobs"][0]) and torch.equal(labels, whole["labels"][0])

@@ -17,7 +17,8 @@ Rows go to ranks in blocks of ``local_batch`` (global row g belongs to data-para
 (g // local_batch) % dp), and one optimizer step takes ``global_batch`` consecutive rows, so a
 step sees the same rows for any data-parallel size. The rows repeat when the file is used up
 (epochs). The position in the stream is checkpointed, so a resumed run continues with the next
-row.
+row. A rank keeps only the index of the records (offsets, lengths) and reads the records of its
+own rows when it reaches them, so its memory does not grow with the rollout set.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from components.data.rollouts import read_rollouts
+from components.data.rollouts import RolloutIndex, build_rows, pack_rows
 
 RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens")
 STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
@@ -39,34 +40,39 @@ class RolloutRows(IterableDataset, Stateful):
     def __init__(self, path: str, *, seq_len: int, dp_rank: int, dp_world_size: int, local_batch: int,
                  global_batch: int):
         # (resolve has already checked the records, their lengths and their token ids)
-        t = read_rollouts(path, pack_to=seq_len)
-        self.t = t
-        self.n = t["input_ids"].shape[0]
+        self.index = RolloutIndex(path)
+        self.rows, _ = pack_rows(self.index.lengths, seq_len, self.index.where)
+        self.seq_len, self.n = seq_len, len(self.rows)
         self.rank, self.world, self.block, self.step_rows = dp_rank, dp_world_size, local_batch, global_batch
         # sequences with at least one trained token, per row
-        self.row_seqs = torch.tensor([len({int(s) for s in r[m].tolist()})
-                                      for r, m in zip(t["sequence_ids"], t["loss_mask"])], dtype=torch.float32)
+        self.row_seqs = torch.tensor([sum(self.index.trained[i] for i in row) for row in self.rows],
+                                     dtype=torch.float32)
         self._g = 0  # next global row index (all ranks')
 
     def _num_seqs(self, step: int) -> torch.Tensor:
         rows = torch.arange(step * self.step_rows, (step + 1) * self.step_rows) % self.n
         return self.row_seqs[rows].sum()
 
+    def row(self, i: int) -> dict:
+        """Row ``i`` of the packed stream, as tensors [seq_len] (see rollouts.build_rows)."""
+        t = build_rows([[(j, self.index.fetch(j)) for j in self.rows[i]]], self.seq_len,
+                       with_ref=self.index.with_ref)
+        return {k: v[0] for k, v in t.items() if k != "meta"}
+
     def __iter__(self):
-        t = self.t
         while True:
             g = self._g
             self._g += 1
             if (g // self.block) % self.world != self.rank:
                 continue
-            i = g % self.n
-            sample = {"input": t["input_ids"][i], "positions": t["positions"][i],
-                      "rl_old_logprobs": t["old_logprobs"][i], "rl_advantages": t["advantages"][i],
-                      "rl_sequence_ids": t["sequence_ids"][i], "rl_seq_tokens": t["seq_tokens"][i],
+            t = self.row(g % self.n)
+            sample = {"input": t["input_ids"], "positions": t["positions"],
+                      "rl_old_logprobs": t["old_logprobs"], "rl_advantages": t["advantages"],
+                      "rl_sequence_ids": t["sequence_ids"], "rl_seq_tokens": t["seq_tokens"],
                       "rl_num_seqs": self._num_seqs(g // self.step_rows)}
             if "ref_logprobs" in t:
-                sample["rl_ref_logprobs"] = t["ref_logprobs"][i]
-            yield sample, t["labels"][i]
+                sample["rl_ref_logprobs"] = t["ref_logprobs"]
+            yield sample, t["labels"]
 
     def state_dict(self):
         return {"row": self._g}

@@ -59,19 +59,6 @@ def rollout_files(path: str | Path) -> list[Path]:
     return []
 
 
-def _records(path: Path):
-    if path.suffix == ".jsonl":
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{path}:{i}", json.loads(line)
-    else:
-        import pyarrow.parquet as pq
-
-        for i, rec in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}[{i}]", rec
-
-
 def _check(where: str, rec: dict) -> int:
     missing = [k for k in REQUIRED if k not in rec or rec[k] is None]
     if missing:
@@ -89,42 +76,99 @@ def _check(where: str, rec: dict) -> int:
     return n
 
 
+class RolloutIndex:
+    """Where each record of a rollouts path is, its length and whether it trains any token, read
+    in one pass; records are fetched again on demand (``fetch``), so a reader holds O(records)
+    numbers instead of the records. jsonl: byte offsets; parquet: (row group, row), one row
+    group kept at a time (rows are read in order)."""
+
+    def __init__(self, path: str | Path):
+        self.files = rollout_files(path)
+        if not self.files:
+            raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
+        self.where, self.loc, self.lengths, self.trained, with_ref = [], [], [], [], []
+        self.max_token = -1
+        for fi, f in enumerate(self.files):
+            for where, loc, rec in _located_records(f):
+                self.lengths.append(_check(where, rec))
+                self.max_token = max(self.max_token, max(rec["input_ids"]))
+                self.trained.append(any(rec["loss_mask"][1:]))
+                with_ref.append(rec.get("ref_logprobs") is not None)
+                self.where.append(where)
+                self.loc.append((fi, *loc))
+        if not self.lengths:
+            raise ValueError(f"{path}: no rollout records")
+        if any(with_ref) and not all(with_ref):
+            raise ValueError(f"{path}: ref_logprobs present in some records but not all")
+        self.with_ref = all(with_ref)
+        self._group = (None, None)  # (file, row group) -> its records
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def fetch(self, i: int) -> dict:
+        fi, a, b = self.loc[i]
+        f = self.files[fi]
+        if f.suffix == ".jsonl":
+            with open(f, "rb") as fh:
+                fh.seek(a)
+                return json.loads(fh.readline())
+        if self._group[0] != (fi, a):
+            import pyarrow.parquet as pq
+
+            self._group = ((fi, a), pq.ParquetFile(f).read_row_group(a).to_pylist())
+        return self._group[1][b]
+
+
+def _located_records(path: Path):
+    """(where, (a, b), record): jsonl (byte offset, 0); parquet (row group, row in it)."""
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            offset, i = 0, 0
+            for line in f:
+                i += 1
+                if line.strip():
+                    yield f"{path}:{i}", (offset, 0), json.loads(line)
+                offset += len(line)
+    else:
+        import pyarrow.parquet as pq
+
+        pf, n = pq.ParquetFile(path), 0
+        for g in range(pf.num_row_groups):
+            for j, rec in enumerate(pf.read_row_group(g).to_pylist()):
+                yield f"{path}[{n}]", (g, j), rec
+                n += 1
+
+
+def pack_rows(lengths: list[int], pack_to: int | None, where=None) -> tuple[list[list[int]], int]:
+    """Record indices per row and the row width before padding (see the module docstring)."""
+    if pack_to is None:
+        return [[i] for i in range(len(lengths))], max(lengths)
+    rows, cur, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if n > pack_to:
+            raise ValueError(f"{where[i] if where else f'record {i}'}: {n} tokens do not fit pack_to={pack_to}")
+        if used + n > pack_to:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    rows.append(cur)
+    return rows, pack_to
+
+
 def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int = 0, pad_multiple: int = 1,
                   ignore_index: int = IGNORE_INDEX) -> dict:
-    files = rollout_files(path)
-    if not files:
-        raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
-    recs = []
-    for f in files:
-        for where, rec in _records(f):
-            _check(where, rec)
-            recs.append((where, rec))
-    if not recs:
-        raise ValueError(f"{path}: no rollout records")
-    with_ref = [r.get("ref_logprobs") is not None for _, r in recs]
-    if any(with_ref) and not all(with_ref):
-        raise ValueError(f"{path}: ref_logprobs present in some records but not all")
-    with_ref = all(with_ref)
-
-    # Rows: lists of record indices.
-    lengths = [len(r["input_ids"]) for _, r in recs]
-    if pack_to is None:
-        rows = [[i] for i in range(len(recs))]
-        width = max(lengths)
-    else:
-        rows, cur, used = [], [], 0
-        for i, n in enumerate(lengths):
-            if n > pack_to:
-                raise ValueError(f"{recs[i][0]}: {n} tokens do not fit pack_to={pack_to}")
-            if used + n > pack_to:
-                rows.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += n
-        rows.append(cur)
-        width = pack_to
+    index = RolloutIndex(path)
+    rows, width = pack_rows(index.lengths, pack_to, index.where)
     width = int(math.ceil(width / pad_multiple) * pad_multiple)
+    return build_rows([[(i, index.fetch(i)) for i in idxs] for idxs in rows], width, with_ref=index.with_ref,
+                      pad_id=pad_id, ignore_index=ignore_index)
 
+
+def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool, pad_id: int = 0,
+               ignore_index: int = IGNORE_INDEX) -> dict:
+    """Tensors (module docstring) for ``rows``: per row, its (record index, record) in order."""
     b = len(rows)
     out = {
         "input_ids": torch.full((b, width), pad_id, dtype=torch.long),
@@ -138,11 +182,10 @@ def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int =
     if with_ref:
         out["ref_logprobs"] = torch.zeros((b, width), dtype=torch.float32)
     meta = []
-    for r, idxs in enumerate(rows):
+    for r, row in enumerate(rows):
         col, row_meta = 0, []
-        for k, i in enumerate(idxs):
-            where, rec = recs[i]
-            n = lengths[i]
+        for k, (i, rec) in enumerate(row):
+            n = len(rec["input_ids"])
             ids = torch.tensor(rec["input_ids"], dtype=torch.long)
             mask = torch.tensor(rec["loss_mask"], dtype=torch.bool)
             adv = rec["advantages"]
