@@ -102,17 +102,21 @@ class RolloutIndex:
             raise ValueError(f"{path}: ref_logprobs present in some records but not all")
         self.with_ref = all(with_ref)
         self._group = (None, None)  # (file, row group) -> its records
+        self._handles = {}  # jsonl file index -> open file
 
     def __len__(self):
         return len(self.lengths)
+
+    def __getstate__(self):  # data-loader workers reopen the files
+        return {**self.__dict__, "_handles": {}, "_group": (None, None)}
 
     def fetch(self, i: int) -> dict:
         fi, a, b = self.loc[i]
         f = self.files[fi]
         if f.suffix == ".jsonl":
-            with open(f, "rb") as fh:
-                fh.seek(a)
-                return json.loads(fh.readline())
+            fh = self._handles.get(fi) or self._handles.setdefault(fi, open(f, "rb"))
+            fh.seek(a)
+            return json.loads(fh.readline())
         if self._group[0] != (fi, a):
             import pyarrow.parquet as pq
 
