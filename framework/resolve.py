@@ -145,6 +145,12 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
         raise UserError(f"training.dtype={cfg.training.dtype}", "must be bfloat16 or float32.")
     if cfg.training.steps < 1 or cfg.training.seq_len < 2 or cfg.training.local_batch < 1:
         raise UserError("training", "steps, local_batch must be >= 1 and seq_len >= 2.")
+    if cfg.data.num_workers not in (0, 1):
+        raise UserError(f"data.num_workers={cfg.data.num_workers}", "each rank's loader is one ordered stream "
+                        "(text windows or rollout rows dealt in blocks); with more than one worker process "
+                        "every worker would produce the same batches and the run would train on repeats.",
+                        "Set data.num_workers=1 to load in one background process, or 0 to load in the "
+                        "training process.")
     if not for_training:
         return
     why = getattr(model_module(cfg), "unavailable", lambda: None)()

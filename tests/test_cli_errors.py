@@ -29,6 +29,7 @@ def _err(capsys, argv):
     (["state=zero1", "state.offload=all"], ["state=zero1", "state.offload must be none|optimizer for zero1"]),
     (["state=zero1", "state.offload_threads=-1"], ["state.offload_threads must be >= 0"]),
     (["checkpoint.resume=true", "output_dir=nowhere"], ["holds no checkpoint"]),
+    (["data.num_workers=2"], ["data.num_workers=2", "train on repeats", "data.num_workers=1"]),
     (["recipe=qwen35_35b_128k", "nproc=8"], ["data.tokenizer=./assets/hf/Qwen3.5-35B-A3B", "no tokenizer folder"]),
 ])
 def test_user_errors(capsys, workdir, argv, needles):

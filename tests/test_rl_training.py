@@ -339,3 +339,36 @@ def test_rollout_rows_read_on_demand_equal_the_whole_set(tmp_path):
                 assert torch.equal(v, whole[k][i]), (path, i, k)
         x, labels = next(iter(ds))
         assert torch.equal(x["rl_ref_logprobs"], whole["ref_logprobs"][0]) and torch.equal(labels, whole["labels"][0])
+
+
+def test_rollout_loader_in_a_worker_process_gives_the_same_batches_and_resumes(tmp_path):
+    """data.num_workers=1 (one background process): the same batches as in-process, and the
+    loader's state resumes mid-stream; two workers would repeat batches (refused before launch,
+    tests/test_cli_errors.py)."""
+    from framework import devices
+
+    devices.install()
+    from components.data.rollout_loader import RolloutDataLoader
+
+    recs = [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1], "old_logprobs": [0.0, 0, -1, -1, -1],
+             "advantages": float(i)} for i in range(10)]
+    path = _write(tmp_path / "r.jsonl", recs)
+
+    def loader(workers):
+        return RolloutDataLoader(RolloutDataLoader.Config(path=str(path), num_workers=workers), dp_world_size=1,
+                                 dp_rank=0, tokenizer=None, seq_len=5, local_batch_size=2)
+
+    def adv(batch):
+        return [int(x) for x in batch[0]["rl_advantages"].max(-1).values]
+
+    it0, dl = iter(loader(0)), loader(1)
+    it1 = iter(dl)
+    first = [adv(next(it1)) for _ in range(3)]
+    assert first == [adv(next(it0)) for _ in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    state = dl.state_dict()
+    rest = [adv(next(it1)) for _ in range(3)]
+    assert rest == [[6, 7], [8, 9], [0, 1]]
+    again = loader(1)
+    again.load_state_dict(state)
+    it2 = iter(again)
+    assert [adv(next(it2)) for _ in range(3)] == rest
