@@ -77,9 +77,8 @@ def train_main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _fail(e)
 
-    from framework import kernel_cache, registry, run
+    from framework import registry, run
 
-    kernel_cache.configure(r.cfg.training.kernel_cache, r.cfg.training.cache_autotuning)  # workers inherit it
     if _under_torchrun():
         run.train(r, verbose="verbose" in flags)
         return 0

@@ -29,7 +29,7 @@ def configure(kernel_cache: str | None, cache_autotuning: bool,
     if cache_autotuning:
         wanted["TRITON_CACHE_AUTOTUNING"] = "1"
     if kernel_cache:
-        root = Path(kernel_cache).expanduser()
+        root = Path(kernel_cache).expanduser().resolve()
         wanted["TRITON_CACHE_DIR"] = str(root / "triton")
         wanted["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     added = {k: v for k, v in wanted.items() if k not in env}
@@ -49,13 +49,14 @@ def _cache_existing_autotuners() -> int:
 
     if "triton" not in sys.modules:
         return 0
+    from triton import knobs
     from triton.runtime.autotuner import Autotuner
 
     with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies warns
         warnings.simplefilter("ignore")
         tuners = [o for o in gc.get_objects() if isinstance(o, Autotuner)]
     for t in tuners:
-        t.cache_results = True
+        t.cache_results = not knobs.runtime.interpret  # as Triton's own constructor decides
     return len(tuners)
 
 

@@ -212,7 +212,7 @@ def _check_rollouts(cfg, facts) -> None:
         raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
                         "Set parallel.pp=1.")
     try:
-        index = RolloutIndex(path)
+        index = RolloutIndex(path, validate=True)
         pack_rows(index.lengths, cfg.training.seq_len, index.where)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(f"data.path={path}", f"{e}.".replace("pack_to", "training.seq_len"),

@@ -37,6 +37,7 @@ def write_run_files(resolved) -> None:
 def train(resolved, verbose: bool = False) -> dict | None:
     """Train; returns the last metrics record on rank 0."""
     devices.install()
+    kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
     preempt.arm()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75 (requeue)
     _single_process_env()

@@ -7,6 +7,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
+# GPU tests: keep Triton's autotuning results on disk, so a rerun on the same machine skips the
+# minutes of fla kernel autotuning (docs/skills/kernel_cache.md); no effect on CPU
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):

@@ -323,11 +323,14 @@ def test_rollout_rows_read_on_demand_equal_the_whole_set(tmp_path):
                      "old_logprobs": [0.0] + [-rng.random() for _ in range(n - 1)],
                      "advantages": [rng.uniform(-1, 1)] * n, "ref_logprobs": [-rng.random() for _ in range(n)]})
     (tmp_path / "j").mkdir()
-    _write(tmp_path / "j" / "a.jsonl", recs[:10])
-    (tmp_path / "j" / "b.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in recs[10:]))  # blank line
+    for f in range(5):  # five files, the second starting with a blank line
+        blank = "\n" if f == 1 else ""
+        (tmp_path / "j" / f"{f}.jsonl").write_text(blank + "".join(json.dumps(r) + "\n" for r in recs[5 * f:5 * f + 5]))
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "r.parquet", row_group_size=4)
-    for path in (tmp_path / "j", tmp_path / "r.parquet"):
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "one_group.parquet")
+    for path in (tmp_path / "j", tmp_path / "r.parquet", tmp_path / "one_group.parquet"):
         whole = read_rollouts(path, pack_to=16)
+        fds = len(os.listdir("/proc/self/fd"))
         ds = RolloutRows(str(path), seq_len=16, dp_rank=0, dp_world_size=1, local_batch=1, global_batch=1)
         assert ds.n == whole["input_ids"].shape[0] > 5
         held = [t for v in vars(ds).values() for t in (v.values() if isinstance(v, dict) else [v])
@@ -337,8 +340,20 @@ def test_rollout_rows_read_on_demand_equal_the_whole_set(tmp_path):
             row = ds.row(i)
             for k, v in row.items():
                 assert torch.equal(v, whole[k][i]), (path, i, k)
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1  # one file open at a time
         x, labels = next(iter(ds))
         assert torch.equal(x["rl_ref_logprobs"], whole["ref_logprobs"][0]) and torch.equal(labels, whole["labels"][0])
+        ds.index.close()
+
+
+def test_malformed_rollout_value_stops_before_launch(tmp_path):
+    from components.data.rollouts import RolloutIndex
+
+    rec = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "old_logprobs": [0.0, None, -1.0], "advantages": 1.0}
+    path = _write(tmp_path / "r.jsonl", [rec])
+    RolloutIndex(path)  # the workers' index pass reads lengths only
+    with pytest.raises(ValueError, match=r"r.jsonl:1: old_logprobs holds a value that is not a number"):
+        RolloutIndex(path, validate=True)  # resolve's check
 
 
 def test_rollout_loader_in_a_worker_process_gives_the_same_batches_and_resumes(tmp_path):

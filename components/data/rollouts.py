@@ -78,80 +78,125 @@ def _check(where: str, rec: dict) -> int:
 
 class RolloutIndex:
     """Where each record of a rollouts path is, its length and whether it trains any token, read
-    in one pass; records are fetched again on demand (``fetch``), so a reader holds O(records)
-    numbers instead of the records. jsonl: byte offsets; parquet: (row group, row), one row
-    group kept at a time (rows are read in order)."""
+    in one pass; records are fetched again on demand (``fetch``), so a reader holds a few numbers
+    per record instead of the records. jsonl: byte offsets (one open file at a time); parquet:
+    (row group, row), the current row group kept as an Arrow table (rows are read in order; write
+    row groups of a few hundred records). ``validate``: also convert every field as the loader
+    will (the pre-launch check), so a malformed value stops the run before it starts."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, validate: bool = False):
         self.files = rollout_files(path)
         if not self.files:
             raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
-        self.where, self.loc, self.lengths, self.trained, with_ref = [], [], [], [], []
+        self.loc, self.lengths, self.trained, with_ref = [], [], [], []
         self.max_token = -1
         for fi, f in enumerate(self.files):
-            for where, loc, rec in _located_records(f):
-                self.lengths.append(_check(where, rec))
+            for line, loc, rec in _located_records(f):
+                where = _where(f, line)
+                n = _check(where, rec)
+                if validate:
+                    _convert(where, rec)
+                self.lengths.append(n)
                 self.max_token = max(self.max_token, max(rec["input_ids"]))
                 self.trained.append(any(rec["loss_mask"][1:]))
                 with_ref.append(rec.get("ref_logprobs") is not None)
-                self.where.append(where)
-                self.loc.append((fi, *loc))
+                self.loc.append((fi, line, *loc))
         if not self.lengths:
             raise ValueError(f"{path}: no rollout records")
         if any(with_ref) and not all(with_ref):
             raise ValueError(f"{path}: ref_logprobs present in some records but not all")
         self.with_ref = all(with_ref)
-        self._group = (None, None)  # (file, row group) -> its records
-        self._handles = {}  # jsonl file index -> open file
+        self._open = (None, None)  # (file index, open jsonl file or parquet file)
+        self._group = (None, None)  # ((file index, row group), its Arrow table)
 
     def __len__(self):
         return len(self.lengths)
 
+    def where(self, i: int) -> str:
+        fi, line = self.loc[i][:2]
+        return _where(self.files[fi], line)
+
+    def close(self) -> None:
+        if self._open[1] is not None and hasattr(self._open[1], "close"):
+            self._open[1].close()
+        self._open, self._group = (None, None), (None, None)
+
     def __getstate__(self):  # data-loader workers reopen the files
-        return {**self.__dict__, "_handles": {}, "_group": (None, None)}
+        return {**self.__dict__, "_open": (None, None), "_group": (None, None)}
+
+    def _file(self, fi: int):
+        if self._open[0] != fi:
+            self.close()
+            f = self.files[fi]
+            if f.suffix == ".jsonl":
+                handle = open(f, "rb")
+            else:
+                import pyarrow.parquet as pq
+
+                handle = pq.ParquetFile(f)
+            self._open = (fi, handle)
+        return self._open[1]
 
     def fetch(self, i: int) -> dict:
-        fi, a, b = self.loc[i]
-        f = self.files[fi]
-        if f.suffix == ".jsonl":
-            fh = self._handles.get(fi) or self._handles.setdefault(fi, open(f, "rb"))
-            fh.seek(a)
-            return json.loads(fh.readline())
+        fi, _, a, b = self.loc[i]
+        handle = self._file(fi)
+        if self.files[fi].suffix == ".jsonl":
+            handle.seek(a)
+            return json.loads(handle.readline())
         if self._group[0] != (fi, a):
-            import pyarrow.parquet as pq
+            self._group = ((fi, a), handle.read_row_group(a))
+        return self._group[1].slice(b, 1).to_pylist()[0]
 
-            self._group = ((fi, a), pq.ParquetFile(f).read_row_group(a).to_pylist())
-        return self._group[1][b]
+
+def _where(path: Path, line: int) -> str:
+    return f"{path}:{line}" if path.suffix == ".jsonl" else f"{path}[{line}]"
+
+
+def _convert(where: str, rec: dict) -> None:
+    """Raise ValueError naming the field when a value would not convert as the loader converts it."""
+    for k, dtype in (("input_ids", torch.long), ("loss_mask", torch.bool), ("old_logprobs", torch.float32),
+                     ("advantages", torch.float32), ("ref_logprobs", torch.float32)):
+        if rec.get(k) is None:
+            continue
+        try:
+            torch.tensor(rec[k], dtype=dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{where}: {k} holds a value that is not a number ({e})") from None
 
 
 def _located_records(path: Path):
-    """(where, (a, b), record): jsonl (byte offset, 0); parquet (row group, row in it)."""
+    """(line, (a, b), record). jsonl: line number, (byte offset, 0); parquet: row number,
+    (row group, row in it), read a batch of rows at a time."""
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             offset, i = 0, 0
             for line in f:
                 i += 1
                 if line.strip():
-                    yield f"{path}:{i}", (offset, 0), json.loads(line)
+                    yield i, (offset, 0), json.loads(line)
                 offset += len(line)
     else:
         import pyarrow.parquet as pq
 
         pf, n = pq.ParquetFile(path), 0
         for g in range(pf.num_row_groups):
-            for j, rec in enumerate(pf.read_row_group(g).to_pylist()):
-                yield f"{path}[{n}]", (g, j), rec
-                n += 1
+            j = 0
+            for batch in pf.iter_batches(batch_size=256, row_groups=[g]):
+                for rec in batch.to_pylist():
+                    yield n, (g, j), rec
+                    n += 1
+                    j += 1
 
 
 def pack_rows(lengths: list[int], pack_to: int | None, where=None) -> tuple[list[list[int]], int]:
-    """Record indices per row and the row width before padding (see the module docstring)."""
+    """Record indices per row and the row width before padding (see the module docstring);
+    ``where(i)`` names record i in errors."""
     if pack_to is None:
         return [[i] for i in range(len(lengths))], max(lengths)
     rows, cur, used = [], [], 0
     for i, n in enumerate(lengths):
         if n > pack_to:
-            raise ValueError(f"{where[i] if where else f'record {i}'}: {n} tokens do not fit pack_to={pack_to}")
+            raise ValueError(f"{where(i) if where else f'record {i}'}: {n} tokens do not fit pack_to={pack_to}")
         if used + n > pack_to:
             rows.append(cur)
             cur, used = [], 0
@@ -163,7 +208,7 @@ def pack_rows(lengths: list[int], pack_to: int | None, where=None) -> tuple[list
 
 def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int = 0, pad_multiple: int = 1,
                   ignore_index: int = IGNORE_INDEX) -> dict:
-    index = RolloutIndex(path)
+    index = RolloutIndex(path, validate=True)
     rows, width = pack_rows(index.lengths, pack_to, index.where)
     width = int(math.ceil(width / pad_multiple) * pad_multiple)
     return build_rows([[(i, index.fetch(i)) for i in idxs] for idxs in rows], width, with_ref=index.with_ref,
