@@ -109,9 +109,6 @@ class RolloutIndex:
         self._open = (None, None)  # (file index, open jsonl file or parquet file)
         self._group = (None, None)  # ((file index, row group), its Arrow table)
 
-    def __len__(self):
-        return len(self.lengths)
-
     def where(self, i: int) -> str:
         fi, line = self.loc[i][:2]
         return _where(self.files[fi], line)

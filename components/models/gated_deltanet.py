@@ -366,8 +366,9 @@ def warn_fla_fp32(dtype: torch.dtype, training: bool) -> bool:
     _FP32_WARNED = True
     logger.warning("GatedDeltaNet runs fla's kernels on fp32 activations with gradients: fla's fp32 gate "
                    "gradients (A_log, dt_bias, in_proj_a) were measured 10-12 percent off the exact ones on "
-                   "H200 (up to 40x on small ones), bf16 agrees. Train with training.dtype=bfloat16 (the default); the exact fp32 "
-                   "path is the torch one (framework.api.build_model(..., linear_backend='torch')).")
+                   "H200 (up to 40x on small ones), bf16 agrees. Train with training.dtype=bfloat16 (the "
+                   "default); the exact fp32 path is the torch one "
+                   "(framework.api.build_model(..., linear_backend='torch')).")
     return True
 
 

@@ -36,6 +36,12 @@ def materialize_state(optimizers) -> None:
             g["lr"] = g.pop("_lr")
 
 
+def check_threads(requested) -> None:
+    """ValueError unless ``state.offload_threads`` is >= 0 (the backends' pre-launch checks)."""
+    if int(requested) < 0:
+        raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {requested}")
+
+
 def host_threads(requested: int = 0) -> int:
     """CPU threads for one rank's host-side optimizer update (``state.offload_threads``).
 
@@ -43,8 +49,7 @@ def host_threads(requested: int = 0) -> int:
     over the ranks of its node (``LOCAL_WORLD_SIZE``). torchrun starts every worker with
     OMP_NUM_THREADS=1, which would run a multi-GB Adam update on one core.
     """
-    if requested < 0:
-        raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {requested}")
+    check_threads(requested)
     if requested:
         return int(requested)
     try:

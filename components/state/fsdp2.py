@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from components.state.common import check_threads
+
 
 class FSDP2:
     @dataclass
@@ -28,8 +30,7 @@ class FSDP2:
                 f"state.reshard_after_forward must be default|always|never, got {opts.reshard_after_forward!r}")
         if opts.offload not in ("none", "optimizer", "all"):
             raise ValueError(f"state.offload must be none|optimizer|all for fsdp2, got {opts.offload!r}")
-        if int(opts.offload_threads) < 0:
-            raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {opts.offload_threads}")
+        check_threads(opts.offload_threads)
 
     @staticmethod
     def apply(opts: "FSDP2.Options", tt_config) -> None:

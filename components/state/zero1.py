@@ -35,6 +35,8 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from components.state.common import check_threads
+
 _REDUCE = ("reduce_scatter", "all_reduce")
 
 
@@ -56,8 +58,7 @@ class Zero1:
             raise ValueError(f"state.grad_reduce must be one of {'|'.join(_REDUCE)}, got {opts.grad_reduce!r}")
         if not opts.bucket_mb > 0:
             raise ValueError(f"state.bucket_mb must be > 0, got {opts.bucket_mb}")
-        if int(opts.offload_threads) < 0:
-            raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {opts.offload_threads}")
+        check_threads(opts.offload_threads)
 
     @staticmethod
     def apply(opts: "Zero1.Options", tt_config) -> None:
