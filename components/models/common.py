@@ -37,6 +37,7 @@ class ModelFacts:
     n_linear_attention_layers: int = 0  # GatedDeltaNet-style layers
     linear_attn: dict | None = None  # per-family shapes of the linear-attention layers
     shared_expert_hidden_dim: int = 0
+    source: str = ""  # where the architecture came from when not the flavor (an HF folder)
 
 
 def resize_layers(config, n_layers: int | None):

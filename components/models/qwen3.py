@@ -7,9 +7,13 @@ CPU tests and the embedded default recipe.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torchtitan.models import qwen3 as tt_qwen3
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models import common
@@ -46,7 +50,17 @@ MOE_FLAVORS = {"debugmodel_moe", "30B-A3B", "235B-A22B", "tiny_moe"}
 
 def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
                  n_layers: int | None = None, vocab_size: int | None = None,
-                 load_balance_coeff: float | None = 1e-3):
+                 load_balance_coeff: float | None = 1e-3, hf_checkpoint: str | None = None):
+    """The flavor's config, or with ``hf_checkpoint`` the folder's architecture (flavor: defaults only)."""
+    if hf_checkpoint:
+        from components.models import hf
+
+        a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
+        config = build_config(a, attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
+                              hf_checkpoint=hf_checkpoint)
+        hf.check_weights(hf_checkpoint, config, _self(), a.n_layers)
+        config = common.set_load_balance(config, load_balance_coeff)
+        return common.use_device_attention(config)
     kwargs = {"attn_backend": attn_backend}
     if flavor in MOE_FLAVORS:
         kwargs["moe_comm_backend"] = moe_comm_backend
@@ -65,4 +79,173 @@ def model_spec(flavor: str, **kwargs) -> ModelSpec:
 
 
 def facts(flavor: str, **kwargs) -> common.ModelFacts:
-    return common.facts_from_config("qwen3", flavor, model_config(flavor, **kwargs))
+    config = model_config(flavor, **kwargs)
+    f = common.facts_from_config("qwen3", flavor, config)
+    if kwargs.get("hf_checkpoint"):
+        from dataclasses import replace
+
+        from components.models import hf
+
+        f = replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
+                                          hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
+    return f
+
+
+def _self():
+    import sys
+
+    return sys.modules[__name__]
+
+
+# --------------------------------------------------------------------------- HuggingFace folders
+
+from components.models.hf import CausalMasksByDefault as _Masks  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A Qwen3 architecture read from a HF config.json (``qwen3`` dense or ``qwen3_moe``)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    ffn_hidden_dim: int = 0  # dense SwiGLU (0 for MoE)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_hidden_dim: int = 0
+    route_norm: bool = True  # HF norm_topk_prob
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 40960
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+
+
+class HFQwen3Model(_Masks, Qwen3Model):
+    """torchtitan's Qwen3 model that loads ``config.hf_checkpoint`` after its random init."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen3Model.Config):
+        hf_checkpoint: str | None = None
+
+    def init_states(self, *, buffer_device=None) -> None:
+        super().init_states(buffer_device=buffer_device)
+        if self.config.hf_checkpoint:
+            from components.models import hf
+
+            hf.load_into(self, self.config.hf_checkpoint, STATE_DICT_ADAPTER(self.config, None))
+
+
+STATE_DICT_ADAPTER = Qwen3StateDictAdapter
+
+
+def arch_from_hf(path) -> Arch:
+    from components.models import hf
+
+    c = hf.read_config(path)
+    hf.check_family(c, path, "qwen3")
+    dim, n, heads, vocab = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    rope = hf.rope_params(c)
+    if rope.get("rope_type", "default") not in ("default", None):
+        hf.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)")
+    if c.get("attention_bias"):
+        hf.refuse(path, "attention_bias=true")
+    if c.get("use_sliding_window"):
+        hf.refuse(path, "use_sliding_window=true")
+    if c.get("hidden_act", "silu") != "silu":
+        hf.refuse(path, f"hidden_act={c['hidden_act']}")
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers 5 saves the latter
+    moe = bool(experts)
+    if moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        hf.refuse(path, "dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+    return Arch(
+        dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab,
+        ffn_hidden_dim=0 if moe else hf.need(c, path, "intermediate_size")[0],
+        num_experts=experts, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=hf.need(c, path, "moe_intermediate_size")[0] if moe else 0,
+        route_norm=bool(c.get("norm_topk_prob", True)), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_seq_len=c.get("max_position_embeddings", 40960), norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
+                 hf_checkpoint: str | None = None) -> HFQwen3Model.Config:
+    """Arch -> torchtitan Qwen3 config (separate q/k/v projections, the HF layout)."""
+    from torchtitan.models.common.moe import MoE
+
+    from components.models.qwen3_5_model import ExactGroupedExperts, replace_config
+
+    rope = CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta)
+    shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                  attn_backend=attn_backend, rope=rope, fuse_qkv=False)
+    if a.num_experts:
+        layers = tt_qwen3._build_qwen3_moe_layers(moe_hidden_dim=a.moe_hidden_dim, num_experts=a.num_experts,
+                                                  top_k=a.top_k, moe_comm_backend=moe_comm_backend, **shared)
+    else:
+        layers = tt_qwen3._build_qwen3_layers(hidden_dim=a.ffn_hidden_dim, **shared)
+    config = HFQwen3Model.Config(
+        vocab_size=a.vocab_size, dim=a.dim, norm=tt_qwen3._qwen3_norm(a.dim), enable_weight_tying=a.tie_embeddings,
+        tok_embeddings=Embedding.Config(num_embeddings=a.vocab_size, embedding_dim=a.dim,
+                                        param_init=tt_qwen3._EMBEDDING_SKIP_INIT if a.tie_embeddings
+                                        else tt_qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=a.dim, out_features=a.vocab_size, param_init=tt_qwen3._LINEAR_INIT),
+        layers=layers, hf_checkpoint=hf_checkpoint)
+    for _, norm, _, _ in config.traverse(RMSNorm.Config):
+        norm.eps = a.norm_eps
+    for _, moe, _, _ in config.traverse(MoE.Config):
+        moe.router.route_norm = a.route_norm
+        moe.routed_experts.inner_experts = replace_config(moe.routed_experts.inner_experts,
+                                                          ExactGroupedExperts.Config)
+    return config
+
+
+def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
+    """The architecture of an HF folder with the user's explicit overrides (None without one)."""
+    if not hf_checkpoint:
+        return None
+    from components.models import hf
+
+    return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
+
+
+def hf_config(a: Arch) -> dict:
+    d = dict(hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+             num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+             rms_norm_eps=a.norm_eps, hidden_act="silu", max_position_embeddings=a.max_seq_len,
+             tie_word_embeddings=a.tie_embeddings, attention_bias=False,
+             rope_parameters=dict(rope_type="default", rope_theta=a.rope_theta))
+    if a.num_experts:
+        d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=a.num_experts,
+                 num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_hidden_dim, norm_topk_prob=a.route_norm,
+                 decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=a.moe_hidden_dim)
+    else:
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=a.ffn_hidden_dim)
+    return d
+
+
+def export_hf(run_dir: str, out_path: str):
+    """`apiary export RUN_DIR --hf OUT` for this family."""
+    from components.models import hf
+
+    return hf.export_run(run_dir, out_path, _self())
+
+
+def arch_from_config(config) -> Arch:
+    """The Arch of a torchtitan Qwen3 config (a flavor's or an HF folder's), for export."""
+    from torchtitan.models.common.moe import MoE
+
+    attn = config.layers[0].attention
+    moes = [m for _, m, _, _ in config.traverse(MoE.Config)]
+    ff = config.layers[0].feed_forward
+    norm = [n for _, n, _, _ in config.traverse(RMSNorm.Config)][0]
+    return Arch(dim=config.dim, n_layers=len(config.layers), n_heads=attn.n_heads,
+                n_kv_heads=attn.n_kv_heads or attn.n_heads, head_dim=attn.head_dim or config.dim // attn.n_heads,
+                vocab_size=config.vocab_size, ffn_hidden_dim=ff.w1.out_features if ff is not None else 0,
+                num_experts=moes[0].num_experts if moes else 0, top_k=moes[0].router.top_k if moes else 0,
+                moe_hidden_dim=moes[0].routed_experts.inner_experts.hidden_dim if moes else 0,
+                route_norm=moes[0].router.route_norm if moes else True, rope_theta=attn.rope.theta,
+                max_seq_len=attn.rope.max_seq_len, norm_eps=norm.eps,
+                tie_embeddings=bool(config.enable_weight_tying))

@@ -1,0 +1,436 @@
+"""HuggingFace folders for every model family: config.json, safetensors checks, load, export.
+
+A family that loads HF checkpoints supplies (see qwen3.py, llama3.py, qwen3_5.py):
+
+* ``arch_from_hf(config: dict) -> Arch``: the architecture of a (text) config.json;
+* ``build_config(arch, ...)``: a torchtitan model config whose ``hf_checkpoint`` field makes
+  ``init_states`` load the folder after the random init;
+* ``STATE_DICT_ADAPTER``: torchtitan's adapter (HF keys <-> torchtitan names);
+* ``hf_config(arch) -> dict``: config.json written by ``apiary export``;
+* optionally ``hf_key_shapes(key, shape)``: a checkpoint key -> canonical (key, shape) pairs
+  (vision weights dropped, fused experts split), identity by default.
+
+Everything here that can fail on the user's input raises ``UserError`` naming
+``model.hf_checkpoint``: a missing folder, a config.json that is not JSON, no weights, a
+corrupt or truncated ``.safetensors`` file, missing or extra tensors, a wrong shape. The checks
+read the safetensors headers only (no tensor data), so they run before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from framework.errors import UserError
+
+KEY = "model.hf_checkpoint"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def _where(path) -> str:
+    return f"{KEY}={path}"
+
+
+# --------------------------------------------------------------------------- config.json
+
+def read_config(path, *, text: bool = True) -> dict:
+    """The folder's config.json as a dict; with ``text``, a multimodal config's ``text_config``."""
+    if isinstance(path, dict):
+        c = path
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(_where(path), "no such folder.", "Point it at a HuggingFace model folder "
+                            "(config.json + *.safetensors), e.g. one written by save_pretrained.")
+        if p.is_file():
+            raise UserError(_where(path), "is a file; apiary loads a HuggingFace model folder "
+                            "(config.json + *.safetensors).", f"Point it at the folder, e.g. {p.parent}.")
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise UserError(_where(path), "no config.json there, so the architecture is unknown.",
+                            "Point it at a HuggingFace model folder (config.json + *.safetensors).")
+        try:
+            c = json.loads(cfg.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(_where(path), f"{cfg} is not JSON ({e}).",
+                            "Restore the file from the model's original folder.") from None
+        if not isinstance(c, dict):
+            raise UserError(_where(path), f"{cfg} is not a JSON object.", "Restore the file from the model's "
+                            "original folder.")
+    if text and isinstance(c.get("text_config"), dict):
+        tc = c["text_config"]
+        c = {**tc, "tie_word_embeddings": tc.get("tie_word_embeddings", c.get("tie_word_embeddings", False))}
+    return c
+
+
+def need(c: dict, path, *keys):
+    """Values of required config.json keys (a missing one is a user error naming it)."""
+    missing = [k for k in keys if k not in c]
+    if missing:
+        raise UserError(_where(path), f"config.json has no {', '.join(missing)}.",
+                        "Use the config.json saved with the weights (transformers' save_pretrained).")
+    return [c[k] for k in keys]
+
+
+def rope_params(c: dict) -> dict:
+    """transformers 5 ``rope_parameters`` merged with the older top-level keys / ``rope_scaling``."""
+    rope = dict(c.get("rope_parameters") or {})
+    for k, v in (c.get("rope_scaling") or {}).items():
+        rope.setdefault(k, v)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope["type"]
+    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
+        if k in c and k not in rope:
+            rope[k] = c[k]
+    return rope
+
+
+def refuse(path, what: str, fix: str = "") -> None:
+    raise UserError(_where(path), f"{what}; apiary cannot build this architecture.",
+                    fix or "Use a checkpoint without it, or another model.family.")
+
+
+def family_of(model_type: str) -> str | None:
+    if model_type.startswith("qwen3_5"):
+        return "qwen3_5"
+    if model_type in ("qwen3", "qwen3_moe"):
+        return "qwen3"
+    if model_type == "llama":
+        return "llama3"
+    return None
+
+
+def check_family(c: dict, path, family: str) -> None:
+    mt = str(c.get("model_type", ""))
+    if not mt:
+        return
+    other = family_of(mt)
+    if other == family:
+        return
+    from framework import registry
+
+    flavors = list(getattr(registry.resolve("model", other), "FLAVORS", {})) if other else []
+    fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
+           "defaults; the architecture comes from config.json)." if other else
+           "apiary loads qwen3, qwen3_moe, llama and qwen3_5(_moe) checkpoints.")
+    raise UserError(_where(path), f"config.json has model_type={mt}, which model.family={family} does not "
+                    "read.", fix)
+
+
+def apply_overrides(arch, path, *, n_layers=None, vocab_size=None):
+    """The checkpoint's architecture with the user's explicit model.n_layers / model.vocab_size.
+
+    Both are None unless the user set them (no packaged recipe sets them). A vocabulary that
+    differs, or more layers than the checkpoint holds, contradicts the weights; fewer layers
+    keep the first ones.
+    """
+    if vocab_size is not None and vocab_size != arch.vocab_size:
+        raise UserError(f"model.vocab_size={vocab_size}", f"contradicts {KEY}={path}, whose vocabulary is "
+                        f"{arch.vocab_size} (config.json vocab_size).",
+                        f"Drop model.vocab_size (the checkpoint sets it) or set model.vocab_size={arch.vocab_size}.")
+    if n_layers is not None and n_layers > arch.n_layers:
+        raise UserError(f"model.n_layers={n_layers}", f"is more than the {arch.n_layers} layers of {KEY}={path}; "
+                        "the extra layers would have no weights.",
+                        f"Drop model.n_layers, or set it to at most {arch.n_layers} to load the first layers.")
+    if n_layers is not None and n_layers < arch.n_layers:
+        return dataclasses.replace(arch, n_layers=n_layers)
+    return arch
+
+
+# --------------------------------------------------------------------------- safetensors headers
+
+def _header(f: Path, path) -> dict:
+    """A .safetensors file's header, validated against the file's size (no tensor data read)."""
+    size = f.stat().st_size
+    bad = None
+    try:
+        with open(f, "rb") as h:
+            head = h.read(8)
+            if len(head) < 8:
+                bad = f"{f.name} is {size} bytes, too short for a safetensors file"
+            else:
+                n = struct.unpack("<Q", head)[0]
+                if n > size - 8 or n > 100 * 2**20:
+                    bad = f"{f.name} is not a safetensors file (header length {n} in a {size}-byte file)"
+                else:
+                    meta = json.loads(h.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        bad = f"{f.name} has a corrupt header (not JSON)"
+    if bad is None and not isinstance(meta, dict):
+        bad = f"{f.name} has a corrupt header"
+    if bad is None:
+        end = 0
+        for k, v in meta.items():
+            if k == "__metadata__":
+                continue
+            try:
+                b, e = v["data_offsets"]
+                shape, dtype = [int(s) for s in v["shape"]], v["dtype"]
+            except (KeyError, TypeError, ValueError):
+                bad = f"{f.name} has a corrupt header entry for {k}"
+                break
+            nbytes = _DTYPE_BYTES.get(dtype, 0) * int(torch.Size(shape).numel())
+            if dtype in _DTYPE_BYTES and e - b != nbytes:
+                bad = f"{f.name}: tensor {k} has {e - b} bytes for shape {shape} {dtype}"
+                break
+            end = max(end, e)
+        if bad is None and 8 + n + end > size:
+            bad = (f"{f.name} is truncated: its header describes {8 + n + end} bytes, the file holds {size} "
+                   "(an interrupted download or copy)")
+    if bad:
+        raise UserError(_where(path), bad + ".", "Download or copy the file again (compare its size with "
+                        "the source), or point model.hf_checkpoint at an intact folder.")
+    return {k: v for k, v in meta.items() if k != "__metadata__"}
+
+
+def weight_index(path) -> dict[str, tuple[Path, tuple, str]]:
+    """HF key -> (file, shape, dtype) from the folder's safetensors headers."""
+    p = Path(path)
+    idx = p / "model.safetensors.index.json"
+    if idx.is_file():
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise UserError(_where(path), f"{idx.name} is not a safetensors index ({e}).",
+                            "Restore it from the model's original folder.") from None
+        files = sorted({p / f for f in weight_map.values()})
+        gone = [f.name for f in files if not f.is_file()]
+        if gone:
+            raise UserError(_where(path), f"{idx.name} names files that are not there: {', '.join(gone[:4])}.",
+                            "Download the missing shards.")
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    if not files:
+        other = sorted(x.name for x in p.glob("*.bin")) + sorted(x.name for x in p.glob("*.pt"))
+        raise UserError(_where(path), "no *.safetensors weights there" +
+                        (f" (found {', '.join(other[:3])}; apiary reads safetensors only)" if other else "") + ".",
+                        "Save the model with save_pretrained (safetensors is its default), or download the "
+                        "*.safetensors files into the folder.")
+    out = {}
+    for f in files:
+        for k, v in _header(f, path).items():
+            out[k] = (f, tuple(int(s) for s in v["shape"]), v["dtype"])
+    return out
+
+
+def layer_of(key: str) -> int:
+    m = _LAYER.search(key)
+    return int(m[1]) if m else -1
+
+
+def checkpoint_depth(index: dict) -> int:
+    return 1 + max((layer_of(k) for k in index), default=-1)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _meta_model(config):
+    import copy
+
+    with torch.device("meta"):
+        return copy.deepcopy(config).build()
+
+
+def _names(model) -> list[str]:
+    return [_clean(n) for n, _ in model.named_parameters()]
+
+
+def _clean(name: str) -> str:
+    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(junk, "")
+    return name
+
+
+def expected_hf(config, adapter_cls) -> dict[str, tuple]:
+    """HF key -> shape the model needs, from the adapter's to_hf on a meta build."""
+    model = _meta_model(config)
+    sd = {n: p for n, p in zip(_names(model), model.parameters())}
+    hf = adapter_cls(config, None).to_hf(sd)
+    return {k: tuple(v.shape) for k, v in hf.items()}
+
+
+def canonical_index(index: dict, family_mod) -> dict[str, tuple]:
+    fn = getattr(family_mod, "hf_key_shapes", None)
+    out = {}
+    for k, (_, shape, _) in index.items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        for ck, cs in (fn(k, shape) if fn else [(k, shape)]):
+            out[ck] = cs
+    return out
+
+
+def check_weights(path, config, family_mod, n_layers: int) -> dict:
+    """Missing, extra or wrongly shaped tensors (headers only): a user error naming them."""
+    index = weight_index(path)
+    have = canonical_index(index, family_mod)
+    want = expected_hf(config, family_mod.STATE_DICT_ADAPTER)
+    tied = bool(getattr(config, "enable_weight_tying", False))
+    have = {k: s for k, s in have.items() if layer_of(k) < n_layers}  # truncation keeps the first layers
+    if tied:
+        want.pop("lm_head.weight", None)
+        have.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(have), key=_natural)
+    extra = sorted(set(have) - set(want), key=_natural)
+    shapes = [f"{k} {list(have[k])} (the architecture needs {list(want[k])})" for k in sorted(want, key=_natural)
+              if k in have and tuple(have[k]) != tuple(want[k])]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors missing: {_few(missing)}")
+    if extra:
+        problems.append(f"{len(extra)} tensors the architecture has no place for: {_few(extra)}")
+    if shapes:
+        problems.append(f"{len(shapes)} with the wrong shape: {_few(shapes)}")
+    if problems:
+        raise UserError(_where(path), "the weights do not match its config.json: " + "; ".join(problems) + ".",
+                        "Use the config.json saved with these weights, or re-save the model with "
+                        "save_pretrained.")
+    return index
+
+
+def _few(items, n=4) -> str:
+    return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def _natural(k: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)]
+
+
+# --------------------------------------------------------------------------- load
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
+    """Copy a HF folder's weights into ``model`` (plain, FSDP- or EP-sharded), one layer at a time.
+
+    Layers at or beyond the model's depth are skipped (``model.n_layers`` below the checkpoint's).
+    ``canonical(key)`` renames a checkpoint key or drops it (None).
+    """
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    index = {k: v[0] for k, v in weight_index(path).items()}
+    params = {_clean(n): p for n, p in model.named_parameters()}
+    n_layers = len(model.layers)
+    groups = defaultdict(list)
+    for key in index:
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        ck = canonical(key) if canonical else key
+        if ck is None:
+            continue
+        g = layer_of(ck)
+        if g < n_layers:
+            groups[g].append(key)
+    tied = bool(getattr(model.config, "enable_weight_tying", False))
+    seen, handles = set(), {}
+    try:
+        for g in sorted(groups):
+            raw = {}
+            for key in groups[g]:
+                f = index[key]
+                if f not in handles:
+                    handles[f] = safe_open(str(f), framework="pt")
+                raw[key] = handles[f].get_tensor(key)
+            if tied:  # torchtitan's adapters insist on an output head when embeddings are tied
+                raw["lm_head.weight"] = raw.get("model.embed_tokens.weight")
+            for name, value in adapter.from_hf(raw).items():
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in params:
+                    raise UserError(_where(path), f"checkpoint weight {name} has no parameter in the model.",
+                                    "Use the config.json saved with these weights.")
+                p = params[name]
+                if tuple(value.shape) != tuple(p.shape):
+                    raise UserError(_where(path), f"{name} has shape {tuple(value.shape)}, the model "
+                                    f"{tuple(p.shape)}.", "Use the config.json saved with these weights.")
+                value = value.to(dtype=p.dtype)
+                if isinstance(p, DTensor):
+                    local = distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                              src_data_rank=None).to_local()
+                    p.to_local().copy_(local)
+                else:
+                    p.copy_(value)
+                seen.add(name)
+    finally:
+        handles.clear()
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise UserError(_where(path), f"no weights for {len(missing)} parameters, e.g. {missing[:4]}.",
+                        "Use the config.json saved with these weights.")
+
+
+class CausalMasksByDefault:
+    """Mixin for torchtitan decoders: called outside the trainer (no masks), attend causally."""
+
+    def forward(self, tokens, positions=None, attention_masks=None, **kwargs):
+        if attention_masks is None and self.config.first_attention is not None:
+            from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+            if isinstance(self.config.first_attention.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
+                B, L = tokens.shape[0], tokens.shape[1]
+                pos = positions if positions is not None else torch.arange(L, device=tokens.device).expand(B, L)
+                attention_masks = self.get_attention_masks(pos)
+        return super().forward(tokens, positions, attention_masks, **kwargs)
+
+
+# --------------------------------------------------------------------------- export
+
+def save(state_dict: dict, config, adapter_cls, hf_config: dict, out_path) -> Path:
+    """A torchtitan state dict -> HF folder (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_path)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {k: v.detach().to("cpu").contiguous() for k, v in adapter_cls(config, None).to_hf(state_dict).items()}
+    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return out
+
+
+def latest_step(run_dir) -> Path:
+    run = Path(run_dir)
+    steps = sorted((int(p.name.split("-")[1]), p) for p in (run / "checkpoint").glob("step-*")
+                   if (p / ".metadata").is_file() and p.name.split("-")[1].isdigit())
+    if not steps:
+        raise UserError(f"apiary export {run_dir}", "holds no complete checkpoint (checkpoint/step-N/.metadata).",
+                        "Train with checkpoint.enable=true first.")
+    return steps[-1][1]
+
+
+def export_run(run_dir, out_path, family_mod) -> Path:
+    """`apiary export RUN_DIR --hf OUT` for a torchtitan-adapter family: latest checkpoint -> HF folder."""
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
+                        "Point it at runs/RECIPE/TIMESTAMP.")
+    cfg = OmegaConf.load(run / "config.yaml")
+    step_dir = latest_step(run)
+    config = family_mod.model_config(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
+                                     hf_checkpoint=cfg.model.get("hf_checkpoint"))
+    arch = family_mod.arch_from_config(config)
+    model = _meta_model(config)
+    # DCP holds the model's state_dict names (a fused QKV split by torchtitan's hooks), fp32
+    params = set(_names(model))
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()
+          if k in params or k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    return save(sd, config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(arch), out_path)
+
+
+def describe(arch, path, depth: int | None = None) -> str:
+    """One line for the run's first lines: which checkpoint, which architecture."""
+    fields = ", ".join(f"{f.name}={getattr(arch, f.name)}" for f in dataclasses.fields(arch))
+    trunc = (f"; loading the first {arch.n_layers} of its {depth} layers (model.n_layers)"
+             if depth and depth > arch.n_layers else "")
+    return f"HF checkpoint {path}: {fields}{trunc}"
