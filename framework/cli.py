@@ -123,6 +123,10 @@ def _ls() -> int:
 def _show(name: str) -> int:
     from framework import recipes, registry
 
+    if (Path(name) / "config.json").is_file():  # a HuggingFace model folder
+        from framework.hf_show import show_hf
+
+        return show_hf(name, console)
     if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
         console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
         return 0

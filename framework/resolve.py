@@ -175,10 +175,9 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
     if d.format == "rollouts":
         return  # rollouts come tokenized
     if d.tokenizer != "byte":
-        if not Path(d.tokenizer).is_dir():
-            raise UserError(f"data.tokenizer={d.tokenizer}", "no tokenizer folder there (tokenizer.json and "
-                            "tokenizer_config.json).", "Download the model's tokenizer files there, or use "
-                            "data.tokenizer=byte.")
+        from components.data.tokenizer import check_hf_tokenizer
+
+        check_hf_tokenizer(str(d.tokenizer), facts.vocab_size)
     elif facts.vocab_size < 258:
         raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has {facts.vocab_size}.",
                         "Set model.vocab_size=320.")

@@ -44,6 +44,10 @@ def train(resolved, verbose: bool = False) -> dict | None:
     rank = int(os.environ["RANK"])
     if rank == 0:
         write_run_files(resolved)
+        if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
+            from rich.console import Console
+
+            Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
     import torch
 
     from framework.build import trainer_config

@@ -169,10 +169,12 @@ def test_export_reimport_round_trips_exactly(hf_tiny, tmp_path):
 def test_recipe_settings_that_contradict_the_checkpoint_are_user_errors(hf_tiny):
     with pytest.raises(UserError) as e:
         build_model("qwen35_debug_moe", hf_checkpoint=str(hf_tiny), n_layers=8)
-    assert "n_layers: recipe 8 vs checkpoint 4" in str(e.value)
+    assert "model.n_layers=8" in str(e.value) and "4 layers" in str(e.value)
     with pytest.raises(UserError) as e:
-        build_model("qwen3_5:debug_dense", hf_checkpoint=str(hf_tiny))
-    assert "num_experts: recipe 0 vs checkpoint 8" in str(e.value) and "model.flavor=debug_moe" in str(e.value)
+        build_model("qwen35_debug_moe", hf_checkpoint=str(hf_tiny), vocab_size=256)
+    assert "model.vocab_size=256" in str(e.value) and "vocabulary is 320" in str(e.value)
+    # the flavor supplies defaults only: a dense flavor loads the MoE checkpoint's architecture
+    assert build_model("qwen3_5:debug_dense", hf_checkpoint=str(hf_tiny)).config.layers[0].moe is not None
 
 
 def test_arch_from_multimodal_config_reads_its_text_config(hf_tiny):

@@ -38,3 +38,44 @@ class ByteTokenizer(BaseTokenizer):
 
     def get_vocab_size(self) -> int:
         return self.VOCAB
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # what torchtitan's HF tokenizer reads
+
+
+def check_hf_tokenizer(path: str, model_vocab: int) -> int:
+    """A HF tokenizer folder that the trainer can load and whose ids fit the model (before launch).
+
+    Returns the tokenizer's vocabulary size (added tokens included); raises UserError naming
+    ``data.tokenizer`` for a missing folder, no tokenizer files, a file that does not load, or
+    ids beyond the model's embedding table.
+    """
+    from pathlib import Path
+
+    from framework.errors import UserError
+
+    where = f"data.tokenizer={path}"
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(where, "no tokenizer folder there (tokenizer.json and tokenizer_config.json).",
+                        "Download the model's tokenizer files there, or use data.tokenizer=byte.")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        have = sorted(f.name for f in p.iterdir())[:6]
+        raise UserError(where, f"the folder holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}; "
+                        f"found {', '.join(have) or 'nothing'}).", "Copy the model's tokenizer.json and "
+                        "tokenizer_config.json there (save_pretrained of its tokenizer writes both), or use "
+                        "data.tokenizer=byte.")
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    try:
+        tok = HuggingFaceTokenizer(tokenizer_path=str(p))
+    except Exception as e:  # a corrupt tokenizer.json / tokenizer_config.json
+        raise UserError(where, f"the tokenizer does not load: {type(e).__name__}: {str(e).splitlines()[0][:200]}.",
+                        "Restore the tokenizer files from the model's original folder.") from None
+    vocab = max([tok.get_vocab_size()] + [i + 1 for i in (tok.bos_id, tok.eos_id) if i is not None])
+    if vocab > model_vocab:
+        raise UserError(where, f"the tokenizer has {vocab} ids (0..{vocab - 1}), the model's vocabulary is "
+                        f"{model_vocab}: ids from {model_vocab} on have no embedding row.",
+                        f"Use the model's own tokenizer, or set model.vocab_size={-(-vocab // 64) * 64} (a new "
+                        "model; not with a checkpoint).")
+    return vocab

@@ -11,6 +11,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models import common
 
+HF_MODEL_TYPES = ("llama",)  # config.json model_type values this family reads (model.hf_checkpoint)
 FLAVORS = tt_llama3.llama3_configs
 
 

@@ -40,6 +40,7 @@ def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard") -> Q
     )
 
 
+HF_MODEL_TYPES = ("qwen3", "qwen3_moe")  # config.json model_type values this family reads (model.hf_checkpoint)
 FLAVORS = {
     **tt_qwen3.qwen3_configs,
     "tiny_moe": lambda attn_backend, moe_comm_backend="standard": _tiny(True, attn_backend, moe_comm_backend),

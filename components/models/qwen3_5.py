@@ -6,13 +6,14 @@ decoder part; tests/test_qwen35.py checks every shared flavor against it) plus C
 Qwen3.5 blocks without the vision encoder, GatedDeltaNet on a torch path (CPU) or fla's
 kernels (CUDA) as framework.devices decides, context parallelism for both layer kinds.
 ``n_layers`` keeps the pattern: layer i is full attention when (i + 1) % interval == 0.
-``hf_checkpoint`` (a HF folder) is checked against the flavor and loaded after init.
+``hf_checkpoint`` (a HF folder): its config.json is the architecture, loaded after init.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class Arch:
 
 
 _BIG = dict(head_dim=256, rotary_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248_320)
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")  # config.json model_type values this family reads (model.hf_checkpoint)
 FLAVORS = {
     # MoE (torchtitan qwen3_5 config_registry: _35b_a3b, _122b_a10b, _397b_a17b)
     "35B-A3B": Arch(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, linear_key_heads=16, linear_value_heads=32,
@@ -91,12 +93,16 @@ TORCHTITAN_FLAVORS = ("35B-A3B", "122B-A10B", "397B-A17B", "27B", "9B", "4B", "2
 
 def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,
             hf_checkpoint: str | None = None) -> Arch:
-    """The flavor's architecture with the recipe's overrides, checked against a HF checkpoint."""
-    a = FLAVORS[flavor]
+    """The flavor's architecture with the recipe's overrides; with ``hf_checkpoint`` the folder's
+    config.json is the architecture (the flavor supplies nothing) and the user's explicit
+    ``n_layers`` (fewer: the first layers) / ``vocab_size`` (equal) are checked against it."""
     if hf_checkpoint:
-        from components.models.qwen3_5_hf import check_against_hf
+        from components.models import hf
+        from components.models.qwen3_5_hf import arch_from_hf_config
 
-        check_against_hf(a, flavor, hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
+        return hf.apply_overrides(arch_from_hf_config(hf_checkpoint), hf_checkpoint, n_layers=n_layers,
+                                  vocab_size=vocab_size)
+    a = FLAVORS[flavor]
     changes = {k: v for k, v in (("n_layers", n_layers), ("vocab_size", vocab_size)) if v is not None}
     return dataclasses.replace(a, **changes) if changes else a
 
@@ -159,8 +165,37 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
     config = build_config(a, attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
                           linear_backend=linear_backend or devices.linear_attention_backend(),
                           hf_checkpoint=hf_checkpoint)
+    if hf_checkpoint:
+        from components.models import hf
+
+        hf.check_weights(hf_checkpoint, config, sys.modules[__name__], a.n_layers)
     config = common.set_load_balance(config, load_balance_coeff)
     return common.use_device_attention(config)
+
+
+def hf_key_shapes(key: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """A checkpoint key -> its canonical text-only keys and shapes (see hf.check_weights)."""
+    from components.models.qwen3_5_hf import canonical_key
+
+    ck = canonical_key(key)
+    if ck is None:
+        return []
+    pre = ck.rsplit(".", 1)[0]
+    if ck.endswith(".mlp.experts.gate_up_proj") and len(shape) == 3:  # transformers' fused layout [E, 2F, D]
+        E, F2, D = shape
+        return [(f"{pre}.{e}.{w}.weight", (F2 // 2, D)) for e in range(E) for w in ("gate_proj", "up_proj")]
+    if ck.endswith(".mlp.experts.down_proj") and len(shape) == 3:  # [E, D, F]
+        E, D, F = shape
+        return [(f"{pre}.{e}.down_proj.weight", (D, F)) for e in range(E)]
+    return [(ck, shape)]
+
+
+def __getattr__(name):  # the adapter's import pulls torchtitan's Qwen3.5 package: only when asked
+    if name == "STATE_DICT_ADAPTER":
+        from components.models.qwen3_5_hf import TextStateDictAdapter
+
+        return TextStateDictAdapter
+    raise AttributeError(name)
 
 
 def model_spec(flavor: str, **kwargs):
@@ -224,7 +259,16 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
         n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, n_attention_layers=n_attn,
         n_linear_attention_layers=a.n_layers - n_attn, linear_attn=linear,
         shared_expert_hidden_dim=a.shared_expert_hidden_dim,
+        source=_source(a, hf_checkpoint),
     )
+
+
+def _source(a: Arch, hf_checkpoint: str | None) -> str:
+    if not hf_checkpoint:
+        return ""
+    from components.models import hf
+
+    return hf.describe(a, hf_checkpoint, hf.checkpoint_depth(hf.weight_index(hf_checkpoint)))
 
 
 def check_layout(cfg, layout) -> None:

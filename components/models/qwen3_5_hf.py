@@ -17,7 +17,6 @@ Export writes text-only keys with per-expert weights.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections import defaultdict
@@ -31,42 +30,21 @@ from framework.errors import UserError
 _MM = "model.language_model."
 _SKIP = ("model.visual.", "mtp.", "model.mtp.")
 _EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$")
-_CHECKED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rotary_dim", "linear_key_heads",
-            "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "vocab_size", "num_experts",
-            "top_k", "moe_hidden_dim", "shared_expert_hidden_dim", "ffn_hidden_dim", "full_attention_interval",
-            "conv_kernel", "rope_theta", "norm_eps")
-
 
 # --------------------------------------------------------------------------- architecture
-
-def _read_config(config) -> dict:
-    if isinstance(config, dict):
-        return config
-    p = Path(config)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise UserError(f"model.hf_checkpoint={config}", "no config.json there.",
-                        "Point it at a HuggingFace model folder (config.json + *.safetensors).")
-    return json.loads(p.read_text())
-
 
 def arch_from_hf_config(config):
     """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
     from components.models.qwen3_5 import Arch
 
-    c = _read_config(config)
-    if "text_config" in c:
-        c = {**c["text_config"], "tie_word_embeddings": c["text_config"].get(
-            "tie_word_embeddings", c.get("tie_word_embeddings", False))}
-    mt = c.get("model_type", "")
-    if mt and not mt.startswith("qwen3_5"):
-        raise UserError(f"model.hf_checkpoint (model_type={mt})", "is not a Qwen3.5 checkpoint.",
-                        "Use a Qwen3.5 or Qwen3.5-MoE checkpoint, or another model.family.")
-    rope = dict(c.get("rope_parameters") or {})
-    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
-        if k in c and k not in rope:
-            rope[k] = c[k]
+    from components.models import hf
+
+    c = hf.read_config(config)
+    hf.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5")
+    hf.need(c, config, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim")
+    rope = hf.rope_params(c)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     n = c["num_hidden_layers"]
     types = c.get("layer_types")
@@ -94,24 +72,6 @@ def arch_from_hf_config(config):
         max_seq_len=c.get("max_position_embeddings", 262144), norm_eps=c.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
-
-
-def check_against_hf(a, flavor: str, path: str, *, n_layers=None, vocab_size=None) -> None:
-    """A recipe whose model settings contradict the checkpoint's config.json is a user error."""
-    hf = arch_from_hf_config(path)
-    want = dataclasses.replace(a, **{k: v for k, v in (("n_layers", n_layers), ("vocab_size", vocab_size))
-                                     if v is not None})
-    bad = [f"{k}: recipe {getattr(want, k)} vs checkpoint {getattr(hf, k)}" for k in _CHECKED
-           if getattr(want, k) != getattr(hf, k)]
-    if bad:
-        from components.models.qwen3_5 import FLAVORS
-
-        match = [n for n, f in FLAVORS.items() if all(getattr(f, k) == getattr(hf, k) for k in _CHECKED
-                                                      if k not in ("n_layers", "vocab_size"))]
-        raise UserError(f"model.hf_checkpoint={path}", f"contradicts model.flavor={flavor}"
-                        f"{' and the recipe overrides' if n_layers or vocab_size else ''}: " + "; ".join(bad) + ".",
-                        f"Use model.flavor={match[0]} and drop the overrides." if match else
-                        "No apiary flavor has this architecture; add one to components/models/qwen3_5.py.")
 
 
 def hf_text_config(a) -> dict:
@@ -205,78 +165,12 @@ def _layer_of(key: str) -> int:
 
 # --------------------------------------------------------------------------- load
 
-def _index(path: Path) -> dict[str, Path]:
-    """HF key -> safetensors file."""
-    idx = path / "model.safetensors.index.json"
-    if idx.is_file():
-        return {k: path / f for k, f in json.loads(idx.read_text())["weight_map"].items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
-def _clean(name: str) -> str:
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(junk, "")
-    return name
-
-
 @torch.no_grad()
 def load_hf(model: torch.nn.Module, path: str) -> None:
     """Copy a HF checkpoint's text weights into ``model`` (any sharding), one layer at a time."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from components.models import hf
 
-    path = Path(path)
-    index = _index(path)
-    adapter = TextStateDictAdapter(model.config, None)
-    params = {_clean(n): p for n, p in model.named_parameters()}
-    groups = defaultdict(list)  # layer index (or -1) -> HF keys
-    for key in index:
-        ck = canonical_key(key)
-        if ck is None:
-            continue
-        m = re.match(r"^model\.layers\.(\d+)\.", ck)
-        groups[int(m[1]) if m else -1].append(key)
-    unknown = [k for g, keys in groups.items() if g >= len(model.layers) for k in keys]
-    if unknown:
-        raise ValueError(f"{path}: weights for layers beyond the model's {len(model.layers)}: {unknown[:4]}")
-    seen = set()
-    handles = {}
-    for g in sorted(groups):
-        raw = {}
-        for key in groups[g]:
-            f = index[key]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt")
-            raw[key] = handles[f].get_tensor(key)
-        tied = getattr(model.config, "enable_weight_tying", False)
-        for name, value in adapter.from_hf(raw).items():
-            if tied and name == "lm_head.weight":
-                continue
-            if name not in params:
-                raise ValueError(f"{path}: checkpoint weight {name} has no parameter in the model")
-            p = params[name]
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"{path}: {name} has shape {tuple(value.shape)}, the model {tuple(p.shape)}")
-            value = value.to(dtype=p.dtype)
-            if isinstance(p, DTensor):
-                local = distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements,
-                                          src_data_rank=None).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(value)
-            seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ValueError(f"{path}: no weights for {len(missing)} parameters, e.g. {missing[:4]}")
+    hf.load_into(model, path, TextStateDictAdapter(model.config, None), canonical=canonical_key)
 
 
 # --------------------------------------------------------------------------- export
@@ -314,7 +208,8 @@ def export_hf(run_dir: str, out_path: str) -> Path:
         raise UserError(f"apiary export {run_dir}", "holds no complete checkpoint (checkpoint/step-N/.metadata).",
                         "Train with checkpoint.enable=true first.")
     step_dir = steps[-1][1]
-    a = qwen3_5.arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+    a = qwen3_5.arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
+                        hf_checkpoint=cfg.model.get("hf_checkpoint"))
     config = qwen3_5.build_config(a)
     from components.models.qwen3_5_model import Qwen35TextModel
 

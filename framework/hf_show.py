@@ -1,0 +1,73 @@
+"""`apiary show DIR` on a HuggingFace model folder: the architecture apiary derives from its
+config.json, parameter counts (total, active) and the planner's per-GPU memory for a layout.
+
+The family is the one whose ``HF_MODEL_TYPES`` holds the config's ``model_type``; the layout is
+that of the first recipe of the family laid out for GPUs (``parallel.gpus``), with the folder's
+architecture in place of the recipe's flavor. ``apiary plan recipe=R model.hf_checkpoint=DIR
+gpus=N ...`` plans any other layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from framework import recipes, registry
+from framework.errors import UserError
+
+
+def family_for(path: Path) -> tuple[str, str]:
+    from components.models.hf import read_config  # the config reader every family uses
+
+    c = read_config(path)
+    mt = str(c.get("model_type", ""))
+    for family in registry.names("model"):
+        if mt in getattr(registry.resolve("model", family), "HF_MODEL_TYPES", ()):
+            return family, mt
+    raise UserError(f"apiary show {path}", f"config.json has model_type={mt or '(none)'}, which no model family "
+                    "in registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")
+
+
+def plan_recipe(family: str) -> tuple[str, int]:
+    first = None
+    for name in recipes.recipe_names():
+        cfg = recipes.load(name, [])
+        if cfg.model.family != family:
+            continue
+        if cfg.parallel.gpus:
+            return name, int(cfg.parallel.gpus)
+        first = first or name
+    return first, 8
+
+
+def show_hf(path: str, console) -> int:
+    from framework import planner
+    from framework.plan_cli import _gib
+    from framework.resolve import resolve
+
+    p = Path(path)
+    family, mt = family_for(p)
+    recipe, gpus = plan_recipe(family)
+    overrides = [f"model.hf_checkpoint={p}"]
+    note = ""
+    try:
+        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+    except UserError as e:  # the table's EP may not divide a small checkpoint's experts
+        note = f" (parallel.ep=1: {e.reason.split(':')[0]})"
+        overrides.append("parallel.ep=1")
+        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+    f = r.facts
+    console.print(f"[bold]{p}[/bold]: model_type {mt} -> model.family={family}", highlight=False)
+    console.print(f"architecture: {f.source.split(': ', 1)[1]}", markup=False)
+    console.print(f"parameters: {f.n_params:,} total ({f.n_params / 1e9:,.3f}B), {f.n_active_params:,} active per "
+                  f"token ({f.n_active_params / 1e9:,.3f}B)" + (f"; {f.num_experts} experts, top-{f.top_k}"
+                                                                 if f.num_experts else ""), markup=False)
+    plan = planner.plan(r)
+    console.print(f"planner: recipe {recipe} on {gpus} x {plan.choices['gpu']}, dims {r.layout.dims}, seq "
+                  f"{r.cfg.training.seq_len:,}, local_batch {r.cfg.training.local_batch}, loss {plan.choices['loss']}, "
+                  f"recompute {plan.choices['recompute']}{note}: {_gib(plan.total_bytes)} GiB per GPU of "
+                  f"{_gib(plan.gpu_memory_bytes)} -> {plan.verdict}", markup=False)
+    for term in sorted(plan.terms, key=lambda t: -t.bytes)[:6]:
+        console.print(f"  {term.name:<28} {_gib(term.bytes):>9} GiB", markup=False)
+    console.print(f"other layouts: apiary plan recipe={recipe} model.hf_checkpoint={p} gpus=N "
+                  "[training.seq_len=S parallel.cp=C ...] (--search ranks those that fit)", markup=False)
+    return 0
