@@ -37,16 +37,16 @@ def main(out: str, specs: list[dict]) -> None:
                                                           and "linear_attn.norm" not in n else 1.0))
                 else:
                     p.normal_(0, 0.1)
+            if spec.get("bf16"):  # weights stored in bf16; the fp32 reference runs the rounded values
+                for p in m.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
         dest = f"{out}/{spec['name']}"
-        m.save_pretrained(dest)
-        if spec.get("bf16"):  # the same weights stored in bf16 (the reference stays fp32 of the rounded ones)
-            m = m.to(torch.bfloat16)
-            m.save_pretrained(dest)
-            m = m.float()
         vocab = spec["config"]["vocab_size"]
         tokens = torch.randint(0, vocab, (2, 40), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            torch.save({"tokens": tokens, "logits": m(tokens).logits}, f"{dest}/reference.pt")
+            logits = m(tokens).logits
+        (m.to(torch.bfloat16) if spec.get("bf16") else m).save_pretrained(dest)
+        torch.save({"tokens": tokens, "logits": logits}, f"{dest}/reference.pt")
 
 
 if __name__ == "__main__":
