@@ -58,7 +58,7 @@ def model_facts(cfg):
         if cfg.model.hf_checkpoint and "hf_checkpoint" in str(e):
             raise UserError(f"model.hf_checkpoint={cfg.model.hf_checkpoint}",
                             f"model.family={cfg.model.family} does not load HF checkpoints.",
-                            "Drop model.hf_checkpoint, or use a family that loads them (qwen3_5).") from None
+                            "Drop model.hf_checkpoint, or use a family that loads them (qwen3, llama3, qwen3_5).") from None
         raise
 
 
