@@ -153,6 +153,12 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
                         "training process.")
     if not for_training:
         return
+    limit = getattr(facts, "max_seq_len", 0)
+    if limit and cfg.training.seq_len > limit:
+        src = (f"max_position_embeddings of {cfg.model.hf_checkpoint}" if cfg.model.hf_checkpoint
+               else f"model.flavor={cfg.model.flavor}")
+        raise UserError(f"training.seq_len={cfg.training.seq_len}", f"exceeds the model's RoPE length {limit} "
+                        f"({src}).", f"Use training.seq_len <= {limit}.")
     why = getattr(model_module(cfg), "unavailable", lambda: None)()
     if why:
         raise UserError(f"model.family={cfg.model.family}", why,

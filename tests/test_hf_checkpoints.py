@@ -350,3 +350,30 @@ def test_bad_tokenizer_folders_exit_2_before_launch(kind, workdir, monkeypatch, 
     msg = " ".join(err.split())
     assert code == 2 and f"data.tokenizer={d}" in msg and needle in msg, out + err
     assert "Traceback" not in out + err and not (workdir / "runs").exists()
+
+
+def test_seq_len_beyond_the_checkpoints_rope_length_exits_2(hf_dirs, workdir, monkeypatch, capsys):
+    code, out, err = _train(["recipe=debug_moe", f"model.hf_checkpoint={hf_dirs / 'qwen3_moe'}",
+                             "training.seq_len=1024"], workdir, monkeypatch, capsys)
+    msg = " ".join(err.split())
+    assert code == 2 and "training.seq_len=1024: exceeds the model's RoPE length 512" in msg, out + err
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("family,change,needle", [
+    (qwen3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0)), "rope type 'yarn'"),
+    (qwen3, dict(attention_bias=True), "attention_bias=true"),
+    (qwen3, dict(use_sliding_window=True), "use_sliding_window=true"),
+    (qwen3, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[0]),
+     "dense layers between MoE layers"),
+    (llama3, dict(model_type="llama", rope_parameters=dict(rope_type="dynamic", rope_theta=1e4)), "rope type 'dynamic'"),
+    (llama3, dict(model_type="llama", mlp_bias=True), "mlp_bias=true"),
+    (llama3, dict(model_type="llama", hidden_act="gelu"), "hidden_act=gelu"),
+])
+def test_architecture_features_apiary_cannot_build_are_refused(family, change, needle):
+    c = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=300, intermediate_size=64)
+    c.update(change)
+    with pytest.raises(UserError, match="apiary cannot build this architecture") as e:
+        family.arch_from_hf(c)
+    assert needle in str(e.value)

@@ -38,6 +38,7 @@ class ModelFacts:
     linear_attn: dict | None = None  # per-family shapes of the linear-attention layers
     shared_expert_hidden_dim: int = 0
     source: str = ""  # where the architecture came from when not the flavor (an HF folder)
+    max_seq_len: int = 0  # RoPE length of the attention layers (0: unknown / no limit)
 
 
 def resize_layers(config, n_layers: int | None):
@@ -129,4 +130,5 @@ def facts_from_config(family: str, flavor: str, config) -> ModelFacts:
         n_kv_heads=a.n_kv_heads or a.n_heads,
         head_dim=a.head_dim or config.dim // a.n_heads,
         n_attention_layers=len(attns),
+        max_seq_len=int(getattr(a.rope, "max_seq_len", 0) or 0) if getattr(a, "rope", None) is not None else 0,
     )

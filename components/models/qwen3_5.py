@@ -259,7 +259,7 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
         n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, n_attention_layers=n_attn,
         n_linear_attention_layers=a.n_layers - n_attn, linear_attn=linear,
         shared_expert_hidden_dim=a.shared_expert_hidden_dim,
-        source=_source(a, hf_checkpoint),
+        source=_source(a, hf_checkpoint), max_seq_len=a.max_seq_len if n_attn else 0,
     )
 
 
