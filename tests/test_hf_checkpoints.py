@@ -162,7 +162,8 @@ def _train(argv, workdir, monkeypatch, capsys):
 @pytest.mark.parametrize("name,recipe", [("qwen3_moe", "recipe=debug_moe"),
                                          ("llama_tied_scaled", "recipe=debug_dense"),
                                          ("qwen35_moe", "recipe=qwen35_debug_moe")])
-def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe, workdir, monkeypatch, capsys):
+def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe, workdir, monkeypatch, capsys,
+                                                          caplog):
     import torch.distributed.checkpoint as dcp
 
     from framework.cli import apiary_main
@@ -186,7 +187,10 @@ def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe,
     assert code == 0, out[-2000:] + err[-2000:]
     m = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in m] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
-    assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "exported")]) == 0
+    with caplog.at_level("WARNING", logger="apiary"):
+        assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "exported")]) == 0
+    said = caplog.text + "".join(capsys.readouterr())
+    assert ("routing bias" in said) == ("num_experts" in spec["config"])  # not in HF's format: said so
     assert set(_sd(workdir / "exported")) == set(_sd(d))
     again = build_model(spec["load"], hf_checkpoint=str(workdir / "exported"))
     params = dict(again.named_parameters())
@@ -194,6 +198,23 @@ def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe,
     dcp.load(sd, checkpoint_id=str(workdir / "run" / "checkpoint" / "step-2"), no_dist=True)
     assert all(torch.equal(params[k], v) for k, v in sd.items())
     assert any(not torch.equal(params[k], v) for k, v in model.named_parameters())  # it trained
+
+
+def test_export_of_a_flavor_run_reimports_exactly(workdir, monkeypatch, capsys):
+    """A run of a torchtitan flavor (fused QKV) exports to an HF folder that loads back exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from framework.cli import apiary_main
+
+    code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
+                             "output_dir=run"], workdir, monkeypatch, capsys)
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert apiary_main(["export", "run", "--hf", "exported"]) == 0
+    assert json.loads((workdir / "exported" / "config.json").read_text())["model_type"] == "qwen3"
+    model = build_model("debug_dense", hf_checkpoint="exported")
+    sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load(sd, checkpoint_id=str(workdir / "run" / "checkpoint" / "step-1"), no_dist=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
 
 
 # ---------------------------------------------------------------- bad folders: exit 2, nothing written

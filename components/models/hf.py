@@ -425,7 +425,31 @@ def export_run(run_dir, out_path, family_mod) -> Path:
     sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()
           if k in params or k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))}
     dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    warn_routing_bias(model, step_dir)
     return save(sd, config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(arch), out_path)
+
+
+def warn_routing_bias(model, step_dir) -> bool:
+    """HF MoE configs have no routing bias: say so when load balancing trained one (it is not exported)."""
+    import logging
+
+    import torch.distributed.checkpoint as dcp
+
+    keys = {k: v.shape for k, v in model.state_dict().items() if k.endswith("expert_bias_E")}
+    if not keys:
+        return False
+    bias = {k: torch.empty(s, dtype=torch.float32) for k, s in keys.items()}
+    try:
+        dcp.load(bias, checkpoint_id=str(step_dir), no_dist=True)
+    except Exception:  # noqa: BLE001 - a checkpoint without the buffers: nothing to warn about
+        return False
+    if not any(bool(b.any()) for b in bias.values()):
+        return False
+    logging.getLogger("apiary").warning(
+        "apiary export: the run's MoE routing bias (moe.load_balance_coeff, auxiliary-loss-free balancing) is "
+        "not part of the HF format and is left out, so the exported model may route some tokens differently; "
+        "train with moe.load_balance_coeff=null for routing that exports exactly.")
+    return True
 
 
 def describe(arch, path, depth: int | None = None) -> str:

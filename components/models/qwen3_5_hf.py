@@ -218,4 +218,7 @@ def export_hf(run_dir: str, out_path: str) -> Path:
     # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
     sd = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
     dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    from components.models.hf import warn_routing_bias
+
+    warn_routing_bias(model, step_dir)
     return save_hf(sd, a, out_path, config)
