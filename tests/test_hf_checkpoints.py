@@ -398,3 +398,15 @@ def test_architecture_features_apiary_cannot_build_are_refused(family, change, n
     with pytest.raises(UserError, match="apiary cannot build this architecture") as e:
         family.arch_from_hf(c)
     assert needle in str(e.value)
+
+
+def test_packaged_recipes_leave_n_layers_and_vocab_size_to_the_user():
+    """With hf_checkpoint, a non-None model.n_layers / model.vocab_size is taken as the user's explicit
+    setting (checked against the checkpoint), so no packaged recipe may set them."""
+    import yaml
+
+    from framework import recipes
+
+    for name in recipes.recipe_names():
+        model = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("model") or {}
+        assert "n_layers" not in model and "vocab_size" not in model, name
