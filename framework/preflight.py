@@ -23,7 +23,7 @@ MEASURED_ERROR = 0.10
 
 def target_gpu(cfg) -> tuple[str, int | None, str] | None:
     """(kind, memory bytes or None for the kind's, where it came from), or None: no GPU to check."""
-    from framework.planner import Constants, detect_gpu
+    from framework.planner import Constants
 
     if cfg.preflight.gpu:
         kind = str(cfg.preflight.gpu).upper()
@@ -34,10 +34,23 @@ def target_gpu(cfg) -> tuple[str, int | None, str] | None:
         return kind, None, "preflight.gpu"
     if cfg.launcher.name != "local":
         return None  # the job runs elsewhere; this machine's GPU says nothing about it
-    kind, total = detect_gpu()
+    kind, total = _local_gpu()
     if total is None:
         return None
     return kind or ("H200" if total > 100 * GiB else "H100"), total, "this machine's GPU"
+
+
+def _local_gpu() -> tuple[str | None, int | None]:
+    """This process's own GPU (LOCAL_RANK's under torchrun, so no rank touches another's device)."""
+    from framework import devices
+
+    if not devices.has_accelerator():
+        return None, None
+    import torch
+
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    name = props.name.upper()
+    return ("H200" if "H200" in name else "H100" if "H100" in name else None), int(props.total_memory)
 
 
 def _changes(p, r) -> list[str]:
