@@ -41,6 +41,14 @@ def files(workdir):
     (workdir / "nothing").mkdir()
     (workdir / "nothing" / "notes.md").write_text("# no data here\n")
     (workdir / "taken").write_text("a file, not a folder\n")
+    (workdir / "latin1.txt").write_bytes("caf\u00e9\n".encode() + "na\u00efve\n".encode("latin-1"))
+    (workdir / "mixed").mkdir()
+    (workdir / "mixed" / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (workdir / "mixed" / "b.txt").write_text("b\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["x", "y"]}), workdir / "nocol.parquet")
     (workdir / "broken.yaml").write_text("defaults:\n  - debug_moe\n  - _self_\ntraining:\n  steps: [1, 2\n")
     return workdir
 
@@ -52,6 +60,10 @@ def files(workdir):
     (["data.path=notext.jsonl"], ["notext.jsonl:1:", "string 'text' field", "keys: body"]),
     (["data.path=corpus.csv"], ["unsupported suffix '.csv'", ".jsonl"]),
     (["data.path=nothing"], ["data.path=nothing", "no .json, .jsonl, .parquet, .txt file in this folder"]),
+    (["data.path=latin1.txt"], ["latin1.txt:2: not UTF-8 text"]),
+    (["data.path=mixed"], ["files of several formats (.jsonl, .txt)"]),
+    (["data.path=nocol.parquet"], ["nocol.parquet: has no 'text' column (columns: content)"]),
+    (["data.sharding=rows"], ["data.sharding=rows", "valid: blocks, documents"]),
     (["data.name=local"], ["data.name=local", "needs data.path"]),
     (["data.path=good.jsonl", "data.name=allenai/c4"], ["both name a source", "data.name=local"]),
     # item 7
@@ -194,3 +206,24 @@ def test_chunked_loss_check_is_a_component_hook():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_local_sources_are_counted(tmp_path):
+    """What the run's first line reports: files, documents, bytes (jsonl folder, txt, parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from components.data.local_text import inspect_local
+
+    d = tmp_path / "docs"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"text": "x", "id": 1}) + "\n")
+    (d / "sub" / "b.jsonl").write_text(json.dumps({"text": "yz"}) + "\n")
+    s = inspect_local(str(d))
+    assert (len(s.files), s.documents, s.text_bytes) == (2, 3, 6 + 1 + 2)
+    assert s.describe("local", "byte").endswith("3 documents, 9 bytes, 15 tokens (byte tokenizer)")
+    (tmp_path / "t.txt").write_text("one\ntwo\n")
+    assert (inspect_local(str(tmp_path / "t.txt")).documents, inspect_local(str(tmp_path / "t.txt")).text_bytes) == (2, 6)
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), tmp_path / "p.parquet")
+    s = inspect_local(str(tmp_path / "p.parquet"))
+    assert (s.documents, s.text_bytes) == (3, None) and "3 documents" in s.describe("local", "byte")
