@@ -263,11 +263,11 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
 
 def _check_text_data(cfg) -> str:
     """data.path wins over data.name; every local file parses. Returns the line naming what trains."""
-    from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local
+    from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local, local_data_files
 
     d = cfg.data
     if d.path is not None and d.name not in HUB_FREE_NAMES:
-        raise UserError(f"data.path={d.path}", f"and data.name={d.name} both name a source of text (a local path "
+        raise UserError(f"data.path={d.path} with data.name={d.name}", "both name a source of text (a local path "
                         "and a HuggingFace dataset); apiary will not guess which one you meant.",
                         f"Keep data.path and set data.name=local, or drop data.path to stream {d.name}.")
     if d.path is None and d.name == "local":
@@ -276,6 +276,8 @@ def _check_text_data(cfg) -> str:
     if d.path is None and d.name not in ("packaged", "", "tiny"):
         return f"data: HuggingFace dataset {d.name} (streamed; size unknown before it is read), tokenizer {d.tokenizer}"
     path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
+    if int(os.environ.get("RANK", "0")) != 0 and local_data_files(path):
+        return ""  # a torchrun worker: rank 0 reads every line (and refuses for all); the others start
     try:
         summary = inspect_local(path)
     except ValueError as e:
