@@ -227,3 +227,14 @@ def test_local_sources_are_counted(tmp_path):
     pq.write_table(pa.table({"text": ["a", "b", "c"]}), tmp_path / "p.parquet")
     s = inspect_local(str(tmp_path / "p.parquet"))
     assert (s.documents, s.text_bytes) == (3, None) and "3 documents" in s.describe("local", "byte")
+
+
+def test_memory_preflight_under_apiary_launch(workdir, capsys):
+    """A Slurm submission from a login node (no GPU) is checked against gpu=H200 before sbatch."""
+    from framework.cli import apiary_main
+
+    argv = ["launch", "launcher=slurm", "nodes=1", "gpus_per_node=1", "gpu=H200", "--dry-run"]
+    assert apiary_main([*argv, *[o for o in QWEN_OOM if not o.startswith("nproc=")]]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "preflight.memory=refuse" in err and "177.8 GiB per GPU on H200" in err
+    assert not (workdir / "runs").exists()
