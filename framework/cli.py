@@ -20,7 +20,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
 
 # Short spellings accepted on the command line, rewritten to their full keys.
-ALIASES = {"nproc": "launcher.nproc"}
+ALIASES = {"nproc": "launcher.nproc", "gpu": "preflight.gpu"}
 
 
 def _split_args(argv: list[str]):

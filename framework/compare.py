@@ -215,6 +215,10 @@ def parse_args(argv: list[str]) -> Options:
                         "List them: key=A,B,C (or range(a,b)).") from None
     if len(values) < 2:
         raise UserError(f"apiary compare {plain[i]}", "needs at least two values (baseline first).")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise UserError(f"apiary compare {plain[i]}", f"lists {', '.join(repeated)} more than once; identical "
+                        "variants compare nothing and double the cost.", "List each value once (baseline first).")
     o.key, o.values = ov.key_or_group, values
     if o.key in ("recipe", "output_dir") or o.key.startswith(("checkpoint.load_path", "checkpoint.resume",
                                                               "checkpoint.create_seed", "hydra")):
@@ -365,6 +369,18 @@ def plan(o: Options) -> Plan:
             v.resolved = resolve(o.recipe, v.overrides + given_seed + [f"output_dir={cdir / v.name}"])
         except UserError as e:
             raise UserError(f"variant {v.label}: {e.where}", e.reason, e.suggestion) from None
+    from omegaconf import OmegaConf
+
+    seen: dict = {}
+    for v in variants:  # values spelled differently may still resolve to one config (1e-3 and 0.001)
+        c = OmegaConf.to_container(v.resolved.cfg)
+        c.pop("output_dir", None)
+        key = repr(c)
+        if key in seen:
+            raise UserError(f"apiary compare {o.key}={','.join(o.values)}", f"variants {seen[key]} and {v.label} "
+                            "resolve to the same configuration; they would compare nothing.",
+                            "Compare values that differ.")
+        seen[key] = v.label
     if cdir.exists() and any(cdir.iterdir()):
         raise UserError(f"output_dir={cdir}", "already holds files; a comparison writes a fresh directory.",
                         "Choose another output_dir or remove it.")

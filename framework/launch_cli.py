@@ -69,6 +69,9 @@ def _expand(tokens: list[str], option_names: set[str]) -> list[str]:
     out = []
     for t in tokens:
         key, sep, val = t.partition("=")
+        if sep and key == "gpu" and key not in option_names:  # the memory preflight's GPU kind, as for `train`
+            out.append(f"preflight.gpu={val}")
+            continue
         out.append(f"launcher.{key}{sep}{val}" if sep and key in option_names else t)
     return out
 

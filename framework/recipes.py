@@ -80,6 +80,9 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
 
 def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Compose a recipe with overrides into a typed DictConfig (schema: RecipeConfig)."""
+    if recipe is not None and not str(recipe).strip():
+        raise UserError("recipe=", "is empty: it names no recipe.",
+                        f"Name one (known: {', '.join(recipe_names())}), or leave recipe= out for {DEFAULT_RECIPE}.")
     recipe = recipe or DEFAULT_RECIPE
     overrides = list(overrides or [])
     path = recipe_path(recipe)
@@ -98,6 +101,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             group_overrides.append(raw)
         else:
             value_overrides.append((raw, ov))
+    _check_yaml(path)
     try:
         base = _compose(path, group_overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -106,7 +110,17 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     known = _flat_keys(base)
     for raw, ov in value_overrides:
         key = ov.key_or_group
-        if ov.is_add() or ov.is_force_add() or key.startswith("hydra"):
+        if key.startswith("hydra"):
+            continue
+        if (ov.is_add() or ov.is_force_add()) and key not in known:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+            hint = did_you_mean(key, siblings) or did_you_mean(key, known)
+            raise UserError(f"override {raw}", f"adds a key {key!r} that recipe {recipe} does not have, and no "
+                            "part of apiary reads a key it does not declare, so the setting would be ignored.",
+                            (f"{hint} Set it without '+'." if hint else
+                             "Run `train recipe=X --cfg job` to list the keys."))
+        if ov.is_add() or ov.is_force_add():
             continue
         if key not in known:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
@@ -128,6 +142,33 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         raise UserError(where, f"a required value is missing: {_first_line(e)}.",
                         "Set it in the recipe or on the command line.") from None
     return cfg
+
+
+def _check_yaml(path: Path, seen: set | None = None) -> None:
+    """A recipe (and each recipe it extends) must parse as YAML: say file:line, not a traceback."""
+    import yaml
+
+    seen = set() if seen is None else seen
+    if path in seen or not path.is_file():
+        return
+    seen.add(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise UserError(f"recipe {at}", f"is not valid YAML: {what}.",
+                        "Fix the line (indentation, a missing ':' or closing bracket), then rerun.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"recipe {path}", f"cannot be read: {e}.") from None
+    if data is not None and not isinstance(data, dict):
+        raise UserError(f"recipe {path}", f"must be a YAML mapping of keys to values, not a {type(data).__name__}.",
+                        "Start from a copy: `apiary cp debug_moe my_recipe.yaml`.")
+    for entry in (data or {}).get("defaults", []) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            extended = path.parent / f"{entry}.yaml"
+            _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen)
 
 
 def _first_line(e: Exception) -> str:

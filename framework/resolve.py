@@ -23,6 +23,7 @@ class Resolved:
     facts: object  # components.models.common.ModelFacts
     layout: Layout
     grad_accum: int
+    data_summary: str = ""  # what the run trains on (printed first by rank 0)
 
     @property
     def output_dir(self) -> Path:
@@ -119,10 +120,94 @@ def _check_outputs(cfg) -> None:
     else:
         if cfg.output_dir is None:
             cfg.output_dir = default_output_dir(cfg.recipe)
+        elif Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+            raise UserError(f"output_dir={cfg.output_dir}", "is an existing file, not a folder; the run writes "
+                            "config.yaml, metrics.jsonl and checkpoints into a folder there.",
+                            "Choose another output_dir (a new or empty folder).")
         elif checkpoint_steps(Path(cfg.output_dir)):
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")
+
+
+def _check_writable(cfg) -> None:
+    """output_dir (or its nearest existing parent) must be a folder this process can write."""
+    out = Path(cfg.output_dir).absolute()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"output_dir={cfg.output_dir}", f"{probe} is a file, so no folder can be made under it.",
+                        "Choose another output_dir.")
+    try:  # os.access alone says yes to root on a read-only mount
+        writable = os.access(probe, os.W_OK | os.X_OK)
+        if writable:
+            import tempfile
+
+            tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
+    except OSError:
+        writable = False
+    if not writable:
+        raise UserError(f"output_dir={cfg.output_dir}", f"{probe} is not writable by this user, so the run "
+                        "could save no config, metrics or checkpoint.",
+                        "Choose a writable output_dir, or fix the folder's permissions.")
+
+
+# Values every recipe must keep in range: (key, test, rule, fix). Checked before anything starts.
+_RANGES = [
+    ("training.steps", lambda v: v >= 1, "must be >= 1", "Set training.steps to the number of optimizer steps."),
+    ("training.seq_len", lambda v: v >= 2, "must be >= 2 (a token and its next)", "For example training.seq_len=256."),
+    ("training.local_batch", lambda v: v >= 1, "must be >= 1", "For example training.local_batch=2."),
+    ("training.global_batch", lambda v: v is None or v >= 1, "must be >= 1 (or null: local x data-parallel)", ""),
+    ("training.max_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this norm; 0 would zero "
+     "every gradient)", "To clip nothing, set training.max_norm=inf."),
+    ("optimizer.lr", lambda v: not v <= 0, "must be > 0", "For example optimizer.lr=3e-4."),
+    ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0", ""),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
+    ("optimizer.eps", lambda v: v > 0, "must be > 0", ""),
+    ("lr.warmup_steps", lambda v: v >= 0, "must be >= 0", "Set 0 for no warm-up."),
+    ("lr.decay_ratio", lambda v: v is None or 0 <= v <= 1, "must be in [0, 1] (or null)", ""),
+    ("lr.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]", ""),
+    ("checkpoint.interval", lambda v: v >= 1, "must be >= 1 (steps between saves)",
+     "To save no checkpoints, set checkpoint.enable=false."),
+    ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 keeps all)", ""),
+    ("logging.log_freq", lambda v: v >= 1, "must be >= 1 (steps between metrics records)",
+     "For example logging.log_freq=1."),
+]
+_CHOICES = {
+    "optimizer.name": ("Adam", "AdamW"),  # torchtitan's factories that take apiary's betas / eps / weight_decay
+    "lr.decay_type": ("linear", "sqrt", "cosine"),
+    "preflight.memory": ("refuse", "warn", "off"),
+    "data.sharding": ("blocks", "documents"),
+}
+
+
+def _check_values(cfg) -> None:
+    """Numbers out of range and names outside their set, each named by its key."""
+    for key, ok, rule, fix in _RANGES:
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            raise UserError(f"{key}={value}", f"{rule}.", fix)
+    for key, names in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in names:
+            raise UserError(f"{key}={value}", f"unknown; valid: {', '.join(names)}.", did_you_mean(str(value), names))
+
+
+def _check_group_options(cfg) -> None:
+    """A component group's options are checked by its own ``check(options)`` (ValueError: the reason)."""
+    for kind in registry.GROUP_KINDS:
+        if kind == "state":
+            continue  # checked in _check_components with a pointer to its docs
+        node = cfg.get(kind)
+        comp = registry.resolve(kind, node.name, where=f"{kind}={node.name}")
+        if hasattr(comp, "check"):
+            try:
+                comp.check(node)
+            except ValueError as e:
+                raise UserError(f"{kind}={node.name}", f"{e}.".replace("..", "."),
+                                f"See `apiary show {node.name}` and docs/skills/{node.name}.md.") from None
 
 
 def _check_components(cfg) -> None:
@@ -143,8 +228,6 @@ def _check_components(cfg) -> None:
 def _check_inputs(cfg, facts, for_training: bool) -> None:
     if cfg.training.dtype not in ("bfloat16", "float32"):
         raise UserError(f"training.dtype={cfg.training.dtype}", "must be bfloat16 or float32.")
-    if cfg.training.steps < 1 or cfg.training.seq_len < 2 or cfg.training.local_batch < 1:
-        raise UserError("training", "steps, local_batch must be >= 1 and seq_len >= 2.")
     if cfg.data.num_workers not in (0, 1):
         raise UserError(f"data.num_workers={cfg.data.num_workers}", "each rank's loader is one ordered stream "
                         "(text windows or rollout rows dealt in blocks); with more than one worker process "
@@ -172,12 +255,6 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     d = cfg.data
     _check_rollouts(cfg, facts)
-    if d.path is not None and d.format == "text":
-        from components.data.text import local_data_files
-
-        if not local_data_files(d.path):
-            raise UserError(f"data.path={d.path}", "no jsonl, json, parquet or txt file there.",
-                            "Point data.path at a file or a folder of them.")
     if d.format == "rollouts":
         return  # rollouts come tokenized
     if d.tokenizer != "byte":
@@ -187,6 +264,36 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
     elif facts.vocab_size < 258:
         raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has {facts.vocab_size}.",
                         "Set model.vocab_size=320.")
+
+
+def _check_text_data(cfg) -> str:
+    """data.path wins over data.name; every local file parses. Returns the line naming what trains."""
+    from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local, local_data_files
+
+    d = cfg.data
+    if d.path is not None and d.name not in HUB_FREE_NAMES:
+        raise UserError(f"data.path={d.path} with data.name={d.name}", "both name a source of text (a local path "
+                        "and a HuggingFace dataset); apiary will not guess which one you meant.",
+                        f"Keep data.path and set data.name=local, or drop data.path to stream {d.name}.")
+    if d.path is None and d.name == "local":
+        raise UserError("data.name=local", "needs data.path (a jsonl / json / parquet / txt file or a folder of them).",
+                        "Set data.path=PATH, or data.name=packaged for the packaged corpus.")
+    if d.path is None and d.name not in ("packaged", "", "tiny"):
+        return f"data: HuggingFace dataset {d.name} (streamed; size unknown before it is read), tokenizer {d.tokenizer}"
+    path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
+    if int(os.environ.get("RANK", "0")) != 0 and local_data_files(path):
+        return ""  # a torchrun worker: rank 0 reads every line (and refuses for all); the others start
+    try:
+        summary = inspect_local(path)
+    except ValueError as e:
+        msg = str(e)
+        if msg.endswith("no such file or folder"):
+            msg = "no jsonl, json, parquet or txt file there (nothing at that path)"
+        raise UserError(f"data.path={d.path}", f"{msg}.", "Fix the file or point data.path at another "
+                        "(jsonl/json: one JSON object with a string 'text' per line; txt: UTF-8, a document "
+                        "per line; parquet: a 'text' column).") from None
+    kind = "packaged" if d.path is None else "local"
+    return f"data: {summary.describe(kind, d.tokenizer)}, tokenizer {d.tokenizer}"
 
 
 def _check_rollouts(cfg, facts) -> None:
@@ -234,6 +341,8 @@ def _check_rollouts(cfg, facts) -> None:
 def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
             for_training: bool = True) -> Resolved:
     cfg = recipes.load(recipe, overrides)
+    _check_values(cfg)
+    _check_group_options(cfg)
     _check_components(cfg)
     facts = model_facts(cfg)
     _check_inputs(cfg, facts, for_training)
@@ -246,7 +355,16 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
         cfg.parallel[dim] = value
+    data_summary = ""
     if for_training:
         _check_outputs(cfg)
+        _check_writable(cfg)
+        if cfg.data.format == "text":
+            data_summary = _check_text_data(cfg)
     OmegaConf.set_struct(cfg, True)
-    return Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum)
+    r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum, data_summary=data_summary)
+    if for_training:
+        from framework.preflight import check_memory
+
+        check_memory(r, recipe, overrides)
+    return r

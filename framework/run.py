@@ -43,6 +43,8 @@ def train(resolved, verbose: bool = False) -> dict | None:
     _single_process_env()
     rank = int(os.environ["RANK"])
     if rank == 0:
+        if getattr(resolved, "data_summary", ""):
+            print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
         write_run_files(resolved)
         if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
             from rich.console import Console

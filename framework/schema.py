@@ -108,6 +108,12 @@ class LoggingConfig:
 
 
 @dataclass
+class PreflightConfig:
+    memory: str = "refuse"  # refuse | warn | off: the planner's per-GPU memory estimate against the GPU, before launch
+    gpu: Optional[str] = None  # GPU kind to check against (H100 | H200) where none is visible; `gpu=H200` for short
+
+
+@dataclass
 class LayoutRule:
     max_params: float = MISSING  # models with at most this many total parameters ...
     ep: int = MISSING  # ... use this expert-parallel degree
@@ -142,4 +148,5 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     layout: LayoutTable = field(default_factory=LayoutTable)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     output_dir: Optional[str] = None  # default runs/<recipe>/<timestamp>

@@ -20,8 +20,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets
 
-PACKAGED_CORPUS = Path(__file__).with_name("tiny_corpus.jsonl")
-_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+from components.data.local_text import _LOCAL_FORMATS, PACKAGED_CORPUS, local_data_files, source_kind  # noqa: F401
 
 
 def _text_of(sample: dict) -> str:
@@ -36,19 +35,12 @@ def _load_local(path: str) -> "object":
     return load_dataset(kinds.pop(), data_files=files, split="train")
 
 
-def local_data_files(path: str) -> list[str]:
-    """The files a local ``data.path`` would read (empty when there are none)."""
-    p = Path(path)
-    if p.is_dir():
-        return sorted(str(f) for f in p.rglob("*") if f.suffix in _LOCAL_FORMATS)
-    return [str(p)] if p.is_file() and p.suffix in _LOCAL_FORMATS else []
-
-
 def register(name: str, path: str | None) -> str:
     """Register a dataset under ``name`` with torchtitan's text loader; return the name to use."""
-    if name == "packaged" or (path is None and name in ("", "tiny")):
+    kind = source_kind(name, path)
+    if kind == "packaged":
         key, loc, loader = "apiary_packaged", str(PACKAGED_CORPUS), _load_local
-    elif path is not None:
+    elif kind == "local":
         key, loc, loader = f"apiary_local_{abs(hash(os.path.abspath(path)))}", path, _load_local
     else:  # a HuggingFace hub dataset name, streamed
         key, loc = f"apiary_hf_{name.replace('/', '_')}", name

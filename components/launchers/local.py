@@ -17,6 +17,14 @@ class LocalLauncher:
         master_port: int = 29500
 
     @staticmethod
+    def check(opts: "LocalLauncher.Options") -> None:
+        """Called by resolve before anything starts (ValueError: the reason)."""
+        if opts.nproc < 1:
+            raise ValueError(f"nproc (launcher.nproc) must be >= 1 (processes on this machine), got {opts.nproc}")
+        if not 0 < opts.master_port < 65536:
+            raise ValueError(f"launcher.master_port must be a TCP port (1-65535), got {opts.master_port}")
+
+    @staticmethod
     def world_size(opts: "LocalLauncher.Options") -> int:
         return opts.nproc
 

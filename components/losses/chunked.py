@@ -13,11 +13,16 @@ class ChunkedCrossEntropy:
         num_chunks: int = 8
 
     @staticmethod
+    def check(opts: "ChunkedCrossEntropy.Options") -> None:
+        """Called by resolve before anything starts (ValueError: the reason)."""
+        if opts.num_chunks < 1:
+            raise ValueError(f"loss.num_chunks must be >= 1 (chunks of the sequence per step), got {opts.num_chunks}")
+
+    @staticmethod
     def trainer_loss(opts: "ChunkedCrossEntropy.Options", vocab_size: int):
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
-        if opts.num_chunks < 1:
-            raise ValueError(f"loss.num_chunks must be >= 1, got {opts.num_chunks}")
+        ChunkedCrossEntropy.check(opts)
         return ChunkedLossWrapper.Config(
             num_chunks=opts.num_chunks,
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab_size),

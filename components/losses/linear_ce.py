@@ -156,6 +156,15 @@ class LinearCrossEntropy:
 
     @staticmethod
     def trainer_loss(opts: "LinearCrossEntropy.Options", vocab_size: int):
+        LinearCrossEntropy.check(opts)
+        cls = fused_loss_class()
+        return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
+                          chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
+                          workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
+
+    @staticmethod
+    def check(opts: "LinearCrossEntropy.Options") -> None:
+        """Called by resolve before anything starts (ValueError: the reason)."""
         if not 0.0 <= opts.label_smoothing < 1.0:
             raise ValueError(f"loss.label_smoothing must be in [0, 1), got {opts.label_smoothing}")
         if opts.z_loss < 0:
@@ -164,10 +173,6 @@ class LinearCrossEntropy:
             raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
         if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
-        cls = fused_loss_class()
-        return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
-                          chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
-                          workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
 
 
 def fused_loss_class():

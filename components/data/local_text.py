@@ -1,0 +1,168 @@
+"""Local text sources checked before launch: which files ``data.path`` names, whether each parses,
+and how many documents they hold. Standard library only (plus pyarrow for parquet), so the
+launcher checks data without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGED_CORPUS = Path(__file__).with_name("tiny_corpus.jsonl")
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+HUB_FREE_NAMES = ("packaged", "local")  # data.name values that name no HuggingFace hub dataset
+
+
+def source_kind(name: str, path: str | None) -> str:
+    """Where the text comes from: ``local`` (data.path, whatever data.name), ``packaged``, or ``hub``.
+
+    ``data.path`` wins: ``data.name`` then may only be ``packaged`` (the default) or ``local``;
+    resolve refuses a hub name together with a path, and ``local`` without one.
+    """
+    if path is not None:
+        return "local"
+    if name in ("packaged", "", "tiny"):
+        return "packaged"
+    if name == "local":
+        raise ValueError("data.name=local needs data.path")
+    return "hub"
+
+
+def local_data_files(path: str) -> list[str]:
+    """The files a local ``data.path`` would read (empty when there are none)."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(str(f) for f in p.rglob("*") if f.suffix in _LOCAL_FORMATS and f.is_file())
+    return [str(p)] if p.is_file() and p.suffix in _LOCAL_FORMATS else []
+
+
+@dataclass
+class TextSummary:
+    """What a local text source holds, counted before launch (``inspect_local``)."""
+
+    path: str
+    files: list[str]
+    documents: int
+    text_bytes: int | None  # UTF-8 bytes of all documents (None for parquet: not read before launch)
+
+    def describe(self, kind: str, tokenizer: str) -> str:
+        where = self.files[0] if len(self.files) == 1 else f"{self.path} ({len(self.files)} files)"
+        line = f"{kind} text {where}: {self.documents:,} documents"
+        if self.text_bytes is not None:
+            line += f", {self.text_bytes:,} bytes"
+            if tokenizer == "byte":  # one id per byte plus BOS and EOS per document
+                line += f", {self.text_bytes + 2 * self.documents:,} tokens (byte tokenizer)"
+        return line
+
+
+def _bad(f: str, line: int | None, what: str) -> ValueError:
+    return ValueError(f"{f}:{line}: {what}" if line else f"{f}: {what}")
+
+
+def _inspect_json_lines(f: str) -> tuple[int, int]:
+    docs = nbytes = 0
+    with open(f, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _bad(f, i, f"not a JSON line ({getattr(e, 'msg', e)})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                if isinstance(rec, dict) and "text" in rec:
+                    what = f"here 'text' is {type(rec['text']).__name__}, not a string"
+                elif isinstance(rec, dict):
+                    what = f"this one has no 'text' (keys: {', '.join(sorted(rec)) or 'none'})"
+                else:
+                    what = f"this one is a JSON {type(rec).__name__}, not an object"
+                raise _bad(f, i, f"each record needs a string 'text' field; {what}")
+            docs += 1
+            nbytes += len(rec["text"].encode("utf-8"))
+    return docs, nbytes
+
+
+def _inspect_json_array(f: str) -> tuple[int, int]:
+    try:
+        recs = json.loads(Path(f).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(f, getattr(e, "lineno", None), f"not valid JSON ({getattr(e, 'msg', e)})") from None
+    docs = nbytes = 0
+    for rec in recs if isinstance(recs, list) else [recs]:
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise _bad(f, None, f"record {docs + 1} needs a string 'text' field")
+        docs += 1
+        nbytes += len(rec["text"].encode("utf-8"))
+    return docs, nbytes
+
+
+def _inspect_txt(f: str) -> tuple[int, int]:
+    docs = nbytes = 0
+    with open(f, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise _bad(f, i, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+            docs += 1  # the HF text loader makes one document of each line
+            nbytes += len(line.encode("utf-8"))
+    return docs, nbytes
+
+
+def _inspect_parquet(f: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as e:  # pyarrow raises several types for a file that is not parquet
+        raise _bad(f, None, f"not a readable parquet file ({e})") from None
+    if "text" not in pf.schema_arrow.names:
+        raise _bad(f, None, f"has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+    return pf.metadata.num_rows
+
+
+def inspect_local(path: str) -> TextSummary:
+    """Check a local ``data.path`` before launch and count what it holds; ValueError names the file and line.
+
+    Refused: nothing there, an unsupported suffix, a folder without a readable file, mixed formats,
+    an empty file, a jsonl line that is not a JSON object with a string ``text``, non-UTF-8 text,
+    a parquet file without a ``text`` column. Reads every jsonl/txt line once (seconds per GB).
+    """
+    p = Path(path)
+    known = ", ".join(sorted(_LOCAL_FORMATS))
+    if not p.exists():
+        raise ValueError(f"{path}: no such file or folder")
+    if p.is_file() and p.suffix not in _LOCAL_FORMATS:
+        raise ValueError(f"{path}: unsupported suffix {p.suffix or '(none)'!r}; apiary reads {known}")
+    files = local_data_files(path)
+    if not files:
+        others = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else []
+        raise ValueError(f"{path}: no {known} file in this folder" + (f" ({len(others)} other files)" if others else ""))
+    kinds = {_LOCAL_FORMATS[Path(f).suffix] for f in files}
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: files of several formats ({', '.join(sorted({Path(f).suffix for f in files}))}); "
+                         "one folder holds one format")
+    docs, nbytes = 0, 0
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise _bad(f, None, "not readable (permissions)")
+        if os.path.getsize(f) == 0:
+            raise _bad(f, None, "empty file")
+        suffix = Path(f).suffix
+        if suffix == ".parquet":
+            n, b = _inspect_parquet(f), None
+        elif suffix == ".txt":
+            n, b = _inspect_txt(f)
+        elif suffix == ".json" and Path(f).read_bytes()[:4096].lstrip()[:1] == b"[":
+            n, b = _inspect_json_array(f)
+        else:
+            n, b = _inspect_json_lines(f)
+        if n == 0:
+            raise _bad(f, None, "holds no documents (only blank lines or no rows)")
+        docs += n
+        nbytes = None if b is None or nbytes is None else nbytes + b
+    return TextSummary(path=str(path), files=files, documents=docs, text_bytes=nbytes)
