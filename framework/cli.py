@@ -13,40 +13,18 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from framework.errors import UserError
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
 
-# Short spellings accepted on the command line, rewritten to their full keys.
-ALIASES = {"nproc": "launcher.nproc"}
-
-
-def _split_args(argv: list[str]):
-    recipe, flags, overrides = None, set(), []
-    it = iter(argv)
-    for a in it:
-        if a.startswith("recipe="):
-            recipe = a.split("=", 1)[1]
-        elif a == "--cfg":
-            flags.add("cfg:" + next(it, "job"))
-        elif a.startswith("--cfg="):
-            flags.add("cfg:" + a.split("=", 1)[1])
-        elif a in ("-v", "--verbose"):
-            flags.add("verbose")
-        elif a in ("-h", "--help"):
-            flags.add("help")
-        elif a.startswith("-"):
-            raise UserError(f"argument {a}", "unknown flag.", "Flags: --cfg job, -v/--verbose, -h/--help.")
-        else:
-            key, sep, val = a.partition("=")
-            overrides.append(f"{ALIASES.get(key, key)}{sep}{val}" if sep else a)
-    return recipe, flags, overrides
+from framework.hydra_cli import ALIASES  # noqa: E402  (kept importable from here)
 
 
 def _fail(e: UserError) -> int:
-    err_console.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+    err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
     return e.exit_code
 
 
@@ -54,48 +32,113 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
+def _print_cfg(r, args) -> None:
+    """--cfg job|all: the resolved config (+ Hydra's section for all) and the derived layout."""
+    from omegaconf import OmegaConf
+
+    from framework import hydra_cli
+
+    cfg = r.cfg
+    if args.cfg in ("hydra", "all"):
+        hydra = hydra_cli.hydra_cfg(args.recipe, args.overrides, args.resolve)
+        if args.cfg == "hydra":
+            cfg = hydra
+        else:
+            cfg = OmegaConf.merge(OmegaConf.to_container(r.cfg), hydra)
+    if args.package not in (None, "_global_"):
+        sel = OmegaConf.select(cfg, args.package)
+        if sel is None:
+            raise UserError(f"train --package {args.package}", "no such key in the config.",
+                            "Run `train --cfg all` to see the keys.")
+        console.print(f"# @package {args.package}", markup=False)
+        cfg = sel
+    if OmegaConf.is_config(cfg):
+        console.print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="", markup=False)
+    else:
+        console.print(str(cfg), markup=False)
+    if args.cfg != "hydra":
+        console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
+        for dim, rule in r.layout.rules.items():
+            console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
+
+
 def train_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from framework import hydra_cli
+
     try:
-        recipe, flags, overrides = _split_args(argv)
-        if "help" in flags:
-            console.print(__doc__)
+        args = hydra_cli.parse(argv)
+        if args.help:
+            console.print(hydra_cli.help_text(), end="", markup=False)
+            return 0
+        if args.hydra_help:
+            h, name, base = hydra_cli.hydra_for(args.recipe)
+            h.hydra_help(config_name=name, args_parser=hydra_cli.parser(), args=args)
+            return 0
+        recipe, overrides = args.recipe, args.overrides
+        if args.multirun:
+            if _under_torchrun():
+                raise UserError("train -m", "a sweep is started once, not by each torchrun worker.",
+                                "Run `train -m ...` without torchrun; nproc=N launches each job's ranks.")
+            return hydra_cli.multirun(recipe, overrides, lambda job, out: _run_job(recipe, job, out, args.verbose))
+        if args.info:
+            from framework.resolve import resolve
+
+            resolve(recipe, overrides, for_training=False)
+            hydra_cli.info(recipe, overrides, args.info)
             return 0
         from framework.resolve import resolve
-        from omegaconf import OmegaConf
 
         if _under_torchrun() and not any(o.startswith("output_dir=") for o in overrides):
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
             overrides.append(f"output_dir=runs/{recipe or 'debug_moe'}/torchrun-{run_id}")
-        r = resolve(recipe, overrides, for_training="cfg:job" not in flags)
-        if "cfg:job" in flags:
-            console.print(OmegaConf.to_yaml(r.cfg), end="", markup=False)
-            console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
-            for dim, rule in r.layout.rules.items():
-                console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
+        r = resolve(recipe, overrides, for_training=args.cfg is None)
+        if args.cfg:
+            _print_cfg(r, args)
             return 0
     except UserError as e:
         return _fail(e)
 
-    from framework import registry, run
+    from framework import run
 
     if _under_torchrun():
-        run.train(r, verbose="verbose" in flags)
+        run.train(r, verbose=args.verbose)
         return 0
-    launcher = registry.resolve("launcher", r.cfg.launcher.name)
     worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
+    return _launch(r, worker_argv, args.verbose)
+
+
+def _launch(r, worker_argv: list[str], verbose: bool) -> int:
+    from framework import registry, run
+
+    launcher = registry.resolve("launcher", r.cfg.launcher.name)
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
-    console.print(f"[bold]apiary[/bold] {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
-                  f"({r.facts.n_params / 1e6:,.1f}M params), dims {r.layout.dims}, output {r.cfg.output_dir}")
+    console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
+                  f"({r.facts.n_params / 1e6:,.1f}M params), dims {r.layout.dims}, output {r.cfg.output_dir}"))
 
     def in_process():
-        last = run.train(r, verbose="verbose" in flags)
+        last = run.train(r, verbose=verbose)
         if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
+            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
     return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+
+
+def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
+    """One job of a `train -m` sweep, in the directory Hydra's launcher made for it."""
+    from framework import hydra_cli
+    from framework.resolve import resolve
+
+    restore = hydra_cli.env_snapshot()
+    try:
+        overrides = [o for o in job if not o.startswith("output_dir=")] + [f"output_dir={output_dir}"]
+        r = resolve(recipe, overrides)
+        worker_argv = ([f"recipe={recipe}"] if recipe else []) + overrides + (["-v"] if verbose else [])
+        return _launch(r, worker_argv, verbose)
+    finally:
+        restore()
 
 
 def _ls() -> int:

@@ -93,6 +93,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     for raw, ov in zip(overrides, parsed):
         key = ov.key_or_group
         if key in registry.GROUP_KINDS:
+            if ov.is_delete():
+                raise UserError(f"override {raw}", f"{key} is a component group every recipe needs; it cannot "
+                                "be deleted.", f"Choose another option: {key}={'|'.join(registry.names(key))}.")
             name = ov.value()
             registry.check(key, str(name), where=f"{raw}")
             group_overrides.append(raw)
@@ -104,6 +107,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         raise UserError(where, f"does not compose: {_first_line(e)}.",
                         f"Check {path} and what it extends.") from None
     known = _flat_keys(base)
+    deletions = {}
     for raw, ov in value_overrides:
         key = ov.key_or_group
         if ov.is_add() or ov.is_force_add() or key.startswith("hydra"):
@@ -114,6 +118,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             hits = closest(key, siblings) or closest(key, known)
             hint = f"Closest valid keys: {', '.join(hits)}." if hits else "Run `train recipe=X --cfg job` to list the keys."
             raise UserError(f"override {raw}", f"unknown key {key!r} for recipe {recipe}.", hint)
+        if ov.is_delete():
+            deletions[raw] = _deletion(base, raw, ov)
+    overrides = [deletions.get(o, o) for o in overrides]
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -128,6 +135,23 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         raise UserError(where, f"a required value is missing: {_first_line(e)}.",
                         "Set it in the recipe or on the command line.") from None
     return cfg
+
+
+def _deletion(base: DictConfig, raw: str, ov) -> str:
+    """`~key` unsets an optional key (back to null: derived or off); a required key is refused."""
+    key = ov.key_or_group
+    parent, _, leaf = key.rpartition(".")
+    node = (OmegaConf.select(base, parent) if parent else base)._get_node(leaf)
+    if isinstance(node, DictConfig) or not node._is_optional():
+        raise UserError(f"override {raw}", f"{key} is a required setting (it may not be null), so it cannot be "
+                        "deleted; `~` unsets optional keys (those whose default is null: derived or off).",
+                        f"Set it instead: {key}=VALUE.")
+    expected = ov.value()
+    current = OmegaConf.select(base, key)
+    if expected is not None and str(expected) != str(current):
+        raise UserError(f"override {raw}", f"{key} is {current}, not {expected}; nothing deleted.",
+                        f"Use ~{key} to unset it whatever its value.")
+    return f"{key}=null"
 
 
 def _first_line(e: Exception) -> str:
