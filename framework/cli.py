@@ -151,14 +151,14 @@ def _ls() -> int:
 
     for name in recipes.recipe_names():
         desc = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")
-        t.add_row(name, desc)
+        t.add_row(Text(name), Text(str(desc)))
     console.print(t)
     t = Table(title="registry.yaml (first name of each kind = baseline)")
     for c in ("kind", "name", "target", "doc"):
         t.add_column(c)
     for kind, names in registry.entries().items():
         for name, e in names.items():
-            t.add_row(kind, name, e["target"], e["doc"])
+            t.add_row(Text(kind), Text(name), Text(e["target"]), Text(e["doc"]))
     console.print(t)
     return 0
 
@@ -196,7 +196,7 @@ def _cp(name: str, dest: str) -> int:
                         "Choose another path or remove it first.")
     d.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, d)
-    console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)")
+    console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)", markup=False)
     return 0
 
 

@@ -69,6 +69,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from framework import registry
 from framework.errors import UserError, did_you_mean
@@ -484,7 +485,7 @@ def _median(records: list[dict], key: str):
 def _run_variant(p: Plan, v: Variant) -> dict:
     vdir = p.compare_dir / v.name
     log = p.compare_dir / "logs" / f"{v.name}.log"
-    _err.print(f"[bold]compare[/bold] {v.label}: running -> {vdir}")
+    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: running -> {vdir}"))
     rc, secs, timed_out = _run(_variant_cmd(p, v), log, p.opts.timeout)
     recs = _read_metrics(vdir)
     status = "ok" if rc == 0 else ("timeout" if timed_out else "crashed")
@@ -522,7 +523,7 @@ def _run_variant(p: Plan, v: Variant) -> dict:
         shutil.rmtree(vdir / "checkpoint", ignore_errors=True)
     word = {"ok": "[green]ok[/green]", "crashed": "[bold red]crashed[/bold red]",
             "timeout": "[bold red]timed out[/bold red]"}[status]
-    _err.print(f"[bold]compare[/bold] {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})")
+    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})"))
     return res
 
 
@@ -745,14 +746,14 @@ def print_report(result: dict, console: Console) -> None:
         if i:
             t.add_column("rel diff", justify="right")
     for row in _step_rows(rs):
-        t.add_row(*row)
+        t.add_row(*map(Text, row))
     console.print(t)
     t = Table(title="summary")
     t.add_column("metric")
     for r in rs:
         t.add_column(r["label"], justify="right")
     for row in _summary_rows(result):
-        t.add_row(*row)
+        t.add_row(*map(Text, row))
     console.print(t)
     for r in rs:
         notes = [r.get("diff", {}).get(k) for k in ("logits_note", "grads_note")]
@@ -760,8 +761,8 @@ def print_report(result: dict, console: Console) -> None:
         for n in filter(None, notes):
             console.print(f"note ({r['label']}): {n}", markup=False)
         if r["status"] != "ok":
-            console.print(f"[bold red]{r['label']} {r['status']}[/bold red] (exit {r['returncode']}); "
-                          f"last lines of {r['log']}:")
+            console.print(Text.assemble((f"{r['label']} {r['status']}", "bold red"),
+                                        f" (exit {r['returncode']}); last lines of {r['log']}:"))
             console.print(r.get("log_tail", ""), markup=False)
         elif (r.get("probe") or {}).get("error"):
             console.print(f"note ({r['label']}): the probe failed: {r['probe']['error'].splitlines()[0]}",
@@ -774,7 +775,7 @@ def print_report(result: dict, console: Console) -> None:
         for f in c["failures"]:
             console.print(f"  {f['message']}", markup=False)
     elif c["enabled"]:
-        console.print(f"[green]check passed[/green]: every variant within {result['tolerance']['kind']}.")
+        console.print(Text.assemble(("check passed", "green"), f": every variant within {result['tolerance']['kind']}."))
     console.print(f"report: {result['compare_dir']}/compare.md, compare.json", markup=False)
 
 
@@ -814,7 +815,7 @@ def run_plan(p: Plan) -> dict:
     command = "apiary compare " + shlex.join(o.argv)
     for sdir, sov in p.seed_runs:
         log = p.compare_dir / "logs" / f"{sdir.name}.log"
-        _err.print(f"[bold]compare[/bold] seed checkpoint -> {sdir}")
+        _err.print(Text.assemble(("compare", "bold"), f" seed checkpoint -> {sdir}"))
         rc, secs, _ = _run([sys.executable, "-m", "framework.cli", "train", *_recipe_arg(o), *sov], log,
                            o.timeout)
         if rc != 0 or not (sdir / "checkpoint" / "step-0" / ".metadata").is_file():
@@ -858,12 +859,12 @@ def compare_main(argv: list[str] | None = None) -> int:
         _out.print(USAGE, markup=False)
         return 0
     except UserError as e:
-        _err.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+        _err.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
         return e.exit_code
     try:
         result = run_plan(p)
     except _SeedFailed as e:
-        _err.print(f"[bold red]error[/bold red] apiary compare: {e}", soft_wrap=True)
+        _err.print("[bold red]error[/bold red]", Text(f"apiary compare: {e}"), soft_wrap=True)
         return 1
     (p.compare_dir / "compare.json").write_text(json.dumps(result, indent=2, default=str))
     (p.compare_dir / "compare.md").write_text(markdown(result))

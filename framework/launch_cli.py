@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from framework.errors import UserError, did_you_mean
 
@@ -29,7 +30,7 @@ LAUNCH_USAGE = __doc__
 
 
 def _fail(e: UserError) -> int:
-    err_console.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+    err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
     return e.exit_code
 
 
@@ -150,13 +151,13 @@ def launch_main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _fail(e)
 
-    summary = (f"[bold]apiary launch[/bold] {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
+    summary = (f"apiary launch {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
                f"{r.facts.family} {r.facts.flavor} ({r.facts.n_params / 1e6:,.1f}M params), "
                f"output {Path(r.cfg.output_dir).resolve()}")
     out = err_console if "dry_run" in flags else console  # a dry run's stdout is the script alone
-    out.print(summary)
+    out.print(summary, markup=False)
     for w in warnings:
-        err_console.print(f"[yellow]warning[/yellow] {w}", markup=True)
+        err_console.print("[yellow]warning[/yellow]", Text(str(w)))
 
     if hasattr(cls, "render"):  # a batch-script launcher (slurm)
         try:
@@ -167,7 +168,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             sys.stdout.write(script)
             sys.stdout.flush()
             err_console.print("dry run: nothing submitted. Without --dry-run the script is written to "
-                              f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.")
+                              f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.", markup=False)
             return 0
         try:
             return int(cls.launch(opts, argv_w, None, resolved=r))
@@ -189,7 +190,7 @@ def launch_main(argv: list[str] | None = None) -> int:
     def in_process():
         last = run.train(r, verbose="verbose" in flags)
         if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
+            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
     return int(cls.launch(opts, argv_w, in_process))

@@ -249,10 +249,12 @@ def _gib(b: float) -> str:
 
 
 def _print_plan(console, r, p, rules_constraints) -> None:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     f, lay = r.facts, r.layout
-    console.print(f"[bold]apiary plan[/bold] {r.cfg.recipe}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
+    console.print(f"[bold]apiary plan[/bold] {escape(r.cfg.recipe)}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
                   f"{f.n_active_params / 1e9:,.2f}B active), seq {r.cfg.training.seq_len:,}, local_batch "
                   f"{r.cfg.training.local_batch}, {lay.world_size} x {p.choices['gpu']} "
                   f"({_gib(p.gpu_memory_bytes)} GiB)")
@@ -261,14 +263,14 @@ def _print_plan(console, r, p, rules_constraints) -> None:
         t.add_column(col, overflow="fold")
     for dim in ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp"):
         rule = lay.rules.get(dim, "recipe value" if dim == "dp_replicate" else "")
-        t.add_row(dim, str(lay.dims[dim]), rule, rules_constraints[dim])
+        t.add_row(*map(Text, (dim, str(lay.dims[dim]), rule, rules_constraints[dim])))
     console.print(t)
     t = Table(title=f"memory per GPU (peak pipeline stage: {p.choices['stage']}; state {p.choices['state']}, "
                     f"recompute {p.choices['recompute']}, loss {p.choices['loss']})")
     for col, just in (("term", "left"), ("GiB", "right"), ("GB", "right"), ("group", "left"), ("count x bytes", "left")):
         t.add_column(col, justify=just, overflow="fold")
     for term in p.terms:
-        t.add_row(term.name, _gib(term.bytes), f"{term.bytes / 1e9:,.2f}", term.group, term.formula)
+        t.add_row(*map(Text, (term.name, _gib(term.bytes), f"{term.bytes / 1e9:,.2f}", term.group, term.formula)))
     console.print(t)
     color = {"fits": "green", "tight": "yellow", "OOM": "red"}[p.verdict]
     console.print(f"total [bold]{_gib(p.total_bytes)} GiB[/bold] ({p.total_bytes / 1e9:,.2f} GB) of "
@@ -287,11 +289,12 @@ def _print_plan(console, r, p, rules_constraints) -> None:
     for a in p.assumptions:
         console.print(f"  - {a}", markup=False)
     for w in p.warnings:
-        console.print(f"[yellow]warning[/yellow] {w}")
+        console.print("[yellow]warning[/yellow]", Text(str(w)))
 
 
 def _print_search(console, res) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     c = res["counts"]
     t = Table(title=f"--search: {c['layouts']} layouts ({c['invalid_layouts']} invalid), {c['plans']} plans, "
@@ -305,7 +308,7 @@ def _print_search(console, res) -> None:
         t.add_row(str(row["rank"]), str(d["ep"]), str(d["cp"]), str(d["pp"]), str(d["tp"]), str(d["dp_shard"]),
                   row["recompute"], row["loss"], row["state"], _gib(row["total_bytes"]), row["verdict"],
                   f"{row['step_time_s']:.3f}", f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['tflops_per_gpu']:.1f}",
-                  " ".join(row["overrides"]) + note)
+                  Text(" ".join(row["overrides"]) + note))
     console.print(t)
     if c["rejected_by_resolve"]:
         console.print(f"{c['rejected_by_resolve']} fitting row(s) skipped: resolve rejected their overrides.")
@@ -313,6 +316,7 @@ def _print_search(console, res) -> None:
 
 def _print_constants(console) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from framework.planner import Constants
 
@@ -323,7 +327,7 @@ def _print_constants(console) -> None:
     for fld in fields(Constants):
         t.add_row(fld.name, json.dumps(getattr(c, fld.name)) if isinstance(getattr(c, fld.name), dict)
                   else f"{getattr(c, fld.name):g}" if isinstance(getattr(c, fld.name), float) else str(getattr(c, fld.name)),
-                  fld.metadata.get("doc", ""))
+                  Text(fld.metadata.get("doc", "")))
     console.print(t)
 
 
