@@ -153,12 +153,12 @@ def _ls() -> int:
         desc = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")
         t.add_row(Text(name), Text(str(desc)))
     console.print(t)
-    t = Table(title="registry.yaml (first name of each kind = baseline)")
-    for c in ("kind", "name", "target", "doc"):
+    t = Table(title="registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)")
+    for c in ("kind", "name", "target", "doc", "from"):
         t.add_column(c)
     for kind, names in registry.entries().items():
         for name, e in names.items():
-            t.add_row(Text(kind), Text(name), Text(e["target"]), Text(e["doc"]))
+            t.add_row(*map(Text, (kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))))
     console.print(t)
     return 0
 
@@ -172,7 +172,7 @@ def _show(name: str) -> int:
     for kind, names in registry.entries().items():
         if name in names:
             e = names[name]
-            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}", markup=False)
+            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
             skill = registry.ROOT / "docs" / "skills" / f"{name}.md"
             if skill.is_file():
                 console.print(f"  skill page: {skill}", markup=False)

@@ -21,21 +21,39 @@ from framework.schema import RecipeConfig
 
 RECIPES_DIR = registry.ROOT / "recipes"
 DEFAULT_RECIPE = "debug_moe"
-_STORED = False
+_STORED: set = set()
 
 
 def _store() -> None:
-    """Register the schema and every group option (registry.yaml) with Hydra's ConfigStore."""
-    global _STORED
-    if _STORED:
-        return
+    """Register the schema and every group option (registry.yaml + user registries) with Hydra's ConfigStore."""
     cs = ConfigStore.instance()
-    cs.store(name="_schema", node=RecipeConfig)
+    if not _STORED:
+        cs.store(name="_schema", node=RecipeConfig)
+        _STORED.add("_schema")
     for kind in registry.GROUP_KINDS:
         for name in registry.names(kind):
-            options = registry.resolve(kind, name).Options
+            if (kind, name) in _STORED:
+                continue
+            options = registry.resolve(kind, name, where=f"{kind}={name}").Options
             cs.store(group=kind, name=name, node=options(name=name))
-    _STORED = True
+            _STORED.add((kind, name))
+
+
+def use_registries(path: Path, overrides: list[str]) -> None:
+    """User registry files named by the recipe (`registry: PATH`, relative to it) or `registry=PATH`."""
+    import yaml
+
+    try:
+        own = (yaml.safe_load(path.read_text()) or {}).get("registry")
+    except (yaml.YAMLError, AttributeError):
+        own = None  # composition reports a broken recipe
+    if own:
+        p = Path(own).expanduser()
+        registry.use(p if p.is_absolute() else path.parent / p, where=f"registry: {own} in {path}")
+    for o in overrides:
+        key, sep, val = o.lstrip("+").partition("=")
+        if key == "registry" and sep and val not in ("", "null"):
+            registry.use(val, where=f"registry={val}")
 
 
 def recipe_names() -> list[str]:
@@ -84,6 +102,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     overrides = list(overrides or [])
     path = recipe_path(recipe)
     where = f"recipe {recipe}"
+    use_registries(path, overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:

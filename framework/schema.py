@@ -143,3 +143,4 @@ class RecipeConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     layout: LayoutTable = field(default_factory=LayoutTable)
     output_dir: Optional[str] = None  # default runs/<recipe>/<timestamp>
+    registry: Optional[str] = None  # a user registry file adding components from your own modules (framework/registry.py)
