@@ -1,7 +1,8 @@
-"""Console scripts: `train` (Hydra override grammar) and `apiary` (ls, show, cp).
+"""Console scripts: `train` (Hydra's command line: framework/hydra_cli.py) and `apiary` (argparse
+subcommands: ls, show, cp, plan, compare, launch, cp-template, export).
 
-    train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [--cfg job] [-v]
-    apiary ls | show NAME | cp NAME PATH | compare KEY=A,B ... | plan ... | launch ... | cp-template ...
+    train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [-m] [--cfg job|hydra|all] [-v]
+    apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | cp-template ... | export ...
 """
 
 from __future__ import annotations
@@ -218,53 +219,93 @@ def _export(run_dir: str, out: str) -> int:
     return 0
 
 
-APIARY_USAGE = """usage: apiary COMMAND
-  ls                 recipes and registry names with their docs
-  show NAME          a recipe's YAML, or a registry name's binding
-  cp NAME PATH       copy a recipe to edit it (then `train recipe=PATH`)
-  launch [recipe=X] [launcher=slurm nodes=N gpus_per_node=G | launcher=local nproc=N] [k=v ...] [--dry-run] [--wait]
-                     check the recipe for that world size, then run it here or submit it to Slurm
-  cp-template LAUNCHER PATH   copy a launcher's script template (then launcher.template=PATH)
-  export RUN_DIR --hf OUT   latest checkpoint as a HuggingFace folder (qwen3_5)
-  compare KEY=A,B    run variants from one seed checkpoint side by side (--check, --json)
-  plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
-                     derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
-"""
+APIARY_DESCRIPTION = """recipes, registry names, planning, A/B comparison, launching and export.
+Each command's k=v arguments are recipe overrides in `train`'s grammar; `apiary COMMAND --help`
+lists its options."""
+
+
+def apiary_parser():
+    """One argparse parser, one subparser per command (plan, compare, launch add their own flags)."""
+    from framework import compare, launch_cli, plan_cli
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary", description=APIARY_DESCRIPTION)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser, required=True)
+    ls = sub.add_parser("ls", help="recipes and registry names with their docs and where each came from",
+                        description="Recipes and registry names with their docs; `from` says which registry file "
+                                    "bound each name (registry.yaml or a user file).")
+    ls.add_argument("registry", nargs="*", metavar="registry=PATH",
+                    help="also list a user registry file's names (as the APIARY_REGISTRY variable does)")
+    show = sub.add_parser("show", help="a recipe's YAML, or a registry name's binding")
+    show.add_argument("name", metavar="NAME", help="a recipe name or file, or a registry name")
+    cp = sub.add_parser("cp", help="copy a recipe to edit it (then `train recipe=PATH`)")
+    cp.add_argument("name", metavar="NAME", help="the recipe to copy")
+    cp.add_argument("dest", metavar="PATH", help="a file or a folder; never overwritten")
+    for name, mod, helptext in (
+            ("plan", plan_cli, "derived dims, per-GPU memory by term, verdict, step time; --search ranks layouts"),
+            ("compare", compare, "run variants of one key from one seed checkpoint side by side (--check, --json)"),
+            ("launch", launch_cli, "check the recipe for a launcher's world size, then run it here or submit it")):
+        doc = compare.USAGE if mod is compare else mod.__doc__
+        hint = mod.parser().flags_hint
+        sp = sub.add_parser(name, help=helptext, description=doc, flags_hint=hint)
+        mod.add_arguments(sp)
+        sp.set_defaults(flags_hint=hint, flag_where="argument {flag}" if name == "plan" else f"apiary {name} {{flag}}")
+    cpt = sub.add_parser("cp-template", help="copy a launcher's script template (then launcher.template=PATH)")
+    cpt.add_argument("launcher", metavar="LAUNCHER", help="a launcher with a template (slurm)")
+    cpt.add_argument("dest", metavar="PATH", help="where to write it; never overwritten")
+    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
+    return p
 
 
 def apiary_main(argv: list[str] | None = None) -> int:
+    from framework import argparsing
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if not argv or argv[0] in ("-h", "--help", "help"):
-            console.print(APIARY_USAGE, markup=False)
+        p = apiary_parser()
+        if not argv or argv[0] == "help":
+            p.print_help()
             return 0
-        cmd, rest = argv[0], argv[1:]
-        if cmd == "ls":
-            return _ls()
-        if cmd == "show" and len(rest) == 1:
-            return _show(rest[0])
-        if cmd == "cp" and len(rest) == 2:
-            return _cp(*rest)
-        if cmd == "launch":
-            from framework.launch_cli import launch_main
+        try:
+            ns, extra = p.parse_known_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        cmd, rest = ns.cmd, argv[argv.index(ns.cmd) + 1:]
+        if cmd in ("plan", "compare", "launch"):
+            argparsing.finish(ns, extra, f"apiary {cmd}", ns.flags_hint, ns.flag_where)
+            if cmd == "plan":
+                from framework.plan_cli import plan_args
 
-            return launch_main(rest)
+                return plan_args(ns)
+            if cmd == "compare":
+                from framework.compare import compare_main
+
+                return compare_main(rest, ns)
+            from framework.launch_cli import launch_args
+
+            return launch_args(ns)
+        if extra:
+            raise UserError(f"apiary {cmd} {' '.join(extra)}", "unrecognized arguments.", f"See `apiary {cmd} --help`.")
+        if cmd == "ls":
+            from framework import registry
+
+            for a in ns.registry:
+                key, sep, val = a.partition("=")
+                if key != "registry" or not sep:
+                    raise UserError(f"apiary ls {a}", "takes only registry=PATH.", "See `apiary ls --help`.")
+                registry.use(val, where=a)
+            return _ls()
+        if cmd == "show":
+            return _show(ns.name)
+        if cmd == "cp":
+            return _cp(ns.name, ns.dest)
         if cmd == "cp-template":
             from framework.launch_cli import cp_template_main
 
-            return cp_template_main(rest)
-        if cmd == "export" and len(rest) == 3 and rest[1] == "--hf":
-            return _export(rest[0], rest[2])
-        if cmd == "compare":
-            from framework.compare import compare_main
-
-            return compare_main(rest)
-        if cmd == "plan":
-            from framework.plan_cli import plan_main
-
-            return plan_main(rest)
-        raise UserError(f"apiary {' '.join(argv)}", "unknown command or wrong arguments.",
-                        APIARY_USAGE.replace("\n", " ").strip())
+            return cp_template_main([ns.launcher, ns.dest])
+        return _export(ns.run_dir, ns.hf)
     except UserError as e:
         return _fail(e)
 

@@ -60,27 +60,43 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _split(argv: list[str]):
-    opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=False,
-                search=False, top=10, help=False, constants=False)
+FLAGS_HINT = "Flags: --json, --search, --top=N, --constants, -h."
+
+
+def _top(val: str) -> int:
+    if not val.isdigit() or int(val) < 1:
+        raise UserError(f"--top={val}", "must be a positive integer.", "For example --top=5.")
+    return int(val)
+
+
+def add_arguments(p) -> None:
+    """`apiary plan`'s flags; everything else is a positional k=v (planner settings or recipe overrides)."""
+    from framework.argparsing import overrides_arg
+
+    overrides_arg(p, "recipe=NAME gpus=N gpu_memory=80GiB gpu=H100|H200 gpus_per_node=N calib.CONSTANT=V "
+                     "calibration=FILE and recipe overrides (key=value, group=option, +key=value, ~key)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--search", action="store_true", help="rank valid layouts (ep, cp, pp, tp, recompute, loss, "
+                   "state) that fit, by estimated time per token")
+    p.add_argument("--top", type=_top, default=10, metavar="N", help="rows of --search to show (default 10)")
+    p.add_argument("--constants", action="store_true", help="print the planner's constants and exit")
+
+
+def parser():
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary plan", description=__doc__, flags_hint=FLAGS_HINT)
+    add_arguments(p)
+    return p
+
+
+def _split(ns):
+    opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=ns.json,
+                search=ns.search, top=ns.top, constants=ns.constants)
     calibration, overrides = {}, []
-    for a in argv:
+    for a in ns.overrides:
         key, sep, val = a.partition("=")
-        if a in ("-h", "--help"):
-            opts["help"] = True
-        elif a == "--json":
-            opts["json"] = True
-        elif a == "--search":
-            opts["search"] = True
-        elif a == "--constants":
-            opts["constants"] = True
-        elif key == "--top" and sep:
-            if not val.isdigit() or int(val) < 1:
-                raise UserError(a, "must be a positive integer.", "For example --top=5.")
-            opts["top"] = int(val)
-        elif a.startswith("-"):
-            raise UserError(f"argument {a}", "unknown flag.", "Flags: --json, --search, --top=N, --constants, -h.")
-        elif key == "recipe":
+        if key == "recipe":
             opts["recipe"] = val
         elif key in ("gpus", "gpus_per_node"):
             if not val.isdigit() or int(val) < 1:
@@ -332,17 +348,27 @@ def _print_constants(console) -> None:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
+    from framework import argparsing
+    from framework.cli import _fail
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns, code = argparsing.run(parser(), argv, where="argument {flag}")
+        if ns is None:
+            return code
+        return plan_args(ns)
+    except UserError as e:
+        return _fail(e)
+
+
+def plan_args(ns) -> int:
     from rich.console import Console
 
     from framework.cli import _fail
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(highlight=False, soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
     try:
-        opts, calibration, overrides = _split(argv)
-        if opts["help"]:
-            console.print(__doc__, markup=False)
-            return 0
+        opts, calibration, overrides = _split(ns)
         if opts["constants"]:
             _print_constants(console)
             return 0
