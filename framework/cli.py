@@ -68,7 +68,10 @@ def train_main(argv: list[str] | None = None) -> int:
     from framework import hydra_cli
 
     try:
-        args = hydra_cli.parse(argv)
+        try:
+            args = hydra_cli.parse(argv)
+        except SystemExit as e:  # --version: argparse printed it
+            return int(e.code or 0)
         if args.help:
             console.print(hydra_cli.help_text(), end="", markup=False)
             return 0

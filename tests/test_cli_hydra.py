@@ -163,6 +163,10 @@ def test_cfg_all_hydra_job_print_and_exit(capsys, workdir):
     assert code == 2 and "--resolve flag can only be used in conjunction with --cfg" in err
     code, err = _err(capsys, ["-m", "--cfg", "job"])
     assert code == 2 and "Only one of" in err
+    code, err = _err(capsys, ["--config-name", "x"])
+    assert code == 2 and "--config-name: is not used by apiary" in err and "recipe=NAME" in err
+    assert train_main(["--version"]) == 0
+    assert "Hydra 1.3" in capsys.readouterr().out
 
 
 def test_info_prints_hydras_search_path(capsys, workdir):
