@@ -17,11 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from framework.errors import UserError
+from framework.hydra_cli import ALIASES  # noqa: F401  (compare and probe import it from here)
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
-
-from framework.hydra_cli import ALIASES  # noqa: E402  (kept importable from here)
 
 
 def _fail(e: UserError) -> int:

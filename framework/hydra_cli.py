@@ -10,8 +10,10 @@ run on every job's overrides before Hydra launches anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
+import logging
 import os
 import re
 import time
@@ -127,12 +129,26 @@ def hydra_cfg(recipe, overrides: list[str], resolve: bool):
         GlobalHydra.instance().clear()
 
 
+@contextlib.contextmanager
+def _own_logging():
+    """Hydra points the root logger at this process's stdout/stderr; undo that when it is done
+    (the stream may be gone for a caller that keeps running, e.g. a test capturing output)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def info(recipe, overrides: list[str], what: str) -> None:
     from hydra.core.global_hydra import GlobalHydra
 
     h, name, base = hydra_for(recipe)
     try:
-        h.show_info(what, config_name=name, overrides=[*base, *unset_to_null(overrides)])
+        with _own_logging():
+            h.show_info(what, config_name=name, overrides=[*base, *unset_to_null(overrides)])
     finally:
         GlobalHydra.instance().clear()
 
@@ -194,7 +210,8 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
 
     h, name, base = hydra_for(recipe)
     try:
-        h.multirun(config_name=name, task_function=task, overrides=[*base, *extra, *unset_to_null(overrides)])
+        with _own_logging():
+            h.multirun(config_name=name, task_function=task, overrides=[*base, *extra, *unset_to_null(overrides)])
     finally:
         GlobalHydra.instance().clear()
     return max(codes, default=0)

@@ -2,12 +2,13 @@
 `apiary` on argparse subcommands, user registry files, and text printed without rich markup."""
 
 import json
+import os
 import textwrap
 
 import pytest
 import yaml
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from framework.cli import apiary_main, train_main
 
 TINY = ["training.seq_len=32", "model.n_layers=1", "checkpoint.enable=false", "logging.tensorboard=false"]
@@ -84,27 +85,30 @@ def _sweep_dir(workdir):
     return sweeps[0]
 
 
-def test_multirun_2x2_sweep_one_resolved_config_per_job(workdir, monkeypatch):
+def test_multirun_2x2_sweep_one_resolved_config_per_job(workdir):
     """`train -m` through Hydra's BasicSweeper and BasicLauncher: 2 x 2 = 4 jobs, one directory each
-    under the sweep directory, each with its own resolved config (the job writes its run files and
-    stops short of training; the next test trains)."""
-    import logging
+    under the sweep directory, each with its own resolved config (each job writes its run files and
+    stops short of training; the next test trains). In a fresh interpreter: Hydra configures logging."""
+    import subprocess
+    import sys
 
-    from framework import cli, run
-    from framework.resolve import resolve
+    script = textwrap.dedent(f"""
+        import sys
+        from framework import cli, run
+        from framework.resolve import resolve
 
-    def job_without_training(recipe, job, output_dir, verbose):
-        run.write_run_files(resolve(recipe, [*job, f"output_dir={output_dir}"]))
-        return 0
+        def job_without_training(recipe, job, output_dir, verbose):
+            run.write_run_files(resolve(recipe, [*job, "output_dir=" + output_dir]))
+            return 0
 
-    monkeypatch.setattr(cli, "_run_job", job_without_training)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        assert train_main(["-m", "loss=ce,chunked", "training.steps=1,2", *TINY]) == 0
-    finally:  # Hydra configured logging for its jobs
-        root.handlers[:] = handlers
-        root.setLevel(level)
+        cli._run_job = job_without_training
+        sys.exit(cli.train_main(["-m", "loss=ce,chunked", "training.steps=1,2", "~training.global_batch",
+                                 *{TINY!r}]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=workdir, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Launching 4 jobs locally" in p.stdout + p.stderr
     sweep = _sweep_dir(workdir)
     assert sorted(d.name for d in sweep.iterdir() if d.is_dir()) == ["0", "1", "2", "3"]
     seen = set()
@@ -112,6 +116,7 @@ def test_multirun_2x2_sweep_one_resolved_config_per_job(workdir, monkeypatch):
         d = sweep / str(job)
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         assert cfg["output_dir"] == str(d) and cfg["parallel"]["dp_shard"] == 1  # resolved: dims derived
+        assert cfg["training"]["global_batch"] is None  # ~key reaches every job
         overrides = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
         assert f"loss={cfg['loss']['name']}" in overrides and f"training.steps={cfg['training']['steps']}" in overrides
         seen.add((cfg["loss"]["name"], cfg["training"]["steps"]))
