@@ -34,8 +34,15 @@ def _store() -> None:
         for name in registry.names(kind):
             if (kind, name) in _STORED:
                 continue
-            options = registry.resolve(kind, name, where=f"{kind}={name}").Options
-            cs.store(group=kind, name=name, node=options(name=name))
+            component = registry.resolve(kind, name, where=f"{kind}={name}")
+            try:
+                node = component.Options(name=name)
+            except (AttributeError, TypeError):  # only a user's component can get here
+                e = registry.entries()[kind][name]
+                raise UserError(f"{kind}={name}", f"{e['target']} (from {e['source']}) needs an `Options` dataclass "
+                                "with a `name: str` field, its keys with their defaults.",
+                                "Copy the shape of components/losses/ce.py.") from None
+            cs.store(group=kind, name=name, node=node)
             _STORED.add((kind, name))
 
 
