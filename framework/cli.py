@@ -1,7 +1,8 @@
-"""Console scripts: `train` (Hydra override grammar) and `apiary` (ls, show, cp).
+"""Console scripts: `train` (Hydra's command line: framework/hydra_cli.py) and `apiary` (argparse
+subcommands: ls, show, cp, plan, compare, launch, cp-template, export).
 
-    train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [--cfg job] [-v]
-    apiary ls | show NAME | cp NAME PATH | compare KEY=A,B ... | plan ... | launch ... | cp-template ...
+    train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [-m] [--cfg job|hydra|all] [-v]
+    apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | cp-template ... | export ...
 """
 
 from __future__ import annotations
@@ -13,40 +14,17 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from framework.errors import UserError
+from framework.hydra_cli import ALIASES  # noqa: F401  (compare and probe import it from here)
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
 
-# Short spellings accepted on the command line, rewritten to their full keys.
-ALIASES = {"nproc": "launcher.nproc", "gpu": "preflight.gpu"}
-
-
-def _split_args(argv: list[str]):
-    recipe, flags, overrides = None, set(), []
-    it = iter(argv)
-    for a in it:
-        if a.startswith("recipe="):
-            recipe = a.split("=", 1)[1]
-        elif a == "--cfg":
-            flags.add("cfg:" + next(it, "job"))
-        elif a.startswith("--cfg="):
-            flags.add("cfg:" + a.split("=", 1)[1])
-        elif a in ("-v", "--verbose"):
-            flags.add("verbose")
-        elif a in ("-h", "--help"):
-            flags.add("help")
-        elif a.startswith("-"):
-            raise UserError(f"argument {a}", "unknown flag.", "Flags: --cfg job, -v/--verbose, -h/--help.")
-        else:
-            key, sep, val = a.partition("=")
-            overrides.append(f"{ALIASES.get(key, key)}{sep}{val}" if sep else a)
-    return recipe, flags, overrides
-
 
 def _fail(e: UserError) -> int:
-    err_console.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+    err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
     return e.exit_code
 
 
@@ -54,48 +32,116 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
+def _print_cfg(r, args) -> None:
+    """--cfg job|all: the resolved config (+ Hydra's section for all) and the derived layout."""
+    from omegaconf import OmegaConf
+
+    from framework import hydra_cli
+
+    cfg = r.cfg
+    if args.cfg in ("hydra", "all"):
+        hydra = hydra_cli.hydra_cfg(args.recipe, args.overrides, args.resolve)
+        if args.cfg == "hydra":
+            cfg = hydra
+        else:
+            cfg = OmegaConf.merge(OmegaConf.to_container(r.cfg), hydra)
+    if args.package not in (None, "_global_"):
+        sel = OmegaConf.select(cfg, args.package)
+        if sel is None:
+            raise UserError(f"train --package {args.package}", "no such key in the config.",
+                            "Run `train --cfg all` to see the keys.")
+        console.print(f"# @package {args.package}", markup=False)
+        cfg = sel
+    if OmegaConf.is_config(cfg):
+        console.print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="", markup=False)
+    else:
+        console.print(str(cfg), markup=False)
+    if args.cfg != "hydra":
+        console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
+        for dim, rule in r.layout.rules.items():
+            console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
+
+
 def train_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from framework import hydra_cli
+
     try:
-        recipe, flags, overrides = _split_args(argv)
-        if "help" in flags:
-            console.print(__doc__)
+        try:
+            args = hydra_cli.parse(argv)
+        except SystemExit as e:  # --version: argparse printed it
+            return int(e.code or 0)
+        if args.help:
+            console.print(hydra_cli.help_text(), end="", markup=False)
+            return 0
+        if args.hydra_help:
+            h, name, base = hydra_cli.hydra_for(args.recipe)
+            h.hydra_help(config_name=name, args_parser=hydra_cli.parser(), args=args)
+            return 0
+        recipe, overrides = args.recipe, args.overrides
+        if args.multirun:
+            if _under_torchrun():
+                raise UserError("train -m", "a sweep is started once, not by each torchrun worker.",
+                                "Run `train -m ...` without torchrun; nproc=N launches each job's ranks.")
+            return hydra_cli.multirun(recipe, overrides, lambda job, out: _run_job(recipe, job, out, args.verbose))
+        if args.info:
+            from framework.resolve import resolve
+
+            resolve(recipe, overrides, for_training=False)
+            hydra_cli.info(recipe, overrides, args.info)
             return 0
         from framework.resolve import resolve
-        from omegaconf import OmegaConf
 
         if _under_torchrun() and not any(o.startswith("output_dir=") for o in overrides):
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
             overrides.append(f"output_dir=runs/{recipe or 'debug_moe'}/torchrun-{run_id}")
-        r = resolve(recipe, overrides, for_training="cfg:job" not in flags)
-        if "cfg:job" in flags:
-            console.print(OmegaConf.to_yaml(r.cfg), end="", markup=False)
-            console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
-            for dim, rule in r.layout.rules.items():
-                console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
+        r = resolve(recipe, overrides, for_training=args.cfg is None)
+        if args.cfg:
+            _print_cfg(r, args)
             return 0
     except UserError as e:
         return _fail(e)
 
-    from framework import registry, run
+    from framework import run
 
     if _under_torchrun():
-        run.train(r, verbose="verbose" in flags)
+        run.train(r, verbose=args.verbose)
         return 0
-    launcher = registry.resolve("launcher", r.cfg.launcher.name)
     worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
+    return _launch(r, worker_argv, args.verbose)
+
+
+def _launch(r, worker_argv: list[str], verbose: bool) -> int:
+    from framework import registry, run
+
+    launcher = registry.resolve("launcher", r.cfg.launcher.name)
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
-    console.print(f"[bold]apiary[/bold] {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
-                  f"({r.facts.n_params / 1e6:,.1f}M params), dims {r.layout.dims}, output {r.cfg.output_dir}")
+    console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
+                  f"({r.facts.n_params / 1e6:,.1f}M params), dims {r.layout.dims}, output {r.cfg.output_dir}"))
 
     def in_process():
-        last = run.train(r, verbose="verbose" in flags)
+        last = run.train(r, verbose=verbose)
         if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
+            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
     return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+
+
+def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
+    """One job of a `train -m` sweep, in the directory Hydra's launcher made for it."""
+    from framework import hydra_cli
+    from framework.resolve import resolve
+
+    restore = hydra_cli.env_snapshot()
+    try:
+        overrides = [o for o in job if not o.startswith("output_dir=")] + [f"output_dir={output_dir}"]
+        r = resolve(recipe, overrides)
+        worker_argv = ([f"recipe={recipe}"] if recipe else []) + overrides + (["-v"] if verbose else [])
+        return _launch(r, worker_argv, verbose)
+    finally:
+        restore()
 
 
 def _ls() -> int:
@@ -108,14 +154,14 @@ def _ls() -> int:
 
     for name in recipes.recipe_names():
         desc = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")
-        t.add_row(name, desc)
+        t.add_row(Text(name), Text(str(desc)))
     console.print(t)
-    t = Table(title="registry.yaml (first name of each kind = baseline)")
-    for c in ("kind", "name", "target", "doc"):
+    t = Table(title="registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)")
+    for c in ("kind", "name", "target", "doc", "from"):
         t.add_column(c)
     for kind, names in registry.entries().items():
         for name, e in names.items():
-            t.add_row(kind, name, e["target"], e["doc"])
+            t.add_row(*map(Text, (kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))))
     console.print(t)
     return 0
 
@@ -133,7 +179,7 @@ def _show(name: str) -> int:
     for kind, names in registry.entries().items():
         if name in names:
             e = names[name]
-            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}", markup=False)
+            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
             skill = registry.ROOT / "docs" / "skills" / f"{name}.md"
             if skill.is_file():
                 console.print(f"  skill page: {skill}", markup=False)
@@ -157,7 +203,7 @@ def _cp(name: str, dest: str) -> int:
                         "Choose another path or remove it first.")
     d.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, d)
-    console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)")
+    console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)", markup=False)
     return 0
 
 
@@ -179,53 +225,93 @@ def _export(run_dir: str, out: str) -> int:
     return 0
 
 
-APIARY_USAGE = """usage: apiary COMMAND
-  ls                 recipes and registry names with their docs
-  show NAME          a recipe's YAML, or a registry name's binding
-  cp NAME PATH       copy a recipe to edit it (then `train recipe=PATH`)
-  launch [recipe=X] [launcher=slurm nodes=N gpus_per_node=G | launcher=local nproc=N] [k=v ...] [--dry-run] [--wait]
-                     check the recipe for that world size, then run it here or submit it to Slurm
-  cp-template LAUNCHER PATH   copy a launcher's script template (then launcher.template=PATH)
-  export RUN_DIR --hf OUT   latest checkpoint as a HuggingFace folder (qwen3_5)
-  compare KEY=A,B    run variants from one seed checkpoint side by side (--check, --json)
-  plan recipe=X [gpus=N] [gpu_memory=80GiB] [k=v ...] [--json] [--search]
-                     derived dims, per-GPU memory by term, verdict, step time (apiary plan -h)
-"""
+APIARY_DESCRIPTION = """recipes, registry names, planning, A/B comparison, launching and export.
+Each command's k=v arguments are recipe overrides in `train`'s grammar; `apiary COMMAND --help`
+lists its options."""
+
+
+def apiary_parser():
+    """One argparse parser, one subparser per command (plan, compare, launch add their own flags)."""
+    from framework import compare, launch_cli, plan_cli
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary", description=APIARY_DESCRIPTION)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser, required=True)
+    ls = sub.add_parser("ls", help="recipes and registry names with their docs and where each came from",
+                        description="Recipes and registry names with their docs; `from` says which registry file "
+                                    "bound each name (registry.yaml or a user file).")
+    ls.add_argument("registry", nargs="*", metavar="registry=PATH",
+                    help="also list a user registry file's names (as the APIARY_REGISTRY variable does)")
+    show = sub.add_parser("show", help="a recipe's YAML, or a registry name's binding")
+    show.add_argument("name", metavar="NAME", help="a recipe name or file, or a registry name")
+    cp = sub.add_parser("cp", help="copy a recipe to edit it (then `train recipe=PATH`)")
+    cp.add_argument("name", metavar="NAME", help="the recipe to copy")
+    cp.add_argument("dest", metavar="PATH", help="a file or a folder; never overwritten")
+    for name, mod, helptext in (
+            ("plan", plan_cli, "derived dims, per-GPU memory by term, verdict, step time; --search ranks layouts"),
+            ("compare", compare, "run variants of one key from one seed checkpoint side by side (--check, --json)"),
+            ("launch", launch_cli, "check the recipe for a launcher's world size, then run it here or submit it")):
+        doc = compare.USAGE if mod is compare else mod.__doc__
+        hint = mod.parser().flags_hint
+        sp = sub.add_parser(name, help=helptext, description=doc, flags_hint=hint)
+        mod.add_arguments(sp)
+        sp.set_defaults(flags_hint=hint, flag_where="argument {flag}" if name == "plan" else f"apiary {name} {{flag}}")
+    cpt = sub.add_parser("cp-template", help="copy a launcher's script template (then launcher.template=PATH)")
+    cpt.add_argument("launcher", metavar="LAUNCHER", help="a launcher with a template (slurm)")
+    cpt.add_argument("dest", metavar="PATH", help="where to write it; never overwritten")
+    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
+    return p
 
 
 def apiary_main(argv: list[str] | None = None) -> int:
+    from framework import argparsing
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if not argv or argv[0] in ("-h", "--help", "help"):
-            console.print(APIARY_USAGE, markup=False)
+        p = apiary_parser()
+        if not argv or argv[0] == "help":
+            p.print_help()
             return 0
-        cmd, rest = argv[0], argv[1:]
-        if cmd == "ls":
-            return _ls()
-        if cmd == "show" and len(rest) == 1:
-            return _show(rest[0])
-        if cmd == "cp" and len(rest) == 2:
-            return _cp(*rest)
-        if cmd == "launch":
-            from framework.launch_cli import launch_main
+        try:
+            ns, extra = p.parse_known_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        cmd, rest = ns.cmd, argv[argv.index(ns.cmd) + 1:]
+        if cmd in ("plan", "compare", "launch"):
+            argparsing.finish(ns, extra, f"apiary {cmd}", ns.flags_hint, ns.flag_where)
+            if cmd == "plan":
+                from framework.plan_cli import plan_args
 
-            return launch_main(rest)
+                return plan_args(ns)
+            if cmd == "compare":
+                from framework.compare import compare_main
+
+                return compare_main(rest, ns)
+            from framework.launch_cli import launch_args
+
+            return launch_args(ns)
+        if extra:
+            raise UserError(f"apiary {cmd} {' '.join(extra)}", "unrecognized arguments.", f"See `apiary {cmd} --help`.")
+        if cmd == "ls":
+            from framework import registry
+
+            for a in ns.registry:
+                key, sep, val = a.partition("=")
+                if key != "registry" or not sep:
+                    raise UserError(f"apiary ls {a}", "takes only registry=PATH.", "See `apiary ls --help`.")
+                registry.use(val, where=a)
+            return _ls()
+        if cmd == "show":
+            return _show(ns.name)
+        if cmd == "cp":
+            return _cp(ns.name, ns.dest)
         if cmd == "cp-template":
             from framework.launch_cli import cp_template_main
 
-            return cp_template_main(rest)
-        if cmd == "export" and len(rest) == 3 and rest[1] == "--hf":
-            return _export(rest[0], rest[2])
-        if cmd == "compare":
-            from framework.compare import compare_main
-
-            return compare_main(rest)
-        if cmd == "plan":
-            from framework.plan_cli import plan_main
-
-            return plan_main(rest)
-        raise UserError(f"apiary {' '.join(argv)}", "unknown command or wrong arguments.",
-                        APIARY_USAGE.replace("\n", " ").strip())
+            return cp_template_main([ns.launcher, ns.dest])
+        return _export(ns.run_dir, ns.hf)
     except UserError as e:
         return _fail(e)
 

@@ -69,6 +69,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from framework import registry
 from framework.errors import UserError, did_you_mean
@@ -151,43 +152,57 @@ def _flag_value(name: str, raw: str, cast):
         raise UserError(f"apiary compare {name}={raw}", f"{name} takes a number.") from None
 
 
-def parse_args(argv: list[str]) -> Options:
+def _tol(val: str) -> str:
+    if val not in TOL_CHOICES:
+        raise UserError(f"apiary compare --tol={val}", f"unknown tolerance kind; one of "
+                        f"{', '.join(TOL_CHOICES)}.", did_you_mean(val, TOL_CHOICES))
+    return val
+
+
+def add_arguments(p) -> None:
+    """`apiary compare`'s flags; recipe=, the swept KEY=A,B and the other overrides are positional k=v."""
+    from framework.argparsing import overrides_arg
+
+    overrides_arg(p, "recipe=NAME, the one swept KEY=A,B[,C] (first value = baseline), other overrides, "
+                     "nproc=N, output_dir=PATH")
+    p.add_argument("--check", action="store_true", help="exit 1 when a variant is outside its tolerance")
+    p.add_argument("--json", action="store_true", help="print compare.json on stdout (the tables on stderr)")
+    p.add_argument("--no-probe", dest="probe", action="store_false", help="skip the step-0 loss/logits/gradient probe")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each variant's checkpoints")
+    p.add_argument("--tol", type=_tol, metavar="|".join(TOL_CHOICES), help="force the tolerance kind")
+    p.add_argument("--jobs", type=lambda v: max(1, _flag_value("--jobs", v, int)), default=1, metavar="N",
+                   help="variants run at a time (default 1; their timings then share the machine)")
+    p.add_argument("--timeout", type=lambda v: _flag_value("--timeout", v, float), metavar="S",
+                   help="seconds per variant before it is stopped")
+    p.add_argument("--max-numel", type=lambda v: _flag_value("--max-numel", v, int), metavar="N",
+                   help="largest tensor the probe compares element by element")
+
+
+def parser():
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary compare", description=USAGE,
+               flags_hint=f"Flags: {', '.join(FLAGS)}, {'=, '.join(VALUED_FLAGS)}=, -h.")
+    add_arguments(p)
+    return p
+
+
+def parse_args(argv: list[str], ns=None) -> Options:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from framework import argparsing
     from framework.cli import ALIASES
 
-    o = Options(argv=list(argv))
+    if ns is None:
+        ns, code = argparsing.run(parser(), list(argv), where="apiary compare {flag}")
+        if ns is None:
+            raise _Help(code)
+    o = Options(argv=list(argv), json=ns.json, check=ns.check, probe=ns.probe, keep_checkpoints=ns.keep_checkpoints,
+                tol=ns.tol, jobs=ns.jobs, timeout=ns.timeout, max_numel=ns.max_numel)
     plain: list[str] = []
-    it = iter(argv)
-    for a in it:
-        if a in ("-h", "--help"):
-            raise _Help()
-        if a in FLAGS:
-            setattr(o, {"--json": "json", "--check": "check", "--no-probe": "probe",
-                        "--keep-checkpoints": "keep_checkpoints"}[a], a != "--no-probe")
-            continue
+    for a in ns.overrides:
         name, eq, val = a.partition("=")
-        if name in VALUED_FLAGS:
-            if not eq:
-                val = next(it, None)
-                if val is None:
-                    raise UserError(f"apiary compare {a}", f"{a} needs a value.")
-            if name == "--tol":
-                if val not in TOL_CHOICES:
-                    raise UserError(f"apiary compare --tol={val}", f"unknown tolerance kind; one of "
-                                    f"{', '.join(TOL_CHOICES)}.", did_you_mean(val, TOL_CHOICES))
-                o.tol = val
-            elif name == "--jobs":
-                o.jobs = max(1, _flag_value(name, val, int))
-            elif name == "--timeout":
-                o.timeout = _flag_value(name, val, float)
-            else:
-                o.max_numel = _flag_value(name, val, int)
-            continue
-        if a.startswith("-"):
-            raise UserError(f"apiary compare {a}", "unknown flag.",
-                            f"Flags: {', '.join(FLAGS)}, {'=, '.join(VALUED_FLAGS)}=, -h.")
         if name == "recipe" and eq:
             o.recipe = val
         elif name == "output_dir" and eq:
@@ -500,7 +515,7 @@ def _median(records: list[dict], key: str):
 def _run_variant(p: Plan, v: Variant) -> dict:
     vdir = p.compare_dir / v.name
     log = p.compare_dir / "logs" / f"{v.name}.log"
-    _err.print(f"[bold]compare[/bold] {v.label}: running -> {vdir}")
+    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: running -> {vdir}"))
     rc, secs, timed_out = _run(_variant_cmd(p, v), log, p.opts.timeout)
     recs = _read_metrics(vdir)
     status = "ok" if rc == 0 else ("timeout" if timed_out else "crashed")
@@ -538,7 +553,7 @@ def _run_variant(p: Plan, v: Variant) -> dict:
         shutil.rmtree(vdir / "checkpoint", ignore_errors=True)
     word = {"ok": "[green]ok[/green]", "crashed": "[bold red]crashed[/bold red]",
             "timeout": "[bold red]timed out[/bold red]"}[status]
-    _err.print(f"[bold]compare[/bold] {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})")
+    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})"))
     return res
 
 
@@ -761,14 +776,14 @@ def print_report(result: dict, console: Console) -> None:
         if i:
             t.add_column("rel diff", justify="right")
     for row in _step_rows(rs):
-        t.add_row(*row)
+        t.add_row(*map(Text, row))
     console.print(t)
     t = Table(title="summary")
     t.add_column("metric")
     for r in rs:
         t.add_column(r["label"], justify="right")
     for row in _summary_rows(result):
-        t.add_row(*row)
+        t.add_row(*map(Text, row))
     console.print(t)
     for r in rs:
         notes = [r.get("diff", {}).get(k) for k in ("logits_note", "grads_note")]
@@ -776,8 +791,8 @@ def print_report(result: dict, console: Console) -> None:
         for n in filter(None, notes):
             console.print(f"note ({r['label']}): {n}", markup=False)
         if r["status"] != "ok":
-            console.print(f"[bold red]{r['label']} {r['status']}[/bold red] (exit {r['returncode']}); "
-                          f"last lines of {r['log']}:")
+            console.print(Text.assemble((f"{r['label']} {r['status']}", "bold red"),
+                                        f" (exit {r['returncode']}); last lines of {r['log']}:"))
             console.print(r.get("log_tail", ""), markup=False)
         elif (r.get("probe") or {}).get("error"):
             console.print(f"note ({r['label']}): the probe failed: {r['probe']['error'].splitlines()[0]}",
@@ -790,7 +805,7 @@ def print_report(result: dict, console: Console) -> None:
         for f in c["failures"]:
             console.print(f"  {f['message']}", markup=False)
     elif c["enabled"]:
-        console.print(f"[green]check passed[/green]: every variant within {result['tolerance']['kind']}.")
+        console.print(Text.assemble(("check passed", "green"), f": every variant within {result['tolerance']['kind']}."))
     console.print(f"report: {result['compare_dir']}/compare.md, compare.json", markup=False)
 
 
@@ -830,7 +845,7 @@ def run_plan(p: Plan) -> dict:
     command = "apiary compare " + shlex.join(o.argv)
     for sdir, sov in p.seed_runs:
         log = p.compare_dir / "logs" / f"{sdir.name}.log"
-        _err.print(f"[bold]compare[/bold] seed checkpoint -> {sdir}")
+        _err.print(Text.assemble(("compare", "bold"), f" seed checkpoint -> {sdir}"))
         rc, secs, _ = _run([sys.executable, "-m", "framework.cli", "train", *_recipe_arg(o), *sov], log,
                            o.timeout)
         if rc != 0 or not (sdir / "checkpoint" / "step-0" / ".metadata").is_file():
@@ -865,21 +880,21 @@ class _SeedFailed(Exception):
     pass
 
 
-def compare_main(argv: list[str] | None = None) -> int:
+def compare_main(argv: list[str] | None = None, ns=None) -> int:
+    """`apiary compare ARGV`; ns: the namespace when `apiary`'s parser has already parsed argv."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        o = parse_args(argv)
+        o = parse_args(argv, ns)
         p = plan(o)
-    except _Help:
-        _out.print(USAGE, markup=False)
-        return 0
+    except _Help as h:  # argparse printed the help
+        return int(h.args[0]) if h.args else 0
     except UserError as e:
-        _err.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+        _err.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
         return e.exit_code
     try:
         result = run_plan(p)
     except _SeedFailed as e:
-        _err.print(f"[bold red]error[/bold red] apiary compare: {e}", soft_wrap=True)
+        _err.print("[bold red]error[/bold red]", Text(f"apiary compare: {e}"), soft_wrap=True)
         return 1
     (p.compare_dir / "compare.json").write_text(json.dumps(result, indent=2, default=str))
     (p.compare_dir / "compare.md").write_text(markdown(result))

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from framework.errors import UserError, did_you_mean
 
@@ -29,27 +30,42 @@ LAUNCH_USAGE = __doc__
 
 
 def _fail(e: UserError) -> int:
-    err_console.print(f"[bold red]error[/bold red] {e}", soft_wrap=True)
+    err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
     return e.exit_code
 
 
-def _split(argv: list[str]):
-    recipe, launcher, flags, tokens = None, None, set(), []
-    for a in argv:
+FLAGS_HINT = "Flags: --dry-run, --wait, -v/--verbose, -h/--help."
+
+
+def add_arguments(p) -> None:
+    """`apiary launch`'s flags; recipe=, launcher=, shorthands and overrides are positional k=v."""
+    from framework.argparsing import overrides_arg
+
+    overrides_arg(p, "recipe=NAME launcher=local|slurm, the launcher's options without `launcher.` "
+                     "(nodes=N gpus_per_node=G partition=P ... for slurm, nproc=N for local) and recipe overrides")
+    p.add_argument("-n", "--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                   help="check everything and print the command or batch script; start or submit nothing")
+    p.add_argument("--wait", action="store_true", help="wait for the submitted job to finish (launchers with "
+                   "a wait option: slurm)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every step")
+
+
+def parser():
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary launch", description=__doc__, flags_hint=FLAGS_HINT)
+    add_arguments(p)
+    return p
+
+
+def _split(ns):
+    recipe, launcher, tokens = None, None, []
+    flags = {f for f in ("dry_run", "wait", "verbose") if getattr(ns, f)}
+    for a in ns.overrides:
         if a.startswith("recipe="):
             recipe = a.split("=", 1)[1]
         elif a.startswith("launcher="):
             launcher = a.split("=", 1)[1]
-        elif a in ("--dry-run", "--dry_run", "-n"):
-            flags.add("dry_run")
-        elif a == "--wait":
-            flags.add("wait")
-        elif a in ("-v", "--verbose"):
-            flags.add("verbose")
-        elif a in ("-h", "--help"):
-            flags.add("help")
-        elif a.startswith("-"):
-            raise UserError(f"apiary launch {a}", "unknown flag.", "Flags: --dry-run, --wait, -v/--verbose, -h/--help.")
         else:
             tokens.append(a)
     return recipe, launcher, flags, tokens
@@ -119,12 +135,21 @@ def _worker_argv(recipe, overrides, r, flags) -> list[str]:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
+    from framework import argparsing
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        recipe, name, flags, tokens = _split(argv)
-        if "help" in flags:
-            console.print(LAUNCH_USAGE, markup=False)
-            return 0
+        ns, code = argparsing.run(parser(), argv, where="apiary launch {flag}")
+        if ns is None:
+            return code
+    except UserError as e:
+        return _fail(e)
+    return launch_args(ns)
+
+
+def launch_args(ns) -> int:
+    try:
+        recipe, name, flags, tokens = _split(ns)
         name, cls = _launcher_class(name, recipe)
         fields = {f.name for f in dataclasses.fields(cls.Options)} - {"name"}
         _check_shorthands(tokens, name, fields)
@@ -153,13 +178,13 @@ def launch_main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _fail(e)
 
-    summary = (f"[bold]apiary launch[/bold] {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
+    summary = (f"apiary launch {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
                f"{r.facts.family} {r.facts.flavor} ({r.facts.n_params / 1e6:,.1f}M params), "
                f"output {Path(r.cfg.output_dir).resolve()}")
     out = err_console if "dry_run" in flags else console  # a dry run's stdout is the script alone
-    out.print(summary)
+    out.print(summary, markup=False)
     for w in warnings:
-        err_console.print(f"[yellow]warning[/yellow] {w}", markup=True)
+        err_console.print("[yellow]warning[/yellow]", Text(str(w)))
 
     if hasattr(cls, "render"):  # a batch-script launcher (slurm)
         try:
@@ -170,7 +195,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             sys.stdout.write(script)
             sys.stdout.flush()
             err_console.print("dry run: nothing submitted. Without --dry-run the script is written to "
-                              f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.")
+                              f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.", markup=False)
             return 0
         try:
             return int(cls.launch(opts, argv_w, None, resolved=r))
@@ -192,7 +217,7 @@ def launch_main(argv: list[str] | None = None) -> int:
     def in_process():
         last = run.train(r, verbose="verbose" in flags)
         if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
+            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
     return int(cls.launch(opts, argv_w, in_process))

@@ -60,27 +60,43 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _split(argv: list[str]):
-    opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=False,
-                search=False, top=10, help=False, constants=False)
+FLAGS_HINT = "Flags: --json, --search, --top=N, --constants, -h."
+
+
+def _top(val: str) -> int:
+    if not val.isdigit() or int(val) < 1:
+        raise UserError(f"--top={val}", "must be a positive integer.", "For example --top=5.")
+    return int(val)
+
+
+def add_arguments(p) -> None:
+    """`apiary plan`'s flags; everything else is a positional k=v (planner settings or recipe overrides)."""
+    from framework.argparsing import overrides_arg
+
+    overrides_arg(p, "recipe=NAME gpus=N gpu_memory=80GiB gpu=H100|H200 gpus_per_node=N calib.CONSTANT=V "
+                     "calibration=FILE and recipe overrides (key=value, group=option, +key=value, ~key)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--search", action="store_true", help="rank valid layouts (ep, cp, pp, tp, recompute, loss, "
+                   "state) that fit, by estimated time per token")
+    p.add_argument("--top", type=_top, default=10, metavar="N", help="rows of --search to show (default 10)")
+    p.add_argument("--constants", action="store_true", help="print the planner's constants and exit")
+
+
+def parser():
+    from framework.argparsing import Parser
+
+    p = Parser(prog="apiary plan", description=__doc__, flags_hint=FLAGS_HINT)
+    add_arguments(p)
+    return p
+
+
+def _split(ns):
+    opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=ns.json,
+                search=ns.search, top=ns.top, constants=ns.constants)
     calibration, overrides = {}, []
-    for a in argv:
+    for a in ns.overrides:
         key, sep, val = a.partition("=")
-        if a in ("-h", "--help"):
-            opts["help"] = True
-        elif a == "--json":
-            opts["json"] = True
-        elif a == "--search":
-            opts["search"] = True
-        elif a == "--constants":
-            opts["constants"] = True
-        elif key == "--top" and sep:
-            if not val.isdigit() or int(val) < 1:
-                raise UserError(a, "must be a positive integer.", "For example --top=5.")
-            opts["top"] = int(val)
-        elif a.startswith("-"):
-            raise UserError(f"argument {a}", "unknown flag.", "Flags: --json, --search, --top=N, --constants, -h.")
-        elif key == "recipe":
+        if key == "recipe":
             opts["recipe"] = val
         elif key in ("gpus", "gpus_per_node"):
             if not val.isdigit() or int(val) < 1:
@@ -249,10 +265,12 @@ def _gib(b: float) -> str:
 
 
 def _print_plan(console, r, p, rules_constraints) -> None:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     f, lay = r.facts, r.layout
-    console.print(f"[bold]apiary plan[/bold] {r.cfg.recipe}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
+    console.print(f"[bold]apiary plan[/bold] {escape(r.cfg.recipe)}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
                   f"{f.n_active_params / 1e9:,.2f}B active), seq {r.cfg.training.seq_len:,}, local_batch "
                   f"{r.cfg.training.local_batch}, {lay.world_size} x {p.choices['gpu']} "
                   f"({_gib(p.gpu_memory_bytes)} GiB)")
@@ -261,14 +279,14 @@ def _print_plan(console, r, p, rules_constraints) -> None:
         t.add_column(col, overflow="fold")
     for dim in ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp"):
         rule = lay.rules.get(dim, "recipe value" if dim == "dp_replicate" else "")
-        t.add_row(dim, str(lay.dims[dim]), rule, rules_constraints[dim])
+        t.add_row(*map(Text, (dim, str(lay.dims[dim]), rule, rules_constraints[dim])))
     console.print(t)
     t = Table(title=f"memory per GPU (peak pipeline stage: {p.choices['stage']}; state {p.choices['state']}, "
                     f"recompute {p.choices['recompute']}, loss {p.choices['loss']})")
     for col, just in (("term", "left"), ("GiB", "right"), ("GB", "right"), ("group", "left"), ("count x bytes", "left")):
         t.add_column(col, justify=just, overflow="fold")
     for term in p.terms:
-        t.add_row(term.name, _gib(term.bytes), f"{term.bytes / 1e9:,.2f}", term.group, term.formula)
+        t.add_row(*map(Text, (term.name, _gib(term.bytes), f"{term.bytes / 1e9:,.2f}", term.group, term.formula)))
     console.print(t)
     color = {"fits": "green", "tight": "yellow", "OOM": "red"}[p.verdict]
     console.print(f"total [bold]{_gib(p.total_bytes)} GiB[/bold] ({p.total_bytes / 1e9:,.2f} GB) of "
@@ -287,11 +305,12 @@ def _print_plan(console, r, p, rules_constraints) -> None:
     for a in p.assumptions:
         console.print(f"  - {a}", markup=False)
     for w in p.warnings:
-        console.print(f"[yellow]warning[/yellow] {w}")
+        console.print("[yellow]warning[/yellow]", Text(str(w)))
 
 
 def _print_search(console, res) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     c = res["counts"]
     t = Table(title=f"--search: {c['layouts']} layouts ({c['invalid_layouts']} invalid), {c['plans']} plans, "
@@ -305,7 +324,7 @@ def _print_search(console, res) -> None:
         t.add_row(str(row["rank"]), str(d["ep"]), str(d["cp"]), str(d["pp"]), str(d["tp"]), str(d["dp_shard"]),
                   row["recompute"], row["loss"], row["state"], _gib(row["total_bytes"]), row["verdict"],
                   f"{row['step_time_s']:.3f}", f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['tflops_per_gpu']:.1f}",
-                  " ".join(row["overrides"]) + note)
+                  Text(" ".join(row["overrides"]) + note))
     console.print(t)
     if c["rejected_by_resolve"]:
         console.print(f"{c['rejected_by_resolve']} fitting row(s) skipped: resolve rejected their overrides.")
@@ -313,6 +332,7 @@ def _print_search(console, res) -> None:
 
 def _print_constants(console) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from framework.planner import Constants
 
@@ -323,22 +343,32 @@ def _print_constants(console) -> None:
     for fld in fields(Constants):
         t.add_row(fld.name, json.dumps(getattr(c, fld.name)) if isinstance(getattr(c, fld.name), dict)
                   else f"{getattr(c, fld.name):g}" if isinstance(getattr(c, fld.name), float) else str(getattr(c, fld.name)),
-                  fld.metadata.get("doc", ""))
+                  Text(fld.metadata.get("doc", "")))
     console.print(t)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
+    from framework import argparsing
+    from framework.cli import _fail
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns, code = argparsing.run(parser(), argv, where="argument {flag}")
+        if ns is None:
+            return code
+        return plan_args(ns)
+    except UserError as e:
+        return _fail(e)
+
+
+def plan_args(ns) -> int:
     from rich.console import Console
 
     from framework.cli import _fail
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(highlight=False, soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
     try:
-        opts, calibration, overrides = _split(argv)
-        if opts["help"]:
-            console.print(__doc__, markup=False)
-            return 0
+        opts, calibration, overrides = _split(ns)
         if opts["constants"]:
             _print_constants(console)
             return 0

@@ -21,21 +21,46 @@ from framework.schema import RecipeConfig
 
 RECIPES_DIR = registry.ROOT / "recipes"
 DEFAULT_RECIPE = "debug_moe"
-_STORED = False
+_STORED: set = set()
 
 
 def _store() -> None:
-    """Register the schema and every group option (registry.yaml) with Hydra's ConfigStore."""
-    global _STORED
-    if _STORED:
-        return
+    """Register the schema and every group option (registry.yaml + user registries) with Hydra's ConfigStore."""
     cs = ConfigStore.instance()
-    cs.store(name="_schema", node=RecipeConfig)
+    if not _STORED:
+        cs.store(name="_schema", node=RecipeConfig)
+        _STORED.add("_schema")
     for kind in registry.GROUP_KINDS:
         for name in registry.names(kind):
-            options = registry.resolve(kind, name).Options
-            cs.store(group=kind, name=name, node=options(name=name))
-    _STORED = True
+            if (kind, name) in _STORED:
+                continue
+            component = registry.resolve(kind, name, where=f"{kind}={name}")
+            try:
+                node = component.Options(name=name)
+            except (AttributeError, TypeError):  # only a user's component can get here
+                e = registry.entries()[kind][name]
+                raise UserError(f"{kind}={name}", f"{e['target']} (from {e['source']}) needs an `Options` dataclass "
+                                "with a `name: str` field, its keys with their defaults.",
+                                "Copy the shape of components/losses/ce.py.") from None
+            cs.store(group=kind, name=name, node=node)
+            _STORED.add((kind, name))
+
+
+def use_registries(path: Path, overrides: list[str]) -> None:
+    """User registry files named by the recipe (`registry: PATH`, relative to it) or `registry=PATH`."""
+    import yaml
+
+    try:
+        own = (yaml.safe_load(path.read_text()) or {}).get("registry")
+    except (yaml.YAMLError, AttributeError):
+        own = None  # composition reports a broken recipe
+    if own:
+        p = Path(own).expanduser()
+        registry.use(p if p.is_absolute() else path.parent / p, where=f"registry: {own} in {path}")
+    for o in overrides:
+        key, sep, val = o.lstrip("+").partition("=")
+        if key == "registry" and sep and val not in ("", "null"):
+            registry.use(val, where=f"registry={val}")
 
 
 def recipe_names() -> list[str]:
@@ -87,6 +112,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     overrides = list(overrides or [])
     path = recipe_path(recipe)
     where = f"recipe {recipe}"
+    use_registries(path, overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
@@ -96,6 +122,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     for raw, ov in zip(overrides, parsed):
         key = ov.key_or_group
         if key in registry.GROUP_KINDS:
+            if ov.is_delete():
+                raise UserError(f"override {raw}", f"{key} is a component group every recipe needs; it cannot "
+                                "be deleted.", f"Choose another option: {key}={'|'.join(registry.names(key))}.")
             name = ov.value()
             registry.check(key, str(name), where=f"{raw}")
             group_overrides.append(raw)
@@ -108,6 +137,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         raise UserError(where, f"does not compose: {_first_line(e)}.",
                         f"Check {path} and what it extends.") from None
     known = _flat_keys(base)
+    deletions = {}
     for raw, ov in value_overrides:
         key = ov.key_or_group
         if key.startswith("hydra"):
@@ -128,6 +158,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             hits = closest(key, siblings) or closest(key, known)
             hint = f"Closest valid keys: {', '.join(hits)}." if hits else "Run `train recipe=X --cfg job` to list the keys."
             raise UserError(f"override {raw}", f"unknown key {key!r} for recipe {recipe}.", hint)
+        if ov.is_delete():
+            deletions[raw] = _deletion(base, raw, ov)
+    overrides = [deletions.get(o, o) for o in overrides]
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -169,6 +202,23 @@ def _check_yaml(path: Path, seen: set | None = None) -> None:
         if isinstance(entry, str) and entry != "_self_":
             extended = path.parent / f"{entry}.yaml"
             _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen)
+
+
+def _deletion(base: DictConfig, raw: str, ov) -> str:
+    """`~key` unsets an optional key (back to null: derived or off); a required key is refused."""
+    key = ov.key_or_group
+    parent, _, leaf = key.rpartition(".")
+    node = (OmegaConf.select(base, parent) if parent else base)._get_node(leaf)
+    if isinstance(node, DictConfig) or not node._is_optional():
+        raise UserError(f"override {raw}", f"{key} is a required setting (it may not be null), so it cannot be "
+                        "deleted; `~` unsets optional keys (those whose default is null: derived or off).",
+                        f"Set it instead: {key}=VALUE.")
+    expected = ov.value()
+    current = OmegaConf.select(base, key)
+    if expected is not None and str(expected) != str(current):
+        raise UserError(f"override {raw}", f"{key} is {current}, not {expected}; nothing deleted.",
+                        f"Use ~{key} to unset it whatever its value.")
+    return f"{key}=null"
 
 
 def _first_line(e: Exception) -> str:

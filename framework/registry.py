@@ -1,8 +1,17 @@
-"""registry.yaml: kind -> name -> "module:attr". Loads lazily; knows no component by name."""
+"""registry.yaml: kind -> name -> "module:attr". Loads lazily; knows no component by name.
+
+Users extend it without editing the package: a user registry file (same format) named by
+`registry=PATH` (command line or recipe) or by the environment variable APIARY_REGISTRY
+(paths separated by os.pathsep) adds names of the existing kinds, bound to their own modules;
+the file's folder is put on sys.path, so `target: my_losses:MyLoss` finds my_losses.py beside it.
+Every entry records where it came from (`source`: registry.yaml or the user file's path).
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -12,14 +21,66 @@ from framework.errors import UserError, did_you_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY_PATH = ROOT / "registry.yaml"
+ENV_VAR = "APIARY_REGISTRY"
 # Kinds whose chosen option is a config group: `loss=chunked loss.num_chunks=4`.
 GROUP_KINDS = ("loss", "state", "recompute", "launcher")
+_USED: list[Path] = []  # user registry files merged so far, in order
 
 
 @lru_cache(maxsize=None)
 def entries() -> dict[str, dict[str, dict[str, str]]]:
     with open(REGISTRY_PATH) as f:
-        return yaml.safe_load(f)
+        out = yaml.safe_load(f)
+    for names in out.values():
+        for e in names.values():
+            e.setdefault("source", "registry.yaml")
+    for p in filter(None, os.environ.get(ENV_VAR, "").split(os.pathsep)):
+        _merge(out, Path(p), where=f"{ENV_VAR}={p}")
+    return out
+
+
+def use(path: str | os.PathLike, where: str | None = None) -> None:
+    """Merge a user registry file into entries() (once per file)."""
+    p = Path(path).expanduser().resolve()
+    if p in _USED:
+        return
+    _merge(entries(), p, where=where or f"registry={path}")
+
+
+def user_files() -> list[Path]:
+    entries()
+    return list(_USED)
+
+
+def _merge(out: dict, path: Path, where: str) -> None:
+    path = path.expanduser().resolve()
+    if path in _USED:
+        return
+    if not path.is_file():
+        raise UserError(where, f"no user registry file at {path}.",
+                        "Point it at a YAML file of kind -> name -> {target: module:attr, doc: ...}.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(where, f"{path} is not valid YAML: {str(e).splitlines()[0]}.") from None
+    if not isinstance(data, dict):
+        raise UserError(where, f"{path} must map kind -> name -> {{target, doc}}.")
+    for kind, names in data.items():
+        if kind not in out:
+            raise UserError(where, f"unknown component kind {kind!r} in {path}; kinds: {', '.join(out)}.",
+                            did_you_mean(str(kind), out))
+        for name, e in (names or {}).items():
+            if not isinstance(e, dict) or not isinstance(e.get("target"), str) or not e["target"].strip():
+                raise UserError(f"{where}: {kind}.{name}", f"needs `target: module:attr` in {path}.",
+                                "For example: target: my_losses:ScaledCE")
+            if name in out[kind]:
+                raise UserError(f"{where}: {kind}.{name}", f"{kind} {name!r} is already defined by "
+                                f"{out[kind][name]['source']}; a user registry adds names, it does not replace them.",
+                                "Choose another name.")
+            out[kind][name] = {"target": e["target"], "doc": str(e.get("doc", "")), "source": str(path)}
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # the user's modules beside their registry file
+    _USED.append(path)
 
 
 def names(kind: str) -> list[str]:
@@ -35,17 +96,27 @@ def check(kind: str, name: str, where: str | None = None) -> None:
     if known is None:
         raise UserError(where or kind, f"unknown component kind {kind!r}.", did_you_mean(kind, entries()))
     if name not in known:
+        users = f" and {', '.join(map(str, _USED))}" if _USED else ""
         raise UserError(
             where or kind,
-            f"unknown {kind} {name!r}; registry.yaml lists {', '.join(known)}.",
-            did_you_mean(name, known),
+            f"unknown {kind} {name!r}; registry.yaml{users} list {', '.join(known)}."
+            if users else f"unknown {kind} {name!r}; registry.yaml lists {', '.join(known)}.",
+            did_you_mean(name, known) or "A name of your own goes in a user registry file: registry=PATH "
+            f"or {ENV_VAR}=PATH.",
         )
 
 
 def resolve(kind: str, name: str, where: str | None = None):
     """Import the object bound to kind/name."""
     check(kind, name, where)
-    target = entries()[kind][name]["target"]
-    module, _, attr = target.partition(":")
-    obj = importlib.import_module(module)
-    return getattr(obj, attr) if attr else obj
+    e = entries()[kind][name]
+    module, _, attr = e["target"].partition(":")
+    if e.get("source", "registry.yaml") == "registry.yaml":
+        obj = importlib.import_module(module)
+        return getattr(obj, attr) if attr else obj
+    try:  # a user's module: its import errors are the user's to fix
+        obj = importlib.import_module(module)
+        return getattr(obj, attr) if attr else obj
+    except (ImportError, AttributeError) as err:
+        raise UserError(where or f"{kind}={name}", f"cannot import {e['target']} (from {e['source']}): {err}.",
+                        f"Put {module}.py beside {e['source']} or on PYTHONPATH.") from None

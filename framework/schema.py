@@ -150,3 +150,4 @@ class RecipeConfig:
     layout: LayoutTable = field(default_factory=LayoutTable)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     output_dir: Optional[str] = None  # default runs/<recipe>/<timestamp>
+    registry: Optional[str] = None  # a user registry file adding components from your own modules (framework/registry.py)
