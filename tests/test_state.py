@@ -229,13 +229,43 @@ def runs(tmp_path_factory):
     return out
 
 
+# Tolerances. Every pair below starts from the same weights (the step-0 seed or one step-k
+# checkpoint) and reads the same batches, so:
+# - first step: the forward runs on identical weights and data with no cross-rank reduction in it,
+#   so the loss is bit-equal (the 2-rank mean a+b is commutative). The gradients are bit-equal too
+#   (a 2-rank sum and a halving are exact whatever the order), but the grad NORM sums ~1e5 squares
+#   in a backend-specific order: a few units of fp32 rounding (u = 2**-24 = 6e-8); measured <= 1.1e-7,
+#   bound 1e-6 (16 u).
+# - later steps: the norms round differently, so clipping scales the update by a factor one ulp
+#   apart; that drift stays below 1e-6 relative in loss over 10 steps. The large term is MoE routing:
+#   when a token's 2nd and 3rd router scores tie to within rounding, one ulp moves the token to
+#   another expert and the step's mean loss jumps by (that token's loss change) / 256 tokens.
+#   benchmarks/fp32_divergence.py measures both on this recipe with per-step gradient noise of 1
+#   and 4 ulps (the size of a reordering error), 8 trials each (Intel Xeon, 2026-11-24): smooth
+#   drift <= 1.2e-6 in loss; a routing flip at step 10 gives 2.7e-5 in loss, 7.7e-5 in grad norm
+#   (the fsdp2/zero1 pair on the same CPU: 2.48e-5 and 6.1e-5 at step 10, bit-equal losses before
+#   step 9 -- the failure another 2-core Xeon reported against the old 1e-5).
+#   The bounds below are 7x the largest measured, i.e. room for several flips in one step, and
+#   still 50x below what a real bug moves (a dropped rank's gradient or a wrong scale changes the
+#   loss by >1e-2 within 2 steps).
+FIRST_NORM_REL = 1e-6
+LOSS_REL, NORM_REL = 2e-4, 5e-4
+
+
 def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
-def _same_curve(a: list[dict], b: list[dict], loss_rel: float, norm_rel: float) -> None:
+def _same_curve(a: list[dict], b: list[dict], loss_rel: float = LOSS_REL, norm_rel: float = NORM_REL,
+                first_exact: bool = True) -> None:
+    """a and b start from the same weights and data: first step exact (see above), later steps
+    within the measured divergence bound."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i == 0 and first_exact:
+            assert x["loss"] == y["loss"], (x["step"], x["loss"], y["loss"])
+            assert _close(x["grad_norm"], y["grad_norm"], FIRST_NORM_REL), (x["step"], x["grad_norm"], y["grad_norm"])
+            continue
         assert _close(x["loss"], y["loss"], loss_rel), (x["step"], x["loss"], y["loss"])
         assert _close(x["grad_norm"], y["grad_norm"], norm_rel), (x["step"], x["grad_norm"], y["grad_norm"])
 
@@ -243,7 +273,7 @@ def _same_curve(a: list[dict], b: list[dict], loss_rel: float, norm_rel: float) 
 def test_zero1_matches_fsdp2_for_10_steps(runs):
     f, z = runs["F"]["metrics"], runs["Z"]["metrics"]
     assert [r["step"] for r in f] == list(range(1, 11))
-    _same_curve(f, z, 1e-5, 1e-4)
+    _same_curve(f, z)
     assert f[-1]["loss"] < f[0]["loss"] - 0.5  # it trains, so the comparison means something
     assert runs["F"]["layout"]["ep"] == runs["Z"]["layout"]["ep"] == 2
 
@@ -252,16 +282,18 @@ def test_checkpoints_load_across_backends(runs):
     f, z = runs["F"]["metrics"], runs["Z"]["metrics"]
     fz, zf = runs["F->zero1"]["metrics"], runs["Z->fsdp2"]["metrics"]
     assert [r["step"] for r in fz] == [r["step"] for r in zf] == [6, 7]
-    _same_curve(fz, f[5:7], 1e-5, 1e-4)  # fsdp2's step-5 files continue under zero1
-    _same_curve(zf, z[5:7], 1e-5, 1e-4)  # zero1's step-5 files continue under fsdp2
+    _same_curve(fz, f[5:7])  # fsdp2's step-5 files continue under zero1
+    _same_curve(zf, z[5:7])  # zero1's step-5 files continue under fsdp2
 
 
 def test_bf16_mixed_precision_and_optimizer_offload(runs):
     zb, zbo, fbo = runs["zb"]["metrics"], runs["zbo"]["metrics"], runs["fbo"]["metrics"]
-    # offload (and all-reduce with many small buckets) moves where the update runs, not what it computes
-    _same_curve(zb, zbo, 1e-5, 1e-4)
-    # bf16 compute, fp32 master + reduce in both backends
-    _same_curve(zb, fbo, 2e-3, 1e-2)
+    # offload (and all-reduce with many small buckets) moves where the update runs, not what it
+    # computes; fsdp2 vs zero1 in bf16 compute with fp32 master + reduce: both pairs share the seed
+    # and the layout, so the fp32 argument above holds (a master weight one ulp apart rounds to
+    # the same bf16 value or to its neighbour, which is a perturbation of the same kind)
+    _same_curve(zb, zbo)
+    _same_curve(zb, fbo)
     assert zb[0]["loss"] != runs["F"]["metrics"][0]["loss"]  # it really ran in bf16
 
 
@@ -269,7 +301,13 @@ def test_four_ranks_reshard_fsdp2_checkpoint_into_zero1(runs):
     two, four = runs["fbo->fsdp2"], runs["fbo->zero1x4"]
     assert four["world"] == 4 and four["layout"]["ep"] == 2 and four["layout"]["dp_shard"] == 4
     assert [r["step"] for r in two["metrics"]] == [r["step"] for r in four["metrics"]] == [3]
-    _same_curve(four["metrics"], two["metrics"], 2e-3, 1e-2)
+    # not the same arithmetic: 4 ranks of 1 sequence vs 2 ranks of 2 run bf16 matmuls of other
+    # shapes (other fp32 accumulation blocking), so any activation may round to the neighbouring
+    # bf16 value, a relative error up to the bf16 unit roundoff 2**-8 = 3.9e-3 on one element; the
+    # mean loss over 256 tokens averages those errors, and 2e-3 (half a bf16 ulp) bounds it with
+    # room (measured 9e-8 in loss, 2.4e-5 in grad norm); the grad norm passes through every layer
+    # twice, hence 1e-2
+    _same_curve(four["metrics"], two["metrics"], 2e-3, 1e-2, first_exact=False)
 
 
 def _expect(name: str, runs) -> dict[str, float]:
