@@ -39,8 +39,8 @@ def test_default_trains_and_resumes(workdir):
     assert p.returncode == 0, p.stderr[-3000:]
     resumed = _metrics(copy)
     assert resumed[0]["step"] == 11
-    assert abs(resumed[0]["loss"] - m[10]["loss"]) < 1e-5
-    assert abs(resumed[-1]["loss"] - m[-1]["loss"]) < 1e-4
+    # one process, same weights, optimizer state, data position and arithmetic: bit-for-bit
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in m[10:]]
 
 
 def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
