@@ -253,7 +253,7 @@ def test_fsdp2_two_gloo_ranks_loss_and_gradients(tmp_path):
 
 # --- Triton kernels through the CPU interpreter ------------------------------------------------
 
-def _interp_case(backend, dt):
+def _interp_linear_ce_case(backend, dt):
     """Norm-wise relative errors of (loss, dh, dw) against fp64 (run by the interpreter test)."""
     h, w, labels = lm_head_data(37, 24, 203, dt, seed=5)
     got = _grads(linear_cross_entropy, h, w, labels, z_loss=1e-2, label_smoothing=0.1, reduction="mean",
@@ -264,7 +264,7 @@ def _interp_case(backend, dt):
 
 
 def test_triton_kernels_in_interpreter():
-    res = run_in_triton_interpreter("test_linear_ce:_interp_case")
+    res = run_in_triton_interpreter("test_linear_ce:_interp_linear_ce_case")
     for backend in ("triton", "cublas"):
         loss32, dh32, dw32 = res[backend + "torch.float32"]
         assert loss32 < 1e-6 and dh32 < 1e-5 and dw32 < 1e-5, res

@@ -309,7 +309,7 @@ def test_rollouts_errors(tmp_path):
 
 # --- Triton kernels: interpreter on CPU, compiled on CUDA -------------------------------------
 
-def _interp_case(backend, dt):
+def _interp_logprob_case(backend, dt):
     """Norm-wise relative errors of (logprobs, entropy, dh, dw) against fp64 (run by the
     interpreter test)."""
     h, w, labels = lm_head_data(37, 24, 203, dt, seed=5)
@@ -322,7 +322,7 @@ def _interp_case(backend, dt):
 
 
 def test_triton_logprob_kernels_in_interpreter():
-    res = run_in_triton_interpreter("test_logprob_rl:_interp_case")
+    res = run_in_triton_interpreter("test_logprob_rl:_interp_logprob_case")
     for backend in ("triton", "cublas"):
         assert max(res[backend + "torch.float32"]) < 1e-5, res
         lp, ent, dh, dw = res[backend + "torch.bfloat16"]

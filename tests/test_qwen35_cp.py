@@ -147,9 +147,12 @@ def test_cp2_matches_cp1(cp_results, case):
         assert res["n_params"] == res["n_ref"] == res["sharded"]  # FSDP2 (and EP) DTensors, loaded by load_hf
         # one fp32 forward + backward from the same weights; CP changes only summation orders
         # (attention over gathered K/V, the GatedDeltaNet state handed across the cut, the loss
-        # summed over 2 ranks): rounding of ~u = 6e-8 per op through 2 layers and a 320-way
-        # softmax, measured ~1e-7 relative; the bounds leave 100x (logits), 16 u (the scalar loss),
-        # and 1e-4 for gradients whose small entries carry cancellation
+        # summed over 2 ranks), and another CPU's SIMD width changes them again. Measured (Intel
+        # Xeon, 2026-11-24, the ratios of run_cp_cases' results): logits 5.7e-8 of the largest,
+        # loss 1.5e-7, gradients 3.6e-7 of the largest entry. Bounds: logits 1e-5 (~170 u, u = 6e-8);
+        # the loss 4e-6 (64 u: a few tens of u per token through 2 blocks and a 320-way softmax,
+        # plus log2(512) = 9 u for the token sum); gradients 1e-4 of the largest entry, since a
+        # backward through the cut accumulates over both ranks' tokens
         assert res["logits"] <= 1e-5 * res["logit_scale"], res  # this rank's tokens, in its CP order
-        assert res["loss"] <= 1e-6 * res["ref_loss"], res
+        assert res["loss"] <= 4e-6 * res["ref_loss"], res
         assert res["grad"] <= 1e-4 * res["grad_scale"], res
