@@ -1,4 +1,22 @@
+"""Shared fixtures and helpers for the whole suite (one definition each; test files import them
+with ``from conftest import ...``).
+
+- processes: ``run_cli`` (the console entry in a fresh interpreter, ``nproc=N`` for N ranks),
+  ``spawn_ranks`` (N ranks of a Python function), ``run_ranks`` (N ranks of a script under
+  torchrun), ``free_port``;
+- data and numbers: ``lm_head_data``, ``rel_err`` / ``assert_rel`` (norm-wise, tensors),
+  ``rel_close`` (scalars), ``read_metrics``, and the fp32 trajectory bound ``TRAJ_LOSS_REL`` /
+  ``TRAJ_NORM_REL`` with ``assert_same_trajectory``;
+- ``run_in_triton_interpreter``: a test module's case function under ``TRITON_INTERPRET=1``.
+
+Opt-in tests carry ``@pytest.mark.slow``; pyproject.toml deselects them by default and
+``pytest -m slow`` runs them (docs/testing.md).
+"""
+
+import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,17 +28,142 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # GPU tests: keep Triton's autotuning results on disk, so a rerun on the same machine skips the
 # minutes of fla kernel autotuning (docs/skills/kernel_cache.md); no effect on CPU
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+IGN = -100  # the ignore index of every loss
+
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+             "MASTER_PORT")
+
+
+# ------------------------------------------------------------------ processes and ranks
+
+
+def _child_env(env: dict | None = None) -> dict:
+    """This environment for a fresh interpreter: the worktree on PYTHONPATH, no rank variables
+    inherited from an outer launcher."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    for k in _RANK_ENV:
+        e.pop(k, None)
+    return e
 
 
 def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):
-    """Run the real console entry in a fresh interpreter (as a user would)."""
-    import subprocess
-
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
-        e.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=cwd, env=e,
+    """Run the real console entry in a fresh interpreter (as a user would); ``nproc=N`` in argv
+    starts N ranks through the local launcher."""
+    return subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=cwd, env=_child_env(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_ranks(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int = 400, env: dict | None = None):
+    """Run a script on ``nproc`` ranks: a plain interpreter for 1, torchrun --standalone otherwise
+    (each rank's stdout goes to this process's stdout)."""
+    cmd = [sys.executable, str(script)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    return subprocess.run([*cmd, *map(str, args)], cwd=cwd, env=_child_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, nprocs: int, *args, join: bool = True):
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes (a worker raising fails the caller when
+    join=True; with join=False the caller polls the returned context)."""
+    import torch.multiprocessing as mp
+
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="spawn")
+
+
+# ------------------------------------------------------------------ data and closeness
+
+
+def lm_head_data(n, hd, v, dtype, seed=0, n_ignored=3, scale=1.0, device="cpu"):
+    """Hidden states [n, hd], an lm_head weight [v, hd] scaled for O(1) logits, and labels with
+    the last vocabulary row as one target and ``n_ignored`` ignored positions."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, hd, generator=g) * scale).to(dtype)
+    w = (torch.randn(v, hd, generator=g) * scale / hd ** 0.5 * 2).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[0] = v - 1  # the last (odd) vocabulary row is a target
+    labels[1 + torch.randperm(n - 1, generator=g)[:n_ignored]] = IGN
+    return h.to(device), w.to(device), labels.to(device)
+
+
+def rel_err(got, ref) -> float:
+    """Norm-wise relative error (robust to entries that are zero in the reference)."""
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_rel(got, ref, rel: float) -> None:
+    err = rel_err(got, ref)
+    assert err <= rel, f"relative error {err:.3e} > {rel:.1e}"
+
+
+def rel_close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# Two fp32 trainings of an MoE recipe from the same weights whose arithmetic differs only in
+# rounding (another reduction order, another split of the batch over ranks, a fused vs a
+# materialised loss) drift apart in two ways (benchmarks/fp32_divergence.py measures both on
+# debug_moe, seq 64, global batch 4, 10 steps, with per-step gradient noise of 1 and 4 ulps --
+# the size of a reordering error -- 8 trials each; Intel Xeon, 2026-11-24):
+# - smoothly: clipping and Adam see gradients an ulp apart; <= 1.2e-6 relative in loss by step 10;
+# - by routing flips: when a token's k-th and (k+1)-th router scores tie to within rounding, one
+#   ulp sends it to another expert, and the step's mean loss jumps by that token's loss change
+#   over the step's tokens: 2.7e-5 in loss and 7.7e-5 in grad norm at step 10 (and state=fsdp2
+#   vs state=zero1 on 2 ranks of the same CPU: 2.5e-5 / 6.1e-5 at step 10, the failure another
+#   2-core Xeon reported against a 1e-5 bound).
+# The bound is 7x the largest measured (room for several flips in one step) and still 50x below
+# what a real bug moves (a dropped rank's gradient or a wrong scale changes the loss by > 1e-2
+# within two steps). It holds for a handful of steps of these debug recipes; a longer or larger
+# comparison must measure its own with the script.
+TRAJ_LOSS_REL, TRAJ_NORM_REL = 2e-4, 5e-4
+
+
+def assert_same_trajectory(a: list[dict], b: list[dict], loss_rel: float = TRAJ_LOSS_REL,
+                           norm_rel: float = TRAJ_NORM_REL) -> None:
+    """Two metrics.jsonl runs: the same steps, losses and grad norms within the given bounds."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert rel_close(x["loss"], y["loss"], loss_rel), (x["step"], x["loss"], y["loss"])
+        assert rel_close(x["grad_norm"], y["grad_norm"], norm_rel), (x["step"], x["grad_norm"], y["grad_norm"])
+
+
+# ------------------------------------------------------------------ Triton interpreter
+
+
+_INTERP = """
+import importlib, json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import torch
+module, fn = sys.argv[2].split(":")
+case = getattr(importlib.import_module(module), fn)
+print("RESULT" + json.dumps({b + str(dt): case(b, dt) for b in ("triton", "cublas")
+                             for dt in (torch.float32, torch.bfloat16)}))
+"""
+
+
+def run_in_triton_interpreter(case: str, timeout: int = 240) -> dict:
+    """Triton kernels on the CPU: ``case`` = "test_module:function"; ``function(backend, dtype)``
+    runs in a fresh interpreter with TRITON_INTERPRET=1 for backends triton and cublas in fp32 and
+    bf16; returns {backend + str(dtype): its (JSON-able) result}."""
+    proc = subprocess.run([sys.executable, "-c", _INTERP, str(ROOT), case], capture_output=True, text=True,
+                          timeout=timeout, env=_child_env({"TRITON_INTERPRET": "1"}), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+# ------------------------------------------------------------------ fixtures
 
 
 @pytest.fixture

@@ -5,11 +5,6 @@ implementation of its published formula; the rollout reader."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,22 +13,11 @@ from components.data.rollouts import read_rollouts
 from components.losses import _lm_head as E
 from components.losses import rl
 from components.losses.logprob import token_logprobs
+from conftest import IGN, lm_head_data, rel_err, run_in_triton_interpreter
 
-ROOT = Path(__file__).resolve().parents[1]
-IGN = -100
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _data(n, hd, v, dtype, seed=0, n_ignored=3, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, hd, generator=g).to(dtype)
-    w = (torch.randn(v, hd, generator=g) * 2 / hd ** 0.5).to(dtype)
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[0] = v - 1
-    labels[1 + torch.randperm(n - 1, generator=g)[:n_ignored]] = IGN
-    return h.to(device), w.to(device), labels.to(device)
 
 
 def ref_logprobs(h, w, labels, temperature):
@@ -43,7 +27,7 @@ def ref_logprobs(h, w, labels, temperature):
     return lp, ent
 
 
-def _run(fn, h, w, labels, g_lp, g_ent, w_grad=True):
+def _fwd_bwd(fn, h, w, labels, g_lp, g_ent, w_grad=True):
     h = h.clone().requires_grad_(True)
     w = w.clone().requires_grad_(w_grad)
     lp, ent = fn(h, w, labels)
@@ -52,18 +36,13 @@ def _run(fn, h, w, labels, g_lp, g_ent, w_grad=True):
     return lp.detach(), (ent.detach() if ent is not None else None), h.grad, w.grad
 
 
-def _rel(got, ref):
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("n,hd,v,dtype,temp,with_ent,tol", [
     (37, 16, 248_321, torch.float32, 0.7, True, 1e-5),
     (37, 16, 248_321, torch.bfloat16, 1.3, True, 1e-2),
     (50, 24, 999, torch.float32, 1.0, False, 1e-5),
 ])
 def test_token_logprobs_torch_path_matches_fp64(n, hd, v, dtype, temp, with_ent, tol):
-    h, w, labels = _data(n, hd, v, dtype)
+    h, w, labels = lm_head_data(n, hd, v, dtype)
     g = torch.Generator().manual_seed(2)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
 
@@ -75,15 +54,15 @@ def test_token_logprobs_torch_path_matches_fp64(n, hd, v, dtype, temp, with_ent,
         lp, ent = ref_logprobs(a, b, c, temp)
         return lp, (ent if with_ent else None)
 
-    got = _run(fused, h, w, labels, g_lp, g_ent)
-    want = _run(ref, h.double(), w.double(), labels, g_lp, g_ent)
-    assert _rel(got[0], want[0]) < 1e-6
+    got = _fwd_bwd(fused, h, w, labels, g_lp, g_ent)
+    want = _fwd_bwd(ref, h.double(), w.double(), labels, g_lp, g_ent)
+    assert rel_err(got[0], want[0]) < 1e-6
     assert torch.all(got[0][labels == IGN] == 0)
     if with_ent:
-        assert _rel(got[1], want[1]) < 1e-6
+        assert rel_err(got[1], want[1]) < 1e-6
     else:
         assert got[1] is None
-    assert _rel(got[2], want[2]) < tol and _rel(got[3], want[3]) < tol
+    assert rel_err(got[2], want[2]) < tol and rel_err(got[3], want[3]) < tol
 
 
 def test_frozen_head_skips_weight_gradient(monkeypatch):
@@ -95,14 +74,14 @@ def test_frozen_head_skips_weight_gradient(monkeypatch):
         return orig(*a)
 
     monkeypatch.setattr(E, "_torch_grads", spy)
-    h, w, labels = _data(11, 8, 40, torch.float32)
+    h, w, labels = lm_head_data(11, 8, 40, torch.float32)
     g_lp, g_ent = torch.randn(11), torch.randn(11)
     fn = lambda a, b, c: token_logprobs(a, b, c, temperature=0.5, with_entropy=True, backend="torch")  # noqa: E731
-    got = _run(fn, h, w, labels, g_lp, g_ent, w_grad=False)
-    want = _run(lambda a, b, c: ref_logprobs(a, b, c, 0.5), h.double(), w.double(), labels, g_lp, g_ent,
+    got = _fwd_bwd(fn, h, w, labels, g_lp, g_ent, w_grad=False)
+    want = _fwd_bwd(lambda a, b, c: ref_logprobs(a, b, c, 0.5), h.double(), w.double(), labels, g_lp, g_ent,
                 w_grad=False)
     assert seen == [(True, False)] and got[3] is None
-    assert _rel(got[2], want[2]) < 1e-5
+    assert rel_err(got[2], want[2]) < 1e-5
 
 
 # --- RL objectives against their formulas, written out directly --------------------------------
@@ -249,7 +228,7 @@ def test_fused_logprobs_drive_grpo_like_materialised_logits():
     g_ref = torch.autograd.grad(loss2, (hidden, w))
     assert loss.item() == pytest.approx(loss2.item(), rel=1e-5)
     for a, r in zip(g_fused, g_ref):
-        assert _rel(a, r) < 1e-5
+        assert rel_err(a, r) < 1e-5
 
 
 # --- rollout reader --------------------------------------------------------------------------
@@ -330,33 +309,20 @@ def test_rollouts_errors(tmp_path):
 
 # --- Triton kernels: interpreter on CPU, compiled on CUDA -------------------------------------
 
-INTERP_SCRIPT = textwrap.dedent("""
-    import os, sys, json
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, sys.argv[1])
-    import torch
-    from tests.test_logprob_rl import _data, _run, ref_logprobs, _rel
-    from components.losses.logprob import token_logprobs
-    out = {}
-    for backend in ("triton", "cublas"):
-        for dt in (torch.float32, torch.bfloat16):
-            h, w, labels = _data(37, 24, 203, dt, seed=5)
-            g_lp, g_ent = torch.randn(37), torch.randn(37)
-            fused = lambda a, b, c: token_logprobs(a, b, c, temperature=0.7, with_entropy=True, backend=backend,
-                                                   workspace_mb=37 * 64 * 6 / 2**20)
-            got = _run(fused, h, w, labels, g_lp, g_ent)
-            want = _run(lambda a, b, c: ref_logprobs(a, b, c, 0.7), h.double(), w.double(), labels, g_lp, g_ent)
-            out[backend + str(dt)] = [_rel(g, r) for g, r in zip(got, want)]
-    print("RESULT" + json.dumps(out))
-""")
+def _interp_logprob_case(backend, dt):
+    """Norm-wise relative errors of (logprobs, entropy, dh, dw) against fp64 (run by the
+    interpreter test)."""
+    h, w, labels = lm_head_data(37, 24, 203, dt, seed=5)
+    g_lp, g_ent = torch.randn(37), torch.randn(37)
+    fused = lambda a, b, c: token_logprobs(a, b, c, temperature=0.7, with_entropy=True, backend=backend,  # noqa: E731
+                                           workspace_mb=37 * 64 * 6 / 2**20)
+    got = _fwd_bwd(fused, h, w, labels, g_lp, g_ent)
+    want = _fwd_bwd(lambda a, b, c: ref_logprobs(a, b, c, 0.7), h.double(), w.double(), labels, g_lp, g_ent)
+    return [rel_err(g, r) for g, r in zip(got, want)]
 
 
 def test_triton_logprob_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", INTERP_SCRIPT, str(ROOT)], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    res = run_in_triton_interpreter("test_logprob_rl:_interp_logprob_case")
     for backend in ("triton", "cublas"):
         assert max(res[backend + "torch.float32"]) < 1e-5, res
         lp, ent, dh, dw = res[backend + "torch.bfloat16"]
@@ -367,12 +333,12 @@ def test_triton_logprob_kernels_in_interpreter():
 @pytest.mark.parametrize("backend", ["triton", "cublas", "mixed"])
 @pytest.mark.parametrize("n,hd,v,dtype", [(1000, 256, 248_321, torch.bfloat16), (257, 64, 50_000, torch.float32)])
 def test_cuda_logprobs_match_fp64(n, hd, v, dtype, backend):
-    h, w, labels = _data(n, hd, v, dtype, seed=9, n_ignored=n // 10, device="cuda")
+    h, w, labels = lm_head_data(n, hd, v, dtype, seed=9, n_ignored=n // 10, device="cuda")
     g = torch.Generator().manual_seed(3)
     g_lp, g_ent = torch.randn(n, generator=g).cuda(), torch.randn(n, generator=g).cuda()
-    got = _run(lambda a, b, c: token_logprobs(a, b, c, temperature=0.8, with_entropy=True, backend=backend,
+    got = _fwd_bwd(lambda a, b, c: token_logprobs(a, b, c, temperature=0.8, with_entropy=True, backend=backend,
                                               workspace_mb=8), h, w, labels, g_lp, g_ent)
-    want = _run(lambda a, b, c: ref_logprobs(a, b, c, 0.8), h.double(), w.double(), labels, g_lp, g_ent)
+    want = _fwd_bwd(lambda a, b, c: ref_logprobs(a, b, c, 0.8), h.double(), w.double(), labels, g_lp, g_ent)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel(got[0], want[0]) < 1e-5 and _rel(got[1], want[1]) < 1e-5
-    assert _rel(got[2], want[2]) < tol and _rel(got[3], want[3]) < tol
+    assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+    assert rel_err(got[2], want[2]) < tol and rel_err(got[3], want[3]) < tol

@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, assert_same_trajectory, free_port, read_metrics, run_cli, spawn_ranks
+
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +68,7 @@ def test_policies_refuse_what_they_cannot_chunk():
 # two-rank checks
 
 
-def _rel_err(a, b) -> float:
+def _max_rel_err(a, b) -> float:
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
@@ -191,7 +184,7 @@ def _check_layer(rank, mesh):
                             assert torch.equal(r[key], torch.zeros_like(r[key])) and torch.equal(b[key], r[key]), tag
                             continue
                         assert b[key].abs().max() > 0, (tag, key)
-                        assert _rel_err(r[key], b[key]) < 2e-2, (tag, key, _rel_err(r[key], b[key]))
+                        assert _max_rel_err(r[key], b[key]) < 2e-2, (tag, key, _max_rel_err(r[key], b[key]))
     finally:
         chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT, chunk_mod.AUTO_MIN_EP = table, floor, min_ep
 
@@ -244,7 +237,7 @@ def _check_model(rank, mesh):
         chunk_mod.chunk2.apply(qwen3.model_config("tiny_moe", moe_comm_backend="deepep"))
     for k in g0:
         if ".experts." in k or k.endswith(("_EFD", "_EDF")):
-            assert _rel_err(g1[k], g0[k]) < 2e-2, (k, _rel_err(g1[k], g0[k]))
+            assert _max_rel_err(g1[k], g0[k]) < 2e-2, (k, _max_rel_err(g1[k], g0[k]))
         else:  # dense parameters see gradients through the expert weights' rounding only
             assert torch.allclose(g1[k], g0[k], rtol=1e-3, atol=1e-5), (k, (g1[k] - g0[k]).abs().max())
 
@@ -260,7 +253,7 @@ def _check_bench_smoke(rank, out_path):
                           "--out", out_path])
 
 
-def _worker(rank: int, port: int, out_path: str) -> None:
+def _chunk_worker(rank: int, port: int, out_path: str) -> None:
     os.environ["APIARY_DEVICE"] = "cpu"
     sys.path.insert(0, str(ROOT))
     from framework import devices
@@ -287,10 +280,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 def test_chunked_ep_matches_none_on_two_gloo_ranks(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
-
     out = tmp_path / "bench.json"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_chunk_worker, WORLD, free_port(), str(out))
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {r["policy"] for r in rows} == {"none", "chunk2", "chunk3", "chunk4"}
@@ -306,12 +297,8 @@ def test_chunked_ep_matches_none_on_two_gloo_ranks(tmp_path):
 # opt-in: the real trainer (FSDP2 + EP=2 + full recompute, 2 gloo ranks); ~2 minutes per run
 
 
-@pytest.mark.skipif(os.environ.get("APIARY_SLOW_TESTS") != "1", reason="set APIARY_SLOW_TESTS=1 (about 4 minutes)")
+@pytest.mark.slow  # about 4 minutes
 def test_trainer_chunk2_matches_none(workdir):
-    import json
-
-    from conftest import run_cli
-
     from framework import registry
 
     if "chunk2" not in registry.names("moe_chunk"):
@@ -321,9 +308,9 @@ def test_trainer_chunk2_matches_none(workdir):
         p = run_cli(["train", "nproc=2", f"moe.chunk={name}", "recompute=full", "training.steps=3",
                      "checkpoint.interval=100", f"output_dir={name}"], cwd=workdir)
         assert p.returncode == 0, p.stderr[-3000:]
-        runs[name] = [json.loads(l) for l in (workdir / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = read_metrics(workdir / name)
     a, b = runs["none"], runs["chunk2"]
-    assert a[0]["loss"] == b[0]["loss"]  # same forward arithmetic
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"])
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"]
+    assert a[0]["loss"] == b[0]["loss"]  # same forward arithmetic (and same weights: one seed)
+    # the expert gradients are sums of per-chunk partials: rounding-level differences from step 1's
+    # update on, so conftest's fp32 trajectory bound for the later steps
+    assert_same_trajectory(a, b)

@@ -92,7 +92,6 @@ def test_facts_meta_count_matches_formula_and_name(flavor, billions, active):
     total, experts = qwen3_5.analytic_counts(qwen3_5.FLAVORS[flavor])
     assert (f.n_params, f.n_expert_params) == (total, experts)
     assert abs(f.n_params / 1e9 - billions) < 0.01 and abs(f.n_active_params / 1e9 - active) < 0.01
-    assert qwen3_5.unavailable() is None
 
 
 def test_n_layers_keeps_the_hybrid_pattern():
@@ -149,6 +148,10 @@ def test_hf_checkpoint_gives_hf_logits(hf_tiny):
         logits = model(ref["tokens"])
     assert logits.shape == ref["logits"].shape == (2, 150, 320)
     assert logits.dtype == torch.float32
+    # two fp32 implementations of one forward (chunked vs HF's delta-rule algebra, other matmul
+    # groupings): no drift over steps, only op-order rounding; measured 1.75e-5 max (5.2e-6 of the
+    # largest |logit| 3.34, mean 9.5e-7; Intel Xeon, 2026-11-24), so 1e-4 leaves ~6x for another
+    # CPU's SIMD reductions while a wrong weight mapping moves logits by O(0.1)
     assert (logits - ref["logits"]).abs().max().item() <= 1e-4
 
 

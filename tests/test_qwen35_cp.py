@@ -10,10 +10,11 @@ The CP=1 reference is the same model unparallelised, on the full sequences.
 """
 
 import os
-import socket
 
 import pytest
 import torch
+
+from conftest import free_port, spawn_ranks
 
 CASES = [  # (name, ep, load balancer)
     ("headtail", 1, "headtail"),
@@ -33,7 +34,7 @@ def _batch():
     return tokens, labels, positions
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu"):
+def _cp_worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu"):
     """One rank: every case of CASES; writes rank{rank}.pt with the differences to the reference.
 
     device "cpu": gloo, torch GatedDeltaNet, dense-mask attention; "cuda": NCCL, fla kernels and
@@ -129,10 +130,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device: str = "cpu")
 
 
 def run_cp_cases(out, device: str = "cpu", world: int = 2) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(world, port, str(out), device), nprocs=world, join=True)
+    spawn_ranks(_cp_worker, world, world, free_port(), str(out), device)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
@@ -147,6 +145,14 @@ def test_cp2_matches_cp1(cp_results, case):
         res = r[case]
         assert res["local_len"] == SEQ // 2
         assert res["n_params"] == res["n_ref"] == res["sharded"]  # FSDP2 (and EP) DTensors, loaded by load_hf
+        # one fp32 forward + backward from the same weights; CP changes only summation orders
+        # (attention over gathered K/V, the GatedDeltaNet state handed across the cut, the loss
+        # summed over 2 ranks), and another CPU's SIMD width changes them again. Measured (Intel
+        # Xeon, 2026-11-24, the ratios of run_cp_cases' results): logits 5.7e-8 of the largest,
+        # loss 1.5e-7, gradients 3.6e-7 of the largest entry. Bounds: logits 1e-5 (~170 u, u = 6e-8);
+        # the loss 4e-6 (64 u: a few tens of u per token through 2 blocks and a 320-way softmax,
+        # plus log2(512) = 9 u for the token sum); gradients 1e-4 of the largest entry, since a
+        # backward through the cut accumulates over both ranks' tokens
         assert res["logits"] <= 1e-5 * res["logit_scale"], res  # this rank's tokens, in its CP order
-        assert res["loss"] <= 1e-6 * res["ref_loss"], res
+        assert res["loss"] <= 4e-6 * res["ref_loss"], res
         assert res["grad"] <= 1e-4 * res["grad_scale"], res

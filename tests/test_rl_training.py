@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
 from components.data import rollouts as R
 from components.losses import rl
-from tests.conftest import run_cli
+from conftest import TRAJ_LOSS_REL, assert_same_trajectory, free_port, read_metrics, run_cli, spawn_ranks
 
 SEQ_OBJECTIVES = [("grpo", dict(eps=0.2, kl_coef=0.05, norm="sequence")), ("gspo", dict(eps_low=0.02, eps_high=0.03))]
 OBJECTIVES = [("ppo", dict(eps=0.2, eps_high=None, kl_coef=0.0, norm="token")),
@@ -149,12 +148,10 @@ def test_sequence_level_objectives_split_over_two_ranks(tmp_path, name, hp):
     whole.backward()
     data = tmp_path / "batch.pt"
     torch.save((*args, b["rl_sequence_ids"], b["rl_seq_tokens"], torch.tensor(5.0, dtype=torch.float64)), data)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     q = {"data": str(data), "out": str(tmp_path / "part")}
-    torch.multiprocessing.spawn(_split_worker, args=(2, port, name, hp, q), nprocs=2, join=True)
+    spawn_ranks(_split_worker, 2, 2, free_port(), name, hp, q)
     parts = [torch.load(f"{q['out']}.{r}") for r in range(2)]
+    # fp64 throughout: two sums of the same terms in another grouping, ~1e-16 relative each
     assert (parts[0][0] + parts[1][0]).item() == pytest.approx(whole.item(), rel=1e-10)
     assert torch.allclose(torch.cat([parts[0][1], parts[1][1]], dim=1), x.grad, rtol=1e-9, atol=1e-14)
 
@@ -197,10 +194,6 @@ def test_rollout_loader_deals_rows_by_step(tmp_path):
     assert torch.equal(next(iter(again))[0]["input"], next(its[1])[0]["input"])
 
 
-def _metrics(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_sft_on_rollouts_equals_ce_on_rollouts(workdir):
     """The fused policy path in the trainer: sft (-mean log-prob of trained tokens) and the
     baseline ce (materialised logits) on the same rollouts follow each other step by step."""
@@ -209,10 +202,9 @@ def test_sft_on_rollouts_equals_ce_on_rollouts(workdir):
     for loss in ("sft", "ce"):
         p = run_cli(["train", *common, f"loss={loss}", f"output_dir={loss}"], cwd=workdir)
         assert p.returncode == 0, p.stderr[-3000:]
-        runs[loss] = _metrics(workdir / loss)
-    for a, b in zip(runs["sft"], runs["ce"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        runs[loss] = read_metrics(workdir / loss)
+    # the same loss in another summation order: conftest's fp32 trajectory bound
+    assert_same_trajectory(runs["sft"], runs["ce"])
 
 
 def test_grpo_on_fixed_rollouts_raises_the_good_responses(workdir):
@@ -223,7 +215,7 @@ def test_grpo_on_fixed_rollouts_raises_the_good_responses(workdir):
     p = run_cli(["train", "recipe=debug_grpo", f"data.path={path}", "training.steps=8", "lr.warmup_steps=0",
                  "checkpoint.enable=false", "logging.tensorboard=false", "output_dir=run"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
-    m = _metrics(workdir / "run")
+    m = read_metrics(workdir / "run")
     assert m[-1]["loss"] < m[0]["loss"] - 0.05, [r["loss"] for r in m]
     assert "policy/clip_high_frac" in m[0]
 
@@ -240,10 +232,9 @@ def test_policy_loss_on_text_is_refused_before_training(workdir):
 
 
 @pytest.mark.parametrize("loss,dims", [
-    pytest.param("grpo", "dp2", marks=pytest.mark.skipif(
-        not os.environ.get("APIARY_SLOW_TESTS"),
-        reason="set APIARY_SLOW_TESTS=1 (about 80 s); the data-parallel split is covered by "
-               "test_rollout_loader_deals_rows_by_step and the fused head's FSDP path by test_linear_ce.py")),
+    # about 80 s; the data-parallel split is covered by test_rollout_loader_deals_rows_by_step and
+    # the fused head's FSDP path by test_linear_ce.py in the default run
+    pytest.param("grpo", "dp2", marks=pytest.mark.slow),
     ("gspo", "cp2")])
 def test_two_ranks_match_one_rank(workdir, loss, dims):
     """The step's normalisers do not depend on the split: 2 gloo ranks (data-parallel, or context-
@@ -265,16 +256,18 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
     assert p2.returncode == 0, p2.stderr[-3000:]
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
     assert (lay["dp_shard"], lay["cp"]) == ((2, 1) if dims == "dp2" else (1, 2))
-    one, two = _metrics(workdir / "one"), _metrics(workdir / "two")
+    one, two = read_metrics(workdir / "one"), read_metrics(workdir / "two")
     assert len(one) == len(two) == 3
+    # another split of the same batch over ranks: rounding-level differences from step 1 on, so
+    # conftest's fp32 trajectory bound for an MoE recipe (the grad norm keeps its looser 1e-3)
     for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), (loss, dims)
+        assert b["loss"] == pytest.approx(a["loss"], rel=TRAJ_LOSS_REL, abs=1e-6), (loss, dims)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (loss, dims)
         assert a["policy/clip_low_frac"] + a["policy/clip_high_frac"] < 1
         # policy metrics are token means over the whole step, whatever the split (not rank 0's part)
         assert {k for k in a if k.startswith("policy/")} == {k for k in b if k.startswith("policy/")}
         for k in (k for k in a if k.startswith("policy/")):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+            assert b[k] == pytest.approx(a[k], rel=TRAJ_LOSS_REL, abs=1e-6), (k, a[k], b[k])
         if dims == "cp2":  # one data-parallel rank: its loss (CP shares summed) is the max
             assert b["max_loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (b["max_loss"], b["loss"])
 
@@ -287,17 +280,17 @@ def test_rollout_run_resumes_at_the_next_rows(workdir):
     common = ["recipe=debug_grpo", "training.steps=4", "checkpoint.interval=2", "logging.tensorboard=false"]
     p = run_cli(["train", *common, "output_dir=run"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
-    full = _metrics(workdir / "run")
+    full = read_metrics(workdir / "run")
     assert len({round(r["loss"], 6) for r in full}) == 4  # every step sees other rows
     shutil.copytree(workdir / "run", workdir / "resumed")
     shutil.rmtree(workdir / "resumed" / "checkpoint" / "step-4")
     (workdir / "resumed" / "metrics.jsonl").unlink()
     p = run_cli(["train", *common, "checkpoint.resume=true", f"output_dir={workdir / 'resumed'}"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
-    resumed = _metrics(workdir / "resumed")
+    resumed = read_metrics(workdir / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]
-    for a, b in zip(full[2:], resumed):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+    # one process, same weights, optimizer state, rows and arithmetic: bit for bit
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
 
 
 def test_rollout_rows_read_on_demand_equal_the_whole_set(tmp_path):

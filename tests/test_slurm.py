@@ -1,16 +1,15 @@
-"""Slurm launcher: the rendered script, preflight errors, the preemption hook, and a real
+"""Slurm launcher: the rendered script, preflight errors, and a real
 single-node Slurm cluster (shared/tools/slurm-local.sh) running debug_moe on 2 CPU ranks through
-the generated script, preempted with USR1, requeued and resumed to the end."""
+the generated script, preempted with USR1, requeued and resumed to the end (the preemption hook
+itself: tests/test_preemption.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -21,27 +20,6 @@ from conftest import ROOT
 
 SLURM_LOCAL = ROOT.parent / "shared" / "tools" / "slurm-local.sh"
 SLURM_DIR = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/slurm-test"))
-ENTRY = {"target": "components.launchers.slurm:SlurmLauncher",
-         "doc": "Slurm: sbatch script, one torchrun per node via srun, preemption -> checkpoint + requeue"}
-
-
-@pytest.fixture
-def slurm_registered():
-    """`launcher=slurm` composes only once registry.yaml lists it; until then add it here
-    (the registry dict and Hydra's ConfigStore, whichever ran first in this process)."""
-    from hydra.core.config_store import ConfigStore
-
-    from components.launchers.slurm import SlurmLauncher
-    from framework import registry
-
-    launchers = registry.entries()["launcher"]
-    added = "slurm" not in launchers
-    if added:
-        launchers["slurm"] = dict(ENTRY)
-    ConfigStore.instance().store(group="launcher", name="slurm", node=SlurmLauncher.Options(name="slurm"))
-    yield
-    if added:
-        launchers.pop("slurm", None)
 
 
 def _launch(capsys, argv):
@@ -53,7 +31,7 @@ def _launch(capsys, argv):
 
 
 # ----------------------------------------------------------------------------- script
-def test_dry_run_renders_the_script(capsys, workdir, slurm_registered):
+def test_dry_run_renders_the_script(capsys, workdir):
     code, script, err = _launch(capsys, [
         "recipe=debug_moe", "launcher=slurm", "nodes=4", "gpus_per_node=8", "partition=gpu", "account=proj",
         "time=02:00:00", "qos=high", "training.steps=50", "--dry-run"])
@@ -82,7 +60,7 @@ def test_dry_run_renders_the_script(capsys, workdir, slurm_registered):
     assert not (workdir / "runs").exists()  # a dry run writes nothing
 
 
-def test_cpu_device_mode(capsys, workdir, slurm_registered):
+def test_cpu_device_mode(capsys, workdir):
     code, script, err = _launch(capsys, ["launcher=slurm", "nodes=2", "gpus_per_node=2", "device=cpu",
                                          "cpus_per_task=4", "--dry-run"])
     assert code == 0, err
@@ -106,7 +84,7 @@ def test_cpu_device_mode(capsys, workdir, slurm_registered):
     (["--bogus"], ["unknown flag"]),
     (["nproc=4"], ["nproc is an option of launcher local", "gpus_per_node"]),
 ])
-def test_preflight_errors(capsys, workdir, slurm_registered, argv, needles):
+def test_preflight_errors(capsys, workdir, argv, needles):
     code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=8", *argv, "--dry-run"])
     assert code == 2, err
     assert err.startswith("error apiary:") and "Traceback" not in err
@@ -115,14 +93,14 @@ def test_preflight_errors(capsys, workdir, slurm_registered, argv, needles):
     assert not (workdir / "runs").exists()
 
 
-def test_no_sbatch_is_a_user_error(capsys, workdir, slurm_registered, monkeypatch):
+def test_no_sbatch_is_a_user_error(capsys, workdir, monkeypatch):
     monkeypatch.setenv("PATH", str(workdir))  # no sbatch here
     code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=2"])
     assert code == 2 and "sbatch is not on PATH" in err and "--dry-run" in err
     assert not (workdir / "runs").exists()
 
 
-def test_a_shorthand_of_another_launcher_names_it(capsys, workdir, slurm_registered):
+def test_a_shorthand_of_another_launcher_names_it(capsys, workdir):
     code, _, err = _launch(capsys, ["nodes=4", "--dry-run"])  # the recipe's launcher is local
     assert code == 2 and "nodes is an option of launcher slurm" in err and "launcher=slurm" in err
 
@@ -132,7 +110,7 @@ def test_unregistered_launcher_is_a_user_error(capsys, workdir):
     assert code == 2 and "unknown launcher 'slurmm'" in err
 
 
-def test_cp_template_and_custom_template(capsys, workdir, slurm_registered):
+def test_cp_template_and_custom_template(capsys, workdir):
     from framework.launch_cli import cp_template_main
 
     assert cp_template_main(["slurm", "my.sbatch.j2"]) == 0
@@ -155,135 +133,6 @@ def test_local_launcher_dry_run(capsys, workdir):
     assert "torchrun --standalone --nproc_per_node=2 -m framework.cli train" in out
     assert "launcher.nproc=2" in out and "output_dir=" in out
     assert not (workdir / "runs").exists()
-
-
-# ----------------------------------------------------------------------------- preempt hook
-class _FakeCheckpointer:
-    def __init__(self, interval):
-        self.enable, self.interval, self.saved = True, interval, []
-
-    def save(self, curr_step, last_step=False):
-        if last_step or curr_step % self.interval == 0:
-            self.saved.append(curr_step)
-            return True
-        return False
-
-    def maybe_wait_for_saving(self):
-        pass
-
-
-class _FakeTrainer:
-    """torchtitan's loop shape: should_continue_training / step / checkpointer.save."""
-
-    def __init__(self, steps, interval, signal_at=None):
-        self.step, self.steps, self.signal_at = 0, steps, signal_at
-        self.checkpointer = _FakeCheckpointer(interval)
-
-    def should_continue_training(self):
-        return self.step < self.steps
-
-    def train(self):
-        while self.should_continue_training():
-            self.step += 1
-            if self.step == self.signal_at:
-                os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step
-            self.checkpointer.save(self.step, last_step=self.step == self.steps)
-
-
-@pytest.fixture
-def preempt():
-    from framework import preempt as p
-
-    p.reset()
-    yield p
-    p.disarm()
-    p.reset()
-
-
-@pytest.mark.parametrize("interval,signal_at,saved", [(100, 3, [3]), (3, 3, [3]), (2, 3, [2, 3])])
-def test_preempt_checkpoints_at_the_step_boundary(preempt, capsys, interval, signal_at, saved):
-    t = _FakeTrainer(steps=10, interval=interval, signal_at=signal_at)
-    guard = preempt.install(t)
-    assert preempt.install(t) is guard  # hooks a trainer once
-    t.train()
-    assert guard.stopped_at == 3 and t.step == 3 and guard.saved
-    assert t.checkpointer.saved == saved  # one checkpoint of step 3, never two
-    assert "preempted (SIGUSR1) after step 3" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        preempt.exit_if_stopped(guard)
-    assert e.value.code == preempt.EXIT_CODE == 75
-
-
-def test_preempt_before_any_step_saves_nothing(preempt):
-    t = _FakeTrainer(steps=5, interval=100)
-    guard = preempt.install(t)
-    preempt.request()
-    t.train()
-    assert guard.stopped_at == 0 and t.checkpointer.saved == [] and not guard.saved
-
-
-def test_a_signal_before_training_exits_at_once(preempt):
-    preempt.arm()
-    with pytest.raises(SystemExit) as e:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(1)  # the handler runs at the next bytecode
-    assert e.value.code == preempt.EXIT_CODE
-
-
-def test_no_signal_trains_to_the_end(preempt):
-    t = _FakeTrainer(steps=5, interval=100)
-    guard = preempt.install(t)
-    t.train()
-    assert guard.stopped_at is None and t.step == 5 and t.checkpointer.saved == [5]
-    preempt.exit_if_stopped(guard)  # no exit
-
-
-_RANKS = textwrap.dedent("""
-    import os, sys, json
-    import torch.distributed as dist
-    sys.path.insert(0, sys.argv[1])
-    from test_slurm import _FakeTrainer
-    from framework import preempt
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    class T(_FakeTrainer):
-        def train(self):
-            while self.should_continue_training():
-                self.step += 1
-                if rank == 1 and self.step == 4:
-                    preempt.request()          # only rank 1 is signalled
-                self.checkpointer.save(self.step, last_step=self.step == self.steps)
-    t = T(steps=10, interval=100)
-    g = preempt.install(t)
-    t.train()
-    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}), flush=True)
-    dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
-    dist.destroy_process_group()
-""")
-
-
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "ranks.py"
-    script.write_text(_RANKS)
-    procs = []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(ROOT / "tests")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    # rank 1 was signalled during step 4; both ranks stop after step 4 and both save step 4
-    assert [r["stopped_at"] for r in results] == [4, 4]
-    assert [r["saved"] for r in results] == [[4], [4]]
 
 
 # ----------------------------------------------------------------------------- real Slurm
@@ -352,7 +201,7 @@ def _fail_with_context(events, code, out, err, batch, run):
                 pytrace=False)
 
 
-def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_registered, slurm_cluster):
+def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_cluster):
     """debug_moe on 2 CPU ranks (nodes=1 gpus_per_node=2 device=cpu) through the generated script
     with --wait; USR1 to the batch shell mid-run (as --signal=B:USR1 would send it): both ranks
     checkpoint, the script requeues the job, the requeued job resumes from that checkpoint."""

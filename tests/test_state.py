@@ -16,21 +16,19 @@ Static bytes counted from each rank's tensors are checked against the seed-000 f
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import (ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_same_trajectory, free_port, read_metrics,
+                      rel_close, spawn_ranks)
+
 # constant LR after warm-up, so a resumed run with fewer total steps follows the same schedule
 COMMON = ["training.seq_len=64", "logging.tensorboard=false", "checkpoint.keep_latest_k=0", "lr.decay_ratio=0.0"]
-ZERO1 = {"target": "components.state.zero1:Zero1",
-         "doc": "ZeRO-1: params+grads follow EP/PP, optimizer + fp32 master sharded over DP"}
 
 
 # ------------------------------------------------------------------ worker side (spawned)
@@ -103,7 +101,7 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
     return result
 
 
-def _worker(grank: int, plan: dict, queue) -> None:
+def _state_worker(grank: int, plan: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", WANDB_MODE="disabled")
     sys.path.insert(0, str(ROOT))
     t0 = time.time()
@@ -113,9 +111,6 @@ def _worker(grank: int, plan: dict, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from framework import registry
-
-    registry.entries()["state"].setdefault("zero1", ZERO1)  # until registry.yaml lists it
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -144,12 +139,7 @@ def _worker(grank: int, plan: dict, queue) -> None:
 
 
 def _ports(n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(s.getsockname()[1])
-    return out
+    return [free_port() for _ in range(n)]
 
 
 def _plan(base: Path) -> dict:
@@ -202,9 +192,8 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("state")
     plan = _plan(base)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = mp.start_processes(_worker, args=(plan, queue), nprocs=4, join=False, start_method="spawn")
+    queue = mp.get_context("spawn").Queue()
+    procs = spawn_ranks(_state_worker, 4, plan, queue, join=False)
     deadline = time.time() + 900
     results: dict[str, dict] = {}
     while not procs.join(timeout=2):
@@ -224,26 +213,38 @@ def runs(tmp_path_factory):
         out[name]["static_all"] = [by_rank[r]["static"] for r in sorted(by_rank)]
         run_dir = {"F": "F", "Z": "Z", "F->zero1": "FZ", "Z->fsdp2": "ZF", "zb": "zb", "zbo": "zbo", "fbo": "fbo",
                    "fbo->fsdp2": "fbo_f2", "fbo->zero1x4": "fbo_z4"}[name]
-        out[name]["metrics"] = [json.loads(line) for line in
-                                (base / run_dir / "metrics.jsonl").read_text().splitlines()]
+        out[name]["metrics"] = read_metrics(base / run_dir)
     return out
 
 
-def _close(a: float, b: float, rel: float) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b))
+# Tolerances. Every pair below starts from the same weights (the step-0 seed or one step-k
+# checkpoint) and reads the same batches, so:
+# - first step: the forward runs on identical weights and data with no cross-rank reduction in it,
+#   so the loss is bit-equal (the 2-rank mean a+b is commutative). The gradients are bit-equal too
+#   (a 2-rank sum and a halving are exact whatever the order), but the grad NORM sums ~1e5 squares
+#   in a backend-specific order: a few units of fp32 rounding (u = 2**-24 = 6e-8); measured <= 1.1e-7,
+#   bound 1e-6 (16 u).
+# - later steps: the norms round differently, so clipping scales the update by a factor an ulp
+#   apart, and MoE routing can flip on such an ulp: conftest's TRAJ_LOSS_REL / TRAJ_NORM_REL,
+#   measured for exactly this recipe and comparison (fsdp2 vs zero1 on this CPU: losses bit-equal
+#   up to step 8, then 2.3e-7 at step 9 and a routing flip of 2.5e-5 at step 10).
+FIRST_NORM_REL = 1e-6
 
 
-def _same_curve(a: list[dict], b: list[dict], loss_rel: float, norm_rel: float) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
-        assert _close(x["loss"], y["loss"], loss_rel), (x["step"], x["loss"], y["loss"])
-        assert _close(x["grad_norm"], y["grad_norm"], norm_rel), (x["step"], x["grad_norm"], y["grad_norm"])
+def _same_curve(a: list[dict], b: list[dict], loss_rel: float = TRAJ_LOSS_REL, norm_rel: float = TRAJ_NORM_REL,
+                first_exact: bool = True) -> None:
+    """a and b start from the same weights and data: first step exact (see above), later steps
+    within the bound."""
+    if first_exact:
+        assert a[0]["step"] == b[0]["step"] and a[0]["loss"] == b[0]["loss"], (a[0], b[0])
+        assert rel_close(a[0]["grad_norm"], b[0]["grad_norm"], FIRST_NORM_REL), (a[0], b[0])
+    assert_same_trajectory(a, b, loss_rel, norm_rel)
 
 
 def test_zero1_matches_fsdp2_for_10_steps(runs):
     f, z = runs["F"]["metrics"], runs["Z"]["metrics"]
     assert [r["step"] for r in f] == list(range(1, 11))
-    _same_curve(f, z, 1e-5, 1e-4)
+    _same_curve(f, z)
     assert f[-1]["loss"] < f[0]["loss"] - 0.5  # it trains, so the comparison means something
     assert runs["F"]["layout"]["ep"] == runs["Z"]["layout"]["ep"] == 2
 
@@ -252,16 +253,18 @@ def test_checkpoints_load_across_backends(runs):
     f, z = runs["F"]["metrics"], runs["Z"]["metrics"]
     fz, zf = runs["F->zero1"]["metrics"], runs["Z->fsdp2"]["metrics"]
     assert [r["step"] for r in fz] == [r["step"] for r in zf] == [6, 7]
-    _same_curve(fz, f[5:7], 1e-5, 1e-4)  # fsdp2's step-5 files continue under zero1
-    _same_curve(zf, z[5:7], 1e-5, 1e-4)  # zero1's step-5 files continue under fsdp2
+    _same_curve(fz, f[5:7])  # fsdp2's step-5 files continue under zero1
+    _same_curve(zf, z[5:7])  # zero1's step-5 files continue under fsdp2
 
 
 def test_bf16_mixed_precision_and_optimizer_offload(runs):
     zb, zbo, fbo = runs["zb"]["metrics"], runs["zbo"]["metrics"], runs["fbo"]["metrics"]
-    # offload (and all-reduce with many small buckets) moves where the update runs, not what it computes
-    _same_curve(zb, zbo, 1e-5, 1e-4)
-    # bf16 compute, fp32 master + reduce in both backends
-    _same_curve(zb, fbo, 2e-3, 1e-2)
+    # offload (and all-reduce with many small buckets) moves where the update runs, not what it
+    # computes; fsdp2 vs zero1 in bf16 compute with fp32 master + reduce: both pairs share the seed
+    # and the layout, so the fp32 argument above holds (a master weight one ulp apart rounds to
+    # the same bf16 value or to its neighbour, which is a perturbation of the same kind)
+    _same_curve(zb, zbo)
+    _same_curve(zb, fbo)
     assert zb[0]["loss"] != runs["F"]["metrics"][0]["loss"]  # it really ran in bf16
 
 
@@ -269,7 +272,13 @@ def test_four_ranks_reshard_fsdp2_checkpoint_into_zero1(runs):
     two, four = runs["fbo->fsdp2"], runs["fbo->zero1x4"]
     assert four["world"] == 4 and four["layout"]["ep"] == 2 and four["layout"]["dp_shard"] == 4
     assert [r["step"] for r in two["metrics"]] == [r["step"] for r in four["metrics"]] == [3]
-    _same_curve(four["metrics"], two["metrics"], 2e-3, 1e-2)
+    # not the same arithmetic: 4 ranks of 1 sequence vs 2 ranks of 2 run bf16 matmuls of other
+    # shapes (other fp32 accumulation blocking), so any activation may round to the neighbouring
+    # bf16 value, a relative error up to the bf16 unit roundoff 2**-8 = 3.9e-3 on one element; the
+    # mean loss over 256 tokens averages those errors, and 2e-3 (half a bf16 ulp) bounds it with
+    # room (measured 9e-8 in loss, 2.4e-5 in grad norm); the grad norm passes through every layer
+    # twice, hence 1e-2
+    _same_curve(four["metrics"], two["metrics"], 2e-3, 1e-2, first_exact=False)
 
 
 def _expect(name: str, runs) -> dict[str, float]:
@@ -348,4 +357,7 @@ def test_host_update_threads(monkeypatch):
             weights.append(m.weight.detach().clone())
     finally:
         torch.set_num_threads(before)
+    # Adam is elementwise: threads only split the index range and every element sees the same ops;
+    # the one freedom is a SIMD body vs a scalar tail contracting a multiply-add differently, at most
+    # one ulp of a weight, and |w| < 1 here (ulp <= 6e-8)
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-7)

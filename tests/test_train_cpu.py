@@ -4,11 +4,7 @@
 import json
 import shutil
 
-from conftest import run_cli
-
-
-def _metrics(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from conftest import TRAJ_LOSS_REL, read_metrics, run_cli
 
 
 def test_default_trains_and_resumes(workdir):
@@ -17,7 +13,7 @@ def test_default_trains_and_resumes(workdir):
     runs = list((workdir / "runs" / "debug_moe").iterdir())
     assert len(runs) == 1
     run = runs[0]
-    m = _metrics(run)
+    m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(1, 21))
     for key in ("loss", "grad_norm", "tokens_per_s", "tflops_per_gpu", "peak_mem_bytes"):
         assert all(key in r for r in m)
@@ -37,10 +33,10 @@ def test_default_trains_and_resumes(workdir):
     (copy / "metrics.jsonl").unlink()
     p = run_cli(["train", "checkpoint.resume=true", f"output_dir={copy}"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
-    resumed = _metrics(copy)
+    resumed = read_metrics(copy)
     assert resumed[0]["step"] == 11
-    assert abs(resumed[0]["loss"] - m[10]["loss"]) < 1e-5
-    assert abs(resumed[-1]["loss"] - m[-1]["loss"]) < 1e-4
+    # one process, same weights, optimizer state, data position and arithmetic: bit-for-bit
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in m[10:]]
 
 
 def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
@@ -54,9 +50,11 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
     assert p2.returncode == 0, p2.stderr[-3000:]
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
     assert lay["dp_shard"] == 2 and lay["ep"] == 2
-    one, two = _metrics(workdir / "one"), _metrics(workdir / "two")
+    one, two = read_metrics(workdir / "one"), read_metrics(workdir / "two")
     assert len(one) == len(two) == 5
+    # another split of the same batch (and EP): rounding-level differences from step 1 on, so
+    # conftest's fp32 trajectory bound (the grad norm keeps its looser 1e-3)
     for a, b in zip(one, two):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
+        assert abs(a["loss"] - b["loss"]) <= TRAJ_LOSS_REL * abs(a["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
     assert one[-1]["loss"] < one[0]["loss"]

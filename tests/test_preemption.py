@@ -1,0 +1,133 @@
+"""The preemption hook (framework/preempt.py): SIGUSR1/SIGTERM mid-training checkpoints at the
+next step boundary and exits 75 for a requeue; a signal on one rank stops every rank at the same
+step. torchtitan's loop is stood in for by a fake trainer; the real one under Slurm is
+tests/test_slurm.py::test_slurm_job_is_preempted_requeued_and_resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+from conftest import ROOT, run_ranks
+
+
+class _FakeCheckpointer:
+    def __init__(self, interval):
+        self.enable, self.interval, self.saved = True, interval, []
+
+    def save(self, curr_step, last_step=False):
+        if last_step or curr_step % self.interval == 0:
+            self.saved.append(curr_step)
+            return True
+        return False
+
+    def maybe_wait_for_saving(self):
+        pass
+
+
+class _FakeTrainer:
+    """torchtitan's loop shape: should_continue_training / step / checkpointer.save."""
+
+    def __init__(self, steps, interval, signal_at=None):
+        self.step, self.steps, self.signal_at = 0, steps, signal_at
+        self.checkpointer = _FakeCheckpointer(interval)
+
+    def should_continue_training(self):
+        return self.step < self.steps
+
+    def train(self):
+        while self.should_continue_training():
+            self.step += 1
+            if self.step == self.signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step
+            self.checkpointer.save(self.step, last_step=self.step == self.steps)
+
+
+@pytest.fixture
+def preempt():
+    from framework import preempt as p
+
+    p.reset()
+    yield p
+    p.disarm()
+    p.reset()
+
+
+@pytest.mark.parametrize("interval,signal_at,saved", [(100, 3, [3]), (3, 3, [3]), (2, 3, [2, 3])])
+def test_preempt_checkpoints_at_the_step_boundary(preempt, capsys, interval, signal_at, saved):
+    t = _FakeTrainer(steps=10, interval=interval, signal_at=signal_at)
+    guard = preempt.install(t)
+    assert preempt.install(t) is guard  # hooks a trainer once
+    t.train()
+    assert guard.stopped_at == 3 and t.step == 3 and guard.saved
+    assert t.checkpointer.saved == saved  # one checkpoint of step 3, never two
+    assert "preempted (SIGUSR1) after step 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        preempt.exit_if_stopped(guard)
+    assert e.value.code == preempt.EXIT_CODE == 75
+
+
+def test_preempt_before_any_step_saves_nothing(preempt):
+    t = _FakeTrainer(steps=5, interval=100)
+    guard = preempt.install(t)
+    preempt.request()
+    t.train()
+    assert guard.stopped_at == 0 and t.checkpointer.saved == [] and not guard.saved
+
+
+def test_a_signal_before_training_exits_at_once(preempt):
+    preempt.arm()
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)  # the handler runs at the next bytecode
+    assert e.value.code == preempt.EXIT_CODE
+
+
+def test_no_signal_trains_to_the_end(preempt):
+    t = _FakeTrainer(steps=5, interval=100)
+    guard = preempt.install(t)
+    t.train()
+    assert guard.stopped_at is None and t.step == 5 and t.checkpointer.saved == [5]
+    preempt.exit_if_stopped(guard)  # no exit
+
+
+_RANKS = textwrap.dedent("""
+    import os, sys, json
+    import torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    from test_preemption import _FakeTrainer
+    from framework import preempt
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    class T(_FakeTrainer):
+        def train(self):
+            while self.should_continue_training():
+                self.step += 1
+                if rank == 1 and self.step == 4:
+                    preempt.request()          # only rank 1 is signalled
+                self.checkpointer.save(self.step, last_step=self.step == self.steps)
+    t = T(steps=10, interval=100)
+    g = preempt.install(t)
+    t.train()
+    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}), flush=True)
+    dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
+    dist.destroy_process_group()
+""")
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANKS)
+    proc = run_ranks(script, [ROOT / "tests"], 2, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]
+    # rank 1 was signalled during step 4; both ranks stop after step 4 and both save step 4
+    assert [r["stopped_at"] for r in results] == [4, 4]
+    assert [r["saved"] for r in results] == [[4], [4]]
