@@ -143,7 +143,7 @@ def test_multirun_trains_a_user_loss_from_a_registry_file(workdir, user_registry
 
 def test_multirun_checks_every_job_before_the_first_starts(capsys, workdir):
     code, err = _err(capsys, ["-m", "training.steps=1,0", *TINY])
-    assert code == 2 and "steps, local_batch must be >= 1" in err, err
+    assert code == 2 and "training.steps=0: must be >= 1" in err, err
     code, err = _err(capsys, ["-m", "loss=ce,bogus", *TINY])
     assert code == 2 and "unknown loss 'bogus'" in err, err
     code, err = _err(capsys, ["-m", "loss=ce,chunked", "output_dir=x"])
