@@ -56,6 +56,11 @@ def _under_torchrun() -> bool:
 
 def train_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from framework import lifecycle, preempt, runlock
+
+    preempt.arm()  # a signal while starting up exits 75 at once (no KeyboardInterrupt traceback)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        lifecycle.die_with_parent()  # torchrun killed outright: this worker dies with it
     try:
         recipe, flags, overrides = _split_args(argv)
         if "help" in flags:
@@ -80,9 +85,21 @@ def train_main(argv: list[str] | None = None) -> int:
     from framework import registry, run
 
     if _under_torchrun():
-        run.train(r, verbose="verbose" in flags)
+        try:
+            lock = runlock.hold_in_worker(r.cfg.output_dir)  # rank 0 of a job no apiary parent started
+        except UserError as e:
+            return _fail(e)
+        try:
+            run.train(r, verbose="verbose" in flags)
+        finally:
+            if lock is not None:
+                lock.release()
         return 0
     launcher = registry.resolve("launcher", r.cfg.launcher.name)
+    try:  # one run per output_dir, checked before any worker starts
+        lock = runlock.hold_for_launch(launcher, r.cfg.output_dir)
+    except UserError as e:
+        return _fail(e)
     worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
@@ -95,7 +112,11 @@ def train_main(argv: list[str] | None = None) -> int:
             console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}")
         return 0
 
-    return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+    try:
+        return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _ls() -> int:
