@@ -56,9 +56,8 @@ def _under_torchrun() -> bool:
 
 def train_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from framework import lifecycle, preempt, runlock
+    from framework import lifecycle, runlock
 
-    preempt.arm()  # a signal while starting up exits 75 at once (no KeyboardInterrupt traceback)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         lifecycle.die_with_parent()  # torchrun killed outright: this worker dies with it
     try:
@@ -247,14 +246,25 @@ def apiary_main(argv: list[str] | None = None) -> int:
         return _fail(e)
 
 
+def _arm() -> None:
+    """`train` from the command line: a signal while starting up exits 75 at once (no
+    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/preempt.py)."""
+    from framework import preempt
+
+    preempt.arm()
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "apiary"):
         prog = sys.argv.pop(1)
+        if prog == "train":
+            _arm()
         sys.exit(train_main() if prog == "train" else apiary_main())
     sys.exit(apiary_main())
 
 
 def train_entry() -> None:
+    _arm()
     sys.exit(train_main())
 
 
