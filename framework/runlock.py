@@ -116,10 +116,22 @@ def _stale(rec: dict | None) -> tuple[bool, str]:
 def acquire(output_dir, warn=None) -> RunLock:
     """Take the run directory's lock (creating the directory) or raise UserError naming its holder."""
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = lock_path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"output_dir={output_dir}", "is a file, not a directory.",
+                            "Choose a directory for output_dir.") from None
+        raise UserError(f"output_dir={output_dir}", f"cannot hold the run's lock file {path} there "
+                        f"({e.strerror or e}).", "Choose a writable directory for output_dir.") from None
     for _ in range(10):  # retry when the file was replaced between open and flock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"output_dir={output_dir}", f"cannot open its lock file {path} ({e.strerror or e}).",
+                            "Choose a writable directory for output_dir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -212,6 +212,26 @@ def test_sigint_in_process_checkpoints_and_exits_75(tmp_path):
     _check_checkpointed(code, out, run, nproc=1)
 
 
+@slow
+def test_sigterm_one_process_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    """A constant learning rate after warm-up (lr.min_lr_factor=1), so that runs of different
+    training.steps share one schedule."""
+    const = "lr.min_lr_factor=1.0"
+    code, out, run = _signal_run(tmp_path, signal.SIGTERM, nproc=1, extra=[const])
+    k = _check_checkpointed(code, out, run, nproc=1)
+    total = k + 3
+    p = run_cli(["train", *TRAIN, "checkpoint.resume=true", f"output_dir={run}", f"training.steps={total}",
+                 "checkpoint.interval=200", const], cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = tmp_path / "uninterrupted"
+    p = run_cli(["train", *TRAIN, f"output_dir={ref}", f"training.steps={total}", "checkpoint.interval=200",
+                 const], cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(run) == list(range(1, total + 1))
+    assert losses == [json.loads(x)["loss"] for x in (ref / "metrics.jsonl").read_text().splitlines()]
+
+
 # ----------------------------------------------------------------------------- the run lock
 _HOLD = """
 import sys, time
