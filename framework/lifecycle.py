@@ -12,9 +12,10 @@
 * The parent exits with the workers' code: each worker writes its exit code to a file in a folder
   the parent names (``APIARY_STATUS_DIR``); torchrun itself exits 1 when it shut its workers down
   for a signal, so its code alone cannot say whether they checkpointed.
-* No orphans: torchrun gets ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec; it survives
-  exec) and every worker sets it for itself (``die_with_parent``), so killing the parent outright
-  kills torchrun, which kills the workers, within milliseconds.
+* No orphans: torchrun runs as ``python -m framework.lifecycle torchrun`` (``torchrun_main``), which
+  first asks for ``PR_SET_PDEATHSIG=SIGKILL`` (``die_with_parent``, checking that its parent is
+  still the supervising pid), and every worker asks the same for itself, so killing the parent
+  outright kills torchrun, which kills the workers, within milliseconds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 STATUS_ENV = "APIARY_STATUS_DIR"
+SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
 PREEMPT_EXIT_CODE = 75
 STOP_NOW_EXIT_CODE = 130
 KILL_AFTER_S = 10.0
@@ -37,12 +39,14 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent exits (Linux; False elsewhere).
-    When the parent died while asking, exit at once."""
+    When the parent died before the request took effect (or is not ``expected_parent``), exit at once."""
     if not sys.platform.startswith("linux"):
         return False
     parent = os.getppid()
+    if expected_parent is not None and parent != expected_parent:
+        os._exit(STOP_NOW_EXIT_CODE)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
@@ -52,13 +56,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(STOP_NOW_EXIT_CODE)
     return True
-
-
-def _preexec_die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except Exception:  # noqa: BLE001 - never fail the exec for this
-        pass
 
 
 # ---------------------------------------------------------------- worker side
@@ -124,7 +121,8 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
     env = dict(os.environ if env is None else env)
     env[STATUS_ENV] = str(status_dir)
     state = {"first": None, "stop_now": False, "stop_at": None}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_preexec_die_with_parent)
+    env[SUPERVISOR_ENV] = str(os.getpid())
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def workers() -> list[int]:
         return _children(proc.pid)
@@ -179,6 +177,9 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
 def torchrun_main(argv: list[str]) -> int:
     """``python -m framework.lifecycle torchrun ARGS``: torchrun, without the SignalException
     traceback it prints after it has relayed a stop signal to its ranks (exit 128 + signal)."""
+    supervisor = os.environ.pop(SUPERVISOR_ENV, None)
+    if supervisor:  # before the slow imports: the parent may be killed meanwhile
+        die_with_parent(expected_parent=int(supervisor))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
