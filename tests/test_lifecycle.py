@@ -257,6 +257,10 @@ def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(tmp_path):
         assert "choose another output_dir" in msg and "Traceback" not in p.stderr
         assert sorted(x.name for x in run.iterdir()) == before  # nothing written, no worker started
         assert "torchrun" not in p.stdout + p.stderr
+        p = run_cli(["apiary", "launch", *TRAIN, "launcher=local", "nproc=2", f"output_dir={run}"], cwd=tmp_path,
+                    timeout=120)
+        assert p.returncode == 2 and f"is in use by pid {holder.pid}" in " ".join(p.stderr.split()), p.stderr
+        assert sorted(x.name for x in run.iterdir()) == before
     finally:
         holder.kill()
         holder.wait()
