@@ -96,6 +96,8 @@ def train_main(argv: list[str] | None = None) -> int:
         return 0
     launcher = registry.resolve("launcher", r.cfg.launcher.name)
     try:  # one run per output_dir, checked before any worker starts
+        if hasattr(launcher, "check_options"):
+            launcher.check_options(r.cfg.launcher)
         lock = runlock.hold_for_launch(launcher, r.cfg.output_dir)
     except UserError as e:
         return _fail(e)

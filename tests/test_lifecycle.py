@@ -337,3 +337,13 @@ def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path):
     assert [r["step"] for r in old] == [4, 5]
     assert [r["loss"] for r in old] == [r["loss"] for r in first[3:]]
     assert [r["loss"] for r in now] == [r["loss"] for r in first]  # resume reproduces the losses
+
+
+def test_shutdown_timeout_below_one_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    from framework.cli import train_main
+
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*TRAIN, "nproc=2", "launcher.shutdown_timeout_s=0", "output_dir=out"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "launcher.shutdown_timeout_s=0: must be >= 1" in err
+    assert not (tmp_path / "out").exists()

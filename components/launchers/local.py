@@ -25,11 +25,27 @@ class LocalLauncher:
         return opts.nproc
 
     @staticmethod
+    def check_options(opts: "LocalLauncher.Options") -> None:
+        from framework.errors import UserError
+
+        if int(opts.shutdown_timeout_s) < 1:
+            raise UserError(f"launcher.shutdown_timeout_s={opts.shutdown_timeout_s}", "must be >= 1: it is how "
+                            "long torchrun waits for the ranks to checkpoint after a stop signal before it "
+                            "kills them.", "Leave it at 900, or set it above one step plus one checkpoint save.")
+
+    @staticmethod
     def launch(opts: "LocalLauncher.Options", argv: list[str], run_in_process) -> int:
         """Run ``train argv`` with ``opts.nproc`` ranks; returns the exit code."""
         if opts.nproc == 1:
             return run_in_process()
         from framework import lifecycle
+        from framework.errors import UserError
+
+        try:
+            LocalLauncher.check_options(opts)
+        except UserError as e:
+            print(f"error {e}", file=sys.stderr)
+            return e.exit_code
 
         # torchrun, run as `python -m framework.lifecycle torchrun` (no traceback after a stop signal)
         cmd = [sys.executable, "-m", "framework.lifecycle", "torchrun", "--standalone", f"--nproc_per_node={opts.nproc}",
