@@ -69,10 +69,11 @@ def supersede(path: Path, first_step: int) -> int:
         if not line.strip():
             continue
         try:
-            step = json.loads(line).get("step")
+            rec = json.loads(line)
         except ValueError:  # a line cut short by a crash: not a record of any step
             moved.append(line)
             continue
+        step = rec.get("step") if isinstance(rec, dict) else None
         (moved if isinstance(step, int) and step >= first_step else keep).append(line)
     if not moved:
         return 0
