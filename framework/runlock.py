@@ -16,6 +16,7 @@ leftover from another host is refused, since apiary cannot tell from here whethe
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -134,10 +135,17 @@ def acquire(output_dir, warn=None) -> RunLock:
                             "Choose a writable directory for output_dir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
             rec = _read(fd)
-            os.close(fd)
-            raise _busy_error(output_dir, path, rec) from None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise _busy_error(output_dir, path, rec) from None
+            # the file system has no flock (e.g. Lustre without -o flock): the record alone decides
+            if rec and rec.get("host") == socket.gethostname() and _pid_alive(rec.get("pid")):
+                os.close(fd)
+                raise _busy_error(output_dir, path, rec) from None
+            (warn or _warn)(f"apiary: {path.parent} is on a file system without flock ({e.strerror}); the run "
+                            "lock is only a record there, checked by pid on this host.")
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -182,6 +190,14 @@ def check_free(output_dir) -> None:
                             f"If that run has ended, delete {path}; otherwise choose another output_dir.")
     finally:
         os.close(fd)
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError) as e:
+        return isinstance(e, PermissionError)
+    return True
 
 
 def _warn(msg: str) -> None:

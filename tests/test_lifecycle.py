@@ -347,3 +347,28 @@ def test_shutdown_timeout_below_one_is_refused_before_anything(tmp_path, capsys,
     err = " ".join(capsys.readouterr().err.split())
     assert "launcher.shutdown_timeout_s=0: must be >= 1" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_without_flock_the_record_decides(tmp_path, monkeypatch):
+    """A file system without flock (ENOLCK): a live pid on this host holds the directory; a dead one
+    is taken over; the run goes on with a warning rather than failing."""
+    import errno
+
+    from framework import runlock
+    from framework.errors import UserError
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_flock)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        with pytest.raises(UserError, match=f"in use by pid {holder.pid}"):
+            runlock.acquire(tmp_path, warn=lambda m: None)
+    finally:
+        holder.kill()
+        holder.wait()
+    warnings = []
+    runlock.acquire(tmp_path, warn=warnings.append).release()
+    assert "without flock" in warnings[0] and f"pid {holder.pid}" in warnings[1] and "is gone" in warnings[1]
