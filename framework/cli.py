@@ -64,8 +64,10 @@ def _print_cfg(r, args) -> None:
 
 def train_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from framework import hydra_cli
+    from framework import hydra_cli, lifecycle
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        lifecycle.die_with_parent()  # torchrun killed outright: this worker dies with it
     try:
         try:
             args = hydra_cli.parse(argv)
@@ -105,16 +107,32 @@ def train_main(argv: list[str] | None = None) -> int:
     from framework import run
 
     if _under_torchrun():
-        run.train(r, verbose=args.verbose)
+        from framework import runlock
+
+        try:
+            lock = runlock.hold_in_worker(r.cfg.output_dir)  # rank 0 of a job no apiary parent started
+        except UserError as e:
+            return _fail(e)
+        try:
+            run.train(r, verbose=args.verbose)
+        finally:
+            if lock is not None:
+                lock.release()
         return 0
     worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
     return _launch(r, worker_argv, args.verbose)
 
 
 def _launch(r, worker_argv: list[str], verbose: bool) -> int:
-    from framework import registry, run
+    from framework import registry, run, runlock
 
     launcher = registry.resolve("launcher", r.cfg.launcher.name)
+    try:  # one run per output_dir, checked before any worker starts
+        if hasattr(launcher, "check_options"):
+            launcher.check_options(r.cfg.launcher)
+        lock = runlock.hold_for_launch(launcher, r.cfg.output_dir)
+    except UserError as e:
+        return _fail(e)
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
     console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
@@ -126,7 +144,11 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
             console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
-    return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+    try:
+        return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
@@ -316,14 +338,25 @@ def apiary_main(argv: list[str] | None = None) -> int:
         return _fail(e)
 
 
+def _arm() -> None:
+    """`train` from the command line: a signal while starting up exits 75 at once (no
+    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/preempt.py)."""
+    from framework import preempt
+
+    preempt.arm()
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "apiary"):
         prog = sys.argv.pop(1)
+        if prog == "train":
+            _arm()
         sys.exit(train_main() if prog == "train" else apiary_main())
     sys.exit(apiary_main())
 
 
 def train_entry() -> None:
+    _arm()
     sys.exit(train_main())
 
 

@@ -186,6 +186,22 @@ def launch_args(ns) -> int:
     for w in warnings:
         err_console.print("[yellow]warning[/yellow]", Text(str(w)))
 
+    from framework import runlock
+
+    if "dry_run" not in flags:
+        try:  # one run per output_dir: checked (local: taken) before anything starts or is submitted
+            lock = runlock.hold_for_launch(cls, Path(r.cfg.output_dir).resolve())
+        except UserError as e:
+            return _fail(e)
+        if lock is not None:
+            try:
+                return _launch(cls, opts, argv_w, r, flags, world)
+            finally:
+                lock.release()
+    return _launch(cls, opts, argv_w, r, flags, world)
+
+
+def _launch(cls, opts, argv_w, r, flags, world) -> int:
     if hasattr(cls, "render"):  # a batch-script launcher (slurm)
         try:
             script = cls.render(opts, r, argv_w)

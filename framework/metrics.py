@@ -4,6 +4,7 @@ added to torchtitan's metric loggers (TensorBoard / W&B stay torchtitan's)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,12 @@ class JsonlLogger(BaseLogger):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.world_size, self.total_steps, self.color = world_size, total_steps, color
+        self._first = True
 
     def log(self, metrics: dict, step: int) -> None:
+        if self._first:  # a resumed run re-trains the steps after its checkpoint: one record per step
+            self._first = False
+            supersede(self.path, step)
         rec = {
             "step": step,
             "loss": metrics["loss_metrics/global_avg_loss"],
@@ -48,6 +53,40 @@ class JsonlLogger(BaseLogger):
             f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step"
             + _autotune_note(rec),
         )
+
+
+SUPERSEDED_NAME = "metrics.superseded.jsonl"
+
+
+def supersede(path: Path, first_step: int) -> int:
+    """Move the records of ``path`` with step >= ``first_step`` (written by an earlier run of this
+    directory past the checkpoint this run resumed from) to ``metrics.superseded.jsonl`` beside it,
+    appended in their order; the rest stays, rewritten atomically. Returns how many moved."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a crash: not a record of any step
+            moved.append(line)
+            continue
+        step = rec.get("step") if isinstance(rec, dict) else None
+        (moved if isinstance(step, int) and step >= first_step else keep).append(line)
+    if not moved:
+        return 0
+    with open(path.with_name(SUPERSEDED_NAME), "a") as f:
+        f.write("".join(m + "\n" for m in moved))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+    _console.print(f"metrics.jsonl: {len(moved)} record(s) from step {first_step} on, written before this "
+                   f"resume, moved to {SUPERSEDED_NAME}")
+    return len(moved)
 
 
 def _autotune_note(rec: dict) -> str:

@@ -1,7 +1,10 @@
 """Preemption: a signal asks training to checkpoint at the next step boundary and exit.
 
-``arm()`` installs a SIGUSR1/SIGTERM handler that sets a flag (before any trainer is hooked,
-there is nothing to save: it exits at once with ``EXIT_CODE``). ``install(trainer)`` wraps
+``arm()`` installs a SIGUSR1/SIGTERM/SIGINT handler that sets a flag (before any trainer is hooked,
+there is nothing to save: it exits at once with ``EXIT_CODE``). A second SIGINT (Ctrl-C again,
+more than ``SAME_DELIVERY_S`` after the first) stops the process at once with code 130, without
+a checkpoint or a traceback. Under a supervising ``train`` parent each rank also writes its exit
+code for the parent (framework/lifecycle.py). ``install(trainer)`` wraps
 the trainer's ``should_continue_training`` (on the instance): at every step boundary the flag is
 all-reduced (MAX) over all ranks, so when ANY rank was signalled every rank stops after the same
 step. The stopping ranks save a full, resumable checkpoint of that step (unless the step's regular
@@ -26,7 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_NOW_EXIT_CODE = 130  # a second SIGINT: stop at once, no checkpoint
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+SAME_DELIVERY_S = 0.3  # a SIGINT this soon after the first is the same one relayed twice (srun + torchrun)
 
 
 @dataclass
@@ -41,16 +46,26 @@ _GUARDS: list["Guard"] = []
 
 
 def _handler(signum, frame) -> None:
+    from framework import lifecycle
+
     first = _FLAG.signum is None
+    rank, name = os.environ.get("RANK", "0"), signal.Signals(signum).name
+    if not first and signum == signal.SIGINT and time.time() - _FLAG.at > SAME_DELIVERY_S:
+        # Ctrl-C again: stop now. os._exit: no traceback, no waiting on a collective or a save.
+        lifecycle.write_status(STOP_NOW_EXIT_CODE)
+        os.write(2, f"apiary: rank {rank}: second SIGINT; stopping now without a checkpoint (exit "
+                    f"{STOP_NOW_EXIT_CODE})\n".encode())
+        os._exit(STOP_NOW_EXIT_CODE)
     if first:
         _FLAG.signum, _FLAG.at = signum, time.time()
-    rank, name = os.environ.get("RANK", "0"), signal.Signals(signum).name
     if not _GUARDS:  # no training loop yet: nothing to checkpoint, so stop now and ask to be rerun
+        lifecycle.write_status(EXIT_CODE)
         os.write(2, f"apiary: rank {rank}: got {name} before training started; exiting with code "
                     f"{EXIT_CODE}\n".encode())
         raise SystemExit(EXIT_CODE)
     if first:  # os.write: safe inside a signal handler (print may hold the stream's lock)
-        os.write(2, f"apiary: rank {rank}: got {name}; checkpointing at the next step boundary\n".encode())
+        again = " (Ctrl-C again to stop now)" if signum == signal.SIGINT and rank == "0" else ""
+        os.write(2, f"apiary: rank {rank}: got {name}; checkpointing at the next step boundary{again}\n".encode())
 
 
 def arm(signals=SIGNALS) -> bool:
@@ -223,6 +238,9 @@ def stopped(guard: Guard | None = None) -> bool:
 def exit_if_stopped(guard: Guard | None = None) -> None:
     """After the trainer is closed: exit with EXIT_CODE when it stopped for a signal."""
     if stopped(guard):
+        from framework import lifecycle
+
+        lifecycle.write_status(EXIT_CODE)
         raise SystemExit(EXIT_CODE)
 
 

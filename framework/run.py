@@ -39,7 +39,7 @@ def train(resolved, verbose: bool = False) -> dict | None:
     devices.install()
     kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
-    preempt.arm()  # SIGUSR1/SIGTERM: checkpoint at the next step boundary, exit 75 (requeue)
+    preempt.arm()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step boundary, exit 75 (requeue)
     _single_process_env()
     rank = int(os.environ["RANK"])
     if rank == 0:

@@ -1,10 +1,13 @@
-"""Local launcher: one process for one rank; torchrun on this machine for nproc > 1."""
+"""Local launcher: one process for one rank; torchrun on this machine for nproc > 1.
+
+With nproc > 1 this process supervises torchrun (framework.lifecycle.supervise): it forwards
+SIGTERM / SIGINT / SIGUSR1 once, so the ranks checkpoint at the next step boundary and exit 75,
+returns the ranks' exit code, stops at once on a second Ctrl-C, and takes torchrun and the
+ranks down with it if it is killed outright."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ class LocalLauncher:
         name: str = "local"
         nproc: int = 1  # ranks on this machine
         master_port: int = 29500
+        shutdown_timeout_s: int = 900  # after a stop signal, torchrun kills ranks that have not exited by then
 
     @staticmethod
     def check(opts: "LocalLauncher.Options") -> None:
@@ -29,12 +33,32 @@ class LocalLauncher:
         return opts.nproc
 
     @staticmethod
+    def check_options(opts: "LocalLauncher.Options") -> None:
+        from framework.errors import UserError
+
+        if int(opts.shutdown_timeout_s) < 1:
+            raise UserError(f"launcher.shutdown_timeout_s={opts.shutdown_timeout_s}", "must be >= 1: it is how "
+                            "long torchrun waits for the ranks to checkpoint after a stop signal before it "
+                            "kills them.", "Leave it at 900, or set it above one step plus one checkpoint save.")
+
+    @staticmethod
     def launch(opts: "LocalLauncher.Options", argv: list[str], run_in_process) -> int:
         """Run ``train argv`` with ``opts.nproc`` ranks; returns the exit code."""
         if opts.nproc == 1:
             return run_in_process()
-        torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={opts.nproc}",
+        from framework import lifecycle
+        from framework.errors import UserError
+
+        try:
+            LocalLauncher.check_options(opts)
+        except UserError as e:
+            print(f"error {e}", file=sys.stderr)
+            return e.exit_code
+
+        # torchrun, run as `python -m framework.lifecycle torchrun` (no traceback after a stop signal)
+        cmd = [sys.executable, "-m", "framework.lifecycle", "torchrun", "--standalone", f"--nproc_per_node={opts.nproc}",
+               "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+               f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",
                "-m", "framework.cli", "train", *argv]
         env = dict(os.environ, APIARY_LAUNCHED="1")
-        return subprocess.call(cmd, env=env)
+        return lifecycle.supervise(cmd, env, nproc=opts.nproc)
