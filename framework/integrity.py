@@ -177,7 +177,8 @@ def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
     step = load_step if load_step is not None else steps[-1]
     step_dir = ck / f"step-{step}"
     key = str(step_dir.resolve())
-    if os.environ.get(VERIFIED_ENV) != key:
+    # under torchrun without apiary's launcher, global rank 0 checks for all (its exit 2 ends the others)
+    if os.environ.get(VERIFIED_ENV) != key and os.environ.get("RANK", "0") == "0":
         problem = verify(step_dir)
         if problem is not None:
             earlier = [s for s in steps if s < step]
