@@ -1,10 +1,12 @@
 """Checkpoint integrity: atomic saves with a manifest, verified before resuming.
 
 A save of step N is written into ``checkpoint/.partial-N`` (a name torchtitan's and apiary's
-``step-N`` scans never match), then every rank hashes its share of the files written there,
-global rank 0 gathers the sizes and checksums into ``manifest.json`` (written last inside the
-folder) and renames the folder to ``checkpoint/step-N``. A save killed midway therefore leaves
-only ``.partial-N`` behind: invisible to resume, removed by the next save. Before a resume the
+``step-N`` scans never match). Then every rank hashes its share of the files written there in a
+background thread while training goes on, and global rank 0 merges the sizes and checksums into
+``manifest.json`` (written last inside the folder) and renames the folder to
+``checkpoint/step-N`` at the next step boundary after every rank's share arrived (at the latest
+when the trainer closes). A save killed midway therefore leaves only ``.partial-N`` behind:
+invisible to resume, removed by the next save. Before a resume the
 launching process (or global rank 0 under torchrun) re-hashes the step it will load and compares
 it with the manifest; any difference (a changed byte, a truncated, missing or extra file) stops
 the run with exit code 2 naming the step and the file, and how to resume from the previous step.
@@ -67,10 +69,10 @@ def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
 
 
 def list_files(folder: Path) -> list[str]:
-    """Every file under ``folder`` (relative, sorted), the manifest excepted."""
+    """Every file under ``folder`` (relative, sorted), the manifest (and its per-rank parts) excepted."""
     folder = Path(folder)
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
+                  if p.is_file() and not p.name.startswith(MANIFEST))
 
 
 def entries(folder: Path, files: list[str], algorithm: str = ALGORITHM, threads: int = 1) -> dict:
@@ -189,7 +191,7 @@ def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
 
 # -- the atomic save -----------------------------------------------------------------------
 def _cpu_group():
-    """A gloo group for barriers and the gathered manifest (the default group when it is gloo)."""
+    """A gloo group for the barriers (the default group when it is gloo)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -199,60 +201,137 @@ def _cpu_group():
     return dist.new_group(backend="gloo")
 
 
-def install_atomic_save(checkpointer, before_save=None) -> None:
-    """Wrap ``checkpointer.dcp_save`` (a torchtitan CheckpointManager, on the instance): write
-    aside, hash, manifest, rename. ``before_save()`` runs first on every rank (the finite check).
-    Every rank must call this, in the same order (it may create a process group)."""
-    if getattr(checkpointer, "_apiary_atomic", False):
-        return
-    import torch.distributed as dist
-    from torchtitan.components.checkpoint import AsyncMode
+class _Pending:
+    """One save written into .partial-N whose checksums are being computed in the background."""
 
-    group = _cpu_group()
-    original = checkpointer.dcp_save
+    def __init__(self, step: int, tmp: Path, final: Path, files: list[str], rank: int, world: int, save_s: float):
+        self.step, self.tmp, self.final, self.rank, self.world, self.save_s = step, tmp, final, rank, world, save_s
+        self.error: BaseException | None = None
+        self.thread = __import__("threading").Thread(target=self._hash, args=(files,), daemon=True,
+                                                     name=f"apiary-manifest-{step}")
+        self.thread.start()
 
-    def barrier():
-        if group is not None:
-            dist.barrier(group=group)
+    def _hash(self, files: list[str]) -> None:
+        try:
+            t = time.perf_counter()
+            mine = entries(self.tmp, files[self.rank::self.world])
+            part = self.tmp / f"{MANIFEST}.rank{self.rank}"
+            tmp = part.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"files": mine, "hash_s": time.perf_counter() - t}))
+            os.replace(tmp, part)  # a part appears whole
+        except BaseException as e:  # reported by finish(); the step then stays invisible
+            self.error = e
 
-    def dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
-        if before_save is not None:
-            before_save()
+    def parts(self) -> list[Path]:
+        return [self.tmp / f"{MANIFEST}.rank{r}" for r in range(self.world)]
+
+    def ready(self) -> bool:
+        if self.rank != 0:
+            return not self.thread.is_alive()
+        return all(p.is_file() for p in self.parts())
+
+    def finish(self) -> None:
+        """Rank 0: merge the ranks' parts into manifest.json and rename .partial-N to step-N."""
+        if self.rank != 0:
+            return
+        if self.error is not None:
+            print(f"apiary: checkpoint step {self.step}: computing its manifest failed ({self.error}); the step "
+                  f"stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
+            return
+        merged, hash_s = {}, 0.0
+        for p in self.parts():
+            body = json.loads(p.read_text())
+            merged.update(body["files"])
+            hash_s = max(hash_s, body["hash_s"])
+        write_manifest(self.tmp, self.step, merged, save_s=self.save_s, hash_s=hash_s)
+        for p in self.parts():
+            p.unlink()
+        aside = self.final.parent / f"{PARTIAL}replaced-{self.step}"
+        if self.final.exists():  # re-saving a step (e.g. after checkpoint.load_step): replace it whole
+            os.rename(self.final, aside)
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+class AtomicSaves:
+    """Wraps a torchtitan CheckpointManager (on the instance): ``dcp_save`` writes into
+    ``.partial-N``; each rank then hashes its share of the files in a background thread (the
+    training goes on) and leaves ``manifest.json.rankR``; global rank 0 merges the parts into
+    ``manifest.json`` and renames the folder to ``step-N`` at the first ``save()`` call (torchtitan
+    calls it at every step boundary) after all parts are there, and at the latest in ``finish()``
+    (the trainer's close). No collective is involved after the save's own barrier, so a rank that
+    stops early never blocks the others. Every rank must construct this, in the same order."""
+
+    def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0):
+        import torch.distributed as dist
+
+        self.ck, self.before_save, self.wait_s = checkpointer, before_save, wait_s
+        self.group = _cpu_group()
+        self.rank = dist.get_rank() if self.group is not None else 0
+        self.world = dist.get_world_size() if self.group is not None else 1
+        self.pending: list[_Pending] = []
+        self._dcp_save, self._save = checkpointer.dcp_save, getattr(checkpointer, "save", None)
+        checkpointer.dcp_save = self.dcp_save
+        if self._save is not None:
+            checkpointer.save = self.save
+        checkpointer._apiary_atomic = self
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def poll(self, wait: bool = False) -> None:
+        """Finish the pending saves that are ready, in step order (``wait``: all of them, or give up
+        after ``wait_s`` and leave the step incomplete)."""
+        deadline = time.monotonic() + self.wait_s
+        while self.pending:
+            head = self.pending[0]
+            if wait:
+                head.thread.join(max(0.0, deadline - time.monotonic()))
+                while not head.ready() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if not head.ready():
+                if wait:
+                    print(f"apiary: checkpoint step {head.step}: not every rank's checksums arrived in "
+                          f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr)
+                    self.pending.clear()
+                return
+            head.finish()
+            self.pending.pop(0)
+
+    def save(self, curr_step, last_step=False):
+        self.poll()
+        return self._save(curr_step, last_step=last_step)
+
+    def finish(self) -> None:
+        self.poll(wait=True)
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        from torchtitan.components.checkpoint import AsyncMode
+
+        if self.before_save is not None:
+            self.before_save()
         m = STEP_RE.fullmatch(Path(checkpoint_id).name)
         if async_mode != AsyncMode.DISABLED or m is None:  # apiary saves synchronously to step-N
-            return original(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            return self._dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         step, final = int(m.group(1)), Path(checkpoint_id)
         tmp = final.parent / f"{PARTIAL}{step}"
-        rank = dist.get_rank() if group is not None else 0
-        world = dist.get_world_size() if group is not None else 1
-        if rank == 0:
+        if self.rank == 0:
+            busy = {p.tmp for p in self.pending}
             for stale in final.parent.glob(f"{PARTIAL}*"):  # saves killed midway: never visible, now gone
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale not in busy:
+                    shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
-        barrier()
+        self._barrier()
         t0 = time.perf_counter()
-        result = original(state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
-        barrier()
-        t1 = time.perf_counter()
-        files = list_files(tmp)
-        mine = entries(tmp, files[rank::world])
-        if group is not None:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, mine, group=group)
-            mine = {k: v for part in gathered for k, v in part.items()}
-        if rank == 0:
-            write_manifest(tmp, step, mine, save_s=t1 - t0, hash_s=time.perf_counter() - t1)
-            aside = final.parent / f"{PARTIAL}replaced-{step}"
-            if final.exists():  # re-saving a step (e.g. after checkpoint.load_step): replace it whole
-                os.rename(final, aside)
-            os.rename(tmp, final)
-            _fsync_dir(final.parent)
-            shutil.rmtree(aside, ignore_errors=True)
-        barrier()
+        result = self._dcp_save(state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
+        self._barrier()  # every rank's files (and DCP's .metadata) are written
+        self.pending.append(_Pending(step, tmp, final, list_files(tmp), self.rank, self.world,
+                                     time.perf_counter() - t0))
         return result
-
-    checkpointer.dcp_save = dcp_save
-    checkpointer._apiary_atomic = True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -266,6 +345,11 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def install_atomic_save(checkpointer, before_save=None) -> AtomicSaves:
+    existing = getattr(checkpointer, "_apiary_atomic", None)
+    return existing if existing is not None else AtomicSaves(checkpointer, before_save)
 
 
 # -- non-finite values ---------------------------------------------------------------------

@@ -84,8 +84,14 @@ class ApiaryTrainer(Trainer):
                 return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
             self.metrics_processor.log = log_with_skips
+        self._atomic = None
         if self.checkpointer.enable:
-            integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+            self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+
+    def close(self) -> None:
+        if getattr(self, "_atomic", None) is not None:  # the last saves become visible (step-N) now
+            self._atomic.finish()
+        super().close()
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._policy_metrics
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
@@ -136,6 +142,8 @@ class ApiaryTrainer(Trainer):
         return self._step_schedulers(*args, **kwargs)
 
     def _stop_nonfinite(self, what: str) -> None:
+        if getattr(self, "_atomic", None) is not None:
+            self._atomic.finish()  # the saves before this step are complete before naming the last good one
         ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
         norm = _GRAD_NORM[0]
         norm_s = f"{float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm):.4g}" if norm is not None else "?"
@@ -167,8 +175,13 @@ class ApiaryTrainer(Trainer):
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
                         t = v.to_local() if hasattr(v, "to_local") else v
                         flags.append(~torch.isfinite(t).all())
-        bad = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+        by_device: dict = {}  # optimizer state may live on the host (state.offload=optimizer)
+        for f in flags:
+            by_device.setdefault(f.device, []).append(f)
+        bad = any(bool(torch.stack(fs).any()) for fs in by_device.values())
         if self._agree([bad])[0]:
+            if getattr(self, "_atomic", None) is not None:
+                self._atomic.finish()
             ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
             raise integrity.NonFiniteStop(
                 f"apiary: step {self.step}: the model or optimizer state holds NaN or Inf values; the checkpoint "

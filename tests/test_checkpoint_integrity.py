@@ -157,13 +157,17 @@ def test_a_crash_inside_the_save_leaves_the_previous_steps_intact(tmp_path):
 
     fake = type("Ckpt", (), {})()
     fake.dcp_save = dcp_save
-    integrity.install_atomic_save(fake)
+    atomic = integrity.install_atomic_save(fake)
     with pytest.raises(Crash):
         fake.dcp_save({"crash": True}, str(ck / "step-4"), AsyncMode.DISABLED)
+    atomic.finish()
     assert integrity.complete_steps(ck) == [2] and (ck / ".partial-4").is_dir()
     assert integrity.verify(ck / "step-2") is None
     fake.dcp_save({}, str(ck / "step-4"), AsyncMode.DISABLED)  # the next save completes and tidies up
+    assert not (ck / "step-4").exists()  # written, but visible only once its checksums are in
+    atomic.finish()
     assert integrity.complete_steps(ck) == [2, 4] and not (ck / ".partial-4").exists()
+    assert not list((ck / "step-4").glob("manifest.json.rank*"))
     assert set(json.loads((ck / "step-4" / "manifest.json").read_text())["files"]) == {"a.distcp", ".metadata"}
 
 
