@@ -107,14 +107,22 @@ def test_skip_skips_counts_and_stops_after_max_skips(workdir, tmp_path):
     assert b["train_state"]["step"] == skipped[1]  # while the step (and the data) moved on
 
 
-@pytest.mark.parametrize("arg, key", [("training.on_nonfinite=ignore", "training.on_nonfinite=ignore"),
-                                      ("training.max_skips=-1", "training.max_skips=-1"),
-                                      ("checkpoint.load_step=3", "checkpoint.load_step=3")])
-def test_bad_settings_exit_2(workdir, arg, key):
-    p = run_cli(["train", arg], cwd=workdir)
+def test_bad_setting_exits_2_before_anything_starts(workdir):
+    p = run_cli(["train", "training.on_nonfinite=ignore"], cwd=workdir)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert key in p.stderr and "Traceback" not in p.stderr
+    assert "training.on_nonfinite=ignore: must be stop or skip" in p.stderr and "Traceback" not in p.stderr
     assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("arg, says", [("training.max_skips=-1", "must be >= 0"),
+                                       ("checkpoint.load_step=3", "this run does not resume")])
+def test_bad_settings_are_refused(workdir, arg, says):
+    from framework.errors import UserError
+    from framework.resolve import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve("debug_moe", [arg])
+    assert f"{arg}: " in str(e.value) and says in str(e.value)
 
 
 def test_no_checkpoint_from_a_non_finite_state():
