@@ -169,10 +169,17 @@ def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
     from framework.errors import UserError
 
     ck = Path(run_dir) / "checkpoint"
-    steps = complete_steps(ck)
-    if not steps:
-        raise UserError(where, f"{run_dir} holds no complete checkpoint (checkpoint/step-N).",
+    dirs = step_dirs(ck)
+    steps = [n for n, p in dirs.items() if is_complete(p)]
+    if not dirs:
+        raise UserError(where, f"{run_dir} holds no checkpoint (checkpoint/step-N).",
                         "Check output_dir, or start a fresh run without checkpoint.resume.")
+    latest = max(dirs)
+    if load_step is None and latest not in steps:  # not apiary's atomic save: an older version's, cut short
+        earlier = [s for s in steps if s < latest]
+        raise UserError(where, f"the latest checkpoint {dirs[latest]} is incomplete or corrupt (no .metadata, no "
+                        f"{MANIFEST}).", (f"Resume from step {earlier[-1]} with checkpoint.load_step={earlier[-1]}, "
+                                          "or move it aside." if earlier else "Move it aside and start a fresh run."))
     if load_step is not None and load_step not in steps:
         raise UserError(f"checkpoint.load_step={load_step}", f"{ck} has no complete step {load_step}; complete "
                         f"steps: {', '.join(map(str, steps))}.", "Pick one of them.")

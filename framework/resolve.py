@@ -90,6 +90,13 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return complete_steps(Path(run_dir) / "checkpoint")
 
 
+def _any_step_dir(run_dir: Path) -> bool:
+    """Any checkpoint/step-N folder, complete or not: a fresh run must not overwrite either."""
+    from framework.integrity import step_dirs
+
+    return bool(step_dirs(Path(run_dir) / "checkpoint"))
+
+
 def _check_outputs(cfg) -> None:
     """Resume only from an intact checkpoint; never silently reuse or overwrite one."""
     ck = cfg.checkpoint
@@ -112,7 +119,7 @@ def _check_outputs(cfg) -> None:
                             "does not resume.", "Add checkpoint.resume=true (with output_dir=RUN), or drop it.")
         if cfg.output_dir is None:
             cfg.output_dir = default_output_dir(cfg.recipe)
-        elif checkpoint_steps(Path(cfg.output_dir)):
+        elif _any_step_dir(Path(cfg.output_dir)):
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")

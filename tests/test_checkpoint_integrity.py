@@ -122,15 +122,13 @@ def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run):
     # a save of step 6 killed after writing its data: it never got its manifest nor its name
     shutil.copytree(ck / "step-4", ck / ".partial-6")
     (ck / ".partial-6" / "manifest.json").unlink()
-    # and a step folder that an older apiary left half-written (no .metadata, no manifest)
-    (ck / "step-5").mkdir()
-    (ck / "step-5" / "__0_0.distcp").write_bytes(b"half")
     from framework.resolve import checkpoint_steps
 
     assert checkpoint_steps(run) == [2, 4]
     assert integrity.check_resume(run, None, "checkpoint.resume=true") == 4
     p = _resume(run)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "step     5/6" in p.stdout
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-2]["step"] == 5 and records[-1]["step"] == 6  # resumed from step 4
     assert not (ck / ".partial-6").exists()  # the next save removed the dead partial
@@ -169,6 +167,16 @@ def test_a_crash_inside_the_save_leaves_the_previous_steps_intact(tmp_path):
     assert integrity.complete_steps(ck) == [2, 4] and not (ck / ".partial-4").exists()
     assert not list((ck / "step-4").glob("manifest.json.rank*"))
     assert set(json.loads((ck / "step-4" / "manifest.json").read_text())["files"]) == {"a.distcp", ".metadata"}
+
+
+def test_a_half_written_step_of_an_older_version_is_refused_not_overwritten(run):
+    """step-N without .metadata or manifest (an older apiary killed mid-save): kept, and named."""
+    half = run / "checkpoint" / "step-6"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"half")
+    err = _resolve_error(run)
+    assert f"{half} is incomplete or corrupt" in err and "checkpoint.load_step=4" in err
+    assert (half / "__0_0.distcp").read_bytes() == b"half"
 
 
 def test_load_step_must_name_a_complete_step(run):
