@@ -148,3 +148,20 @@ def test_no_checkpoint_from_a_non_finite_state():
         model.bias[0] = float("nan")
     with pytest.raises(NonFiniteStop):
         ApiaryTrainer._check_state_finite(fake)
+
+
+def test_two_ranks_stop_together_at_the_same_step(workdir, tmp_path):
+    """2 gloo ranks: the decision is all-reduced, so both stop before step 3's update (no hang) and
+    every shard of every checkpoint left is finite and matches its manifest."""
+    from framework import integrity
+
+    p = run_cli(["train", *SMALL, "optimizer.lr=1e6", "training.steps=5", "checkpoint.interval=1", "nproc=2",
+                 "output_dir=run"], cwd=workdir)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "exitcode  : 76" in out, out[-3000:]  # torchrun reports the worker's 76
+    assert out.count("apiary: step 3: the gradient norm is not finite") == 1  # rank 0 says it once
+    ck = workdir / "run" / "checkpoint"
+    assert sorted(d.name for d in ck.glob("step-*")) == ["step-1", "step-2"]
+    for d in ck.glob("step-*"):
+        assert len(list(d.glob("*.distcp"))) == 2 and integrity.verify(d) is None
+        assert _all_finite(d, tmp_path) > 10
