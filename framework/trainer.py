@@ -87,15 +87,15 @@ class ApiaryTrainer(Trainer):
         self._atomic = None
         if self.checkpointer.enable:
             self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+        if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
+            self.metrics_processor.extra_source = self._policy_metrics
+        if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
+            self.metrics_processor.max_loss_source = self._max_loss_over_dp
 
     def close(self) -> None:
         if getattr(self, "_atomic", None) is not None:  # the last saves become visible (step-N) now
             self._atomic.finish()
         super().close()
-        if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
-            self.metrics_processor.extra_source = self._policy_metrics
-        if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
-            self.metrics_processor.max_loss_source = self._max_loss_over_dp
 
     def train_step(self, data_iterator):
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
