@@ -42,6 +42,7 @@ class JsonlLogger(BaseLogger):
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
             **{k: v for k, v in metrics.items() if k.startswith("policy/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
+            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")

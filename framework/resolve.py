@@ -79,20 +79,23 @@ def default_output_dir(recipe: str) -> str:
 
 def latest_run_dir(recipe: str) -> Path | None:
     root = Path("runs") / recipe
-    runs = [p for p in root.glob("*") if (p / "checkpoint").is_dir()] if root.is_dir() else []
+    runs = [p for p in root.glob("*") if checkpoint_steps(p)] if root.is_dir() else []
     runs.sort(key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    ck = Path(run_dir) / "checkpoint"
-    steps = []
-    for p in ck.glob("step-*") if ck.is_dir() else []:
-        try:
-            steps.append(int(p.name.split("-", 1)[1]))
-        except ValueError:
-            continue
-    return sorted(steps)
+    """The complete checkpoint steps of a run (a save killed midway is never one)."""
+    from framework.integrity import complete_steps
+
+    return complete_steps(Path(run_dir) / "checkpoint")
+
+
+def _any_step_dir(run_dir: Path) -> bool:
+    """Any checkpoint/step-N folder, complete or not: a fresh run must not overwrite either."""
+    from framework.integrity import step_dirs
+
+    return bool(step_dirs(Path(run_dir) / "checkpoint"))
 
 
 def _check_outputs(cfg) -> None:
@@ -105,26 +108,23 @@ def _check_outputs(cfg) -> None:
                 raise UserError("checkpoint.resume=true", f"no earlier run of {cfg.recipe} with a checkpoint "
                                 f"under runs/{cfg.recipe}/.", "Pass output_dir=PATH of the run to continue.")
             cfg.output_dir = str(latest)
-        steps = checkpoint_steps(Path(cfg.output_dir))
-        if not steps:
-            raise UserError("checkpoint.resume=true", f"{cfg.output_dir} holds no checkpoint (checkpoint/step-N).",
-                            "Check output_dir, or start a fresh run without checkpoint.resume.")
-        last = Path(cfg.output_dir) / "checkpoint" / f"step-{steps[-1]}"
-        if not (last / ".metadata").is_file():
-            raise UserError("checkpoint.resume=true", f"the latest checkpoint {last} is incomplete or corrupt "
-                            "(no .metadata).", f"Move it aside to resume from step {steps[-2]}." if len(steps) > 1
-                            else "Move it aside and start a fresh run.")
-        if steps[-1] >= cfg.training.steps:
-            raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {steps[-1]} of "
+        from framework.integrity import check_resume
+
+        step = check_resume(Path(cfg.output_dir), ck.load_step, "checkpoint.resume=true")  # exit 2 if corrupt
+        if step >= cfg.training.steps:
+            raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {step} of "
                             f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
     else:
+        if ck.load_step is not None:
+            raise UserError(f"checkpoint.load_step={ck.load_step}", "picks the step a resume loads; this run "
+                            "does not resume.", "Add checkpoint.resume=true (with output_dir=RUN), or drop it.")
         if cfg.output_dir is None:
             cfg.output_dir = default_output_dir(cfg.recipe)
         elif Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
             raise UserError(f"output_dir={cfg.output_dir}", "is an existing file, not a folder; the run writes "
                             "config.yaml, metrics.jsonl and checkpoints into a folder there.",
                             "Choose another output_dir (a new or empty folder).")
-        elif checkpoint_steps(Path(cfg.output_dir)):
+        elif _any_step_dir(Path(cfg.output_dir)):
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")
@@ -234,6 +234,13 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
                         "every worker would produce the same batches and the run would train on repeats.",
                         "Set data.num_workers=1 to load in one background process, or 0 to load in the "
                         "training process.")
+    if cfg.training.on_nonfinite not in ("stop", "skip"):
+        raise UserError(f"training.on_nonfinite={cfg.training.on_nonfinite}", "must be stop or skip.",
+                        "stop: exit 76 at the first NaN/Inf loss or grad norm; skip: skip that update "
+                        "(at most training.max_skips in a row).")
+    if cfg.training.max_skips < 0:
+        raise UserError(f"training.max_skips={cfg.training.max_skips}", "must be >= 0 (0: the first "
+                        "non-finite step stops the run, as on_nonfinite=stop).")
     if not for_training:
         return
     limit = getattr(facts, "max_seq_len", 0)
@@ -253,6 +260,13 @@ def _check_inputs(cfg, facts, for_training: bool) -> None:
     if ck.load_path is not None and not (Path(ck.load_path) / ".metadata").is_file():
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
+    if ck.load_path is not None:
+        from framework.integrity import verify
+
+        problem = verify(Path(ck.load_path))
+        if problem is not None:
+            raise UserError(f"checkpoint.load_path={ck.load_path}", f"{Path(ck.load_path) / problem[0]} "
+                            f"{problem[1]}: the checkpoint is corrupt.", "Point it at an intact step folder.")
     d = cfg.data
     _check_rollouts(cfg, facts)
     if d.format == "rollouts":

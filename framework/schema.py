@@ -50,6 +50,8 @@ class TrainingConfig:
     deterministic: bool = False
     cache_autotuning: bool = True  # keep Triton's autotuning results on disk across launches
     kernel_cache: Optional[str] = None  # Triton + inductor caches under this path (None: their defaults)
+    on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: stop (exit 76, nothing applied) | skip the update
+    max_skips: int = 5  # on_nonfinite=skip: stop (as `stop`) when more steps than this in a row are non-finite
 
 
 @dataclass
@@ -93,6 +95,7 @@ class CheckpointConfig:
     interval: int = 10
     resume: bool = False  # continue from the latest checkpoint of output_dir (or the recipe's latest run)
     keep_latest_k: int = 3
+    load_step: Optional[int] = None  # resume from this complete step instead of the latest (checkpoint.resume)
     load_path: Optional[str] = None  # initial weights: a DCP step folder (e.g. a seed checkpoint)
     create_seed: bool = False  # one process: initialise, save step-0 weights, exit (shared start for A/Bs)
     model_only_last: bool = False

@@ -8,6 +8,15 @@ same way (same load balancer, so token t of every tensor lands on the same rank)
 to the policy loss together with the context-parallel group. Batches without ``rl_*`` keys go
 through unchanged.
 
+Non-finite guard (``training.on_nonfinite``): every micro-step's loss and the step's global grad
+norm (torchtitan's ``clip_grad_norm_``) are checked before ``optimizers.step()``; one all-reduced
+flag makes every rank decide alike. ``stop`` raises ``NonFiniteStop`` (exit 76) with no update
+applied; ``skip`` leaves the optimizer, its state and the LR schedule untouched for that step
+(the schedule counts applied updates; the data moves on), counts it in metrics.jsonl
+(``skipped_steps``, ``nonfinite``) and stops like ``stop`` once more than ``training.max_skips``
+steps in a row would be skipped. Each checkpoint save first checks that the model and optimizer
+state are finite, and writes atomically with a manifest (framework/integrity.py).
+
 Policy metrics (clip fractions, KL, entropy) are reduced over the step's micro-steps and the
 data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also
 reports a true ``max_loss``: torchtitan divides each rank's
@@ -19,6 +28,7 @@ divided by that rank's tokens, then the max is taken over data parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,29 +36,166 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.trainer import Trainer
 
 from components.data.rollout_loader import RL_KEYS, STEP_KEYS
+from framework import integrity
+
+_GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
+
+
+def _capture_grad_norm() -> None:
+    """Keep the grad norm train_step computes (it is local to train_step) for the finite check."""
+    from torchtitan.distributed import utils as dist_utils
+
+    if getattr(dist_utils.clip_grad_norm_, "_apiary", False):
+        return
+    original = dist_utils.clip_grad_norm_
+
+    def clip_grad_norm_(*args, **kwargs):
+        _GRAD_NORM[0] = norm = original(*args, **kwargs)
+        return norm
+
+    clip_grad_norm_._apiary = True
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
 
 
 class ApiaryTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        pass
+        on_nonfinite: str = "stop"  # stop | skip (training.on_nonfinite)
+        max_skips: int = 5  # skip: stop when more than this many steps in a row are non-finite
+        resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
+        self._bad_loss = None
+        self._skips_total = self._skips_in_row = 0
+        self._skipped_now = self._loss_was_bad = False
+        _capture_grad_norm()
+        self._step_optimizers, self._step_schedulers = self.optimizers.step, self.lr_schedulers.step
+        self.optimizers.step = self._guarded_optimizer_step
+        self.lr_schedulers.step = self._guarded_scheduler_step
+        if self.config.on_nonfinite == "skip":
+            log = self.metrics_processor.log
+
+            def log_with_skips(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+                if self._skipped_now and self._loss_was_bad:  # the logged copy was zeroed (see below)
+                    global_avg_loss = global_max_loss = float("nan")
+                extra = {**(extra_metrics or {}), "health/skipped_steps": self._skips_total,
+                         "health/nonfinite": int(self._skipped_now)}
+                return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+            self.metrics_processor.log = log_with_skips
+        self._atomic = None
+        if self.checkpointer.enable:
+            self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._policy_metrics
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
 
+    def close(self) -> None:
+        if getattr(self, "_atomic", None) is not None:  # the last saves become visible (step-N) now
+            self._atomic.finish()
+        super().close()
+
     def train_step(self, data_iterator):
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0
         self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None
+        self._bad_loss, self._skipped_now, self._loss_was_bad = None, False, False
+        _GRAD_NORM[0] = None
         return super().train_step(data_iterator)
+
+    # -- the non-finite guard ----------------------------------------------------------------
+    def _agree(self, flags: list) -> list[bool]:
+        """Each flag OR-ed over every rank (one small all-reduce on the default group)."""
+        t = torch.stack([torch.as_tensor(f, device=self.device).float().reshape(()) for f in flags])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def _guarded_optimizer_step(self, *args, **kwargs):
+        norm = _GRAD_NORM[0]
+        bad_loss = self._bad_loss if self._bad_loss is not None else torch.zeros((), dtype=torch.bool)
+        bad_norm = ~torch.isfinite(norm.detach().float()) if norm is not None else torch.zeros((), dtype=torch.bool)
+        if isinstance(bad_norm, torch.Tensor) and hasattr(bad_norm, "full_tensor"):
+            bad_norm = bad_norm.full_tensor()
+        loss_bad, norm_bad = self._agree([bad_loss, bad_norm])
+        if not (loss_bad or norm_bad):
+            self._skips_in_row = 0
+            return self._step_optimizers(*args, **kwargs)
+        what = " and ".join(w for w, b in (("the loss", loss_bad), ("the gradient norm", norm_bad)) if b)
+        if self.config.on_nonfinite == "skip" and self._skips_in_row < self.config.max_skips:
+            self._skips_in_row += 1
+            self._skips_total += 1
+            self._skipped_now, self._loss_was_bad = True, loss_bad
+            self.optimizers.zero_grad()
+            from torchtitan.tools.logging import logger
+
+            logger.warning(f"step {self.step}: {what} is not finite; update skipped "
+                           f"({self._skips_in_row} in a row, {self._skips_total} in all)")
+            return None
+        self._stop_nonfinite(what)
+
+    def _guarded_scheduler_step(self, *args, **kwargs):
+        if self._skipped_now:  # the schedule counts applied updates
+            return None
+        return self._step_schedulers(*args, **kwargs)
+
+    def _stop_nonfinite(self, what: str) -> None:
+        if getattr(self, "_atomic", None) is not None:
+            self._atomic.finish()  # the saves before this step are complete before naming the last good one
+        ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
+        norm = _GRAD_NORM[0]
+        norm_s = f"{float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm):.4g}" if norm is not None else "?"
+        if self.config.on_nonfinite == "skip":
+            why = (f"more than training.max_skips={self.config.max_skips} steps in a row were non-finite, "
+                   f"{self._skips_total} skipped in all")
+            tries = "lower optimizer.lr, add lr.warmup_steps or lower training.max_norm"
+        else:
+            why = "training.on_nonfinite=stop"
+            tries = ("lower optimizer.lr, add lr.warmup_steps or lower training.max_norm; or set "
+                     "training.on_nonfinite=skip to skip such steps (training.max_skips in a row)")
+        raise integrity.NonFiniteStop(
+            f"apiary: step {self.step}: {what} is not finite (grad norm {norm_s}); no update was applied and "
+            f"nothing was saved from this step ({why}). Last good checkpoint: {integrity.last_good(ck)}. "
+            f"Resume from it with {self.config.resume_hint or 'checkpoint.resume=true'} after a change: {tries}. "
+            f"Exit code {integrity.EXIT_NONFINITE}.")
+
+    def _check_state_finite(self) -> None:
+        """Before any checkpoint is written: every model and optimizer tensor is finite (all ranks)."""
+        flags = []
+        for m in self.model_parts:
+            for p in m.parameters():
+                t = p.to_local() if hasattr(p, "to_local") else p
+                if t.is_floating_point() and t.numel():
+                    flags.append(~torch.isfinite(t.detach()).all())
+        for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                        t = v.to_local() if hasattr(v, "to_local") else v
+                        flags.append(~torch.isfinite(t).all())
+        by_device: dict = {}  # optimizer state may live on the host (state.offload=optimizer)
+        for f in flags:
+            by_device.setdefault(f.device, []).append(f)
+        bad = any(bool(torch.stack(fs).any()) for fs in by_device.values())
+        if self._agree([bad])[0]:
+            if getattr(self, "_atomic", None) is not None:
+                self._atomic.finish()
+            ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
+            raise integrity.NonFiniteStop(
+                f"apiary: step {self.step}: the model or optimizer state holds NaN or Inf values; the checkpoint "
+                f"of this step was not written. Last good checkpoint: {integrity.last_good(ck)}. Resume from it "
+                f"with {self.config.resume_hint or 'checkpoint.resume=true'} after lowering optimizer.lr or "
+                f"training.max_norm. Exit code {integrity.EXIT_NONFINITE}.")
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
+        bad = ~torch.isfinite(loss.detach().float()).all()  # stays on device: no sync here
+        self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
+        if self.config.on_nonfinite == "skip":  # only the logged copy: torchtitan raises on a NaN it logs
+            loss = torch.where(bad, torch.zeros_like(loss), loss)
         if self.metrics_processor.extra_source is not None and self.loss_fn.metric_weight is not None:
             w = self.loss_fn.metric_weight.float()
             for k, v in self.loss_fn.metrics.items():
