@@ -13,7 +13,7 @@ from framework.errors import UserError, did_you_mean
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY_PATH = ROOT / "registry.yaml"
 # Kinds whose chosen option is a config group: `loss=chunked loss.num_chunks=4`.
-GROUP_KINDS = ("loss", "state", "recompute", "launcher")
+GROUP_KINDS = ("loss", "state", "recompute", "launcher", "precision")
 
 
 @lru_cache(maxsize=None)
