@@ -40,8 +40,8 @@ def linear_case(make_fp8):
     g = torch.randn(TOKENS, HIDDEN, device="cuda")
 
     def run(fn, dtype):
-        xx = x.to(dtype).requires_grad_()
-        ww = w.to(dtype).requires_grad_() if fn is None else None
+        xx = x.to(dtype).detach().clone().requires_grad_()
+        ww = w.to(dtype).detach().clone().requires_grad_() if fn is None else None
         if fn is None:
             y = xx @ ww.t()
             y.backward(g.to(dtype))
@@ -101,48 +101,55 @@ def test_torchao_fp8_all_gather_weight_wrapped():
 
 
 def test_torchao_grouped_experts_match_bf16():
+    """torchtitan's GroupedExperts (bf16 grouped GEMMs) and its FP8 conversion (torchao rowwise
+    scaled grouped GEMMs) against an fp32 per-expert loop, forward and backward."""
     pytest.importorskip("torchao.prototype.moe_training")
     if cc() < (9, 0):
         pytest.skip("FP8 grouped GEMMs need SM 9.0")
+    import torch.nn.functional as F
     from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
     from torchtitan.models.common.moe import GroupedExperts
 
-    E, D, F = 8, 1024, 512
+    E, D, H = 8, 1024, 512
     torch.manual_seed(0)
     counts = torch.tensor([640, 512, 384, 768, 256, 512, 640, 384], device="cuda")  # multiples of 16
-    x = torch.randn(int(counts.sum()), D, device="cuda")
-    g = torch.randn(int(counts.sum()), D, device="cuda")
-    cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E)
-    with torch.device("cuda"):
-        base_mod = cfg.build()
-    with torch.no_grad():
-        for p in base_mod.parameters():
-            p.normal_(0, D ** -0.5)
-    state = {k: v.detach().clone() for k, v in base_mod.state_dict().items()}
+    R = int(counts.sum())
+    x, g = torch.randn(R, D, device="cuda"), torch.randn(R, D, device="cuda")
+    weights = {"w1_EFD": torch.randn(E, H, D, device="cuda") * D ** -0.5,
+               "w2_EDF": torch.randn(E, D, H, device="cuda") * H ** -0.5,
+               "w3_EFD": torch.randn(E, H, D, device="cuda") * D ** -0.5}
 
-    def run(mod, dtype):
-        xx = x.to(dtype).requires_grad_()
+    def reference():
+        xx = x.clone().requires_grad_()
+        ws = {k: v.clone().requires_grad_() for k, v in weights.items()}
+        outs = []
+        for e, xe in enumerate(torch.split(xx, counts.tolist())):
+            h = F.silu(xe @ ws["w1_EFD"][e].t()) * (xe @ ws["w3_EFD"][e].t())
+            outs.append(h @ ws["w2_EDF"][e].t())
+        y = torch.cat(outs)
+        y.backward(g)
+        return [y, xx.grad, *(ws[k].grad for k in sorted(ws))]
+
+    def module_run(cls):
+        with torch.device("cuda"):
+            mod = cls.Config(dim=D, hidden_dim=H, num_experts=E).build()
+        with torch.no_grad():
+            for name, p in mod.named_parameters():
+                p.copy_(weights[name])
+        xx = x.to(torch.bfloat16).requires_grad_()
         y = mod(xx, counts)
         y.backward(g.to(y.dtype))
-        return [y, xx.grad, *(p.grad for p in mod.parameters())]
+        params = dict(mod.named_parameters())
+        return [y, xx.grad, *(params[k].grad for k in sorted(params))]
 
-    ref = run(base_mod, torch.float32)
-    bf = cfg.build().cuda().to(torch.bfloat16)
-    bf.load_state_dict(state)
-    bf16 = run(bf, torch.bfloat16)
-    fp8_cls = _get_float8_grouped_experts_cls(GroupedExperts)
-    with torch.device("cuda"):
-        q = fp8_cls.Config(dim=D, hidden_dim=F, num_experts=E).build()
-    with torch.no_grad():
-        for name, p in q.named_parameters():
-            p.copy_(state[name])
-    q = q.to(torch.bfloat16)
-    fp8 = run(q, torch.bfloat16)
-    names = ["output", "input grad", *(n for n, _ in base_mod.named_parameters())]
+    ref = reference()
+    bf16 = module_run(GroupedExperts)
+    fp8 = module_run(_get_float8_grouped_experts_cls(GroupedExperts))
+    names = ["output", "input grad", *sorted(weights)]
     for n, a, b, r in zip(names, fp8, bf16, ref):
         e, eb = rel(a, r), rel(b, r)
         assert e < FP8_LAYER_TOL, f"torchao grouped experts: {n} rel error {e:.4f} above {FP8_LAYER_TOL}"
-        assert e > eb, f"torchao grouped experts: {n} rel error {e:.2e} not above bf16's {eb:.2e}"
+        assert e > eb, f"torchao grouped experts: {n} rel error {e:.2e} not above bf16's {eb:.2e}: did FP8 run?"
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
