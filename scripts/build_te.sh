@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build the transformer-engine-torch wheel (TransformerEngine's PyTorch extension) from the
+# package registry's source distribution, against the torch of the Python that runs it.
+#
+#   bash scripts/build_te.sh                     # wheel under $OUT (default dist/te)
+#   PY=/path/to/python TE_VERSION=2.20.2 MAX_JOBS=8 OUT=dist/te bash scripts/build_te.sh
+#
+# Needs: that Python with torch (CUDA 12 or 13 build) and pip; CUDA's headers and nvcc, either a
+# toolkit (nvcc on PATH or CUDA_HOME) or the registry's wheels (nvidia-cuda-nvcc, ...,
+# NVTE_BUILD_USE_NVIDIA_WHEELS=1). No GPU: the extension is C++ only (33 sources) compiled against
+# torch's and CUDA's headers; it loads TE's core library (the transformer_engine_cu13 /
+# transformer_engine_cu12 wheel, prebuilt on the registry) at import time.
+# Build-only dependencies (nvidia-cudnn-frontend's headers) go to a scratch folder on PYTHONPATH,
+# never into the Python's environment. Install the result with the core wheel:
+#   pip install dist/te/transformer_engine_torch-*.whl transformer_engine_cu13==$TE_VERSION
+# and check: python -c "import transformer_engine.pytorch"   (docs/install.md)
+set -euo pipefail
+PY=${PY:-python3}
+TE_VERSION=${TE_VERSION:-2.20.2}
+OUT=${OUT:-dist/te}
+WORK=${WORK:-$(mktemp -d /tmp/build_te.XXXXXX)}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+mkdir -p "$OUT" "$WORK/deps"
+OUT=$(cd "$OUT" && pwd)
+start=$(date +%s)
+echo "build_te: torch $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), TE $TE_VERSION, MAX_JOBS $MAX_JOBS, scratch $WORK"
+# CUDA_HOME: the toolkit whose include/ has cuda_runtime_api.h. TE's setup takes nvcc's parent
+# otherwise, which is wrong when nvcc on PATH is a wrapper script (e.g. /usr/local/bin/nvcc).
+if [ -z "${CUDA_HOME:-}" ] && [ "${NVTE_BUILD_USE_NVIDIA_WHEELS:-0}" != 1 ]; then
+  for c in "$($PY -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)" \
+           /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-12.9; do
+    if [ -n "$c" ] && [ -f "$c/include/cuda_runtime_api.h" ] && [ -x "$c/bin/nvcc" ]; then export CUDA_HOME=$c; break; fi
+  done
+  if [ -z "${CUDA_HOME:-}" ]; then
+    echo "build_te: no CUDA toolkit with headers found (set CUDA_HOME, or install the registry's nvidia-cuda-nvcc" \
+         "and CUDA header wheels and set NVTE_BUILD_USE_NVIDIA_WHEELS=1)" >&2
+    exit 2
+  fi
+fi
+echo "build_te: CUDA_HOME=${CUDA_HOME:-<nvidia wheels>}"
+# 1. the sdist, and the build-only headers (cuDNN frontend) beside it
+$PY -m pip download --no-deps --no-binary :all: --no-build-isolation "transformer-engine-torch==$TE_VERSION" -d "$WORK"
+$PY -m pip install --no-deps --target "$WORK/deps" "nvidia-cudnn-frontend>=1.29.0"
+# 2. the wheel: no build isolation (it must see this torch), build from source (the setup script
+#    otherwise tries to download a prebuilt wheel from GitHub)
+export PYTHONPATH="$WORK/deps${PYTHONPATH:+:$PYTHONPATH}"
+export NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch
+$PY -m pip wheel --no-deps --no-build-isolation -v -w "$OUT" "$WORK/transformer_engine_torch-$TE_VERSION.tar.gz"
+end=$(date +%s)
+echo "build_te: built in $((end - start)) s:"
+ls -la "$OUT"/transformer_engine_torch-*.whl
