@@ -267,3 +267,45 @@ def test_torchao_emulated_fp8_linear_matches_bf16(one_thread, all_gather):
     fp8 = (y, xx.grad, layer.weight.grad)
     for name, a, b, r in zip(("output", "input grad", "weight grad"), fp8, bf16, ref):
         assert rel(b, r) < rel(a, r) < FP8_LAYER_TOL, name
+
+
+# --------------------------------------------------------------------------- build (trainer config)
+def test_trainer_config_applies_precision(tmp_path):
+    """precision.compile turns on torchtitan's per-block compile; bf16 leaves the model alone."""
+    from torchtitan.models.common.linear import Linear
+
+    from framework.build import trainer_config
+
+    tc = trainer_config(resolve("debug_moe", [f"output_dir={tmp_path / 'a'}"], world_size=1, for_training=False))
+    assert not tc.compile.enable
+    assert all(type(lc) is Linear.Config for _, lc, _, _ in tc.model_spec.model.traverse(Linear.Config))
+    tc = trainer_config(resolve("debug_moe", ["precision.compile=true", f"output_dir={tmp_path / 'b'}"],
+                                world_size=1, for_training=False))
+    assert tc.compile.enable and tc.compile.components == ["model"]
+
+
+def test_trainer_config_fp8_without_an_fp8_gpu_fails_in_the_worker_too(tmp_path):
+    """A launch that skipped resolve's check (Slurm on a login node) still stops before training."""
+    from framework.build import trainer_config
+
+    r = resolve("debug_moe", ["precision=fp8", f"output_dir={tmp_path}"], world_size=1, for_training=False)
+    with pytest.raises(RuntimeError, match="precision=fp8: FP8 training needs an NVIDIA GPU"):
+        trainer_config(r)
+
+
+def test_trainer_config_fp8_all_gather_hook(tmp_path, monkeypatch):
+    """torchao tensorwise: linears converted with FP8 all-gather, one amax pass after each optimizer step."""
+    pytest.importorskip("torchao.float8")
+    from framework.build import trainer_config
+
+    monkeypatch.setattr(policies, "device_problem", lambda scaling: None)
+    real = FP8.convert
+    monkeypatch.setattr(FP8, "convert", staticmethod(lambda o, mc, emulate=True: real(o, mc, emulate=True)))
+    r = resolve("debug_dense", ["precision=fp8", f"output_dir={tmp_path}"], world_size=1, for_training=False)
+    tc = trainer_config(r)
+    convs = [lc for _, lc, _, _ in tc.model_spec.model.traverse(type(tc.model_spec.model.lm_head))]
+    assert any(getattr(lc, "_torchao_config", None) is not None and lc._torchao_config.enable_fsdp_float8_all_gather
+               for lc in convs)
+    hooks = []
+    tc.model_spec.post_optimizer_build_fn(SimpleNamespace(register_step_post_hook=hooks.append), [], None)
+    assert len(hooks) == 1
