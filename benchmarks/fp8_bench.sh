@@ -7,6 +7,7 @@
 #                 tok/s, peak, loss curves side by side, held to the fp8 tolerance.
 # qwen3_trunc_te  one fp8 run with precision.backend=te (dense linears only; needs transformer_engine), `train` only
 # qwen35_trunc    Qwen3.5-35B-A3B, 4 layers, 32K tokens, bf16 vs fp8 torchao (docs/benchmarks.md's run)
+# qwen3_bf16, qwen3_fp8  the qwen3_trunc pair as two plain `train` runs (no seed checkpoint, no probe)
 # qwen3_rowwise   one fp8 run (torchao rowwise linears) of the qwen3_trunc setting, `train` only
 # smoke           the debug MoE recipe in fp8 for 5 steps (whole path: conversion, FSDP2, dispatcher)
 set -uo pipefail
@@ -18,11 +19,14 @@ QWEN3=(recipe=qwen3_30b_a3b_64k model.n_layers=4 training.seq_len=16384 parallel
 for what in "${@:-qwen3_trunc}"; do
   case $what in
     qwen3_trunc)
-      python3 -m framework.cli compare "${QWEN3[@]}" precision=bf16,fp8 --check --timeout=900 \
+      python3 -m framework.cli compare "${QWEN3[@]}" precision=bf16,fp8 checkpoint.model_only_last=true --check --timeout=400 \
         output_dir="$OUT/fp8_qwen3_trunc" 2>&1 | tail -n 60 ;;
     qwen3_trunc_te)
       python3 -m framework.cli train "${QWEN3[@]}" precision=fp8 precision.backend=te precision.experts=false \
         checkpoint.enable=false output_dir="$OUT/fp8_qwen3_trunc_te" 2>&1 | tail -n 20 ;;
+    qwen3_bf16|qwen3_fp8)  # the pair as two plain runs (same seed, same init), no seed checkpoint or probe
+      python3 -m framework.cli train "${QWEN3[@]}" precision=${what#qwen3_} checkpoint.enable=false \
+        output_dir="$OUT/$what" 2>&1 | tail -n 8 ;;
     qwen3_rowwise)
       python3 -m framework.cli train "${QWEN3[@]}" precision=fp8 precision.scaling=rowwise checkpoint.enable=false \
         output_dir="$OUT/fp8_qwen3_rowwise" 2>&1 | tail -n 20 ;;
@@ -32,7 +36,24 @@ for what in "${@:-qwen3_trunc}"; do
     qwen35_trunc)
       python3 -m framework.cli compare recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 \
         parallel.cp=1 data.name=packaged data.tokenizer=byte training.steps=$STEPS logging.tensorboard=false \
-        lr.warmup_steps=2 model.flex_autotune=false precision=bf16,fp8 --check --timeout=1200 \
+        lr.warmup_steps=2 model.flex_autotune=false checkpoint.model_only_last=true precision=bf16,fp8 --check --timeout=600 \
         output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60 ;;
   esac
 done
+# summary of every run under $OUT that has a metrics.jsonl: median tok/s and step time of steps
+# 4.., peak memory, loss at the first and last step (compare's table says the same for its runs)
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+for m in sorted(Path(sys.argv[1]).rglob("metrics.jsonl")):
+    recs = [json.loads(l) for l in m.read_text().splitlines() if l.strip().startswith("{")]
+    steps = [r for r in recs if "tokens_per_s" in r]
+    if not steps:
+        continue
+    steady = [r for r in steps if r["step"] >= 4] or steps
+    print(f"{m.parent.relative_to(sys.argv[1])}: steps {steps[-1]['step']}, "
+          f"tok/s {statistics.median(r['tokens_per_s'] for r in steady):,.0f}, "
+          f"step {statistics.median(r['step_time_s'] for r in steady):.3f} s, "
+          f"peak {max(r.get('peak_mem_bytes', 0) for r in steps) / 2**30:.2f} GiB ({steps[-1].get('peak_mem_kind')}), "
+          f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
+PY

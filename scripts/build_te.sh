@@ -24,20 +24,30 @@ mkdir -p "$OUT" "$WORK/deps"
 OUT=$(cd "$OUT" && pwd)
 start=$(date +%s)
 echo "build_te: torch $($PY -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), TE $TE_VERSION, MAX_JOBS $MAX_JOBS, scratch $WORK"
-# CUDA_HOME: the toolkit whose include/ has cuda_runtime_api.h. TE's setup takes nvcc's parent
-# otherwise, which is wrong when nvcc on PATH is a wrapper script (e.g. /usr/local/bin/nvcc).
-if [ -z "${CUDA_HOME:-}" ] && [ "${NVTE_BUILD_USE_NVIDIA_WHEELS:-0}" != 1 ]; then
-  for c in "$($PY -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)" \
-           /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-12.9; do
-    if [ -n "$c" ] && [ -f "$c/include/cuda_runtime_api.h" ] && [ -x "$c/bin/nvcc" ]; then export CUDA_HOME=$c; break; fi
-  done
-  if [ -z "${CUDA_HOME:-}" ]; then
-    echo "build_te: no CUDA toolkit with headers found (set CUDA_HOME, or install the registry's nvidia-cuda-nvcc" \
-         "and CUDA header wheels and set NVTE_BUILD_USE_NVIDIA_WHEELS=1)" >&2
+# CUDA headers: torch's own CUDA wheels (nvidia/cu13/include: runtime, cuBLAS, cuSPARSE, ...) when
+# this Python has them (pip-installed torch), so the extension sees exactly torch's CUDA; else a
+# full toolkit (CUDA_HOME, or one found below). A toolkit of nvcc + runtime only (e.g. the
+# registry's nvidia-cuda-nvcc wheel) is not enough: torch's ATen/cuda headers include cusparse.h.
+if [ -z "${CUDA_HOME:-}" ] && [ -z "${NVTE_BUILD_USE_NVIDIA_WHEELS:-}" ]; then
+  if $PY -c 'import nvidia, pathlib, sys; sys.exit(0 if [h for p in nvidia.__path__ for h in pathlib.Path(p).glob("cu*/include/cusparse.h")] else 1)' 2>/dev/null; then
+    export NVTE_BUILD_USE_NVIDIA_WHEELS=1
+  else
+    for c in "$($PY -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)" \
+             /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-12.9; do
+      if [ -n "$c" ] && [ -f "$c/include/cusparse.h" ] && [ -x "$c/bin/nvcc" ]; then export CUDA_HOME=$c; break; fi
+    done
+  fi
+  if [ -z "${CUDA_HOME:-}" ] && [ -z "${NVTE_BUILD_USE_NVIDIA_WHEELS:-}" ]; then
+    echo "build_te: no CUDA headers found: neither torch's nvidia CUDA wheels nor a CUDA toolkit with cusparse.h" \
+         "(set CUDA_HOME to one)" >&2
     exit 2
   fi
 fi
-echo "build_te: CUDA_HOME=${CUDA_HOME:-<nvidia wheels>}"
+if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ]; then
+  echo "build_te: no nvcc (TE's setup reads the CUDA version from it): pip install nvidia-cuda-nvcc, or a toolkit" >&2
+  exit 2
+fi
+echo "build_te: CUDA headers from ${CUDA_HOME:-the nvidia CUDA wheels of this torch (NVTE_BUILD_USE_NVIDIA_WHEELS=1)}"
 # 1. the sdist, and the build-only headers (cuDNN frontend) beside it
 $PY -m pip download --no-deps --no-binary :all: --no-build-isolation "transformer-engine-torch==$TE_VERSION" -d "$WORK"
 $PY -m pip install --no-deps --target "$WORK/deps" "nvidia-cudnn-frontend>=1.29.0"
