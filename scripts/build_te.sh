@@ -43,14 +43,32 @@ if [ -z "${CUDA_HOME:-}" ] && [ -z "${NVTE_BUILD_USE_NVIDIA_WHEELS:-}" ]; then
     exit 2
   fi
 fi
+if [ "${NVTE_BUILD_USE_NVIDIA_WHEELS:-0}" = 1 ] && \
+   ! $PY -c 'import nvidia, pathlib, sys; sys.exit(0 if [h for p in nvidia.__path__ for h in pathlib.Path(p).glob("*/include/crt/host_defines.h")] else 1)'; then
+  # torch's runtime wheel ships cuda_runtime_api.h but not the compiler's crt/ headers it
+  # includes; they come with nvcc (a toolkit, or the registry's nvidia-cuda-crt wheel)
+  for c in "${CUDA_CRT_INCLUDE:-}" /usr/local/cuda/include /usr/local/cuda-13.0/include /usr/local/cuda-12.9/include; do
+    if [ -n "$c" ] && [ -f "$c/crt/host_defines.h" ]; then export CPATH="$c${CPATH:+:$CPATH}"; break; fi
+  done
+  if [ -z "${CPATH:-}" ]; then
+    echo "build_te: no crt/host_defines.h (CUDA compiler headers): pip install nvidia-cuda-crt, or set CUDA_CRT_INCLUDE" >&2
+    exit 2
+  fi
+  echo "build_te: CUDA compiler headers (crt/) from $CPATH"
+fi
 if ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ]; then
   echo "build_te: no nvcc (TE's setup reads the CUDA version from it): pip install nvidia-cuda-nvcc, or a toolkit" >&2
   exit 2
 fi
 echo "build_te: CUDA headers from ${CUDA_HOME:-the nvidia CUDA wheels of this torch (NVTE_BUILD_USE_NVIDIA_WHEELS=1)}"
 # 1. the sdist, and the build-only headers (cuDNN frontend) beside it
-$PY -m pip download --no-deps --no-binary :all: --no-build-isolation "transformer-engine-torch==$TE_VERSION" -d "$WORK"
-$PY -m pip install --no-deps --target "$WORK/deps" "nvidia-cudnn-frontend>=1.29.0"
+#    (offline machines: put the sdist and an unpacked nvidia-cudnn-frontend in $WORK, $WORK/deps first)
+if [ ! -f "$WORK/transformer_engine_torch-$TE_VERSION.tar.gz" ]; then
+  $PY -m pip download --no-deps --no-binary :all: --no-build-isolation "transformer-engine-torch==$TE_VERSION" -d "$WORK"
+fi
+if [ ! -f "$WORK/deps/include/cudnn_frontend.h" ]; then
+  $PY -m pip install --no-deps --target "$WORK/deps" "nvidia-cudnn-frontend>=1.29.0"
+fi
 # 2. the wheel: no build isolation (it must see this torch), build from source (the setup script
 #    otherwise tries to download a prebuilt wheel from GitHub)
 export PYTHONPATH="$WORK/deps${PYTHONPATH:+:$PYTHONPATH}"
