@@ -6,7 +6,8 @@
 #                 precision=bf16,fp8 --check` (torchao tensorwise linears + rowwise expert GEMMs):
 #                 tok/s, peak, loss curves side by side, held to the fp8 tolerance.
 # qwen3_trunc_te  one fp8 run with precision.backend=te (dense linears only; needs transformer_engine), `train` only
-# qwen35_trunc    Qwen3.5-35B-A3B, 4 layers, 32K tokens, bf16 vs fp8 torchao (docs/benchmarks.md's run)
+# qwen35_trunc    Qwen3.5-35B-A3B, 4 layers, 32K tokens, one GPU, bf16 vs fp8 torchao through compare
+# qwen35_bf16, qwen35_fp8  the same pair as two plain `train` runs
 # qwen3_bf16, qwen3_fp8  the qwen3_trunc pair as two plain `train` runs (no seed checkpoint, no probe)
 # qwen3_rowwise   one fp8 run (torchao rowwise linears) of the qwen3_trunc setting, `train` only
 # smoke           the debug MoE recipe in fp8 for 5 steps (whole path: conversion, FSDP2, dispatcher)
@@ -16,6 +17,9 @@ STEPS=${STEPS:-50}
 export PYTHONUNBUFFERED=1
 QWEN3=(recipe=qwen3_30b_a3b_64k model.n_layers=4 training.seq_len=16384 parallel.cp=1 data.name=packaged
        data.tokenizer=byte training.steps=$STEPS logging.tensorboard=false lr.warmup_steps=2 model.flex_autotune=false)
+QWEN35=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 training.local_batch=1 parallel.cp=1
+        parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte training.steps=$STEPS
+        logging.tensorboard=false lr.warmup_steps=2 model.flex_autotune=false)
 for what in "${@:-qwen3_trunc}"; do
   case $what in
     qwen3_trunc)
@@ -34,10 +38,11 @@ for what in "${@:-qwen3_trunc}"; do
       python3 -m framework.cli train recipe=debug_moe precision=fp8 training.steps=5 logging.tensorboard=false \
         checkpoint.enable=false output_dir="$OUT/fp8_smoke" 2>&1 | tail -n 12 ;;
     qwen35_trunc)
-      python3 -m framework.cli compare recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 \
-        parallel.cp=1 data.name=packaged data.tokenizer=byte training.steps=$STEPS logging.tensorboard=false \
-        lr.warmup_steps=2 model.flex_autotune=false checkpoint.model_only_last=true precision=bf16,fp8 --check --timeout=600 \
-        output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60 ;;
+      python3 -m framework.cli compare "${QWEN35[@]}" checkpoint.model_only_last=true precision=bf16,fp8 --check \
+        --timeout=600 output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60 ;;
+    qwen35_bf16|qwen35_fp8)
+      python3 -m framework.cli train "${QWEN35[@]}" precision=${what#qwen35_} checkpoint.enable=false \
+        output_dir="$OUT/$what" 2>&1 | tail -n 8 ;;
   esac
 done
 # summary of every run under $OUT that has a metrics.jsonl: median tok/s and step time of steps
