@@ -309,3 +309,48 @@ def test_trainer_config_fp8_all_gather_hook(tmp_path, monkeypatch):
     hooks = []
     tc.model_spec.post_optimizer_build_fn(SimpleNamespace(register_step_post_hook=hooks.append), [], None)
     assert len(hooks) == 1
+
+
+def test_fp8_checkpoints_hold_plain_tensors(tmp_path):
+    """torchtitan's checkpoint wrapper with torchao's FP8 weight subclasses: saving, loading FP8 into
+    FP8, a bf16 seed into FP8 and FP8 into bf16 (the patch in policies.patch_checkpoint_storage_check)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    from components.models import qwen3
+
+    policies.patch_checkpoint_storage_check()
+
+    def config():
+        return qwen3.model_spec("tiny_moe", attn_backend="flex", n_layers=None, vocab_size=None,
+                                moe_comm_backend="standard", load_balance_coeff=1e-3).model
+
+    def build(fp8: bool, seed: int):
+        torch.manual_seed(seed)
+        m = (FP8.convert(FP8.Options(), config(), emulate=True) if fp8 else config()).build()
+        m.init_states()
+        return m
+
+    def values(m):
+        return {k: v.detach().float().clone() for k, v in ModelWrapper(m).state_dict().items()}
+
+    def load(m, path):
+        w = ModelWrapper(m)
+        sd = w.state_dict()
+        dcp.load(sd, checkpoint_id=str(path))
+        w.load_state_dict(sd)
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    src, bf16 = build(True, 1), build(False, 2)
+    assert type(src.layers["0"].attention.wo.weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    dcp.save(ModelWrapper(src).state_dict(), checkpoint_id=str(tmp_path / "fp8"))
+    dcp.save(ModelWrapper(bf16).state_dict(), checkpoint_id=str(tmp_path / "bf16"))
+    for saved, model, ref in ((tmp_path / "fp8", build(True, 3), src), (tmp_path / "bf16", build(True, 4), bf16),
+                              (tmp_path / "fp8", build(False, 5), src)):
+        assert not same(values(ref), values(model))
+        load(model, saved)
+        assert same(values(ref), values(model)), saved

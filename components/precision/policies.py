@@ -193,6 +193,7 @@ class FP8:
     @staticmethod
     def apply(opts, spec, tt_config) -> None:
         _apply_compile(opts, tt_config)
+        patch_checkpoint_storage_check()
         if FP8.fp8_all_gather(opts) and opts.backend == "torchao":
             # one all-reduce of every FP8 weight's amax after the optimizer step, instead of one
             # per weight inside each all-gather
@@ -210,6 +211,56 @@ class FP8:
                 optimizers.register_step_post_hook(hook)
 
             spec.post_optimizer_build_fn = post_optimizer_build
+
+
+def _storage_owner(t):
+    """The plain tensor holding ``t``'s data: through DTensor and torchao's wrapper subclasses
+    (WeightWithDynamicFloat8CastTensor, the FP8 experts' weight wrapper)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        t = getattr(t, attrs[0])
+    return t
+
+
+def _shares_storage(a, b) -> bool:
+    return _storage_owner(a).untyped_storage().data_ptr() == _storage_owner(b).untyped_storage().data_ptr()
+
+
+def plain_tensor(v):
+    """``v`` with torchao's wrapper subclass taken off (DTensors keep their mesh and placements),
+    sharing its storage: what a checkpoint stores and loads into."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        inner = _storage_owner(v._local_tensor)
+        if inner is v._local_tensor:
+            return v
+        return DTensor.from_local(inner, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                  stride=v.stride())
+    return _storage_owner(v)
+
+
+def patch_checkpoint_storage_check() -> None:
+    """torchtitan 0.3.0's checkpoint ModelWrapper hands DCP ``model.state_dict()``. With torchao's
+    FP8 weights that holds wrapper subclasses (WeightWithDynamicFloat8CastTensor, the FP8
+    experts' Float8TrainingWeightWrapperTensor) with no storage of their own: its storage check
+    fails ("Attempted to access the data pointer on an invalid python storage") on every load and
+    save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
+    tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
+    the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back."""
+    from torchtitan.components.checkpointer import base
+
+    if getattr(base.ModelWrapper, "_apiary_plain", False):
+        return
+
+    def _get_state_dict(self):
+        return {k: plain_tensor(v) for model in self.model for k, v in model.state_dict().items()}
+
+    base.ModelWrapper._get_state_dict = _get_state_dict
+    base.ModelWrapper._apiary_plain = True
+    base._shares_storage = _shares_storage
 
 
 def device_problem(scaling: str) -> str | None:
