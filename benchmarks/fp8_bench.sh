@@ -20,29 +20,38 @@ QWEN3=(recipe=qwen3_30b_a3b_64k model.n_layers=4 training.seq_len=16384 parallel
 QWEN35=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 training.local_batch=1 parallel.cp=1
         parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte training.steps=$STEPS
         logging.tensorboard=false lr.warmup_steps=2 model.flex_autotune=false)
+show_compare() {  # the report and any variant's traceback, on stdout (the folder may not come back)
+  cat "$1/compare.md" 2>/dev/null | head -n 80
+  for log in "$1"/*/worker.log; do
+    [ -f "$log" ] && grep -q Traceback "$log" && { echo "== $log"; grep -A60 Traceback "$log" | tail -n 60; }
+  done
+  df -h "$OUT" | tail -n 1
+}
 for what in "${@:-qwen3_trunc}"; do
   case $what in
     qwen3_trunc)
       python3 -m framework.cli compare "${QWEN3[@]}" precision=bf16,fp8 checkpoint.model_only_last=true --check --timeout=400 \
-        output_dir="$OUT/fp8_qwen3_trunc" 2>&1 | tail -n 60 ;;
+        output_dir="$OUT/fp8_qwen3_trunc" 2>&1 | tail -n 60
+      show_compare "$OUT/fp8_qwen3_trunc" ;;
     qwen3_trunc_te)
       python3 -m framework.cli train "${QWEN3[@]}" precision=fp8 precision.backend=te precision.experts=false \
-        checkpoint.enable=false output_dir="$OUT/fp8_qwen3_trunc_te" 2>&1 | tail -n 20 ;;
+        checkpoint.enable=false output_dir="$OUT/fp8_qwen3_trunc_te" 2>&1 | tail -n 30 ;;
     qwen3_bf16|qwen3_fp8)  # the pair as two plain runs (same seed, same init), no seed checkpoint or probe
       python3 -m framework.cli train "${QWEN3[@]}" precision=${what#qwen3_} checkpoint.enable=false \
-        output_dir="$OUT/$what" 2>&1 | tail -n 8 ;;
+        output_dir="$OUT/$what" 2>&1 | tail -n 30 ;;
     qwen3_rowwise)
       python3 -m framework.cli train "${QWEN3[@]}" precision=fp8 precision.scaling=rowwise checkpoint.enable=false \
-        output_dir="$OUT/fp8_qwen3_rowwise" 2>&1 | tail -n 20 ;;
+        output_dir="$OUT/fp8_qwen3_rowwise" 2>&1 | tail -n 30 ;;
     smoke)
       python3 -m framework.cli train recipe=debug_moe precision=fp8 training.steps=5 logging.tensorboard=false \
-        checkpoint.enable=false output_dir="$OUT/fp8_smoke" 2>&1 | tail -n 12 ;;
+        checkpoint.enable=false output_dir="$OUT/fp8_smoke" 2>&1 | tail -n 30 ;;
     qwen35_trunc)
       python3 -m framework.cli compare "${QWEN35[@]}" checkpoint.model_only_last=true precision=bf16,fp8 --check \
-        --timeout=600 output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60 ;;
+        --timeout=600 output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60
+      show_compare "$OUT/fp8_qwen35_trunc" ;;
     qwen35_bf16|qwen35_fp8)
       python3 -m framework.cli train "${QWEN35[@]}" precision=${what#qwen35_} checkpoint.enable=false \
-        output_dir="$OUT/$what" 2>&1 | tail -n 8 ;;
+        output_dir="$OUT/$what" 2>&1 | tail -n 30 ;;
   esac
 done
 # summary of every run under $OUT that has a metrics.jsonl: median tok/s and step time of steps
