@@ -28,6 +28,8 @@ def trainer_config(r: Resolved):
 
     devices.set_flex_autotune(bool(cfg.model.flex_autotune))
     spec = model_module(cfg).model_spec(cfg.model.flavor, **model_kwargs(cfg))  # fresh per Trainer
+    precision = registry.resolve("precision", cfg.precision.name)
+    spec.model = precision.convert(cfg.precision, spec.model)
     registry.resolve("moe_chunk", cfg.moe.chunk).apply(spec.model)
     loss = registry.resolve("loss", cfg.loss.name).trainer_loss(cfg.loss, r.facts.vocab_size)
     ac = registry.resolve("recompute", cfg.recompute.name).ac_config(cfg.recompute)
@@ -115,4 +117,5 @@ def trainer_config(r: Resolved):
         debug=DebugConfig(seed=cfg.training.seed, deterministic=cfg.training.deterministic),
     )
     registry.resolve("state", cfg.state.name).apply(cfg.state, tc)
+    precision.apply(cfg.precision, spec, tc)
     return tc

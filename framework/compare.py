@@ -30,13 +30,14 @@ probe/ (probe.json, grads.pt, logits.pt) and worker.log. The variants' own check
 deleted after their run unless --keep-checkpoints.
 
 Tolerances. What a variant may differ by depends on what the swept key changes. The kind is
-chosen from the key (table KEY_KINDS) and can be forced with --tol=exact|fp32|bf16|dtype|any:
+chosen from the key (table KEY_KINDS) and can be forced with --tol=exact|fp32|bf16|dtype|fp8|any:
 
 | kind  | step-0 loss, logits, grads (rel) | loss / grad-norm curves (rel) | for |
 |-------|-------------|-------------|-----|
 | exact | 0 (bitwise) | 0 (bitwise); grad norm 1e-5 when the data-parallel size changes (its squares are summed over other shards) | schedule-only swaps: moe.chunk, recompute, data-parallel size (same global batch, data.sharding=blocks, same ep/cp/tp/pp, at most two partial sums per step), logging/loader knobs |
 | fp32  | 1e-5        | 1e-3        | another kernel or partition of the same math in float32: loss (ce/chunked/linear_ce), state, moe.comm, parallel.ep/cp/tp/pp, attention backend |
 | bf16  | 2e-2        | 5e-2        | the same in bfloat16 |
+| fp8   | 0.15        | 2e-2 (loss); grad norm 0.15 | precision=bf16,fp8 and precision.* (FP8 GEMMs: e4m3 3 mantissa bits, e5m2 2; one layer's rms rounding 2.5-6%, docs/skills/fp8.md) |
 | dtype | fp32 or bf16 by the baseline's training.dtype | | what KEY_KINDS says for kernels |
 | any   | not checked | not checked | deliberate changes: optimizer, lr, seed, dtype, model shape, another objective (loss=ce,grpo or grpo,dapo; loss.z_loss, loss.eps, ...), unknown keys; with --check (and no --tol) they are held to dtype level, so --check answers "are these equivalent?" |
 
@@ -88,12 +89,13 @@ TOLERANCES = {
     "exact": Tolerance("exact", 0.0, 0.0, 0.0, "bitwise: the same arithmetic, rescheduled"),
     "fp32": Tolerance("fp32", 1e-5, 1e-3, 1e-3, "float32 rounding: another kernel or partition of the same math"),
     "bf16": Tolerance("bf16", 2e-2, 5e-2, 5e-2, "bfloat16 rounding: another kernel or partition of the same math"),
+    "fp8": Tolerance("fp8", 0.15, 2e-2, 0.15, "FP8 GEMM rounding (e4m3/e5m2: 3/2 mantissa bits) of linears and expert GEMMs"),
     "any": Tolerance("any", None, None, None, "a deliberate change: reported, not checked"),
 }
 # Another data-parallel size keeps every gradient bitwise but sums the gradient norm's squares
 # over other shards: that one figure may differ by float32 rounding.
 RESHARDED_NORM = 1e-5
-TOL_CHOICES = ("exact", "fp32", "bf16", "dtype", "any")
+TOL_CHOICES = ("exact", "fp32", "bf16", "dtype", "fp8", "any")
 
 # Swept key (exact key, or prefix ending in "." or a group name) -> tolerance kind, why.
 KEY_KINDS: list[tuple[str, str, str]] = [
@@ -114,6 +116,8 @@ KEY_KINDS: list[tuple[str, str, str]] = [
     ("model.attn_backend", "dtype", "another attention kernel"),
     ("parallel.", "dtype", "another partition of the same math changes reduction order"),
     ("training.deterministic", "dtype", "deterministic kernels change op order"),
+    ("precision.compile", "dtype", "compiled kernels of the same math"),
+    ("precision", "fp8", "FP8 GEMMs round activations, weights and gradients to 3 (e4m3) / 2 (e5m2) mantissa bits"),
 ]
 # Keys whose values change the model's parameters: each variant gets its own seed checkpoint.
 SHAPE_KEYS = ("model.family", "model.flavor", "model.n_layers", "model.vocab_size", "model.hf_checkpoint")

@@ -169,6 +169,20 @@ class Constants:
     zero1_overlap: float = _c(0.5, "fraction of ZeRO-1 grad reduce-scatter / param all-gather hidden.")
     optimizer_passes: float = _c(2.0, "HBM passes over the local static state in the optimizer step (read+write).")
 
+    # ---- precision=fp8 ------------------------------------------------------------------------
+    fp8_flops_ratio: float = _c(2.0, "FP8 over bf16 tensor-core peak on Hopper (H100/H200 SXM: 1,979 vs 989 "
+                                "TFLOP/s dense, datasheets): the FP8 GEMMs' time is the bf16 time / this.")
+    fp8_cast_overhead: float = _c(0.20, "precision=fp8 without compile: amax, scale and cast kernels of each FP8 "
+                                  "GEMM's operands (forward and backward), as a fraction of the bf16 GEMM time "
+                                  "(a guess, to be fitted from benchmarks/fp8_bench.sh).")
+    fp8_cast_overhead_compiled: float = _c(0.08, "the same with precision.compile=true (casts fused into "
+                                           "neighbouring kernels; a guess).")
+    fp8_copy_bytes: float = _c(2.0, "precision=fp8: bytes per converted parameter of a block in compute: its FP8 "
+                               "weight (1 B) and the transposed / column-scaled FP8 copy the input-gradient GEMM "
+                               "uses (1 B), plus per-row or per-tensor scales (negligible).")
+    fp8_allgather_bytes: float = _c(1.0, "precision=fp8 with FP8 all-gather (torchao tensorwise): bytes per "
+                                    "all-gathered element of a converted linear (its scale is one fp32 per tensor).")
+
     hardware: dict = _c({k: asdict(v) for k, v in HARDWARE.items()}, "GPU peak numbers by name (see HARDWARE).")
 
     @classmethod
@@ -317,6 +331,24 @@ def _param_split(f, c: Constants) -> dict[str, float]:
     return {"emb": emb, "head": head + f.dim, "dense_blocks": blocks - experts, "experts": experts}
 
 
+def _fp8(cfg, f, split) -> dict:
+    """What precision=fp8 converts: the FP8 share of dense-block and expert parameters (hence
+    of their GEMM FLOPs), and whether FSDP2 all-gathers them in FP8."""
+    p = cfg.get("precision") if hasattr(cfg, "get") else None
+    if p is None or str(getattr(p, "name", "bf16")) != "fp8":
+        return {"on": False, "dense_share": 0.0, "experts": False, "fp8_all_gather": False, "compile": False}
+    from components.precision.policies import FP8
+
+    # bf16 inside the blocks: the routers (dim x experts per MoE layer); norms are not GEMMs and are
+    # counted with the blocks but negligible
+    router = f.n_layers * f.dim * f.num_experts if f.num_experts else 0
+    dense = split["dense_blocks"]
+    return {"on": True, "dense_share": max(0.0, dense - router) / dense if dense else 0.0,
+            "experts": bool(f.num_experts) and bool(getattr(p, "experts", True)) and str(p.backend) == "torchao",
+            "fp8_all_gather": FP8.fp8_all_gather(p, cfg), "compile": bool(getattr(p, "compile", False)),
+            "how": f"fp8 {p.backend} {p.scaling}"}
+
+
 def _spans(group: int, stride: int, per_node: int) -> bool:
     """Whether a process group of ``group`` ranks spaced ``stride`` apart leaves one node."""
     return group > 1 and group * stride > per_node
@@ -375,6 +407,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     Tt = T / tp  # per rank after the sequence-parallel split
     counts, saved = _layer_counts(f, pp), _per_token_saved(f, cp)
     split = _param_split(f, c)
+    fp8 = _fp8(cfg, f, split)
     rc = ch["recompute"]
     if rc not in ("none", "selective", "full"):
         warnings.append(f"recompute {rc!r} is unknown to the planner; estimated as selective.")
@@ -437,6 +470,12 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                           / chunks, ab, "buffers",
                           f"top_k {f.top_k} x {Tt:,.0f} tokens x dim {f.dim} x {c.moe_buffer_copies:g} buffers x "
                           f"imbalance {c.ep_load_imbalance:g} / {chunks} chunk(s) x {ab:g} B"))
+        if fp8["on"]:
+            conv = split["dense_blocks"] / f.n_layers / tp * fp8["dense_share"] + \
+                (split["experts"] / f.n_layers / max(ep, 1) if fp8["experts"] else 0.0)
+            t.append(Term("fp8_weight_copies", conv, c.fp8_copy_bytes, "buffers",
+                          f"one block's FP8-converted params {conv / 1e6:,.1f}M x {c.fp8_copy_bytes:g} B "
+                          f"(FP8 weight + transposed copy; {fp8['how']})"))
         # ---- loss
         if last:
             t += _loss_terms(ch["loss"], cfg, f, c, T, tp, warnings)
@@ -450,10 +489,20 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                           f"2 buckets x {c.zero1_bucket_params:,.0f} params x 4 B"))
         else:
             k = max(1, int(c.fsdp_allgather_units))
-            t.append(Term("fsdp_allgather", sum(units[:k]), c.fsdp_allgather_bytes, "buffers",
-                          f"largest unit + {k - 1} prefetched block(s) ({' + '.join(f'{u / 1e6:,.0f}M' for u in units[:k])} "
-                          f"params per rank) "
-                          f"x {c.fsdp_allgather_bytes:g} B"))
+            ag = c.fsdp_allgather_bytes
+            if fp8["fp8_all_gather"]:  # the block's converted dense linears arrive in FP8
+                dense_block = split["dense_blocks"] / f.n_layers / tp
+                ag_block = (block - dense_block * fp8["dense_share"]) * ag + dense_block * fp8["dense_share"] * \
+                    c.fp8_allgather_bytes
+                units_b = [u * ag if u != block else ag_block for u in units[:k]]
+                t.append(Term("fsdp_allgather", 1, sum(units_b), "buffers",
+                              f"largest unit + {k - 1} prefetched block(s), converted dense linears in FP8 "
+                              f"({c.fp8_allgather_bytes:g} B) and the rest at {ag:g} B"))
+            else:
+                t.append(Term("fsdp_allgather", sum(units[:k]), c.fsdp_allgather_bytes, "buffers",
+                              f"largest unit + {k - 1} prefetched block(s) ({' + '.join(f'{u / 1e6:,.0f}M' for u in units[:k])} "
+                              f"params per rank) "
+                              f"x {c.fsdp_allgather_bytes:g} B"))
             rb = c.fsdp_unsharded_grad_bytes + c.fsdp_reduce_bytes
             t.append(Term("fsdp_reduce_scatter", units[0], rb, "buffers",
                           f"largest unit {units[0] / 1e6:,.0f}M params x ({c.fsdp_unsharded_grad_bytes:g} B grad + "
@@ -488,7 +537,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     verdict = "OOM" if headroom < 0 else ("tight" if headroom < c.tight_fraction * mem_cap else "fits")
 
     time_s, model_flops_gpu, tokens_step, assumptions = _step_time(
-        f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, counts)
+        f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, counts, fp8)
     step = sum(time_s.values())
     assumptions = [
         f"GPU {hw.name}: {hw.bf16_dense_flops / 1e12:.0f} TFLOP/s bf16 dense, memory {mem_cap / GiB:.1f} GiB, "
@@ -545,7 +594,7 @@ def _loss_terms(loss: str, cfg, f, c: Constants, T: float, tp: int, warnings: li
             Term("logits_grad", rows * cols, c.ce_grad_bytes, "loss", f"{how} x vocab/TP {cols:,} x {c.ce_grad_bytes:g} B")]
 
 
-def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, counts):
+def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, counts, fp8=None):
     W, dps, cp, ep, pp, tp = lay.world_size, lay.dp_shard, lay.cp, lay.ep, lay.pp, lay.tp
     g = c.gpus_per_node
     tokens_step = lb * seq * lay.dp_replicate * dps * grad_accum  # global tokens per optimizer step
@@ -578,9 +627,16 @@ def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, coun
     loss_key = "linear_ce" if ch["loss"] in FUSED_HEAD_LOSSES else ch["loss"]
     loss_factor = float(c.loss_time_factor.get(loss_key, c.loss_time_factor.get("ce", 1.65)))
     per_gpu_tokens = tokens_step / W
+    fp8 = fp8 or {"on": False}
+    share = {"dense": fp8.get("dense_share", 0.0), "experts": 1.0 if fp8.get("experts") else 0.0} \
+        if fp8["on"] else {}
+    over = c.fp8_cast_overhead_compiled if fp8.get("compile") else c.fp8_cast_overhead
+    fp8_factor = 1 / c.fp8_flops_ratio + over  # an FP8 GEMM's time over its bf16 time, casts included
     time_s: dict[str, float] = {}
     for k, fl in parts.items():
         t = fl * per_gpu_tokens * (1 + extra[k]) / (hw.bf16_dense_flops * eff[k])
+        s8 = share.get(k, 0.0)
+        t *= (1 - s8) + s8 * fp8_factor
         time_s[f"compute_{k}"] = t * (loss_factor if k == "lm_head" else 1.0)
     model_flops_gpu = sum(parts.values()) * per_gpu_tokens
 
@@ -625,7 +681,11 @@ def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, coun
     else:
         s_d, s_e = dps * cp, dps * cp * tp // max(ep, 1)
         per = 2 * c.fsdp_allgather_bytes + c.fsdp_reduce_bytes  # AG fwd, AG bwd, RS
-        vol_d = grad_accum * dense_stage / tp * per * (s_d - 1) / s_d if s_d > 1 else 0.0
+        per_d = per
+        if fp8.get("fp8_all_gather"):  # converted dense linears all-gather 1 B/element
+            sh = fp8["dense_share"] * split["dense_blocks"] / pp / dense_stage if dense_stage else 0.0
+            per_d = per - 2 * sh * (c.fsdp_allgather_bytes - c.fp8_allgather_bytes)
+        vol_d = grad_accum * dense_stage / tp * per_d * (s_d - 1) / s_d if s_d > 1 else 0.0
         vol_e = grad_accum * exp_stage / ep * per * (s_e - 1) / s_e if s_e > 1 else 0.0
         comm["fsdp"] = vol_d / (hw.ib_bw if _spans(s_d, tp, g) else hw.nvlink_bw) + \
             vol_e / (hw.ib_bw if _spans(s_e, ep, g) else hw.nvlink_bw)
@@ -655,6 +715,11 @@ def _step_time(f, c, hw, lay, ch, rc, seq, mb, n_mb, lb, grad_accum, split, coun
         f"(moe.chunk {ch['moe_chunk']}); CP {cp} {int(100 * c.cp_overlap)}% overlapped; "
         f"{'ZeRO-1' if ch['state'] == 'zero1' else 'FSDP'} {int(100 * overlap.get('zero1', overlap.get('fsdp', 0)))}% "
         f"overlapped; TP {tp} {int(100 * c.tp_overlap)}% overlapped",
+        (f"precision {fp8['how']}: FP8 GEMMs for {share['dense']:.0%} of dense-block and "
+         f"{share['experts']:.0%} of expert FLOPs at bf16 time x (1/{c.fp8_flops_ratio:g} + {over:g} casts) = "
+         f"x{fp8_factor:.2f}; LM head, attention, GatedDeltaNet in bf16; FSDP all-gather "
+         + ("FP8 for the converted linears" if fp8.get("fp8_all_gather") else "bf16")
+         if fp8["on"] else "precision bf16: every GEMM at bf16 peak"),
         f"PP {pp}: {n_mb} microbatch(es) per micro-step, 1F1B bubble (pp-1)/microbatches; "
         f"{grad_accum} gradient-accumulation step(s); {tokens_step:,} tokens per optimizer step",
     ]

@@ -352,6 +352,18 @@ def _check_rollouts(cfg, facts) -> None:
                         "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
 
 
+def _check_precision(cfg, facts, for_training: bool) -> None:
+    """precision.* options run together (always); this machine can run them (training only)."""
+    prec = registry.resolve("precision", cfg.precision.name, where=f"precision={cfg.precision.name}")
+    try:
+        prec.check(cfg.precision, cfg, facts)
+    except ValueError as e:
+        raise UserError(f"precision={cfg.precision.name}", f"{e}.", "See docs/skills/fp8.md for what each "
+                        "backend and scaling runs.") from None
+    if for_training:
+        prec.check_runtime(cfg.precision, cfg)
+
+
 def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
             for_training: bool = True) -> Resolved:
     cfg = recipes.load(recipe, overrides)
@@ -360,6 +372,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     _check_components(cfg)
     facts = model_facts(cfg)
     _check_inputs(cfg, facts, for_training)
+    _check_precision(cfg, facts, for_training)
     world = world_size if world_size is not None else world_size_from(cfg, for_training)
     layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
     check = getattr(model_module(cfg), "check_layout", None)

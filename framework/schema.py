@@ -145,6 +145,7 @@ class RecipeConfig:
     state: Any = MISSING  # group `state`
     recompute: Any = MISSING  # group `recompute`
     launcher: Any = MISSING  # group `launcher`
+    precision: Any = MISSING  # group `precision`: bf16 | fp8 (docs/skills/fp8.md)
     moe: MoEConfig = field(default_factory=MoEConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr: LRConfig = field(default_factory=LRConfig)

@@ -1,0 +1,1 @@
+"""Training precision policies (registry kind ``precision``): bf16 (baseline) and fp8."""

@@ -1,0 +1,368 @@
+"""Training precision: ``bf16`` (baseline: bf16 GEMMs, fp32 master weights) and ``fp8``
+(FP8 GEMMs for the dense linears and the MoE expert grouped GEMMs; docs/skills/fp8.md).
+
+The precision protocol: ``check(opts, cfg, facts)`` raises ValueError for option combinations
+no backend runs (resolve turns it into a user error, also when only planning);
+``check_runtime(opts, cfg)`` raises UserError when this machine cannot run it (no FP8 GPU,
+backend not importable); ``convert(opts, model_config)`` edits the torchtitan model config
+before it is built; ``apply(opts, spec, tt_config)`` sets trainer options (compile, FSDP hooks).
+
+What stays bf16 under fp8, and why:
+- the LM head: apiary's fused losses (chunked, linear_ce, the policy losses) read
+  ``lm_head.weight`` and run their own GEMMs, so an FP8 module there would be bypassed; and the
+  logits feed a softmax over the whole vocabulary where e4m3's 3 mantissa bits (relative step
+  6%) move the loss itself;
+- the MoE router (``router.gate``) and the shared expert's scalar gate: top-k selection is
+  discrete, FP8 rounding flips which experts a token reaches, and the GEMM is tiny
+  (dim x experts);
+- norms, embeddings, attention (flex/SDPA) and GatedDeltaNet's recurrence: not GEMMs of
+  weights (no FP8 kernels on this path); linears with a dimension not divisible by 16
+  (FP8 tensor-core alignment), e.g. GatedDeltaNet's a/b projections.
+
+This module imports neither torchao nor TransformerEngine at import time: they are imported
+only when ``precision=fp8`` asks for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+BACKENDS = ("torchao", "te")
+SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+# What each backend runs (dense linears). Expert grouped GEMMs: torchao only (rowwise scales,
+# torch._scaled_grouped_mm) or MXFP8 on Blackwell.
+BACKEND_SCALINGS = {
+    "torchao": ("tensorwise", "rowwise", "mxfp8"),
+    "te": ("tensorwise", "blockwise", "mxfp8"),
+}
+# Smallest CUDA compute capability per scaling: FP8 tensor cores arrive with Ada (8.9);
+# row-wise / block-wise scaled GEMMs and FP8 grouped GEMMs need Hopper (9.0); MX block
+# scales (1x32, e8m0) are a Blackwell (10.0) tensor-core feature.
+MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0), "blockwise": (9, 0), "mxfp8": (10, 0)}
+EXPERT_MIN_CAPABILITY = (9, 0)
+PAD_MULTIPLE = 16  # FP8 GEMM alignment: 16 bytes = 16 e4m3 elements
+# One FP8 layer against fp32, norm-wise relative error of the output and of each gradient.
+# e4m3 keeps 3 mantissa bits (relative spacing 2^-4..2^-3), e5m2 gradients 2 (2^-3..2^-2):
+# the rounding's rms is ~2.5% (e4m3) and ~5% (e5m2) of each element, and a GEMM's sum does not
+# shrink a relative error that every product shares, so a weight gradient (e5m2 x e4m3) sits
+# near 6%. tests/gpu/test_fp8_gpu.py holds every backend's layer to this.
+FP8_LAYER_TOL = 0.1
+
+
+def keep_bf16(fqn: str) -> bool:
+    """Linears that stay bf16 under fp8 (see the module docstring)."""
+    return fqn == "lm_head" or fqn.endswith(("router.gate", "shared_experts.gate"))
+
+
+def fp8_linear(fqn: str, in_features: int, out_features: int) -> bool:
+    return not keep_bf16(fqn) and in_features % PAD_MULTIPLE == 0 and out_features % PAD_MULTIPLE == 0
+
+
+class BF16:
+    """bf16 compute everywhere (torchtitan's mixed precision), the baseline."""
+
+    @dataclass
+    class Options:
+        name: str = "bf16"
+        compile: bool = False  # torch.compile each transformer block (torchtitan's compile)
+
+    @staticmethod
+    def check(opts, cfg=None, facts=None) -> None:
+        return None
+
+    @staticmethod
+    def check_runtime(opts, cfg=None) -> None:
+        return None
+
+    @staticmethod
+    def convert(opts, model_config):
+        return model_config
+
+    @staticmethod
+    def apply(opts, spec, tt_config) -> None:
+        _apply_compile(opts, tt_config)
+
+
+def _apply_compile(opts, tt_config) -> None:
+    if opts.compile:
+        from torchtitan.config import CompileConfig
+
+        tt_config.compile = CompileConfig(enable=True, components=["model"])
+
+
+class FP8:
+    """FP8 GEMMs (torchao: e4m3 weights/activations, e5m2 gradients) for dense linears and MoE expert grouped GEMMs."""
+
+    @dataclass
+    class Options:
+        name: str = "fp8"
+        backend: str = "torchao"  # torchao | te (TransformerEngine, built from source: docs/install.md)
+        scaling: str = "tensorwise"  # tensorwise | rowwise (torchao) | blockwise (te) | mxfp8 (Blackwell)
+        experts: bool = True  # MoE routed-expert grouped GEMMs in FP8 too (torchao)
+        all_gather: str = "auto"  # FSDP2 parameter all-gather: auto | fp8 (torchao tensorwise) | bf16
+        compile: bool = False  # torch.compile each transformer block (fuses the FP8 casts)
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def fp8_all_gather(opts, cfg=None) -> bool:
+        """Whether FSDP2 all-gathers the FP8-converted weights in FP8 (auto: where supported)."""
+        if opts.all_gather == "bf16":
+            return False
+        supported = opts.backend == "torchao" and opts.scaling == "tensorwise"
+        if cfg is not None:
+            supported = supported and cfg.state.name == "fsdp2"
+        return supported
+
+    @staticmethod
+    def check(opts, cfg=None, facts=None) -> None:
+        if opts.backend not in BACKENDS:
+            raise ValueError(f"precision.backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
+        if opts.scaling not in SCALINGS:
+            raise ValueError(f"precision.scaling must be one of {', '.join(SCALINGS)}, got {opts.scaling!r}")
+        if opts.scaling not in BACKEND_SCALINGS[opts.backend]:
+            other = next(b for b in BACKENDS if b != opts.backend)
+            raise ValueError(
+                f"precision.backend={opts.backend} has no {opts.scaling} FP8 recipe (it runs "
+                f"{', '.join(BACKEND_SCALINGS[opts.backend])}); precision.backend={other} runs "
+                f"{', '.join(BACKEND_SCALINGS[other])}")
+        if opts.all_gather not in ("auto", "fp8", "bf16"):
+            raise ValueError(f"precision.all_gather must be auto, fp8 or bf16, got {opts.all_gather!r}")
+        if opts.all_gather == "fp8":
+            if not (opts.backend == "torchao" and opts.scaling == "tensorwise"):
+                raise ValueError(
+                    f"precision.all_gather=fp8 needs one scale per weight tensor (torchao tensorwise): with "
+                    f"backend={opts.backend} scaling={opts.scaling} each rank would need the whole weight "
+                    "to compute its scales; use precision.all_gather=auto (bf16 all-gather here) or "
+                    "precision.scaling=tensorwise precision.backend=torchao")
+            if cfg is not None and cfg.state.name != "fsdp2":
+                raise ValueError(f"precision.all_gather=fp8 is an FSDP2 parameter all-gather; state="
+                                 f"{cfg.state.name} does not all-gather parameters per block (use state=fsdp2)")
+        moe = facts is not None and getattr(facts, "num_experts", 0) > 0
+        if moe and opts.experts:
+            if opts.backend == "te":
+                raise ValueError(
+                    "precision.backend=te converts dense linears only (apiary has no TransformerEngine "
+                    "grouped-GEMM experts); set precision.experts=false to keep the expert GEMMs in bf16, "
+                    "or use precision.backend=torchao for FP8 expert GEMMs")
+            if cfg is not None and cfg.moe.chunk != "none":
+                raise ValueError(
+                    f"FP8 expert GEMMs pad each expert's tokens to multiples of {PAD_MULTIPLE} with torchao's "
+                    f"token dispatcher, which moe.chunk={cfg.moe.chunk} does not run; set moe.chunk=none or "
+                    "precision.experts=false")
+            if cfg is not None and cfg.moe.comm != "alltoall":
+                raise ValueError(
+                    f"FP8 expert GEMMs need a token dispatcher that pads expert groups (torchao's all-to-all); "
+                    f"moe.comm={cfg.moe.comm} has none in apiary; use moe.comm=alltoall or precision.experts=false")
+
+    @staticmethod
+    def check_runtime(opts, cfg=None) -> None:
+        """UserError when this machine cannot train in FP8 (resolve calls it before launch)."""
+        from framework.errors import UserError
+
+        launcher = getattr(getattr(cfg, "launcher", None), "name", "local") if cfg is not None else "local"
+        if launcher == "local":  # a scheduler's GPUs are checked on the node (convert raises there)
+            why = device_problem(opts.scaling)
+            if why:
+                raise UserError("precision=fp8", why, "Train with precision=bf16 here (the recipe still "
+                                "resolves, prints and plans with fp8), or run on an H100/H200 (docs/skills/fp8.md).")
+        missing = backend_problem(opts.backend)
+        if missing:
+            raise UserError(f"precision.backend={opts.backend}", missing[0], missing[1])
+
+    # ------------------------------------------------------------------ model conversion
+    @staticmethod
+    def convert(opts, model_config, *, emulate: bool = False):
+        """FP8 modules in the model config (before it is built). ``emulate`` (torchao, tests
+        only) runs the FP8 casts with fp32 matmuls on any device."""
+        if not emulate:
+            why = device_problem(opts.scaling)
+            if why:
+                raise RuntimeError(f"precision=fp8: {why}")
+        if opts.backend == "te":
+            from components.precision import te
+
+            return te.convert_linears(model_config, opts.scaling)
+        if opts.scaling == "mxfp8":
+            return _torchao_mxfp8(model_config, opts.experts)
+        model_config = _torchao_linears(model_config, opts, emulate)
+        if opts.experts:
+            model_config = _torchao_experts(model_config)
+        return model_config
+
+    @staticmethod
+    def apply(opts, spec, tt_config) -> None:
+        _apply_compile(opts, tt_config)
+        patch_checkpoint_storage_check()
+        if FP8.fp8_all_gather(opts) and opts.backend == "torchao":
+            # one all-reduce of every FP8 weight's amax after the optimizer step, instead of one
+            # per weight inside each all-gather
+            previous = spec.post_optimizer_build_fn
+
+            def post_optimizer_build(optimizers, model_parts, parallel_dims):
+                if previous is not None:
+                    previous(optimizers, model_parts, parallel_dims)
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+                def hook(*_args, **_kwargs):
+                    for m in model_parts:
+                        precompute_float8_dynamic_scale_for_fsdp(m)
+
+                optimizers.register_step_post_hook(hook)
+
+            spec.post_optimizer_build_fn = post_optimizer_build
+
+
+def _storage_owner(t):
+    """The plain tensor holding ``t``'s data: through DTensor and torchao's wrapper subclasses
+    (WeightWithDynamicFloat8CastTensor, the FP8 experts' weight wrapper)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        t = getattr(t, attrs[0])
+    return t
+
+
+def _shares_storage(a, b) -> bool:
+    return _storage_owner(a).untyped_storage().data_ptr() == _storage_owner(b).untyped_storage().data_ptr()
+
+
+def plain_tensor(v):
+    """``v`` with torchao's wrapper subclass taken off (DTensors keep their mesh and placements),
+    sharing its storage: what a checkpoint stores and loads into."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        inner = _storage_owner(v._local_tensor)
+        if inner is v._local_tensor:
+            return v
+        return DTensor.from_local(inner, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                  stride=v.stride())
+    return _storage_owner(v)
+
+
+def patch_checkpoint_storage_check() -> None:
+    """torchtitan 0.3.0's checkpoint ModelWrapper hands DCP ``model.state_dict()``. With torchao's
+    FP8 weights that holds wrapper subclasses (WeightWithDynamicFloat8CastTensor, the FP8
+    experts' Float8TrainingWeightWrapperTensor) with no storage of their own: its storage check
+    fails ("Attempted to access the data pointer on an invalid python storage") on every load and
+    save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
+    tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
+    the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back."""
+    from torchtitan.components.checkpointer import base
+
+    if getattr(base.ModelWrapper, "_apiary_plain", False):
+        return
+
+    def _get_state_dict(self):
+        return {k: plain_tensor(v) for model in self.model for k, v in model.state_dict().items()}
+
+    base.ModelWrapper._get_state_dict = _get_state_dict
+    base.ModelWrapper._apiary_plain = True
+    base._shares_storage = _shares_storage
+
+
+def device_problem(scaling: str) -> str | None:
+    """Why this machine's GPU cannot run ``scaling`` FP8 GEMMs, or None."""
+    from framework import devices
+
+    need = MIN_CAPABILITY[scaling]
+    if not devices.has_accelerator():
+        return ("FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability >= "
+                f"{need[0]}.{need[1]} for {scaling} scaling: Ada, Hopper H100/H200, Blackwell); this "
+                "machine has no CUDA device.")
+    import torch
+
+    cc = torch.cuda.get_device_capability(0)
+    if tuple(cc) < need:
+        name = torch.cuda.get_device_name(0)
+        return (f"{scaling} FP8 GEMMs need compute capability >= {need[0]}.{need[1]}; this GPU ({name}) "
+                f"is {cc[0]}.{cc[1]}" + (" (MX formats run on Blackwell tensor cores only; on Hopper use "
+                                         "tensorwise or rowwise)." if scaling == "mxfp8" else "."))
+    return None
+
+
+def backend_problem(backend: str) -> tuple[str, str] | None:
+    """(reason, fix) when ``backend`` is not importable, else None."""
+    if backend == "torchao":
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as e:
+            return (f"torchao is not importable ({e}).",
+                    "Install it: pip install torchao==0.18.0 (docs/install.md), or use precision=bf16.")
+        return None
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or OSError from a core library built for another CUDA/torch
+        return (f"TransformerEngine's PyTorch extension is not importable ({type(e).__name__}: {e}).",
+                "Build and install the transformer-engine-torch wheel against this torch with "
+                "scripts/build_te.sh (docs/install.md), or use precision.backend=torchao.")
+    return None
+
+
+# ---------------------------------------------------------------------- torchao
+def torchao_linear_config(scaling: str, fp8_all_gather: bool, emulate: bool = False):
+    from torchao.float8 import Float8LinearConfig
+
+    c = Float8LinearConfig.from_recipe_name(scaling)
+    return dataclasses.replace(c, enable_fsdp_float8_all_gather=fp8_all_gather, emulate=emulate)
+
+
+def _swap(model_config, parent, attr, new):
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return model_config
+
+
+def _torchao_linears(model_config, opts, emulate: bool):
+    from torchtitan.models.common.linear import Linear
+
+    from components.precision.torchao_linear import ApiaryFloat8Linear
+
+    ao = torchao_linear_config(opts.scaling, FP8.fp8_all_gather(opts), emulate)
+    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
+        if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
+            new = ApiaryFloat8Linear.Config(in_features=lc.in_features, out_features=lc.out_features,
+                                            bias=lc.bias, param_init=lc.param_init, _torchao_config=ao)
+            model_config = _swap(model_config, parent, attr, new)
+    return model_config
+
+
+def _torchao_experts(model_config):
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
+    from torchtitan.components.quantization.utils import swap_token_dispatcher
+    from torchtitan.models.common.moe import GroupedExperts
+
+    for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        swap_token_dispatcher(parent, PAD_MULTIPLE)
+        cls = _get_float8_grouped_experts_cls(type(ec)._owner)
+        new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
+        model_config = _swap(model_config, parent, attr, new)
+    return model_config
+
+
+def _torchao_mxfp8(model_config, experts: bool):
+    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
+    from torchtitan.components.quantization.utils import swap_token_dispatcher
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    if MXFP8Linear is None:
+        raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
+    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
+        if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
+            new = MXFP8Linear.Config(in_features=lc.in_features, out_features=lc.out_features, bias=lc.bias,
+                                     param_init=lc.param_init)
+            model_config = _swap(model_config, parent, attr, new)
+    if experts:
+        for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+            swap_token_dispatcher(parent, 32)  # MX block size
+            cls = _get_mxfp8_grouped_experts_cls(type(ec)._owner)
+            new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
+            model_config = _swap(model_config, parent, attr, new)
+    return model_config
