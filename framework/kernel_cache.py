@@ -121,19 +121,22 @@ def tune_lock(path: Path):
     """Hold an exclusive flock on ``path`` (created); without a lock (warning) where it cannot be made."""
     import fcntl
 
+    f = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")
-    except OSError as e:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by close, or by the kernel when the process dies
+    except OSError as e:  # unwritable, or a filesystem without flock (some NFS mounts: ENOLCK)
         _log.warning("apiary: no autotuning lock at %s (%s); this process tunes without waiting for others",
                      path, e.strerror or e)
+        if f is not None:
+            f.close()
         yield False
         return
     try:
-        fcntl.flock(f, fcntl.LOCK_EX)
         yield True
     finally:
-        f.close()  # releases the lock
+        f.close()
 
 
 def _locked_check_disk_cache(original):

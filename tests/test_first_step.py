@@ -228,3 +228,19 @@ def test_torchrun_workers_take_the_kernel_cache(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert kc.is_dir()  # made by the ranks (the launching process does not configure caches)
     assert _records(out)[0]["first_step_wall_s"] > 0
+
+
+def test_a_filesystem_without_flock_tunes_without_the_lock(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(*a):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"), kernel_cache.tune_lock(tmp_path / "locks" / "k.lock") as held:
+        assert held is False
+    assert "No locks available" in caplog.text and "tunes without waiting" in caplog.text
+    monkeypatch.undo()
+    with kernel_cache.tune_lock(tmp_path / "locks" / "k.lock") as held:
+        assert held is True
