@@ -9,7 +9,8 @@ and recorded in that step's metrics.jsonl record.
   lazily compiled backwards, ``backward._backward_impl``); inductor's tuning of flex attention
   happens inside it. 0 where nothing is compiled (apiary's CPU path).
 * ``first_step_autotune_s`` / ``first_step_autotuned_kernels``: Triton's runtime autotuning in that
-  step (framework.kernel_cache.AutotuneLog).
+  step (framework.kernel_cache.AutotuneLog), including ``first_step_autotune_wait_s``: time spent
+  waiting for another process sharing the cache to finish tuning the same kernel (its lock).
 * ``first_step_other_s``: the rest (first-iteration allocations, the kernels' own run time, the
   optimizer, communication).
 
@@ -42,7 +43,7 @@ class FirstStep:
 
     def reset(self) -> None:
         self.t_begin = self.t_step = None
-        self.compile0 = self.autotune0 = 0.0
+        self.compile0 = self.autotune0 = self.wait0 = 0.0
         self.tuned0 = 0
         self.done = False
 
@@ -58,6 +59,7 @@ class FirstStep:
         self.t_step = time.perf_counter()
         self.compile0 = compile_seconds()
         self.autotune0, self.tuned0 = kernel_cache.LOG.total_seconds, kernel_cache.LOG.total_tuned
+        self.wait0 = kernel_cache.LOG.total_wait_seconds
 
     def record(self) -> dict:
         """The breakdown, once (at the first logged step after step_started); {} otherwise."""
@@ -68,17 +70,20 @@ class FirstStep:
         wall = now - self.t_step
         build = self.t_step - self.t_begin if self.t_begin is not None else 0.0
         compile_s = min(max(compile_seconds() - self.compile0, 0.0), wall)
-        autotune = min(max(kernel_cache.LOG.total_seconds - self.autotune0, 0.0), wall - compile_s)
+        wait = max(kernel_cache.LOG.total_wait_seconds - self.wait0, 0.0)
+        autotune = min(max(kernel_cache.LOG.total_seconds - self.autotune0, 0.0) + wait, wall - compile_s)
         other = max(wall - compile_s - autotune, 0.0)
         return {"first_step_build_s": round(build, 3), "first_step_wall_s": round(wall, 3),
                 "first_step_compile_s": round(compile_s, 3), "first_step_autotune_s": round(autotune, 3),
                 "first_step_autotuned_kernels": kernel_cache.LOG.total_tuned - self.tuned0,
+                "first_step_autotune_wait_s": round(min(wait, autotune), 3),
                 "first_step_other_s": round(other, 3)}
 
 
 def describe(rec: dict) -> str:
     return (f"first step: {rec['first_step_wall_s']:.1f} s = compile {rec['first_step_compile_s']:.1f} s + "
-            f"autotuning {rec['first_step_autotune_s']:.1f} s ({rec['first_step_autotuned_kernels']} kernels tuned) "
+            f"autotuning {rec['first_step_autotune_s']:.1f} s ({rec['first_step_autotuned_kernels']} kernels tuned, "
+            f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning) "
             f"+ other {rec['first_step_other_s']:.1f} s; building the trainer before it took "
             f"{rec['first_step_build_s']:.1f} s")
 

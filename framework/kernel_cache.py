@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import MutableMapping
 
@@ -125,7 +126,9 @@ def tune_lock(path: Path):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")
+        t0 = time.perf_counter()
         fcntl.flock(f, fcntl.LOCK_EX)  # released by close, or by the kernel when the process dies
+        LOG.total_wait_seconds += time.perf_counter() - t0
     except OSError as e:  # unwritable, or a filesystem without flock (some NFS mounts: ENOLCK)
         _log.warning("apiary: no autotuning lock at %s (%s); this process tunes without waiting for others",
                      path, e.strerror or e)
@@ -208,6 +211,7 @@ class AutotuneLog:
     def __init__(self):
         self.seconds, self.tuned, self.cache_hits = 0.0, 0, 0
         self.total_seconds, self.total_tuned = 0.0, 0  # since the process started (never reset)
+        self.total_wait_seconds = 0.0  # waiting on another process's tuning of the same kernel (tune_lock)
 
     def __call__(self, *, fn, key, best_config, configs_timings, duration, cache_hit, **_):
         if cache_hit:
