@@ -8,6 +8,7 @@ set -uo pipefail
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING=1   # Triton names each kernel it tunes (not those read from the cache)
 KC="$OUT/kc"
 rm -rf "$KC" "$OUT/first_step_cold" "$OUT/first_step_relaunch"   # cold: an empty cache directory
 ARGS=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 parallel.cp=1 parallel.ep=1
@@ -38,6 +39,15 @@ for name in ("cold", "relaunch"):
     print(f"{name:9s} {r['first_step_wall_s']:8.1f} {r['first_step_build_s']:8.1f} {r['first_step_compile_s']:9.1f} "
           f"{r['first_step_autotune_s']:10.1f} {r['first_step_autotuned_kernels']:5d} {r['autotune_cache_hits']:5d} "
           f"{r['first_step_other_s']:8.1f} {steady}")
+for name in ("cold", "relaunch"):
+    log = out / f"first_step_{name}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    tuned = [(l.split("function ", 1)[1].rstrip(","), lines[i + 1].strip()) for i, l in enumerate(lines[:-1])
+             if l.startswith("Triton autotuning for function ")]
+    print(f"{name}: Triton tuned {len(tuned)} kernel/key pairs" + (":" if tuned and name == "relaunch" else ""))
+    if name == "relaunch":
+        for fn, key in tuned:
+            print(f"  {fn} {key}")
 kc = out / "kc"
 for d in ("triton", "inductor"):
     files = [p for p in (kc / d).rglob("*") if p.is_file()] if (kc / d).is_dir() else []
