@@ -1,5 +1,5 @@
 """Console scripts: `train` (Hydra's command line: framework/hydra_cli.py) and `apiary` (argparse
-subcommands: ls, show, cp, plan, compare, launch, cp-template, export).
+subcommands: ls, show, cp, plan, compare, launch, warmup, cp-template, export).
 
     train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [-m] [--cfg job|hydra|all] [-v]
     apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | cp-template ... | export ...
@@ -254,7 +254,7 @@ lists its options."""
 
 def apiary_parser():
     """One argparse parser, one subparser per command (plan, compare, launch add their own flags)."""
-    from framework import compare, launch_cli, plan_cli
+    from framework import compare, launch_cli, plan_cli, warmup
     from framework.argparsing import Parser
 
     p = Parser(prog="apiary", description=APIARY_DESCRIPTION)
@@ -272,7 +272,8 @@ def apiary_parser():
     for name, mod, helptext in (
             ("plan", plan_cli, "derived dims, per-GPU memory by term, verdict, step time; --search ranks layouts"),
             ("compare", compare, "run variants of one key from one seed checkpoint side by side (--check, --json)"),
-            ("launch", launch_cli, "check the recipe for a launcher's world size, then run it here or submit it")):
+            ("launch", launch_cli, "check the recipe for a launcher's world size, then run it here or submit it"),
+            ("warmup", warmup, "fill the kernel cache for a recipe's shapes on one device (2 steps, no checkpoint)")):
         doc = compare.USAGE if mod is compare else mod.__doc__
         hint = mod.parser().flags_hint
         sp = sub.add_parser(name, help=helptext, description=doc, flags_hint=hint)
@@ -301,7 +302,7 @@ def apiary_main(argv: list[str] | None = None) -> int:
         except SystemExit as e:  # --help
             return int(e.code or 0)
         cmd, rest = ns.cmd, argv[argv.index(ns.cmd) + 1:]
-        if cmd in ("plan", "compare", "launch"):
+        if cmd in ("plan", "compare", "launch", "warmup"):
             argparsing.finish(ns, extra, f"apiary {cmd}", ns.flags_hint, ns.flag_where)
             if cmd == "plan":
                 from framework.plan_cli import plan_args
@@ -311,6 +312,10 @@ def apiary_main(argv: list[str] | None = None) -> int:
                 from framework.compare import compare_main
 
                 return compare_main(rest, ns)
+            if cmd == "warmup":
+                from framework.warmup import warmup_args
+
+                return warmup_args(ns)
             from framework.launch_cli import launch_args
 
             return launch_args(ns)

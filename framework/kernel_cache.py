@@ -7,7 +7,16 @@ re-benchmarks every autotuned kernel in every new process; `training.cache_autot
 those results on disk too (TRITON_CACHE_AUTOTUNING), so a relaunch of the same shapes skips
 the benchmarking. `training.kernel_cache=PATH` puts Triton's and inductor's caches under PATH
 (a shared filesystem on a cluster, so every node reuses them; inductor's default lives in the
-node's /tmp). Variables the user already exported win.
+node's /tmp) and keeps inductor's FX graph cache and AOTAutograd cache on
+(TORCHINDUCTOR_FX_GRAPH_CACHE=1, TORCHINDUCTOR_AUTOGRAD_CACHE=1). Variables the user already
+exported win. A path that cannot be created or written is not used: a warning, and Triton's and
+inductor's defaults.
+
+With the disk cache on, one process per kernel and shapes key tunes while the others wait on a
+file lock (fcntl.flock on ``<triton cache>/autotune_locks/<key>.lock``) and then read its result
+from the disk cache, so N ranks sharing a cache do not tune the same kernel at once. Triton writes
+each entry to a private temporary directory and renames it into place (atomic on POSIX); an entry
+that cannot be parsed is re-tuned with a warning.
 
 `AutotuneLog` counts, per logged step, the seconds Triton spent autotuning in this process,
 the kernels it tuned and those it read from the disk cache (metrics.jsonl: autotune_s,
@@ -16,7 +25,11 @@ autotuned_kernels, autotune_cache_hits).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
 import os
+import time
 from pathlib import Path
 from typing import MutableMapping
 
@@ -30,13 +43,145 @@ def configure(kernel_cache: str | None, cache_autotuning: bool,
         wanted["TRITON_CACHE_AUTOTUNING"] = "1"
     if kernel_cache:
         root = Path(kernel_cache).expanduser().resolve()
-        wanted["TRITON_CACHE_DIR"] = str(root / "triton")
-        wanted["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-    added = {k: v for k, v in wanted.items() if k not in env}
+        problem = unusable(root)
+        if problem:
+            _log.warning("apiary: training.kernel_cache=%s is not used (%s); Triton and inductor keep their "
+                         "default caches. Give a writable directory.", kernel_cache, problem)
+        else:
+            wanted["TRITON_CACHE_DIR"] = str(root / "triton")
+            wanted["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+            wanted["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+            wanted["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    added = {k: v for k, v in wanted.items() if k not in env or _torch_wrote_default(k, env)}
     env.update(added)
     if env is os.environ and env.get("TRITON_CACHE_AUTOTUNING") == "1":
         _cache_existing_autotuners()
+        install_tune_lock()
     return added
+
+
+_log = logging.getLogger(__name__)
+
+
+def _torch_wrote_default(key: str, env) -> bool:
+    """torch's inductor writes its default TORCHINDUCTOR_CACHE_DIR into the environment the first
+    time it looks it up (importing some of torch while resolving a recipe does): that is not a
+    user's export, so the recipe's path replaces it."""
+    if key != "TORCHINDUCTOR_CACHE_DIR" or env is not os.environ:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return False
+    return os.path.abspath(env[key]) == os.path.abspath(default_cache_dir())
+
+
+def unusable(root: Path) -> str:
+    """Why ``root`` cannot hold the caches ('' when it can): created if missing, must be writable."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create it: {e.strerror or e}"
+    if not root.is_dir():
+        return "it is not a directory"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return "it is not writable"
+    return ""
+
+
+def cache_dirs(env: MutableMapping[str, str] | None = None) -> dict[str, Path]:
+    """The directories Triton and inductor cache into under ``env`` (their defaults when unset)."""
+    import getpass
+    import tempfile
+
+    env = os.environ if env is None else env
+    triton = env.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "unknown"
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    if not env.get("TORCHINDUCTOR_CACHE_DIR"):
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+            inductor = default_cache_dir()
+        except ImportError:
+            pass
+    return {"triton": Path(triton), "inductor": Path(inductor)}
+
+
+def _lock_path(fn_cache_key: str, name: str, tuning_key, configs) -> Path:
+    key = "-".join([fn_cache_key, str(tuning_key), *map(str, configs)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_dirs()["triton"] / "autotune_locks" / f"{name[:80]}-{digest}.lock"
+
+
+@contextlib.contextmanager
+def tune_lock(path: Path):
+    """Hold an exclusive flock on ``path`` (created); without a lock (warning) where it cannot be made."""
+    import fcntl
+
+    f = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+        t0 = time.perf_counter()
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by close, or by the kernel when the process dies
+        LOG.total_wait_seconds += time.perf_counter() - t0
+    except OSError as e:  # unwritable, or a filesystem without flock (some NFS mounts: ENOLCK)
+        _log.warning("apiary: no autotuning lock at %s (%s); this process tunes without waiting for others",
+                     path, e.strerror or e)
+        if f is not None:
+            f.close()
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        f.close()
+
+
+def _locked_check_disk_cache(original):
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        if not tuning_key or any(c.pre_hook for c in configs):  # Triton does not cache these
+            return original(self, tuning_key, configs, bench_fn)
+        fn = self.fn
+        while hasattr(fn, "fn") and not hasattr(fn, "cache_key"):
+            fn = fn.fn
+        benched = []
+
+        def bench():
+            benched.append(True)
+            bench_fn()
+
+        with tune_lock(_lock_path(str(getattr(fn, "cache_key", "")), getattr(fn, "__name__", "kernel"),
+                                  tuning_key, configs)):
+            try:
+                return original(self, tuning_key, configs, bench)
+            except (ValueError, KeyError, TypeError) as e:  # an entry that does not parse: tune again
+                if benched:
+                    raise
+                _log.warning("apiary: unreadable autotuning cache entry for %s (%s: %s); tuning it again",
+                             getattr(fn, "__name__", "kernel"), type(e).__name__, e)
+                bench_fn()
+                return False
+
+    check_disk_cache.apiary_tune_lock = True
+    return check_disk_cache
+
+
+def install_tune_lock() -> bool:
+    """Wrap Triton's Autotuner.check_disk_cache (once) in the per-kernel file lock."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return False
+    if not hasattr(Autotuner, "check_disk_cache"):
+        return False
+    if not getattr(Autotuner.check_disk_cache, "apiary_tune_lock", False):
+        Autotuner.check_disk_cache = _locked_check_disk_cache(Autotuner.check_disk_cache)
+    return True
 
 
 def _cache_existing_autotuners() -> int:
@@ -65,6 +210,8 @@ class AutotuneLog:
 
     def __init__(self):
         self.seconds, self.tuned, self.cache_hits = 0.0, 0, 0
+        self.total_seconds, self.total_tuned = 0.0, 0  # since the process started (never reset)
+        self.total_wait_seconds = 0.0  # waiting on another process's tuning of the same kernel (tune_lock)
 
     def __call__(self, *, fn, key, best_config, configs_timings, duration, cache_hit, **_):
         if cache_hit:
@@ -72,6 +219,8 @@ class AutotuneLog:
         else:
             self.tuned += 1
             self.seconds += duration or 0.0
+            self.total_tuned += 1
+            self.total_seconds += duration or 0.0
 
     def take(self) -> dict:
         rec = {"autotune_s": round(self.seconds, 3), "autotuned_kernels": self.tuned,

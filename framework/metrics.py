@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from framework import devices, kernel_cache
+from framework import devices, first_step, kernel_cache
 
 _console = Console(highlight=False, soft_wrap=True)
 
@@ -43,6 +43,7 @@ class JsonlLogger(BaseLogger):
             **{k: v for k, v in metrics.items() if k.startswith("policy/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
+            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("first_step/")},
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -54,6 +55,8 @@ class JsonlLogger(BaseLogger):
             f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step"
             + _autotune_note(rec),
         )
+        if "first_step_wall_s" in rec:
+            _console.print(first_step.describe(rec), markup=False)
 
 
 SUPERSEDED_NAME = "metrics.superseded.jsonl"
@@ -113,7 +116,8 @@ class ApiaryMetrics(MetricsProcessor):
             global_max_loss = self.max_loss_source()
         if self.extra_source is not None:
             extra_metrics = {**(extra_metrics or {}), **self.extra_source()}
-        extra_metrics = {**(extra_metrics or {}), **{f"kernels/{k}": v for k, v in kernel_cache.LOG.take().items()}}
+        extra_metrics = {**(extra_metrics or {}), **{f"kernels/{k}": v for k, v in kernel_cache.LOG.take().items()},
+                         **{f"first_step/{k}": v for k, v in first_step.STATE.record().items()}}
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):

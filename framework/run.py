@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from framework import devices, kernel_cache, preempt
+from framework import devices, first_step, kernel_cache, preempt
 
 
 def _single_process_env() -> None:
@@ -64,6 +64,7 @@ def train(resolved, verbose: bool = False) -> dict | None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     tc = trainer_config(resolved)
     trainer = guard = None
+    first_step.STATE.begin()  # metrics.jsonl's first record: first_step_build_s and the step's breakdown
     try:
         trainer = tc.build()
         guard = preempt.install(trainer)

@@ -98,6 +98,9 @@ class ApiaryTrainer(Trainer):
         super().close()
 
     def train_step(self, data_iterator):
+        from framework import first_step
+
+        first_step.STATE.step_started()  # the first step's breakdown (framework/first_step.py)
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0
         self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None

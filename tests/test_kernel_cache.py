@@ -13,10 +13,12 @@ def test_configure_sets_caches_and_respects_user_exports(tmp_path):
     env = {}
     added = kernel_cache.configure(str(tmp_path / "k"), True, env)
     assert env == added == {"TRITON_CACHE_AUTOTUNING": "1", "TRITON_CACHE_DIR": str(tmp_path / "k" / "triton"),
-                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "k" / "inductor")}
-    env = {"TRITON_CACHE_DIR": "/mine", "TRITON_CACHE_AUTOTUNING": "0"}
-    assert kernel_cache.configure("~/kc", True, env) == {
-        "TORCHINDUCTOR_CACHE_DIR": os.path.expanduser("~/kc/inductor")}
+                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "k" / "inductor"),
+                            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    env = {"TRITON_CACHE_DIR": "/mine", "TRITON_CACHE_AUTOTUNING": "0", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+    assert kernel_cache.configure(str(tmp_path / "kc"), True, env) == {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "kc" / "inductor"), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
     assert env["TRITON_CACHE_DIR"] == "/mine" and env["TRITON_CACHE_AUTOTUNING"] == "0"
     env = {}
     assert kernel_cache.configure(None, False, env) == {} and env == {}

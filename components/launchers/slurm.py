@@ -58,6 +58,7 @@ class SlurmLauncher:
         extra_sbatch: List[str] = field(default_factory=list)  # e.g. ["--constraint=h200", "--exclusive"]
         setup: List[str] = field(default_factory=list)  # shell lines before launch, e.g. "module load cuda"
         wait: bool = False  # block until the job ends (through requeues) and return its exit code
+        warmup: bool = False  # before srun: `apiary warmup` on one task fills training.kernel_cache
 
     @staticmethod
     def world_size(opts) -> int:
@@ -90,11 +91,26 @@ class SlurmLauncher:
         template_path(opts)  # raises when missing
 
     @staticmethod
+    def check_warmup(opts, resolved) -> None:
+        """launcher.warmup=true needs a cache the job's ranks read: training.kernel_cache."""
+        from framework.errors import UserError
+
+        if getattr(opts, "warmup", False) and not resolved.cfg.training.kernel_cache:
+            raise UserError("launcher.warmup=true", "needs training.kernel_cache: without it the warmup task "
+                            "fills the caches of the node it runs on only, not those the job's other nodes read.",
+                            "Add training.kernel_cache=PATH on a shared filesystem.")
+        if getattr(opts, "warmup", False) and not resolved.cfg.training.cache_autotuning:
+            raise UserError("launcher.warmup=true training.cache_autotuning=false",
+                            "the warmup's autotuning results would not be kept.",
+                            "Leave training.cache_autotuning=true, or drop launcher.warmup.")
+
+    @staticmethod
     def preflight(opts, resolved, *, dry_run: bool = False) -> list[str]:
         """Raise UserError for options that cannot work; return warnings."""
         from framework.errors import UserError
 
         SlurmLauncher.check_options(opts)
+        SlurmLauncher.check_warmup(opts, resolved)
         if not dry_run and shutil.which("sbatch") is None:
             raise UserError("launcher=slurm", "sbatch is not on PATH here, so nothing can be submitted.",
                             "Run on a Slurm login node, or add --dry-run to print the script.")
@@ -116,6 +132,7 @@ class SlurmLauncher:
 
         from framework.errors import UserError
 
+        SlurmLauncher.check_warmup(opts, resolved)
         path = template_path(opts)
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(path.parent)),
                                  undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
@@ -283,6 +300,8 @@ def context(opts, resolved, argv: list[str]) -> dict:
         python=sys.executable,
         torchrun=str(venv_bin / "torchrun"),
         train_args=worker_args(argv),
+        warmup=bool(o.get("warmup", False)),
+        kernel_cache=str(Path(cfg.training.kernel_cache).expanduser().resolve()) if cfg.training.kernel_cache else "",
         total_steps=int(cfg.training.steps),
         checkpoint_enabled=bool(cfg.checkpoint.enable),
         preempt_signal_s=grace,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Time to first step on one H200 (issue 17): step 1 on a cold kernel cache, then a relaunch on the
+# same machine with the same cache directory, each with its breakdown (metrics.jsonl's first
+# record: build, compile, autotuning, other; framework/first_step.py) and the steady step.
+#   OUT=/some/dir bash benchmarks/first_step_bench.sh
+# Bounded to 9 minutes in all: cold 390 s, relaunch 140 s (`timeout`); a run cut off prints so.
+set -uo pipefail
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING=1   # Triton names each kernel it tunes (not those read from the cache)
+KC="$OUT/kc"
+rm -rf "$KC" "$OUT/first_step_cold" "$OUT/first_step_relaunch"   # cold: an empty cache directory
+ARGS=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 parallel.cp=1 parallel.ep=1
+      parallel.dp_shard=1 data.name=packaged data.tokenizer=byte checkpoint.enable=false nproc=1
+      training.steps=6 training.kernel_cache="$KC" logging.tensorboard=false)
+run() {  # name, time limit in seconds
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=15 "$2" "$PY" -m framework.cli train "${ARGS[@]}" output_dir="$OUT/first_step_$1" \
+    > "$OUT/first_step_$1.log" 2>&1
+  echo "$1: exit $? after $((SECONDS - t0)) s (limit $2 s); log $OUT/first_step_$1.log"
+}
+run cold 390
+run relaunch 140
+"$PY" - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"\n{'launch':9s} {'step1 s':>8s} {'build s':>8s} {'compile s':>9s} {'autotune s':>10s} {'tuned':>5s} "
+      f"{'hits':>5s} {'other s':>8s} {'steady s':>8s} {'tok/s':>8s}")
+for name in ("cold", "relaunch"):
+    f = out / f"first_step_{name}" / "metrics.jsonl"
+    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
+    if not recs or "first_step_wall_s" not in recs[0]:
+        print(f"{name:9s} no first-step record (cut off before step 1 ended?)")
+        continue
+    r, last = recs[0], recs[-1]
+    steady = f"{last['step_time_s']:8.2f} {last['tokens_per_s']:8.0f}" if len(recs) > 1 else f"{'-':>8s} {'-':>8s}"
+    print(f"{name:9s} {r['first_step_wall_s']:8.1f} {r['first_step_build_s']:8.1f} {r['first_step_compile_s']:9.1f} "
+          f"{r['first_step_autotune_s']:10.1f} {r['first_step_autotuned_kernels']:5d} {r['autotune_cache_hits']:5d} "
+          f"{r['first_step_other_s']:8.1f} {steady}")
+for name in ("cold", "relaunch"):
+    log = out / f"first_step_{name}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    tuned = [(l.split("function ", 1)[1].rstrip(","), lines[i + 1].strip()) for i, l in enumerate(lines[:-1])
+             if l.startswith("Triton autotuning for function ")]
+    print(f"{name}: Triton tuned {len(tuned)} kernel/key pairs" + (":" if tuned and name == "relaunch" else ""))
+    if name == "relaunch":
+        for fn, key in tuned:
+            print(f"  {fn} {key}")
+kc = out / "kc"
+for d in ("triton", "inductor"):
+    files = [p for p in (kc / d).rglob("*") if p.is_file()] if (kc / d).is_dir() else []
+    print(f"cache {d}: {len(files)} files, {sum(p.stat().st_size for p in files) / 2**20:.1f} MiB, "
+          f"{sum(p.name.endswith('.autotune.json') for p in files)} autotuning results")
+PY

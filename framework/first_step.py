@@ -1,0 +1,91 @@
+"""Where the first step's time goes: printed once (rank 0) after the first step a process trains,
+and recorded in that step's metrics.jsonl record.
+
+* ``first_step_build_s``: from the start of ``framework.run.train`` to the first step (model init,
+  parallelize, optimizer, dataloader, checkpoint load); not part of the step's wall time.
+* ``first_step_wall_s``: the first step, from ``train_step`` to its metrics record.
+* ``first_step_compile_s``: Dynamo/Inductor compile time inside that step (torch's own timers,
+  ``torch._dynamo.utils.compilation_time_metrics``: each frame's ``_compile.compile_inner`` plus
+  lazily compiled backwards, ``backward._backward_impl``); inductor's tuning of flex attention
+  happens inside it. 0 where nothing is compiled (apiary's CPU path).
+* ``first_step_autotune_s`` / ``first_step_autotuned_kernels``: Triton's runtime autotuning in that
+  step (framework.kernel_cache.AutotuneLog), including ``first_step_autotune_wait_s``: time spent
+  waiting for another process sharing the cache to finish tuning the same kernel (its lock).
+* ``first_step_other_s``: the rest (first-iteration allocations, the kernels' own run time, the
+  optimizer, communication).
+
+compile + autotune + other = wall (each clamped to be non-negative, so the parts never exceed it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from framework import kernel_cache
+
+_COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in Dynamo/Inductor compilation so far (0 if torch never compiled)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    metrics = getattr(utils, "compilation_time_metrics", {}) or {}
+    return float(sum(sum(metrics.get(k, ())) for k in _COMPILE_KEYS))
+
+
+class FirstStep:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.t_begin = self.t_step = None
+        self.compile0 = self.autotune0 = self.wait0 = 0.0
+        self.tuned0 = 0
+        self.done = False
+
+    def begin(self) -> None:
+        """The trainer starts to be built (framework.run.train)."""
+        self.reset()
+        self.t_begin = time.perf_counter()
+
+    def step_started(self) -> None:
+        """A train step starts; only the first one counts."""
+        if self.t_step is not None or self.done:
+            return
+        self.t_step = time.perf_counter()
+        self.compile0 = compile_seconds()
+        self.autotune0, self.tuned0 = kernel_cache.LOG.total_seconds, kernel_cache.LOG.total_tuned
+        self.wait0 = kernel_cache.LOG.total_wait_seconds
+
+    def record(self) -> dict:
+        """The breakdown, once (at the first logged step after step_started); {} otherwise."""
+        if self.done or self.t_step is None:
+            return {}
+        self.done = True
+        now = time.perf_counter()
+        wall = now - self.t_step
+        build = self.t_step - self.t_begin if self.t_begin is not None else 0.0
+        compile_s = min(max(compile_seconds() - self.compile0, 0.0), wall)
+        wait = max(kernel_cache.LOG.total_wait_seconds - self.wait0, 0.0)
+        autotune = min(max(kernel_cache.LOG.total_seconds - self.autotune0, 0.0) + wait, wall - compile_s)
+        other = max(wall - compile_s - autotune, 0.0)
+        return {"first_step_build_s": round(build, 3), "first_step_wall_s": round(wall, 3),
+                "first_step_compile_s": round(compile_s, 3), "first_step_autotune_s": round(autotune, 3),
+                "first_step_autotuned_kernels": kernel_cache.LOG.total_tuned - self.tuned0,
+                "first_step_autotune_wait_s": round(min(wait, autotune), 3),
+                "first_step_other_s": round(other, 3)}
+
+
+def describe(rec: dict) -> str:
+    return (f"first step: {rec['first_step_wall_s']:.1f} s = compile {rec['first_step_compile_s']:.1f} s + "
+            f"autotuning {rec['first_step_autotune_s']:.1f} s ({rec['first_step_autotuned_kernels']} kernels tuned, "
+            f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning) "
+            f"+ other {rec['first_step_other_s']:.1f} s; building the trainer before it took "
+            f"{rec['first_step_build_s']:.1f} s")
+
+
+STATE = FirstStep()

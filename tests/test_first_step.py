@@ -1,0 +1,278 @@
+"""Time to first step (issue 17, CPU side): the first step's breakdown in metrics.jsonl, the
+kernel cache under every launcher path, one tuning per kernel across processes sharing a cache
+(a recorded fake autotuner through Triton's own disk-cache code: nothing autotunes on CPU),
+`apiary warmup`, and the Slurm template's warmup line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT, run_cli
+from framework import first_step, kernel_cache
+from framework.errors import UserError
+
+BREAKDOWN = ("first_step_build_s", "first_step_wall_s", "first_step_compile_s", "first_step_autotune_s",
+             "first_step_other_s")
+
+
+def _records(out):
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_first_step_breakdown_recorded_once_on_cpu(tmp_path):
+    out, kc = tmp_path / "run", tmp_path / "kc"
+    res = run_cli(["train", "recipe=debug_moe", "training.steps=2", "training.seq_len=64", f"output_dir={out}",
+                   f"training.kernel_cache={kc}", "checkpoint.enable=false"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, second = _records(out)
+    assert all(first[k] >= 0 for k in BREAKDOWN)
+    parts = first["first_step_compile_s"] + first["first_step_autotune_s"] + first["first_step_other_s"]
+    assert parts <= first["first_step_wall_s"] + 0.003  # rounding of three parts
+    assert first["first_step_compile_s"] == 0.0  # apiary's CPU path compiles nothing (compile off, no flex)
+    assert first["first_step_autotuned_kernels"] == 0
+    assert not any(k in second for k in BREAKDOWN)  # once
+    assert res.stdout.count("first step: ") == 1 and "building the trainer before it took" in res.stdout
+    assert kc.is_dir()  # the worker took the cache directory
+
+
+def test_breakdown_parts_are_clamped_to_the_wall_time(monkeypatch):
+    clock = iter([0.0, 10.0, 20.0])
+    monkeypatch.setattr(first_step.time, "perf_counter", lambda: next(clock))
+    compiled = iter([1.0, 9.0])  # 8 s compiled during the step
+    monkeypatch.setattr(first_step, "compile_seconds", lambda: next(compiled))
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    s = first_step.FirstStep()
+    s.begin()
+    s.step_started()
+    kernel_cache.LOG(fn=None, key=(1,), best_config=None, configs_timings={}, duration=5.0, cache_hit=False)
+    rec = s.record()
+    assert rec == {"first_step_build_s": 10.0, "first_step_wall_s": 10.0, "first_step_compile_s": 8.0,
+                   "first_step_autotune_s": 2.0, "first_step_autotuned_kernels": 1, "first_step_autotune_wait_s": 0.0,
+                   "first_step_other_s": 0.0}
+    assert s.record() == {}
+
+
+def test_waiting_for_another_process_tuning_counts_as_autotuning(tmp_path, monkeypatch):
+    clock = iter([0.0, 1.0, 2.0])
+    monkeypatch.setattr(first_step.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    monkeypatch.setattr(first_step, "compile_seconds", lambda: 0.0)
+    s = first_step.FirstStep()
+    s.begin()
+    s.step_started()
+    kernel_cache.LOG.total_wait_seconds += 0.2  # as tune_lock adds while blocked in flock
+    kernel_cache.LOG(fn=None, key=(1,), best_config=None, configs_timings={}, duration=None, cache_hit=True)
+    rec = s.record()
+    assert rec["first_step_autotune_wait_s"] == 0.2 and rec["first_step_autotune_s"] == 0.2
+    assert rec["first_step_autotuned_kernels"] == 0 and rec["first_step_other_s"] == 0.8
+
+
+def test_kernel_cache_keeps_inductor_graph_and_autograd_caches_and_replaces_torchs_default(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setattr("os.environ", dict(__import__("os").environ))
+    import os
+
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+              "TORCHINDUCTOR_AUTOGRAD_CACHE", "TRITON_CACHE_AUTOTUNING"):
+        os.environ.pop(k, None)
+    assert cache_dir() == os.path.abspath(default_cache_dir())  # torch writes its default into the env
+    kernel_cache.configure(str(tmp_path / "kc"), True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kc" / "inductor") == cache_dir()
+    assert os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] == os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+    from torch._functorch import config as fconfig
+    from torch._inductor import config as iconfig
+
+    assert iconfig.fx_graph_cache and fconfig.enable_autograd_cache
+
+
+def test_unusable_kernel_cache_falls_back_with_a_warning(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    env = {}
+    with caplog.at_level("WARNING"):
+        added = kernel_cache.configure(str(blocker / "kc"), True, env)
+    assert added == env == {"TRITON_CACHE_AUTOTUNING": "1"}
+    assert "is not used" in caplog.text and "writable directory" in caplog.text
+
+
+FAKE_TUNER = textwrap.dedent('''
+    import json, os, sys, time, types
+    import triton, triton.language as tl
+    import triton.compiler.compiler as cc
+    import triton.runtime.autotuner as at
+    from framework import kernel_cache
+
+    @triton.jit
+    def fake_kernel(x, BLOCK: tl.constexpr):
+        pass
+
+    # no GPU here: the target and backend hash are recorded constants; the rest is Triton's code
+    at.driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_target=lambda: "recorded"))
+    cc.make_backend = lambda target: types.SimpleNamespace(hash=lambda: "recorded-h200")
+    kc, log, lock = sys.argv[1], sys.argv[2], sys.argv[3] == "lock"
+    if lock:
+        kernel_cache.configure(kc, True)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = kc + "/triton"
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
+    tuner = types.SimpleNamespace(fn=fake_kernel, cache={}, configs_timings=None)
+    key = (4096, "torch.bfloat16")
+
+    def bench():  # recorded timings: BLOCK=32 wins
+        time.sleep(1.0)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        tuner.configs_timings = {configs[0]: [2.0], configs[1]: [1.0]}
+        tuner.cache[key] = configs[1]
+
+    ready = os.path.join(os.path.dirname(log), "ready")  # start together: imports take different times
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, str(os.getpid())), "w").close()
+    while len(os.listdir(ready)) < int(sys.argv[4]):
+        time.sleep(0.01)
+    hit = at.Autotuner.check_disk_cache(tuner, key, configs, bench)
+    print(json.dumps({"hit": hit, "best": tuner.cache[key].kwargs, "waited": kernel_cache.LOG.total_wait_seconds}))
+''')
+
+
+def _tuners(tmp_path, n, mode="lock"):
+    script = tmp_path / "fake_tuner.py"
+    script.write_text(FAKE_TUNER)
+    log = tmp_path / "benchmarked.log"
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    import shutil
+
+    shutil.rmtree(tmp_path / "ready", ignore_errors=True)
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "kc"), str(log), mode, str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = []
+    for p in procs:
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0, e[-2000:]
+        outs.append(json.loads(o.strip().splitlines()[-1]))
+    return outs, (log.read_text().split() if log.exists() else []), e
+
+
+def test_two_processes_sharing_a_cache_tune_a_kernel_once(tmp_path):
+    pytest.importorskip("triton")
+    outs, benched, _ = _tuners(tmp_path, 2)
+    assert len(benched) == 1  # one process tuned; the other waited on the lock and read its result
+    assert sorted(o["hit"] for o in outs) == [False, True]
+    assert next(o for o in outs if o["hit"])["waited"] > 0.3  # it waited for the other's 1 s of tuning
+    assert all(o["best"] == {"BLOCK": 32} for o in outs)
+    entries = list((tmp_path / "kc" / "triton").rglob("*.autotune.json"))
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["key"] == [4096, "torch.bfloat16"]
+    assert not list((tmp_path / "kc" / "triton").rglob("tmp.pid_*"))  # Triton's temporaries renamed away
+    # a later launch (training after `apiary warmup`) finds the entry and tunes nothing
+    outs, benched, _ = _tuners(tmp_path, 1)
+    assert outs[0]["hit"] is True and len(benched) == 1
+
+
+def test_a_corrupt_autotuning_entry_is_tuned_again_with_a_warning(tmp_path):
+    pytest.importorskip("triton")
+    _tuners(tmp_path, 1)
+    (entry,) = (tmp_path / "kc" / "triton").rglob("*.autotune.json")
+    entry.write_text('{"configs_timings": [[{"kw')  # cut short
+    outs, benched, err = _tuners(tmp_path, 1)
+    assert (outs[0]["hit"], outs[0]["best"], len(benched)) == (False, {"BLOCK": 32}, 2)
+    assert "unreadable autotuning cache entry for fake_kernel" in err
+
+
+def test_warmup_trains_two_steps_and_lists_the_cache(tmp_path):
+    kc = tmp_path / "kc"
+    res = run_cli(["apiary", "warmup", "recipe=debug_moe", "training.seq_len=64", "training.steps=50",
+                   f"training.kernel_cache={kc}"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "training.steps=50 -> training.steps=2" in res.stdout
+    assert "step     2/2" in res.stdout and "first step: " in res.stdout
+    # the CPU path compiles and tunes nothing, so the listing is empty but names the job's directories
+    assert f"triton   {kc / 'triton'}: 0 files" in res.stdout
+    assert f"inductor {kc / 'inductor'}: 0 files" in res.stdout
+    assert not (tmp_path / "runs").exists()  # temporary output, removed
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["nproc=8"], "apiary warmup nproc=8"),
+    (["launcher=slurm"], "launcher options belong to the job"),
+    (["training.cache_autotuning=false"], "would not be kept"),
+])
+def test_warmup_refuses_what_it_cannot_honour(tmp_path, monkeypatch, capsys, argv, needle):
+    from framework.cli import apiary_main
+
+    monkeypatch.chdir(tmp_path)
+    assert apiary_main(["warmup", "recipe=debug_moe", *argv]) == 2
+    assert needle in " ".join(capsys.readouterr().err.split())
+
+
+def test_warmup_refuses_an_unwritable_cache(tmp_path, monkeypatch, capsys):
+    from framework.cli import apiary_main
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert apiary_main(["warmup", "recipe=debug_moe", f"training.kernel_cache={tmp_path / 'file' / 'kc'}"]) == 2
+    assert "cannot hold the cache" in " ".join(capsys.readouterr().err.split())
+
+
+def _dry_run(capsys, argv):
+    from framework.launch_cli import launch_main
+
+    code = launch_main(["recipe=debug_moe", "launcher=slurm", "nodes=2", "gpus_per_node=4", *argv, "--dry-run"])
+    cap = capsys.readouterr()
+    return code, cap.out, " ".join(cap.err.split())
+
+
+def test_slurm_template_runs_warmup_before_the_job(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    kc = tmp_path / "kc"
+    code, script, err = _dry_run(capsys, ["launcher.warmup=true", f"training.kernel_cache={kc}",
+                                          "training.seq_len=128"])
+    assert code == 0, err
+    warm = next(l for l in script.splitlines() if "framework.cli apiary warmup" in l)
+    assert f"training.kernel_cache={kc}" in warm and "training.seq_len=128" in warm
+    assert "srun --nodes=1 --ntasks=1 --gpus=1" in script
+    assert script.index("framework.cli apiary warmup") < script.index("-m framework.preempt train")
+    train_args = next(l for l in script.splitlines() if l.startswith("TRAIN_ARGS=("))
+    assert f"training.kernel_cache={kc}" in train_args  # the job's ranks read the same cache
+    code, script, err = _dry_run(capsys, [f"training.kernel_cache={kc}"])
+    assert code == 0 and "framework.cli apiary warmup" not in script  # off by default
+    code, _, err = _dry_run(capsys, ["launcher.warmup=true"])
+    assert code == 2 and "launcher.warmup=true: needs training.kernel_cache" in err
+
+
+def test_torchrun_workers_take_the_kernel_cache(tmp_path):
+    out, kc = tmp_path / "run", tmp_path / "kc"
+    res = run_cli(["train", "recipe=debug_moe", "nproc=2", "training.steps=1", "training.seq_len=64",
+                   f"output_dir={out}", f"training.kernel_cache={kc}", "checkpoint.enable=false"],
+                  cwd=tmp_path, timeout=400)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert kc.is_dir()  # made by the ranks (the launching process does not configure caches)
+    assert _records(out)[0]["first_step_wall_s"] > 0
+
+
+def test_a_filesystem_without_flock_tunes_without_the_lock(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(*a):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"), kernel_cache.tune_lock(tmp_path / "locks" / "k.lock") as held:
+        assert held is False
+    assert "No locks available" in caplog.text and "tunes without waiting" in caplog.text
+    monkeypatch.undo()
+    with kernel_cache.tune_lock(tmp_path / "locks" / "k.lock") as held:
+        assert held is True
+
+
+def test_without_the_lock_both_processes_tune(tmp_path):
+    """Baseline partner of the lock: Triton alone lets every process sharing a cache tune the kernel."""
+    pytest.importorskip("triton")
+    outs, benched, _ = _tuners(tmp_path, 2, mode="nolock")
+    assert len(benched) == 2 and [o["hit"] for o in outs] == [False, False]
