@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from components.losses import _fwdgrad as F
 from components.losses import _lm_head as E
 
 IGNORE_INDEX = E.IGNORE_INDEX
@@ -63,6 +64,29 @@ class _Cfg:
     chunk_tokens: int
     chunk_vocab: int
     workspace_mb: float
+    logits_dtype: str = "bfloat16"
+    dw_accum: str = "float32"
+
+
+class _LinearCEFwdGrad(torch.autograd.Function):
+    """backend "fwdgrad": loss summed over tokens, dH and dW computed in the forward (three GEMM
+    passes, _fwdgrad.py) and scaled by the upstream gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, cfg: _Cfg, inv_temp: float, need_dh: bool, need_dw: bool):
+        res = F.run(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=inv_temp,
+                    ce=F.CE(cfg.z_loss, cfg.label_smoothing), need_dh=need_dh, need_dw=need_dw,
+                    logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, workspace_mb=cfg.workspace_mb)
+        ctx.res = res
+        ctx.dtypes = (h, w) if (need_dh or need_dw) else None
+        return res.loss.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        res, (h, w) = ctx.res, ctx.dtypes
+        ctx.res = ctx.dtypes = None  # free the stored gradients as soon as they are handed over
+        dh, dw = F.scale_grads(res, g, h, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dh, dw, None, None, None, None, None
 
 
 class _LinearCE(torch.autograd.Function):
@@ -107,7 +131,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = IGNORE_INDEX, reduction: str = "sum",
                          z_loss: float = 0.0, label_smoothing: float = 0.0,
                          vocab_group=None, backend: str = "auto", chunk_tokens: int = 4096,
-                         chunk_vocab: int = 16384, workspace_mb: float = 256.0) -> torch.Tensor:
+                         chunk_vocab: int = 16384, workspace_mb: float = 256.0,
+                         logits_dtype: str = "bfloat16", dw_accum: str = "float32",
+                         temperature: float = 1.0) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight^T`` against ``labels`` without [N, V] logits.
 
     hidden [..., H] (bf16 or fp32), weight [V_local, H], labels [...] (global ids).
@@ -123,10 +149,33 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits_dtype not in F.LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype must be one of {', '.join(F.LOGITS_DTYPES)}, got {logits_dtype!r}")
+    if dw_accum not in F.DW_ACCUM:
+        raise ValueError(f"dw_accum must be one of {', '.join(F.DW_ACCUM)}, got {dw_accum!r}")
+    if backend == "fwdgrad" and reduction == "none":
+        raise ValueError("backend='fwdgrad' computes dW in the forward and can only scale it by a scalar "
+                         "upstream gradient; reduction='none' needs backend='auto' (or mixed/triton/cublas/torch)")
     shape = labels.shape
     h, w, lab = E.as_2d(hidden, weight, labels)
-    cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), E.vocab_shard(w, vocab_group),
-               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb))
+    shard = E.vocab_shard(w, vocab_group)
+    if backend == "auto":
+        backend = auto_backend(h, w, reduction, logits_dtype, dw_accum, workspace_mb)
+    cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), shard,
+               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb),
+               logits_dtype, dw_accum)
+    inv_temp = 1.0 / float(temperature)
+    if cfg.backend == "fwdgrad":
+        grad_on = torch.is_grad_enabled()
+        total = _LinearCEFwdGrad.apply(h, w, lab, cfg, inv_temp, grad_on and h.requires_grad,
+                                       grad_on and w.requires_grad)
+        if reduction == "mean":
+            return total / (lab != ignore_index).sum()
+        return total
+    if inv_temp != 1.0:  # the recompute path scales the hidden states instead (exact: s = (h / T) W^T)
+        h = h / float(temperature)
     per_token = _LinearCE.apply(h, w, lab, cfg)
     if reduction == "none":
         return per_token.reshape(shape)
@@ -134,6 +183,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if reduction == "mean":
         return total / (lab != ignore_index).sum()
     return total
+
+
+def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype: str, dw_accum: str,
+                 workspace_mb: float) -> str:
+    """What backend="auto" runs: "fwdgrad" (three GEMM passes) on CUDA when a gradient is wanted,
+    the upstream gradient is a scalar (sum/mean) and its buffers fit in half the free memory;
+    otherwise the recompute path ("mixed" on CUDA, "torch" on CPU)."""
+    base = E.auto_backend(h)
+    if base != "mixed" or reduction == "none" or not torch.is_grad_enabled():
+        return base
+    if not (h.requires_grad or w.requires_grad):
+        return base
+    need = F.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, workspace_mb,
+                            h.element_size())
+    free, _ = torch.cuda.mem_get_info(h.device)
+    return "fwdgrad" if need < free // 2 else base
 
 
 # --------------------------------------------------------------------------------------------
