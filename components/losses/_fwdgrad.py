@@ -89,7 +89,10 @@ def _mm_out(a, b, out, out_dtype=None):
     if out.dtype == a.dtype:
         return torch.mm(a, b, out=out)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        try:
+            return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        except (NotImplementedError, RuntimeError, TypeError):  # no mm.dtype_out: a temporary
+            return out.copy_(torch.mm(a, b, out_dtype=out.dtype))
     return out.copy_(a.float() @ b.float())
 
 
@@ -98,7 +101,10 @@ def _addmm_(c, a, b):
     if c.dtype == a.dtype:
         return c.addmm_(a, b)
     if a.is_cuda:
-        return torch.addmm(c, a, b, out_dtype=c.dtype, out=c)
+        try:
+            return torch.addmm(c, a, b, out_dtype=c.dtype, out=c)
+        except (NotImplementedError, RuntimeError, TypeError):  # no addmm.dtype_out: a temporary
+            return c.add_(torch.mm(a, b, out_dtype=c.dtype))
     return c.add_(a.float() @ b.float())
 
 
