@@ -151,10 +151,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits_dtype not in F.LOGITS_DTYPES:
-        raise ValueError(f"logits_dtype must be one of {', '.join(F.LOGITS_DTYPES)}, got {logits_dtype!r}")
-    if dw_accum not in F.DW_ACCUM:
-        raise ValueError(f"dw_accum must be one of {', '.join(F.DW_ACCUM)}, got {dw_accum!r}")
+    check_fwdgrad_options(logits_dtype, dw_accum, prefix="")
     if backend == "fwdgrad" and reduction == "none":
         raise ValueError("backend='fwdgrad' computes dW in the forward and can only scale it by a scalar "
                          "upstream gradient; reduction='none' needs backend='auto' (or mixed/triton/cublas/torch)")
@@ -214,10 +211,13 @@ class LinearCrossEntropy:
         name: str = "linear_ce"
         z_loss: float = 0.0
         label_smoothing: float = 0.0
-        backend: str = "auto"  # auto (mixed on CUDA, torch otherwise) | mixed | cublas | triton | torch
+        # auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch
+        backend: str = "auto"
         chunk_tokens: int = 4096  # torch path: tokens per logits chunk
         chunk_vocab: int = 16384  # torch path: vocabulary columns per logits chunk
-        workspace_mb: float = 256.0  # CUDA paths: cap on the [tokens, vocab slice] buffers
+        workspace_mb: float = 256.0  # CUDA paths and fwdgrad: cap on the [tokens, vocab (slice)] buffer
+        logits_dtype: str = "bfloat16"  # fwdgrad: dtype of its logits chunk (bfloat16 | float32)
+        dw_accum: str = "float32"  # fwdgrad: dtype of its dW accumulator (float32 | weight)
 
     @staticmethod
     def trainer_loss(opts: "LinearCrossEntropy.Options", vocab_size: int):
@@ -229,10 +229,19 @@ class LinearCrossEntropy:
             raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
         if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
+        check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
         cls = fused_loss_class()
         return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
                           chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
-                          workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
+                          workspace_mb=opts.workspace_mb, logits_dtype=opts.logits_dtype, dw_accum=opts.dw_accum,
+                          global_vocab_size=vocab_size)
+
+
+def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
+    if logits_dtype not in F.LOGITS_DTYPES:
+        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(F.LOGITS_DTYPES)}, got {logits_dtype!r}")
+    if dw_accum not in F.DW_ACCUM:
+        raise ValueError(f"{prefix}dw_accum must be one of {', '.join(F.DW_ACCUM)}, got {dw_accum!r}")
 
 
 def fused_loss_class():
@@ -249,5 +258,6 @@ def _linear_ce_head_loss(self, h, w, labels, global_valid_tokens):
     loss = linear_cross_entropy(
         h, w, labels.reshape(-1), reduction="sum", z_loss=cfg.z_loss,
         label_smoothing=cfg.label_smoothing, backend=cfg.backend,
-        chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb)
+        chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb,
+        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum)
     return loss if global_valid_tokens is None else loss / global_valid_tokens
