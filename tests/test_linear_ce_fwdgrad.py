@@ -344,3 +344,39 @@ def test_vocab_group_of_two_gloo_ranks(tmp_path):
             assert g["loss"] == pytest.approx(l_rl.item(), rel=1e-5)
             _close(torch.tensor(g["dh"]), hh.grad, 1e-5)
             _close(torch.tensor(g["dw"]), ww.grad[rlo:rhi], 1e-5)
+
+
+# --- the trainer's PolicyLoss (torchtitan ChunkedLossWrapper protocol) with backend=fwdgrad ---------
+
+
+@pytest.mark.parametrize("name,hp,ent", [
+    ("grpo", dict(eps=0.2, kl_coef=0.05, norm="sequence"), 0.0), ("dapo", dict(eps_low=0.2, eps_high=0.28,
+                                                                                norm="token"), 0.01),
+    ("sft", dict(norm="token"), 0.0)])
+def test_trainer_policy_loss_fwdgrad_equals_recompute(name, hp, ent):
+    from framework import devices
+
+    devices.install()
+    from components.losses.policy import policy_loss_class
+    from tests.test_rl_training import _packed_batch
+
+    hidden, weight, labels, batch = _packed_batch()
+    hidden, weight = hidden.float(), weight.float()
+    gvt = (labels != IGN).sum()
+    out = []
+    for backend in ("torch", "fwdgrad"):
+        fn = policy_loss_class().Config(objective=name, hparams=hp, temperature=0.7, backend=backend,
+                                        entropy_coef=ent, workspace_mb=_ws(10, 37)).build()
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        head.weight.data.copy_(weight)
+        fn.set_lm_head(head)
+        fn.set_batch(batch)
+        pred = hidden.clone().requires_grad_(True)
+        loss, _ = fn(pred, labels, gvt)
+        loss.backward()
+        out.append((loss.item(), dict(fn.metrics), pred.grad, head.weight.grad))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-6, abs=1e-8)
+    for k, v in out[0][1].items():
+        assert float(out[1][1][k]) == pytest.approx(float(v), rel=1e-6, abs=1e-8), k
+    _close(out[1][2], out[0][2], 1e-5)
+    _close(out[1][3], out[0][3], 1e-5)

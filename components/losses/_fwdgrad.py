@@ -126,20 +126,22 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     if ce is not None:  # the fused kernel folds smoothing in; the sharded path needs the sums
         need_sum = shard.group is not None and ce.label_smoothing > 0
     wk = w if w.dtype == h.dtype else w.to(h.dtype)
-    # fp32 inputs: fp32 logits (no bf16 anywhere); bf16 inputs: as asked.
-    zdt = torch.float32 if (logits_dtype == "float32" or h.dtype == torch.float32) else h.dtype
-    tc = chunk_tokens_for(n, v, "float32" if zdt == torch.float32 else "bfloat16", workspace_mb)
+    # fp32/fp64 inputs: logits in their dtype (no bf16 anywhere); bf16/fp16 inputs: as asked.
+    wide = h.dtype.itemsize >= 4
+    zdt = h.dtype if wide else (torch.float32 if logits_dtype == "float32" else h.dtype)
+    tc = chunk_tokens_for(n, v, "float32" if zdt.itemsize >= 4 else "bfloat16", workspace_mb)
     zbuf = torch.empty(tc * v, device=dev, dtype=zdt)
     lse = torch.empty(n, **f32)
     tgt = torch.empty(n, **f32)
     ssum = torch.empty(n, **f32) if need_sum else None
     mps = torch.empty(n, **f32) if need_ps else None
     loss = torch.empty(n, **f32) if ce is not None else None
-    dh_dtype = torch.float32 if shard.group is not None else h.dtype
+    dh_dtype = torch.float32 if (shard.group is not None and not wide) else h.dtype
     dh = torch.empty((n, hd), device=dev, dtype=dh_dtype) if need_dh else None
     dw = None
     if need_dw:
-        dw = torch.empty((v, hd), device=dev, dtype=torch.float32 if dw_accum == "float32" else w.dtype)
+        acc = torch.float32 if (dw_accum == "float32" and w.dtype.itemsize < 4) else w.dtype
+        dw = torch.empty((v, hd), device=dev, dtype=acc)
     triton_ok = use_triton(h)
     if triton_ok:
         from components.losses import _triton_fwdgrad as K
