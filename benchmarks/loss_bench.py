@@ -23,7 +23,7 @@ Shapes: --shapes 2048x248320 3072x248320 2048x151936 (HIDDENxVOCAB) replaces --h
 
     # the issue-16 sweep on one GPU (rows x shapes x tokens):
     python benchmarks/loss_bench.py --shapes 2048x248320 --tokens 8192 32768 \
-        --rows gemms linear_ce linear_ce_fwdgrad grpo_fused grpo_unfused --fwdgrad-workspace-mb 512 1024 2048
+        --rows gemms linear_ce linear_ce_fwdgrad grpo_fused grpo_unfused --fwdgrad-chunk-tokens 1024 2048 4096
 Time: median of --iters timed runs after --warmup runs (CUDA events on GPU, perf_counter on CPU).
 Memory: torch.cuda.max_memory_allocated() during one fwd+bwd minus the allocation before it
 (inputs and any earlier .grad freed); gradients of hidden and weight are counted. CPU: n/a.
@@ -218,10 +218,10 @@ def fwdgrad_knob_sets(args):
     import itertools
 
     out = []
-    for ws, lg, dw, blk, nw in itertools.product(args.fwdgrad_workspace_mb, args.fwdgrad_logits, args.fwdgrad_dw,
+    for ws, lg, dw, blk, nw in itertools.product(args.fwdgrad_chunk_tokens, args.fwdgrad_logits, args.fwdgrad_dw,
                                                   args.fwdgrad_block, args.fwdgrad_warps):
-        knobs = {"workspace_mb": ws, "logits_dtype": lg, "dw_accum": dw, "block": blk, "num_warps": nw}
-        out.append((f"(ws={ws:g},z={'f32' if lg == 'float32' else 'bf16'},dw={'f32' if dw == 'float32' else 'w'},"
+        knobs = {"chunk_tokens": ws, "logits_dtype": lg, "dw_accum": dw, "block": blk, "num_warps": nw}
+        out.append((f"(T={ws},z={'f32' if lg == 'float32' else 'bf16'},dw={'f32' if dw == 'float32' else 'w'},"
                     f"blk={blk},nw={nw})", knobs))
     return out
 
@@ -299,8 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS + FWDGRAD_ROWS)
     p.add_argument("--shapes", nargs="+", default=None,
                    help="HIDDENxVOCAB pairs, e.g. 2048x248320 3072x248320 2048x151936 (replaces --hidden/--vocab)")
-    p.add_argument("--fwdgrad-workspace-mb", type=float, nargs="+", default=[256.0],
-                   help="fwdgrad rows: MiB of [chunk, V] logits per token chunk (sets the chunk's token count)")
+    p.add_argument("--fwdgrad-chunk-tokens", type=int, nargs="+", default=[4096],
+                   help="fwdgrad rows: tokens per chunk (the [chunk, V] logits buffer)")
     p.add_argument("--fwdgrad-logits", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
     p.add_argument("--fwdgrad-dw", nargs="+", default=["float32"], choices=["float32", "weight"])
     p.add_argument("--fwdgrad-block", type=int, nargs="+", default=[4096], help="row kernel columns per step")
@@ -375,8 +375,12 @@ def main(argv=None) -> int:
                 row["ratio_to_gemms"] = row["time_ms"] / gemm_ms
             results.append(row)
         del h, w, labels
+    from components.losses import _fwdgrad
+
+    env["fwdgrad_cublas_fallbacks"] = sorted(_fwdgrad.FALLBACKS)  # [] = bf16-in/fp32-out GEMMs ran in place
     report = {"env": env, "args": vars(args), "results": results}
     _print_table(report)
+    print("fwdgrad cuBLAS fallbacks:", env["fwdgrad_cublas_fallbacks"] or "none")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -30,11 +30,6 @@ IGN = -100
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _ws(tokens, v, elt=4):
-    """workspace_mb that gives chunks of `tokens` tokens (several chunks, a partial last one)."""
-    return tokens * v * elt / 2**20
-
-
 def ref_ce(z=0.0, eps=0.0, temp=1.0, reduction="sum"):
     return lambda a, b, c: reference(a / temp, b, c, z_loss=z, label_smoothing=eps, reduction=reduction)
 
@@ -52,7 +47,7 @@ CASES = [
 def test_fwdgrad_torch_schedule_matches_fp64(n, hd, v, dtype, z, eps, temp, red, logits, dw, grad_rel):
     h, w, labels = _data(n, hd, v, dtype, seed=4)
     got = _grads(linear_cross_entropy, h, w, labels, z_loss=z, label_smoothing=eps, temperature=temp, reduction=red,
-                 backend="fwdgrad", logits_dtype=logits, dw_accum=dw, workspace_mb=_ws(12, v))
+                 backend="fwdgrad", logits_dtype=logits, dw_accum=dw, chunk_tokens=12)
     ref = _grads(ref_ce(z, eps, temp, red), h.double(), w.double(), labels)
     _close(got[0], ref[0], 1e-6 if dtype == torch.float32 or logits == "float32" else 1e-4)
     assert got[1].dtype == dtype and got[2].dtype == dtype
@@ -78,7 +73,7 @@ def test_upstream_gradient_and_three_micro_steps_accumulate_exactly():
         sl = slice(20 * i, 20 * (i + 1))
         h = h0[sl].clone().requires_grad_(True)
         loss = linear_cross_entropy(h, w, labels[sl], z_loss=1e-2, label_smoothing=0.1, reduction="mean",
-                                    backend="fwdgrad", workspace_mb=_ws(7, 211))
+                                    backend="fwdgrad", chunk_tokens=7)
         (loss * (0.25 + i) / 3).backward()
         hr = h0[sl].double().clone().requires_grad_(True)
         (ref_ce(1e-2, 0.1, 1.0, "mean")(hr, wr, labels[sl]) * (0.25 + i) / 3).backward()
@@ -180,7 +175,7 @@ def test_fused_rl_equals_unfused(name, hp, ec):
         hh, ww = hidden.clone().requires_grad_(True), w.clone().requires_grad_(True)
         if fused:
             loss, metrics = fused_policy_loss(hh, ww, labels, name, old, adv, mask, ref, hparams=hp, temperature=0.9,
-                                              entropy_coef=ec, workspace_mb=_ws(5, 300))
+                                              entropy_coef=ec, chunk_tokens=5)
         else:
             loss, metrics = _unfused(name, hp, hh, ww, labels, mask, old, ref, adv, ec, {})
         (loss * 1.7).backward()
@@ -209,7 +204,7 @@ def test_fused_rl_packed_sequences_and_global_counts():
         g0 = torch.autograd.grad(l0, (hh, ww))
         hh, ww = hidden.clone().requires_grad_(True), w.clone().requires_grad_(True)
         l1, _ = fused_policy_loss(hh, ww, labels, "grpo", old, adv_tok, mask, ref, hparams=hp, temperature=0.9,
-                                  entropy_coef=0.01, entropy_den=torch.tensor(40.0), workspace_mb=_ws(4, 300), **kw)
+                                  entropy_coef=0.01, entropy_den=torch.tensor(40.0), chunk_tokens=4, **kw)
         g1 = torch.autograd.grad(l1, (hh, ww))
         assert l1.item() == pytest.approx(l0.item(), rel=1e-6)
         for a, b in zip(g1, g0):
@@ -225,10 +220,10 @@ def test_policy_loss_routes_fwdgrad_to_the_fused_objective():
     out = []
     for backend in ("torch", "fwdgrad"):
         opts = policy.GRPO.Options(kl_coef=0.03, temperature=0.9, entropy_coef=0.01, backend=backend,
-                                   workspace_mb=_ws(6, 300))
+                                   chunk_tokens=6)
         hp = {k: getattr(opts, k) for k in ("eps", "kl_coef", "norm")}
         cfg = SimpleNamespace(objective="grpo", hparams=hp, temperature=0.9, entropy_coef=0.01, backend=backend,
-                              chunk_tokens=4096, chunk_vocab=16384, workspace_mb=opts.workspace_mb,
+                              chunk_tokens=opts.chunk_tokens, chunk_vocab=16384, workspace_mb=256.0,
                               logits_dtype="bfloat16", dw_accum="float32")
         me = SimpleNamespace(config=cfg, batch=batch, seq_group=None)
         h2 = hidden.reshape(-1, 16).clone().requires_grad_(True)
@@ -250,7 +245,7 @@ INTERP = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch
     from tests.test_linear_ce import _data, _grads
-    from tests.test_linear_ce_fwdgrad import CASES, RL_CASES, ref_ce, _ws, _rl_case, _unfused
+    from tests.test_linear_ce_fwdgrad import CASES, RL_CASES, ref_ce, _rl_case, _unfused
     from components.losses.linear_ce import linear_cross_entropy
     from components.losses.fused_rl import fused_policy_loss
     rel = lambda g, r: ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
@@ -258,7 +253,7 @@ INTERP = textwrap.dedent("""
     for n, hd, v, dt, z, eps, temp, red, logits, dw, tol in CASES:
         h, w, labels = _data(n, hd, v, dt, seed=4)
         got = _grads(linear_cross_entropy, h, w, labels, z_loss=z, label_smoothing=eps, temperature=temp,
-                     reduction=red, backend="fwdgrad", logits_dtype=logits, dw_accum=dw, workspace_mb=_ws(12, v))
+                     reduction=red, backend="fwdgrad", logits_dtype=logits, dw_accum=dw, chunk_tokens=12)
         ref = _grads(ref_ce(z, eps, temp, red), h.double(), w.double(), labels)
         out["ce"].append([[rel(g, r) for g, r in zip(got, ref)], tol, dt == torch.float32 or logits == "float32"])
     for name, hp in RL_CASES[:3] + RL_CASES[-2:]:
@@ -268,7 +263,7 @@ INTERP = textwrap.dedent("""
             hh, ww = hidden.clone().requires_grad_(True), w.clone().requires_grad_(True)
             if fused:
                 loss, _ = fused_policy_loss(hh, ww, labels, name, old, adv, mask, refl, hparams=hp, temperature=0.9,
-                                            entropy_coef=0.02, workspace_mb=_ws(5, 300))
+                                            entropy_coef=0.02, chunk_tokens=5)
             else:
                 loss, _ = _unfused(name, hp, hh, ww, labels, mask, old, refl, adv, 0.02, {})
             loss.backward()
@@ -308,12 +303,12 @@ def _group_worker(rank, world, port, out_dir):
     for interp in ("0", "1"):  # the torch schedule, then the Triton row kernels (interpreter)
         os.environ["TRITON_INTERPRET"] = interp
         out, dh, dw = _grads(linear_cross_entropy, h, wl, labels, z_loss=1e-2, label_smoothing=0.1, temperature=0.8,
-                             vocab_group=dist.group.WORLD, backend="fwdgrad", workspace_mb=_ws(8, 521))
+                             vocab_group=dist.group.WORLD, backend="fwdgrad", chunk_tokens=8)
         res["ce" + interp] = {"loss": out.item(), "dh": dh.tolist(), "dw": dw.tolist()}
         hh, ww = hidden.clone().requires_grad_(True), wrl.clone().requires_grad_(True)
         loss, _ = fused_policy_loss(hh, ww, rl_labels, "grpo", old, adv, mask, ref, hparams=dict(kl_coef=0.05),
                                     temperature=0.9, entropy_coef=0.02, vocab_group=dist.group.WORLD,
-                                    workspace_mb=_ws(5, 160))
+                                    chunk_tokens=5)
         loss.backward()
         res["rl" + interp] = {"loss": loss.item(), "dh": hh.grad.tolist(), "dw": ww.grad.tolist()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
@@ -366,7 +361,7 @@ def test_trainer_policy_loss_fwdgrad_equals_recompute(name, hp, ent):
     out = []
     for backend in ("torch", "fwdgrad"):
         fn = policy_loss_class().Config(objective=name, hparams=hp, temperature=0.7, backend=backend,
-                                        entropy_coef=ent, workspace_mb=_ws(10, 37)).build()
+                                        entropy_coef=ent, chunk_tokens=10).build()
         head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         head.weight.data.copy_(weight)
         fn.set_lm_head(head)

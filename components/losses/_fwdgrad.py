@@ -1,8 +1,8 @@
 """Gradient-in-forward schedule of the fused LM head (backend ``fwdgrad``): three GEMM-sized
 passes instead of the recompute path's four.
 
-For each chunk of ``T`` tokens (``T`` from ``workspace_mb``: the [T, V_local] logits buffer is
-the only [tokens, *] buffer):
+For each chunk of ``T = chunk_tokens`` tokens (the [T, V_local] logits buffer is the only
+[tokens, *] buffer):
 
 1. ``Z = H_c @ W^T`` on cuBLAS (bf16 inputs, fp32 accumulation; Z stored in ``logits_dtype``);
 2. one row kernel (Triton on CUDA or under TRITON_INTERPRET=1, torch otherwise) reads each row
@@ -39,6 +39,10 @@ from components.losses import _lm_head as E
 LOGITS_DTYPES = ("bfloat16", "float32")
 DW_ACCUM = ("float32", "weight")
 
+# Which cuBLAS fallbacks ran (an fp32 temporary instead of bf16-in/fp32-out in place); the
+# benchmark prints it.
+FALLBACKS: set[str] = set()
+
 # Row-kernel launch knobs (benchmarks/loss_bench.py --fwdgrad-block/--fwdgrad-warps sweep them).
 KERNEL = {"block": 4096, "num_warps": 16}
 
@@ -47,19 +51,14 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def chunk_tokens_for(n: int, v_local: int, logits_dtype: str, workspace_mb: float) -> int:
-    """Tokens per chunk: as many as fit workspace_mb of [T, V_local] logits (multiples of 128 when
-    at least 128 fit, at least 1)."""
-    elt = 4 if logits_dtype == "float32" else 2
-    t = int(workspace_mb * 2**20) // max(1, v_local * elt)
-    t = t // 128 * 128 if t >= 128 else max(1, t)
-    return max(1, min(t, n))
+def chunk_tokens_for(n: int, chunk_tokens: int) -> int:
+    return max(1, min(int(chunk_tokens), n))
 
 
-def estimate_bytes(n: int, hd: int, v_local: int, logits_dtype: str, dw_accum: str, workspace_mb: float,
+def estimate_bytes(n: int, hd: int, v_local: int, logits_dtype: str, dw_accum: str, chunk_tokens: int,
                    elt: int = 2) -> int:
     """Extra bytes the schedule holds at its peak (logits chunk + dW accumulator + dH)."""
-    t = chunk_tokens_for(n, v_local, logits_dtype, workspace_mb)
+    t = chunk_tokens_for(n, chunk_tokens)
     z = t * v_local * (4 if logits_dtype == "float32" else 2)
     dw = v_local * hd * (4 if dw_accum == "float32" else elt)
     return z + dw + n * hd * elt
@@ -92,6 +91,7 @@ def _mm_out(a, b, out, out_dtype=None):
         try:
             return torch.mm(a, b, out_dtype=out.dtype, out=out)
         except (NotImplementedError, RuntimeError, TypeError):  # no mm.dtype_out: a temporary
+            FALLBACKS.add("mm out_dtype")
             return out.copy_(torch.mm(a, b, out_dtype=out.dtype))
     return out.copy_(a.float() @ b.float())
 
@@ -104,6 +104,7 @@ def _addmm_(c, a, b):
         try:
             return torch.addmm(c, a, b, out_dtype=c.dtype, out=c)
         except (NotImplementedError, RuntimeError, TypeError):  # no addmm.dtype_out: a temporary
+            FALLBACKS.add("addmm out_dtype")
             return c.add_(torch.mm(a, b, out_dtype=c.dtype))
     return c.add_(a.float() @ b.float())
 
@@ -111,7 +112,7 @@ def _addmm_(c, a, b):
 def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shard, ignore_index: int,
         inv_temp: float, ce: CE | None = None, coef_fn: Callable | None = None, need_sum: bool = False,
         need_ps: bool = False, need_dh: bool, need_dw: bool, logits_dtype: str = "bfloat16",
-        dw_accum: str = "float32", workspace_mb: float = 256.0) -> Result:
+        dw_accum: str = "float32", chunk_tokens: int = 4096) -> Result:
     """The schedule above. Exactly one of ``ce`` (cross-entropy, coefficients in the kernel) and
     ``coef_fn(t0, t1, lse, target, mean_s) -> (a, b | None, c, d)`` (per-token [T] fp32 tensors of
     the chunk, for dL/ds) is given."""
@@ -129,7 +130,7 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     # fp32/fp64 inputs: logits in their dtype (no bf16 anywhere); bf16/fp16 inputs: as asked.
     wide = h.dtype.itemsize >= 4
     zdt = h.dtype if wide else (torch.float32 if logits_dtype == "float32" else h.dtype)
-    tc = chunk_tokens_for(n, v, "float32" if zdt.itemsize >= 4 else "bfloat16", workspace_mb)
+    tc = chunk_tokens_for(n, chunk_tokens)
     zbuf = torch.empty(tc * v, device=dev, dtype=zdt)
     lse = torch.empty(n, **f32)
     tgt = torch.empty(n, **f32)

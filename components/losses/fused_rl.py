@@ -50,7 +50,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
                       ref_logprobs=None, *, hparams: dict | None = None, temperature: float = 1.0,
                       entropy_coef: float = 0.0, entropy_den=None, sequence_ids=None, normalizer=None,
                       seq_tokens=None, vocab_group=None, ignore_index: int = E.IGNORE_INDEX,
-                      logits_dtype: str = "bfloat16", dw_accum: str = "float32", workspace_mb: float = 256.0):
+                      logits_dtype: str = "bfloat16", dw_accum: str = "float32", chunk_tokens: int = 4096):
     """(loss, metrics) of ``rl.objective(objective)`` on the log-probs of ``hidden @ weight^T /
     temperature`` at ``labels``, minus ``entropy_coef * sum(entropy * mask) / entropy_den`` (den
     defaults to mask.sum()), with dH, dW computed in the forward. Per-token tensors are shaped
@@ -103,7 +103,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     with torch.no_grad():
         res = F.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index, inv_temp=1.0 / float(temperature),
                     coef_fn=coef_fn, need_ps=with_ent, need_dh=need_dh, need_dw=need_dw,
-                    logits_dtype=logits_dtype, dw_accum=dw_accum, workspace_mb=workspace_mb)
+                    logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
     with torch.no_grad():
         lp = torch.where(valid, res.target - res.lse, torch.zeros_like(res.lse)).reshape(shape)
         kw = dict(hp, norm=norm)

@@ -76,7 +76,7 @@ class _LinearCEFwdGrad(torch.autograd.Function):
     def forward(ctx, h, w, labels, cfg: _Cfg, inv_temp: float, need_dh: bool, need_dw: bool):
         res = F.run(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=inv_temp,
                     ce=F.CE(cfg.z_loss, cfg.label_smoothing), need_dh=need_dh, need_dw=need_dw,
-                    logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, workspace_mb=cfg.workspace_mb)
+                    logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
         ctx.res = res
         ctx.dtypes = (h, w) if (need_dh or need_dw) else None
         return res.loss.sum()
@@ -141,7 +141,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     (over non-ignored tokens; NaN when there are none, as torch's), "none" (per token, fp32,
     0 at ignored tokens). Statistics and gradients accumulate in fp32; dH comes back in
     hidden's dtype and dW in weight's. vocab_group: process group over which the vocabulary
-    rows are split (contiguous, in rank order); dH is all-reduced over it.
+    rows are split (contiguous, in rank order); dH is all-reduced over it. temperature divides
+    the logits (the loss is that of softmax(h W^T / temperature)).
+
+    backend "fwdgrad" (gradient in the forward, three GEMM passes; see _fwdgrad.py) takes
+    ``logits_dtype`` (of its [chunk_tokens, V_local] logits buffer, "bfloat16" or "float32";
+    fp32 inputs always use float32), ``dw_accum`` ("float32" or "weight": the dW accumulator's
+    dtype) and ``chunk_tokens`` (tokens per chunk). It needs a scalar upstream gradient, so
+    reduction="none" refuses it; "auto" picks it on CUDA when a gradient is wanted, the
+    reduction is sum/mean and its buffers fit in half the free memory, else "mixed" (CPU:
+    "torch").
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be sum, mean or none, got {reduction!r}")
@@ -159,7 +168,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     h, w, lab = E.as_2d(hidden, weight, labels)
     shard = E.vocab_shard(w, vocab_group)
     if backend == "auto":
-        backend = auto_backend(h, w, reduction, logits_dtype, dw_accum, workspace_mb)
+        backend = auto_backend(h, w, reduction, logits_dtype, dw_accum, chunk_tokens)
     cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), shard,
                E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb),
                logits_dtype, dw_accum)
@@ -183,7 +192,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype: str, dw_accum: str,
-                 workspace_mb: float) -> str:
+                 chunk_tokens: int) -> str:
     """What backend="auto" runs: "fwdgrad" (three GEMM passes) on CUDA when a gradient is wanted,
     the upstream gradient is a scalar (sum/mean) and its buffers fit in half the free memory;
     otherwise the recompute path ("mixed" on CUDA, "torch" on CPU)."""
@@ -192,7 +201,7 @@ def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype:
         return base
     if not (h.requires_grad or w.requires_grad):
         return base
-    need = F.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, workspace_mb,
+    need = F.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, chunk_tokens,
                             h.element_size())
     free, _ = torch.cuda.mem_get_info(h.device)
     return "fwdgrad" if need < free // 2 else base
@@ -213,9 +222,9 @@ class LinearCrossEntropy:
         label_smoothing: float = 0.0
         # auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch
         backend: str = "auto"
-        chunk_tokens: int = 4096  # torch path: tokens per logits chunk
+        chunk_tokens: int = 4096  # torch and fwdgrad paths: tokens per logits chunk
         chunk_vocab: int = 16384  # torch path: vocabulary columns per logits chunk
-        workspace_mb: float = 256.0  # CUDA paths and fwdgrad: cap on the [tokens, vocab (slice)] buffer
+        workspace_mb: float = 256.0  # recompute CUDA paths: cap on the [tokens, vocab slice] buffers
         logits_dtype: str = "bfloat16"  # fwdgrad: dtype of its logits chunk (bfloat16 | float32)
         dw_accum: str = "float32"  # fwdgrad: dtype of its dW accumulator (float32 | weight)
 

@@ -208,7 +208,7 @@ def _use_fused(cfg, h, w) -> bool:
         return True
     if cfg.backend != "auto":
         return False
-    return auto_backend(h, w, "sum", cfg.logits_dtype, cfg.dw_accum, cfg.workspace_mb) == "fwdgrad"
+    return auto_backend(h, w, "sum", cfg.logits_dtype, cfg.dw_accum, cfg.chunk_tokens) == "fwdgrad"
 
 
 def _batch_args(cfg, batch, labels, hp):
@@ -242,7 +242,7 @@ def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
     loss, metrics = fused_policy_loss(
         h.reshape(*labels.shape, h.shape[-1]), w, labels, cfg.objective, old, adv, mask, ref, hparams=hp,
         temperature=cfg.temperature, entropy_coef=cfg.entropy_coef, entropy_den=den, **kw,
-        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, workspace_mb=cfg.workspace_mb)
+        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
 

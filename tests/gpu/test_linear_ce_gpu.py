@@ -44,9 +44,8 @@ def test_fwdgrad_matches_fp64(n, hd, v, dtype, logits, dw):
 
     _close, _data, _grads, reference = _setup()
     h, w, labels = _data(n, hd, v, dtype, seed=7, n_ignored=n // 10, device="cuda")
-    ws = 300 * v * 4 / 2**20  # ~300-token chunks: several chunks, the last one partial
     got = _grads(linear_cross_entropy, h, w, labels, z_loss=1e-4, label_smoothing=0.05, backend="fwdgrad",
-                 logits_dtype=logits, dw_accum=dw, workspace_mb=ws, temperature=0.9, reduction="mean")
+                 logits_dtype=logits, dw_accum=dw, chunk_tokens=300, temperature=0.9, reduction="mean")
 
     def ref_fn(a, b, c):
         return reference(a / 0.9, b, c, z_loss=1e-4, label_smoothing=0.05, reduction="mean")
@@ -73,7 +72,7 @@ def test_fwdgrad_gradient_accumulation_three_micro_steps():
     for i in range(3):
         sl = slice(700 * i, 700 * (i + 1))
         h = h0[sl].clone().requires_grad_(True)
-        (linear_cross_entropy(h, w, labels[sl], z_loss=1e-3, backend="fwdgrad", workspace_mb=20) * (0.5 + i)).backward()
+        (linear_cross_entropy(h, w, labels[sl], z_loss=1e-3, backend="fwdgrad", chunk_tokens=256) * (0.5 + i)).backward()
         hr = h0[sl].double().clone().requires_grad_(True)
         (reference(hr, wr, labels[sl], z_loss=1e-3) * (0.5 + i)).backward()
         dh.append(h.grad)
@@ -113,7 +112,7 @@ def test_fused_rl_matches_unfused(name, hp, entropy_coef):
     res = []
     for fn in (unfused, lambda hh, ww: fused_policy_loss(hh, ww, labels, name, old, adv, mask, ref, hparams=hp,
                                                          temperature=0.9, entropy_coef=entropy_coef,
-                                                         workspace_mb=40, logits_dtype="float32")[0]):
+                                                         chunk_tokens=384, logits_dtype="float32")[0]):
         hh, ww = hidden.clone().requires_grad_(True), w.clone().requires_grad_(True)
         loss = fn(hh, ww)
         loss.backward()
