@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--dw-accum", default="float32")
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--warps", type=int, default=None)
+    p.add_argument("--streams", type=int, default=None, choices=[1, 2])
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
         _fwdgrad.KERNEL["block"] = a.block
     if a.warps:
         _fwdgrad.KERNEL["num_warps"] = a.warps
+    if a.streams:
+        _fwdgrad.KERNEL["streams"] = a.streams
     n, hd, v = a.tokens, a.hidden, a.vocab
     h = (torch.randn(n, hd, device="cuda") / hd ** 0.25).bfloat16().requires_grad_(True)
     w = (torch.randn(v, hd, device="cuda") / hd ** 0.25).bfloat16().requires_grad_(True)

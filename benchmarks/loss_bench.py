@@ -169,7 +169,7 @@ def make_grpo_fused(h, w, labels, knobs=None):
 
     old, adv, mask = _grpo_batch(labels)
     k = dict(knobs or {})
-    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps") if x in k})
+    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
 
     def run():
         loss, _ = fused_policy_loss(h, w, labels, "grpo", old, adv, mask, hparams={"eps": 0.2, "norm": "token"}, **k)
@@ -196,7 +196,7 @@ def make_fwdgrad(h, w, labels, knobs=None):
     from components.losses.linear_ce import linear_cross_entropy
 
     k = dict(knobs or {})
-    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps") if x in k})
+    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
 
     def run():
         linear_cross_entropy(h, w, labels, reduction="sum", backend="fwdgrad", **k).backward()
@@ -218,11 +218,12 @@ def fwdgrad_knob_sets(args):
     import itertools
 
     out = []
-    for ws, lg, dw, blk, nw in itertools.product(args.fwdgrad_chunk_tokens, args.fwdgrad_logits, args.fwdgrad_dw,
-                                                  args.fwdgrad_block, args.fwdgrad_warps):
-        knobs = {"chunk_tokens": ws, "logits_dtype": lg, "dw_accum": dw, "block": blk, "num_warps": nw}
+    for ws, lg, dw, blk, nw, st in itertools.product(args.fwdgrad_chunk_tokens, args.fwdgrad_logits, args.fwdgrad_dw,
+                                                      args.fwdgrad_block, args.fwdgrad_warps, args.fwdgrad_streams):
+        knobs = {"chunk_tokens": ws, "logits_dtype": lg, "dw_accum": dw, "block": blk, "num_warps": nw,
+                 "streams": st}
         out.append((f"(T={ws},z={'f32' if lg == 'float32' else 'bf16'},dw={'f32' if dw == 'float32' else 'w'},"
-                    f"blk={blk},nw={nw})", knobs))
+                    f"blk={blk},nw={nw},st={st})", knobs))
     return out
 
 
@@ -305,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--fwdgrad-dw", nargs="+", default=["float32"], choices=["float32", "weight"])
     p.add_argument("--fwdgrad-block", type=int, nargs="+", default=[4096], help="row kernel columns per step")
     p.add_argument("--fwdgrad-warps", type=int, nargs="+", default=[16], help="row kernel num_warps")
+    p.add_argument("--fwdgrad-streams", type=int, nargs="+", default=[1], choices=[1, 2],
+                   help="2: dH/dW GEMMs of chunk i on a side stream, overlapping chunk i+1 (two logits buffers)")
     p.add_argument("--row-timeout", type=float, default=300.0, help="seconds per row (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")

@@ -375,3 +375,10 @@ def test_trainer_policy_loss_fwdgrad_equals_recompute(name, hp, ent):
         assert float(out[1][1][k]) == pytest.approx(float(v), rel=1e-6, abs=1e-8), k
     _close(out[1][2], out[0][2], 1e-5)
     _close(out[1][3], out[0][3], 1e-5)
+
+
+def test_no_tokens_and_all_ignored():
+    h, w, labels = _data(5, 4, 10, torch.float32)
+    for hh, ll in ((h[:0], labels[:0]), (h, torch.full_like(labels, IGN))):
+        out, dh, dw = _grads(linear_cross_entropy, hh, w, ll, backend="fwdgrad", chunk_tokens=2)
+        assert out.item() == 0.0 and torch.all(dh == 0) and torch.all(dw == 0)

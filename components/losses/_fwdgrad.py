@@ -43,8 +43,11 @@ DW_ACCUM = ("float32", "weight")
 # benchmark prints it.
 FALLBACKS: set[str] = set()
 
-# Row-kernel launch knobs (benchmarks/loss_bench.py --fwdgrad-block/--fwdgrad-warps sweep them).
-KERNEL = {"block": 4096, "num_warps": 16}
+# Launch knobs (benchmarks/loss_bench.py --fwdgrad-block/--fwdgrad-warps/--fwdgrad-streams sweep
+# them): the row kernel's columns per step and warps; streams=2 runs chunk i's dH/dW GEMMs on a
+# side stream while chunk i+1's logits GEMM and row kernel run (two logits buffers, CUDA only,
+# not under a vocabulary group).
+KERNEL = {"block": 4096, "num_warps": 16, "streams": 1}
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -131,7 +134,11 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     wide = h.dtype.itemsize >= 4
     zdt = h.dtype if wide else (torch.float32 if logits_dtype == "float32" else h.dtype)
     tc = chunk_tokens_for(n, chunk_tokens)
-    zbuf = torch.empty(tc * v, device=dev, dtype=zdt)
+    two = h.is_cuda and int(KERNEL.get("streams", 1)) == 2 and shard.group is None and grad and n > tc
+    zbufs = [torch.empty(tc * v, device=dev, dtype=zdt) for _ in range(2 if two else 1)]
+    if two:
+        main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+        free = [None, None]
     lse = torch.empty(n, **f32)
     tgt = torch.empty(n, **f32)
     ssum = torch.empty(n, **f32) if need_sum else None
@@ -150,6 +157,9 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     for i, t0 in enumerate(range(0, n, tc)):
         t1 = min(n, t0 + tc)
         rows = t1 - t0
+        zbuf = zbufs[i % len(zbufs)]
+        if two and free[i % 2] is not None:
+            main.wait_event(free[i % 2])  # the GEMMs of chunk i - 2 are done with this buffer
         z = zbuf[: rows * v].view(rows, v)
         hc = h[t0:t1]
         _mm_out(hc, wk.T, z)
@@ -202,17 +212,32 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
                 a, c, d = (x.float().contiguous() for x in (a, c, d))
                 b = b.float().contiguous() if b is not None else None
                 (K.grad_rows if triton_ok else _torch_grad_rows)(z, g_view, lab[sl], lse[sl], a, b, c, d, inv_temp)
-        if need_dh:
-            _mm_out(g_view, wk, dh[sl])
-        if need_dw:
-            if i == 0:
-                _mm_out(g_view.T, hc, dw)
-            else:
-                _addmm_(dw, g_view.T, hc)
-    del zbuf
+        if two:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                _grad_gemms(g_view, wk, hc, dh, dw, sl, i)
+                free[i % 2] = side.record_event()
+        else:
+            _grad_gemms(g_view, wk, hc, dh, dw, sl, i)
+    if two:
+        main.wait_stream(side)
+    del zbufs
+    zbuf = z = g_view = None  # noqa: F841 (free the logits buffer before the all-reduce)
+    if need_dw and n == 0:
+        dw.zero_()
     if need_dh and shard.group is not None:
         dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=shard.group)
     return Result(lse, tgt, ssum, mps, loss, dh, dw)
+
+
+def _grad_gemms(g, wk, hc, dh, dw, sl, i):
+    if dh is not None:
+        _mm_out(g, wk, dh[sl])
+    if dw is not None:
+        if i == 0:
+            _mm_out(g.T, hc, dw)
+        else:
+            _addmm_(dw, g.T, hc)
 
 
 # ---- torch versions of the row kernels (CPU; the same arithmetic in fp32) ----------------------
@@ -260,8 +285,11 @@ def scale_grads(res: Result, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, 
     g = g.float().reshape(())
     dh = dw = None
     if need_dh and res.dh is not None:
-        dh = torch.empty_like(h)
-        torch.mul(res.dh, g, out=dh)
+        if res.dh.dtype == h.dtype:
+            dh = res.dh.mul_(g)  # in place: no second [N, H] buffer
+        else:
+            dh = torch.empty_like(h)
+            torch.mul(res.dh, g, out=dh)
     if need_dw and res.dw is not None:
         if res.dw.dtype == w.dtype:
             dw = res.dw.mul_(g)
