@@ -256,16 +256,16 @@ INTERP = textwrap.dedent("""
                      reduction=red, backend="fwdgrad", logits_dtype=logits, dw_accum=dw, chunk_tokens=12)
         ref = _grads(ref_ce(z, eps, temp, red), h.double(), w.double(), labels)
         out["ce"].append([[rel(g, r) for g, r in zip(got, ref)], tol, dt == torch.float32 or logits == "float32"])
-    for name, hp in RL_CASES[:3] + RL_CASES[-2:]:
+    for (name, hp), ec in zip(RL_CASES[:3] + RL_CASES[-2:], (0.0, 0.02, 0.0, 0.02, 0.0)):
         hidden, w, labels, mask, old, refl, adv = _rl_case()
         res = []
         for fused in (False, True):
             hh, ww = hidden.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            if fused:
+            if fused:  # ec = 0: one fused kernel + row scales; ec > 0: stats and gradient kernels
                 loss, _ = fused_policy_loss(hh, ww, labels, name, old, adv, mask, refl, hparams=hp, temperature=0.9,
-                                            entropy_coef=0.02, chunk_tokens=5)
+                                            entropy_coef=ec, chunk_tokens=5)
             else:
-                loss, _ = _unfused(name, hp, hh, ww, labels, mask, old, refl, adv, 0.02, {})
+                loss, _ = _unfused(name, hp, hh, ww, labels, mask, old, refl, adv, ec, {})
             loss.backward()
             res.append((loss.detach(), hh.grad, ww.grad))
         out["rl"].append([rel(a, b) for a, b in zip(res[1], res[0])])

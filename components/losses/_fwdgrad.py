@@ -113,12 +113,17 @@ def _addmm_(c, a, b):
 
 
 def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shard, ignore_index: int,
-        inv_temp: float, ce: CE | None = None, coef_fn: Callable | None = None, need_sum: bool = False,
+        inv_temp: float, ce: CE | None = None, coef_fn: Callable | None = None,
+        scale_fn: Callable | None = None, need_sum: bool = False,
         need_ps: bool = False, need_dh: bool, need_dw: bool, logits_dtype: str = "bfloat16",
         dw_accum: str = "float32", chunk_tokens: int = 4096) -> Result:
     """The schedule above. Exactly one of ``ce`` (cross-entropy, coefficients in the kernel) and
     ``coef_fn(t0, t1, lse, target, mean_s) -> (a, b | None, c, d)`` (per-token [T] fp32 tensors of
-    the chunk, for dL/ds) is given."""
+    the chunk, for dL/ds) is given. ``scale_fn(t0, t1, lse, target) -> r`` ([T] fp32, with
+    coef_fn, used when no vocabulary group is given) says that the gradient is ``r_t`` times
+    cross-entropy's ``(p - onehot) / T`` (log-prob objectives without an entropy term): then the
+    single fused kernel writes cross-entropy's G and r scales the [T, H] sides of the two
+    gradient GEMMs (dH_c = r (G W), dW += G^T (r H_c)) instead of another pass over the logits."""
     assert (ce is None) != (coef_fn is None)
     n, hd = h.shape
     v = w.shape[0]
@@ -143,6 +148,9 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     tgt = torch.empty(n, **f32)
     ssum = torch.empty(n, **f32) if need_sum else None
     mps = torch.empty(n, **f32) if need_ps else None
+    fused_ce = (ce is not None or scale_fn is not None) and shard.group is None
+    if ce is None:
+        ce = CE(0.0, 0.0) if fused_ce else None
     loss = torch.empty(n, **f32) if ce is not None else None
     dh_dtype = torch.float32 if (shard.group is not None and not wide) else h.dtype
     dh = torch.empty((n, hd), device=dev, dtype=dh_dtype) if need_dh else None
@@ -153,7 +161,6 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     triton_ok = use_triton(h)
     if triton_ok:
         from components.losses import _triton_fwdgrad as K
-    fused_ce = ce is not None and shard.group is None
     for i, t0 in enumerate(range(0, n, tc)):
         t1 = min(n, t0 + tc)
         rows = t1 - t0
@@ -168,12 +175,15 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
         if grad:
             g_view = z if h.dtype == zdt else zbuf.view(h.dtype)[: rows * v * 2].view(rows, 2 * v)[:, :v]
         sl = slice(t0, t1)
+        scale = None
         if fused_ce:
             z_loss, eps = ce.z_loss, ce.label_smoothing
             if triton_ok:
                 K.ce_rows(z, g_view, lab[sl], lse[sl], tgt[sl], loss[sl], inv_temp, z_loss, eps, v, grad)
             else:
                 _torch_ce_rows(z, g_view, lab[sl], lse[sl], tgt[sl], loss[sl], inv_temp, z_loss, eps, v)
+            if scale_fn is not None and grad:
+                scale = scale_fn(t0, t1, lse[sl], tgt[sl]).float()
         else:
             part = (K.stats_rows if triton_ok else _torch_stats_rows)(z, lab[sl], inv_temp, need_sum, need_ps)
             m, se, t_, ss_, sps_ = part
@@ -215,10 +225,10 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
         if two:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                _grad_gemms(g_view, wk, hc, dh, dw, sl, i)
+                _grad_gemms(g_view, wk, hc, dh, dw, sl, i, scale)
                 free[i % 2] = side.record_event()
         else:
-            _grad_gemms(g_view, wk, hc, dh, dw, sl, i)
+            _grad_gemms(g_view, wk, hc, dh, dw, sl, i, scale)
     if two:
         main.wait_stream(side)
     del zbufs
@@ -230,7 +240,14 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     return Result(lse, tgt, ssum, mps, loss, dh, dw)
 
 
-def _grad_gemms(g, wk, hc, dh, dw, sl, i):
+def _grad_gemms(g, wk, hc, dh, dw, sl, i, scale=None):
+    if scale is not None:  # G_true = scale * G, row by row: scale the [T, H] sides
+        if dh is not None:
+            tmp = torch.empty((g.shape[0], wk.shape[1]), device=g.device, dtype=torch.float32)
+            _mm_out(g, wk, tmp)
+            dh[sl] = tmp.mul_(scale[:, None])
+        hc = (hc.float() * scale[:, None]).to(hc.dtype)
+        dh = None
     if dh is not None:
         _mm_out(g, wk, dh[sl])
     if dw is not None:

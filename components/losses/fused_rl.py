@@ -98,11 +98,15 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
             b = -g_ent
         return a, b, c, torch.zeros_like(lse)
 
+    def scale_fn(t0, t1, lse, tgt):  # no entropy term: G = -g_lp (p - onehot) / T, cross-entropy's G scaled
+        a, _, _, _ = coef_fn(t0, t1, lse, tgt, None)
+        return a  # a = -g_lp
+
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and w.requires_grad
     with torch.no_grad():
         res = F.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index, inv_temp=1.0 / float(temperature),
-                    coef_fn=coef_fn, need_ps=with_ent, need_dh=need_dh, need_dw=need_dw,
+                    coef_fn=coef_fn, scale_fn=None if with_ent else scale_fn, need_ps=with_ent, need_dh=need_dh, need_dw=need_dw,
                     logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
     with torch.no_grad():
         lp = torch.where(valid, res.target - res.lse, torch.zeros_like(res.lse)).reshape(shape)
