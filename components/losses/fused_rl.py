@@ -11,7 +11,9 @@ is re-derived here: ``w_t`` is the gradient of rl.py's own reduction with respec
 per-token input (it is linear in it), and ``f'`` is autograd through rl.py's objective on the
 chunk's [T] log-probs with ``w`` as the mask (norm="token", normalizer 1). The loss value and
 the metrics are rl.py's objective on the full (detached) log-probs, so they equal the unfused
-path's.
+path's. Without the entropy term the logit gradient is ``-g_t`` times cross-entropy's, so the
+single fused cross-entropy kernel runs and ``-g_t`` scales the [T, H] sides of the gradient
+GEMMs (``_fwdgrad.run(scale_fn=...)``); with it, a statistics and a gradient kernel.
 
 GSPO is not fused: its sequence ratio exp(mean_t(lp_t - old_t)) needs every token of a
 sequence (on every context-parallel shard) before any token's gradient exists; a two-phase
