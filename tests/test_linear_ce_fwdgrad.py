@@ -382,3 +382,41 @@ def test_no_tokens_and_all_ignored():
     for hh, ll in ((h[:0], labels[:0]), (h, torch.full_like(labels, IGN))):
         out, dh, dw = _grads(linear_cross_entropy, hh, w, ll, backend="fwdgrad", chunk_tokens=2)
         assert out.item() == 0.0 and torch.all(dh == 0) and torch.all(dw == 0)
+
+
+# --- the torchtitan loss under FSDP2 on 2 gloo ranks with backend=fwdgrad ----------------------------
+
+
+def _fsdp_fwdgrad_worker(rank, world, port, out_dir):
+    import tests.test_linear_ce as T
+    from components.losses import linear_ce
+
+    cls = linear_ce.fused_loss_class()
+
+    class _Cfg:  # test_linear_ce's worker (it imports fused_loss_class when it runs), fwdgrad in small chunks
+        @staticmethod
+        def Config(**kw):
+            return cls.Config(**{**kw, "backend": "fwdgrad", "chunk_tokens": 5})
+
+    linear_ce.fused_loss_class = lambda: _Cfg  # this spawned process only
+    T._fsdp_worker(rank, world, port, out_dir)
+
+
+def test_fsdp2_two_gloo_ranks_with_fwdgrad(tmp_path):
+    import torch.multiprocessing as mp
+
+    import tests.test_linear_ce as T
+
+    mp.spawn(_fsdp_fwdgrad_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # the reference half of test_linear_ce's FSDP test, on these results
+    got = [json.loads((tmp_path / f"fsdp{r}.json").read_text()) for r in range(2)]
+    model = T._TinyDecoder()
+    model.load_state_dict({k: torch.tensor(v) for k, v in got[0]["full"].items()})
+    x, _, labels = _data(2 * 16, 12, 301, torch.float32, seed=11, n_ignored=5)
+    logits = model.lm_head(model(x))
+    per = torch.nn.functional.cross_entropy(logits, labels, reduction="sum", ignore_index=IGN) + 1e-3 * (
+        torch.logsumexp(logits, 1) ** 2 * (labels != IGN)).sum()
+    (per / (labels != IGN).sum()).backward()
+    for g in got:
+        for name, p in model.named_parameters():
+            _close(torch.tensor(g["grads"][name]), p.grad, 1e-5)
