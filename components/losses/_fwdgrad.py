@@ -62,7 +62,7 @@ def estimate_bytes(n: int, hd: int, v_local: int, logits_dtype: str, dw_accum: s
                    elt: int = 2) -> int:
     """Extra bytes the schedule holds at its peak (logits chunk + dW accumulator + dH)."""
     t = chunk_tokens_for(n, chunk_tokens)
-    z = t * v_local * (4 if logits_dtype == "float32" else 2)
+    z = t * v_local * (4 if logits_dtype == "float32" else 2) * (2 if int(KERNEL.get("streams", 1)) == 2 else 1)
     dw = v_local * hd * (4 if dw_accum == "float32" else elt)
     return z + dw + n * hd * elt
 
