@@ -11,21 +11,20 @@ Per token (valid label y, s = h @ W^T, lse = logsumexp(s), V = global vocabulary
 ``ignore_index`` contribute 0 and get no gradient. The logit gradient is
 ``p * (1 + 2 z_loss lse) - (1 - eps) onehot(y) - eps / V``.
 
-Gradient placement: recompute-in-backward. The forward computes only per-token statistics
-(lse, target logit, sum of logits) in one pass over the vocabulary; the backward recomputes
-the logits slice by slice, forms dz and produces dH and dW. Why not gradient-in-forward
-(compute dH, dW in the forward and scale them by grad_output):
+Gradient placement: two paths.
 
-* without stored logits both choices cost the same four GEMM-sized passes: the softmax of a
-  token needs its full-vocabulary lse before any dz exists, so dz needs a second pass over
-  h @ W^T whichever function runs it;
-* recompute-in-backward accepts any upstream gradient, including a per-token one
-  (``reduction="none"``, and the RL objectives on ``token_logprobs``, which share this
-  engine); gradient-in-forward can rescale dH per token but not dW = sum_t g_t dz_t h_t;
-* nothing is computed that autograd does not ask for: no gradients under ``no_grad`` or in
-  evaluation, dW is skipped for a frozen head, dH for a detached input;
-* between forward and backward it holds only lse [N] (plus references to h and W), not a
-  [V, H] gradient for the rest of the forward.
+* gradient-in-forward (backend "fwdgrad", what "auto" runs on CUDA when it fits; _fwdgrad.py):
+  per token chunk the full-vocabulary logits row is in memory ([chunk_tokens, V] buffer), so
+  lse and dz come from one row kernel and the three GEMMs (logits, dH, dW) are the only
+  GEMM-sized passes; dH and dW are stored and scaled by the (scalar) upstream gradient in
+  backward. It needs a scalar upstream gradient (dW = sum_t g_t dz_t h_t cannot be rescaled per
+  token afterwards) and memory for a logits chunk and a dW accumulator.
+* recompute-in-backward (the other backends; the baseline): the forward computes only
+  per-token statistics (lse, target logit, sum of logits) in one pass over the vocabulary;
+  the backward recomputes the logits slice by slice, forms dz and produces dH and dW: four
+  GEMM-sized passes, any upstream gradient (``reduction="none"``, ``token_logprobs``), nothing
+  computed that autograd does not ask for, only lse [N] held between the passes, and buffers
+  bounded by ``workspace_mb``.
 In the trainer the loss runs its backward at once (torchtitan's ChunkedLossWrapper protocol),
 so the forward and the backward run back to back anyway.
 
@@ -34,9 +33,10 @@ statistics kernel keeps logit tiles on chip; the gradient kernel recomputes one 
 slice's logits and writes its dz into a bounded workspace, then cuBLAS runs dH += dz W and
 dW = dz^T h); "cublas" = cuBLAS writes fp32 logits of one vocabulary slice into the bounded
 workspace, Triton folds/converts them; "mixed" (the CUDA default of "auto") = cublas
-statistics + triton gradients, fastest measured on an H200; "torch" (CPU default and the
-reference) = token x vocabulary chunks in fp32. No backend allocates [tokens, vocab]: the
-CUDA ones cap their buffers at ``workspace_mb`` (default 256 MiB). Vocabulary sharding: pass
+statistics + triton gradients, the faster recompute pair on an H200; "torch" (CPU default
+and the reference) = token x vocabulary chunks in fp32; "fwdgrad" above. No backend allocates
+[tokens, vocab]: the recompute CUDA ones cap their buffers at ``workspace_mb`` (default 256
+MiB), fwdgrad holds [chunk_tokens, V_local]. Vocabulary sharding: pass
 ``vocab_group`` (weight = this rank's contiguous rows, labels global); sequence sharding needs
 nothing (local tokens, ``reduction="sum"``, divide by the global valid-token count).
 """
