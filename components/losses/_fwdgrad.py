@@ -47,7 +47,7 @@ FALLBACKS: set[str] = set()
 # them): the row kernel's columns per step and warps; streams=2 runs chunk i's dH/dW GEMMs on a
 # side stream while chunk i+1's logits GEMM and row kernel run (two logits buffers, CUDA only,
 # not under a vocabulary group).
-KERNEL = {"block": 4096, "num_warps": 16, "streams": 1}
+KERNEL = {"block": 4096, "num_warps": 8, "streams": 1}  # tuned on an H200 (docs/skills/linear_ce.md)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -302,18 +302,19 @@ def scale_grads(res: Result, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, 
     g = g.float().reshape(())
     dh = dw = None
     if need_dh and res.dh is not None:
-        if res.dh.dtype == h.dtype:
-            dh = res.dh.mul_(g)  # in place: no second [N, H] buffer
-        else:
-            dh = torch.empty_like(h)
-            torch.mul(res.dh, g, out=dh)
+        dh = res.dh.mul_(g) if res.dh.dtype == h.dtype else _scale_cast(res.dh, g, torch.empty_like(h))
     if need_dw and res.dw is not None:
-        if res.dw.dtype == w.dtype:
-            dw = res.dw.mul_(g)
-        else:
-            dw = torch.empty_like(w)
-            torch.mul(res.dw, g, out=dw)
+        dw = res.dw.mul_(g) if res.dw.dtype == w.dtype else _scale_cast(res.dw, g, torch.empty_like(w))
     return dh, dw
+
+
+def _scale_cast(x, g, out):
+    """out = x * g in out's dtype: one Triton pass on CUDA (torch's mixed-dtype mul is slower)."""
+    if x.is_cuda and x.is_contiguous() and out.is_contiguous():
+        from components.losses import _triton_fwdgrad as K
+
+        return K.scale_cast(x, g.to(x.device), out)
+    return torch.mul(x, g, out=out)
 
 
 class StoredGrads(torch.autograd.Function):

@@ -32,11 +32,12 @@ def _launch():
 
 @triton.jit
 def _row_stats(z_row, lab, V, inv_temp, NEED_SUM: tl.constexpr, NEED_PS: tl.constexpr, BLOCK: tl.constexpr):
+    # One cross-lane reduction per step (the block max); the sums stay per lane until the end.
     cols = tl.arange(0, BLOCK)
     m = -float("inf")
-    se = 0.0
-    ss = 0.0
-    sps = 0.0
+    se = tl.zeros([BLOCK], tl.float32)
+    ss = tl.zeros([BLOCK], tl.float32)
+    sps = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, V, BLOCK):
         cc = c0 + cols
         msk = cc < V
@@ -44,18 +45,18 @@ def _row_stats(z_row, lab, V, inv_temp, NEED_SUM: tl.constexpr, NEED_PS: tl.cons
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha = tl.exp(m - m_new)
         e = tl.exp(s - m_new)
-        se = se * alpha + tl.sum(e, axis=0)
+        se = se * alpha + e
         if NEED_SUM or NEED_PS:
             s0 = tl.where(msk, s, 0.0)
             if NEED_SUM:
-                ss += tl.sum(s0, axis=0)
+                ss += s0
             if NEED_PS:
-                sps = sps * alpha + tl.sum(e * s0, axis=0)
+                sps = sps * alpha + e * s0
         m = m_new
     tsafe = tl.maximum(lab, 0)
     t = tl.load(z_row + tsafe).to(tl.float32) * inv_temp
     t = tl.where(lab >= 0, t, 0.0)
-    return m, se, t, ss, sps
+    return m, tl.sum(se, axis=0), t, tl.sum(ss, axis=0), tl.sum(sps, axis=0)
 
 
 @triton.jit
@@ -128,6 +129,23 @@ def _grad_rows_kernel(z_ptr, ldz, g_ptr, ldg, lab_ptr, lse_ptr, a_ptr, b_ptr, c_
     if NEED_B:
         b = tl.load(b_ptr + row)
     _row_grad(z_ptr + row * ldz, g_ptr + row * ldg, lab, V, lse, a, b, c, d, inv_temp, NEED_B, HALF, BLOCK)
+
+
+@triton.jit
+def _scale_cast_kernel(x_ptr, g_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    msk = i < n
+    g = tl.load(g_ptr)
+    x = tl.load(x_ptr + i, mask=msk, other=0.0)
+    tl.store(y_ptr + i, (x * g).to(y_ptr.dtype.element_ty), mask=msk)
+
+
+def scale_cast(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = (x * g) in out's dtype, one pass (x fp32 contiguous, g a 0-dim fp32 tensor on x's device)."""
+    n = x.numel()
+    block = 8192
+    _scale_cast_kernel[(triton.cdiv(n, block),)](x, g, out, n, BLOCK=block, num_warps=8)
+    return out
 
 
 def _half(z, g):

@@ -153,3 +153,13 @@ def test_two_streams_give_the_same_numbers(objective):
             F.KERNEL["streams"] = 1
     for a, b in zip(*out):
         assert torch.equal(a, b)
+
+
+def test_scale_cast_kernel_equals_torch():
+    """The backward's fp32 dW x upstream -> bf16 pass: the same rounding as torch's mul + cast."""
+    from components.losses import _triton_fwdgrad as K
+
+    x = torch.randn(3 * 8192 + 5, device="cuda")
+    g = torch.tensor(0.37, device="cuda")
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    assert torch.equal(K.scale_cast(x, g, out), (x * g).bfloat16())
