@@ -7,8 +7,8 @@ Rows (each in its own try/except, with a per-row time limit):
   gemms      the three bare GEMMs of an LM head's fwd+bwd: h W^T, dZ W, dZ^T h (dZ given)
   ce         materialised logits (input dtype) -> fp32 cross-entropy (torchtitan's ce)
   chunked    torch chunked x8 over tokens: logits + CE + backward per chunk (torchtitan's chunked)
-  linear_ce  components.losses.linear_ce.linear_cross_entropy, default backend (CUDA: "cublas":
-             fp32 logits slices from cuBLAS into a bounded workspace, Triton reductions)
+  linear_ce  components.losses.linear_ce.linear_cross_entropy, default backend (CUDA: "auto" =
+             "fwdgrad" when its buffers fit, else the recompute path "mixed")
   linear_ce_fused  the same with backend "triton": a fused Triton kernel keeps logit tiles on chip
   logprob    components.losses.logprob.token_logprobs, backward of sum(logprobs)
   logprob_entropy  same with entropy, backward of sum(logprobs) + 0.01 * sum(entropy)
