@@ -7,13 +7,23 @@ Rows (each in its own try/except, with a per-row time limit):
   gemms      the three bare GEMMs of an LM head's fwd+bwd: h W^T, dZ W, dZ^T h (dZ given)
   ce         materialised logits (input dtype) -> fp32 cross-entropy (torchtitan's ce)
   chunked    torch chunked x8 over tokens: logits + CE + backward per chunk (torchtitan's chunked)
-  linear_ce  components.losses.linear_ce.linear_cross_entropy, default backend (CUDA: "cublas":
-             fp32 logits slices from cuBLAS into a bounded workspace, Triton reductions)
+  linear_ce  components.losses.linear_ce.linear_cross_entropy, default backend (CUDA: "auto" =
+             "fwdgrad" when its buffers fit, else the recompute path "mixed")
   linear_ce_fused  the same with backend "triton": a fused Triton kernel keeps logit tiles on chip
   logprob    components.losses.logprob.token_logprobs, backward of sum(logprobs)
   logprob_entropy  same with entropy, backward of sum(logprobs) + 0.01 * sum(entropy)
   liger      Liger-Kernel's fused linear cross-entropy (skipped with a note if not installed)
   cce        Cut Cross-Entropy (skipped with a note if not installed)
+Rows of the gradient-in-forward schedule (backend "fwdgrad", three GEMM passes; opt-in with
+--rows, one row per combination of the --fwdgrad-* knobs, named with the knob values):
+  linear_ce_fwdgrad  linear_cross_entropy(backend="fwdgrad")
+  grpo_fused   components.losses.fused_rl.fused_policy_loss("grpo", token-level norm, kl 0)
+  grpo_unfused token_logprobs (default backend: the recompute path) + rl.grpo, the baseline
+Shapes: --shapes 2048x248320 3072x248320 2048x151936 (HIDDENxVOCAB) replaces --hidden/--vocab.
+
+    # the issue-16 sweep on one GPU (rows x shapes x tokens):
+    python benchmarks/loss_bench.py --shapes 2048x248320 --tokens 8192 32768 \
+        --rows gemms linear_ce linear_ce_fwdgrad grpo_fused grpo_unfused --fwdgrad-chunk-tokens 1024 2048 4096
 Time: median of --iters timed runs after --warmup runs (CUDA events on GPU, perf_counter on CPU).
 Memory: torch.cuda.max_memory_allocated() during one fwd+bwd minus the allocation before it
 (inputs and any earlier .grad freed); gradients of hidden and weight are counted. CPU: n/a.
@@ -41,6 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 ROWS = ["gemms", "ce", "chunked", "linear_ce", "linear_ce_fused", "logprob", "logprob_entropy", "liger", "cce"]
+FWDGRAD_ROWS = ["linear_ce_fwdgrad", "grpo_fused", "grpo_unfused"]
 
 
 class RowTimeout(Exception):
@@ -143,12 +154,77 @@ def make_cce(h, w, labels):
     return run
 
 
+def _grpo_batch(labels):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    n = labels.shape[0]
+    old = (-torch.rand(n, generator=g) * 3).to(labels.device)
+    adv = torch.randn(n, generator=g).to(labels.device)
+    mask = torch.ones(n, dtype=torch.bool, device=labels.device)
+    return old, adv, mask
+
+
+def make_grpo_fused(h, w, labels, knobs=None):
+    from components.losses import _fwdgrad
+    from components.losses.fused_rl import fused_policy_loss
+
+    old, adv, mask = _grpo_batch(labels)
+    k = dict(knobs or {})
+    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
+
+    def run():
+        loss, _ = fused_policy_loss(h, w, labels, "grpo", old, adv, mask, hparams={"eps": 0.2, "norm": "token"}, **k)
+        loss.backward()
+
+    return run
+
+
+def make_grpo_unfused(h, w, labels):
+    from components.losses import rl
+    from components.losses.logprob import token_logprobs
+
+    old, adv, mask = _grpo_batch(labels)
+
+    def run():
+        lp, _ = token_logprobs(h, w, labels)
+        rl.grpo(lp, old, adv, mask, eps=0.2, norm="token")[0].backward()
+
+    return run
+
+
+def make_fwdgrad(h, w, labels, knobs=None):
+    from components.losses import _fwdgrad
+    from components.losses.linear_ce import linear_cross_entropy
+
+    k = dict(knobs or {})
+    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
+
+    def run():
+        linear_cross_entropy(h, w, labels, reduction="sum", backend="fwdgrad", **k).backward()
+
+    return run
+
+
 MAKERS = {
     "gemms": make_gemms, "ce": make_ce, "chunked": make_chunked, "linear_ce": make_linear_ce,
     "linear_ce_fused": lambda h, w, l: make_linear_ce(h, w, l, backend="triton" if h.is_cuda else "torch"),
     "logprob": make_logprob, "logprob_entropy": lambda h, w, l: make_logprob(h, w, l, entropy=True),
     "liger": make_liger, "cce": make_cce,
+    "linear_ce_fwdgrad": make_fwdgrad, "grpo_fused": make_grpo_fused, "grpo_unfused": make_grpo_unfused,
 }
+
+
+def fwdgrad_knob_sets(args):
+    """Every combination of the --fwdgrad-* lists: (suffix, knobs)."""
+    import itertools
+
+    out = []
+    for ws, lg, dw, blk, nw, st in itertools.product(args.fwdgrad_chunk_tokens, args.fwdgrad_logits, args.fwdgrad_dw,
+                                                      args.fwdgrad_block, args.fwdgrad_warps, args.fwdgrad_streams):
+        knobs = {"chunk_tokens": ws, "logits_dtype": lg, "dw_accum": dw, "block": blk, "num_warps": nw,
+                 "streams": st}
+        out.append((f"(T={ws},z={'f32' if lg == 'float32' else 'bf16'},dw={'f32' if dw == 'float32' else 'w'},"
+                    f"blk={blk},nw={nw},st={st})", knobs))
+    return out
 
 
 # ---- measurement ------------------------------------------------------------------------------
@@ -176,12 +252,12 @@ class Timer:
         return time.perf_counter() - t
 
 
-def bench_row(name, h, w, labels, args, timer: Timer) -> dict:
+def bench_row(name, h, w, labels, args, timer: Timer, knobs=None) -> dict:
     def zero():
         h.grad = None
         w.grad = None
 
-    made = MAKERS[name](h, w, labels)
+    made = MAKERS[name](h, w, labels) if knobs is None else MAKERS[name](h, w, labels, knobs)
     keep = None
     if isinstance(made, tuple):
         made, keep = made
@@ -221,7 +297,17 @@ def main(argv=None) -> int:
                    help="default: bfloat16 on cuda, float32 on cpu (CPU bf16 matmuls are very slow)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
+    p.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS + FWDGRAD_ROWS)
+    p.add_argument("--shapes", nargs="+", default=None,
+                   help="HIDDENxVOCAB pairs, e.g. 2048x248320 3072x248320 2048x151936 (replaces --hidden/--vocab)")
+    p.add_argument("--fwdgrad-chunk-tokens", type=int, nargs="+", default=[4096],
+                   help="fwdgrad rows: tokens per chunk (the [chunk, V] logits buffer)")
+    p.add_argument("--fwdgrad-logits", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    p.add_argument("--fwdgrad-dw", nargs="+", default=["float32"], choices=["float32", "weight"])
+    p.add_argument("--fwdgrad-block", type=int, nargs="+", default=[4096], help="row kernel columns per step")
+    p.add_argument("--fwdgrad-warps", type=int, nargs="+", default=[16], help="row kernel num_warps")
+    p.add_argument("--fwdgrad-streams", type=int, nargs="+", default=[1], choices=[1, 2],
+                   help="2: dH/dW GEMMs of chunk i on a side stream, overlapping chunk i+1 (two logits buffers)")
     p.add_argument("--row-timeout", type=float, default=300.0, help="seconds per row (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -245,20 +331,31 @@ def main(argv=None) -> int:
     except ImportError:
         env["triton"] = None
     results = []
-    for n in args.tokens:
+    shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes] if args.shapes else [
+        (args.hidden, args.vocab)]
+    jobs = []
+    for name in args.rows:
+        if name in ("linear_ce_fwdgrad", "grpo_fused"):
+            jobs += [(name + suffix, name, knobs) for suffix, knobs in fwdgrad_knob_sets(args)]
+        else:
+            jobs.append((name, name, None))
+    for hidden, vocab in shapes:
+      for n in args.tokens:  # noqa: E111
         g = torch.Generator(device="cpu").manual_seed(args.seed)
         # Scaled so that logits have unit variance.
-        h = (torch.randn(n, args.hidden, generator=g) / math.sqrt(args.hidden) ** 0.5).to(args.device, dtype)
-        w = (torch.randn(args.vocab, args.hidden, generator=g) / math.sqrt(args.hidden) ** 0.5).to(args.device, dtype)
-        labels = torch.randint(0, args.vocab, (n,), generator=g).to(args.device)
+        h = (torch.randn(n, hidden, generator=g) / math.sqrt(hidden) ** 0.5).to(args.device, dtype)
+        w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden) ** 0.5).to(args.device, dtype)
+        labels = torch.randint(0, vocab, (n,), generator=g).to(args.device)
         h.requires_grad_(True)
         w.requires_grad_(True)
         gemm_ms = None
-        for name in args.rows:
-            row = {"row": name, "tokens": n, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype}
+        for label, name, knobs in jobs:
+            row = {"row": label, "tokens": n, "hidden": hidden, "vocab": vocab, "dtype": args.dtype}
+            if knobs:
+                row["knobs"] = knobs
             try:
                 with time_limit(args.row_timeout):
-                    row.update(bench_row(name, h, w, labels, args, timer))
+                    row.update(bench_row(name, h, w, labels, args, timer, knobs))
                 row["status"] = "ok"
             except ImportError as e:
                 row.update(status="skipped", note=f"not installed: {e}")
@@ -281,8 +378,12 @@ def main(argv=None) -> int:
                 row["ratio_to_gemms"] = row["time_ms"] / gemm_ms
             results.append(row)
         del h, w, labels
+    from components.losses import _fwdgrad
+
+    env["fwdgrad_cublas_fallbacks"] = sorted(_fwdgrad.FALLBACKS)  # [] = bf16-in/fp32-out GEMMs ran in place
     report = {"env": env, "args": vars(args), "results": results}
     _print_table(report)
+    print("fwdgrad cuBLAS fallbacks:", env["fwdgrad_cublas_fallbacks"] or "none")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
@@ -292,18 +393,17 @@ def _print_table(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"LM head + loss fwd+bwd ({report['env']['device_name']}, {report['args']['dtype']}, "
-                    f"H={report['args']['hidden']}, V={report['args']['vocab']:,})")
-    for col in ("tokens", "row", "time (ms)", "x 3 GEMMs", "extra peak (GiB)", "status"):
+    t = Table(title=f"LM head + loss fwd+bwd ({report['env']['device_name']}, {report['args']['dtype']})")
+    for col in ("H", "V", "tokens", "row", "time (ms)", "x 3 GEMMs", "extra peak (GiB)", "status"):
         t.add_column(col)
     for r in report["results"]:
         ok = r.get("status") == "ok"
-        t.add_row(f"{r['tokens']:,}", r["row"],
+        t.add_row(str(r["hidden"]), f"{r['vocab']:,}", f"{r['tokens']:,}", r["row"],
                   f"{r['time_ms']:.2f}" if ok else "-",
                   f"{r['ratio_to_gemms']:.2f}" if ok and "ratio_to_gemms" in r else "-",
                   f"{r['extra_peak_bytes'] / 2**30:.2f}" if ok and r.get("extra_peak_bytes") is not None else "n/a",
                   r.get("status", "?") + (f": {r['note']}" if r.get("note") else ""))
-    Console(width=160).print(t)
+    Console(width=200).print(t)
 
 
 if __name__ == "__main__":

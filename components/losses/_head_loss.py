@@ -45,7 +45,9 @@ def _build(name, head_loss, fields, methods):
     config = make_dataclass(
         "Config", [("num_chunks", int, field(default=1)), ("backend", str, field(default="auto")),
                    ("chunk_tokens", int, field(default=4096)), ("chunk_vocab", int, field(default=16384)),
-                   ("workspace_mb", float, field(default=256.0)), *extra],
+                   ("workspace_mb", float, field(default=256.0)),
+                   ("logits_dtype", str, field(default="bfloat16")), ("dw_accum", str, field(default="float32")),
+                   *extra],
         bases=(ChunkedLossWrapper.Config,), kw_only=True, slots=True)
     config.__qualname__ = f"{name}.Config"
 

@@ -79,7 +79,7 @@ def auto_backend(t: torch.Tensor) -> str:
     return "torch"
 
 
-BACKENDS = ("auto", "torch", "triton", "cublas", "mixed")
+BACKENDS = ("auto", "torch", "triton", "cublas", "mixed", "fwdgrad")  # fwdgrad: _fwdgrad.py
 
 
 def _check_backend(backend: str, t: torch.Tensor) -> str:

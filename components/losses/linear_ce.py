@@ -11,21 +11,20 @@ Per token (valid label y, s = h @ W^T, lse = logsumexp(s), V = global vocabulary
 ``ignore_index`` contribute 0 and get no gradient. The logit gradient is
 ``p * (1 + 2 z_loss lse) - (1 - eps) onehot(y) - eps / V``.
 
-Gradient placement: recompute-in-backward. The forward computes only per-token statistics
-(lse, target logit, sum of logits) in one pass over the vocabulary; the backward recomputes
-the logits slice by slice, forms dz and produces dH and dW. Why not gradient-in-forward
-(compute dH, dW in the forward and scale them by grad_output):
+Gradient placement: two paths.
 
-* without stored logits both choices cost the same four GEMM-sized passes: the softmax of a
-  token needs its full-vocabulary lse before any dz exists, so dz needs a second pass over
-  h @ W^T whichever function runs it;
-* recompute-in-backward accepts any upstream gradient, including a per-token one
-  (``reduction="none"``, and the RL objectives on ``token_logprobs``, which share this
-  engine); gradient-in-forward can rescale dH per token but not dW = sum_t g_t dz_t h_t;
-* nothing is computed that autograd does not ask for: no gradients under ``no_grad`` or in
-  evaluation, dW is skipped for a frozen head, dH for a detached input;
-* between forward and backward it holds only lse [N] (plus references to h and W), not a
-  [V, H] gradient for the rest of the forward.
+* gradient-in-forward (backend "fwdgrad", what "auto" runs on CUDA when it fits; _fwdgrad.py):
+  per token chunk the full-vocabulary logits row is in memory ([chunk_tokens, V] buffer), so
+  lse and dz come from one row kernel and the three GEMMs (logits, dH, dW) are the only
+  GEMM-sized passes; dH and dW are stored and scaled by the (scalar) upstream gradient in
+  backward. It needs a scalar upstream gradient (dW = sum_t g_t dz_t h_t cannot be rescaled per
+  token afterwards) and memory for a logits chunk and a dW accumulator.
+* recompute-in-backward (the other backends; the baseline): the forward computes only
+  per-token statistics (lse, target logit, sum of logits) in one pass over the vocabulary;
+  the backward recomputes the logits slice by slice, forms dz and produces dH and dW: four
+  GEMM-sized passes, any upstream gradient (``reduction="none"``, ``token_logprobs``), nothing
+  computed that autograd does not ask for, only lse [N] held between the passes, and buffers
+  bounded by ``workspace_mb``.
 In the trainer the loss runs its backward at once (torchtitan's ChunkedLossWrapper protocol),
 so the forward and the backward run back to back anyway.
 
@@ -34,9 +33,10 @@ statistics kernel keeps logit tiles on chip; the gradient kernel recomputes one 
 slice's logits and writes its dz into a bounded workspace, then cuBLAS runs dH += dz W and
 dW = dz^T h); "cublas" = cuBLAS writes fp32 logits of one vocabulary slice into the bounded
 workspace, Triton folds/converts them; "mixed" (the CUDA default of "auto") = cublas
-statistics + triton gradients, fastest measured on an H200; "torch" (CPU default and the
-reference) = token x vocabulary chunks in fp32. No backend allocates [tokens, vocab]: the
-CUDA ones cap their buffers at ``workspace_mb`` (default 256 MiB). Vocabulary sharding: pass
+statistics + triton gradients, the faster recompute pair on an H200; "torch" (CPU default
+and the reference) = token x vocabulary chunks in fp32; "fwdgrad" above. No backend allocates
+[tokens, vocab]: the recompute CUDA ones cap their buffers at ``workspace_mb`` (default 256
+MiB), fwdgrad holds [chunk_tokens, V_local]. Vocabulary sharding: pass
 ``vocab_group`` (weight = this rank's contiguous rows, labels global); sequence sharding needs
 nothing (local tokens, ``reduction="sum"``, divide by the global valid-token count).
 """
@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from components.losses import _fwdgrad as F
 from components.losses import _lm_head as E
 
 IGNORE_INDEX = E.IGNORE_INDEX
@@ -63,6 +64,29 @@ class _Cfg:
     chunk_tokens: int
     chunk_vocab: int
     workspace_mb: float
+    logits_dtype: str = "bfloat16"
+    dw_accum: str = "float32"
+
+
+class _LinearCEFwdGrad(torch.autograd.Function):
+    """backend "fwdgrad": loss summed over tokens, dH and dW computed in the forward (three GEMM
+    passes, _fwdgrad.py) and scaled by the upstream gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, cfg: _Cfg, inv_temp: float, need_dh: bool, need_dw: bool):
+        res = F.run(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=inv_temp,
+                    ce=F.CE(cfg.z_loss, cfg.label_smoothing), need_dh=need_dh, need_dw=need_dw,
+                    logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
+        ctx.res = res
+        ctx.dtypes = (h, w) if (need_dh or need_dw) else None
+        return res.loss.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        res, (h, w) = ctx.res, ctx.dtypes
+        ctx.res = ctx.dtypes = None  # free the stored gradients as soon as they are handed over
+        dh, dw = F.scale_grads(res, g, h, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dh, dw, None, None, None, None, None
 
 
 class _LinearCE(torch.autograd.Function):
@@ -107,7 +131,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = IGNORE_INDEX, reduction: str = "sum",
                          z_loss: float = 0.0, label_smoothing: float = 0.0,
                          vocab_group=None, backend: str = "auto", chunk_tokens: int = 4096,
-                         chunk_vocab: int = 16384, workspace_mb: float = 256.0) -> torch.Tensor:
+                         chunk_vocab: int = 16384, workspace_mb: float = 256.0,
+                         logits_dtype: str = "bfloat16", dw_accum: str = "float32",
+                         temperature: float = 1.0) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight^T`` against ``labels`` without [N, V] logits.
 
     hidden [..., H] (bf16 or fp32), weight [V_local, H], labels [...] (global ids).
@@ -115,7 +141,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     (over non-ignored tokens; NaN when there are none, as torch's), "none" (per token, fp32,
     0 at ignored tokens). Statistics and gradients accumulate in fp32; dH comes back in
     hidden's dtype and dW in weight's. vocab_group: process group over which the vocabulary
-    rows are split (contiguous, in rank order); dH is all-reduced over it.
+    rows are split (contiguous, in rank order); dH is all-reduced over it. temperature divides
+    the logits (the loss is that of softmax(h W^T / temperature)).
+
+    backend "fwdgrad" (gradient in the forward, three GEMM passes; see _fwdgrad.py) takes
+    ``logits_dtype`` (of its [chunk_tokens, V_local] logits buffer, "bfloat16" or "float32";
+    fp32 inputs always use float32), ``dw_accum`` ("float32" or "weight": the dW accumulator's
+    dtype) and ``chunk_tokens`` (tokens per chunk). It needs a scalar upstream gradient, so
+    reduction="none" refuses it; "auto" picks it on CUDA when a gradient is wanted, the
+    reduction is sum/mean and its buffers fit in half the free memory, else "mixed" (CPU:
+    "torch").
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be sum, mean or none, got {reduction!r}")
@@ -123,10 +158,30 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if z_loss < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_fwdgrad_options(logits_dtype, dw_accum, prefix="")
+    if backend == "fwdgrad" and reduction == "none":
+        raise ValueError("backend='fwdgrad' computes dW in the forward and can only scale it by a scalar "
+                         "upstream gradient; reduction='none' needs backend='auto' (or mixed/triton/cublas/torch)")
     shape = labels.shape
     h, w, lab = E.as_2d(hidden, weight, labels)
-    cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), E.vocab_shard(w, vocab_group),
-               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb))
+    shard = E.vocab_shard(w, vocab_group)
+    if backend == "auto":
+        backend = auto_backend(h, w, reduction, logits_dtype, dw_accum, chunk_tokens)
+    cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), shard,
+               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb),
+               logits_dtype, dw_accum)
+    inv_temp = 1.0 / float(temperature)
+    if cfg.backend == "fwdgrad":
+        grad_on = torch.is_grad_enabled()
+        total = _LinearCEFwdGrad.apply(h, w, lab, cfg, inv_temp, grad_on and h.requires_grad,
+                                       grad_on and w.requires_grad)
+        if reduction == "mean":
+            return total / (lab != ignore_index).sum()
+        return total
+    if inv_temp != 1.0:  # the recompute path scales the hidden states instead (exact: s = (h / T) W^T)
+        h = h / float(temperature)
     per_token = _LinearCE.apply(h, w, lab, cfg)
     if reduction == "none":
         return per_token.reshape(shape)
@@ -134,6 +189,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if reduction == "mean":
         return total / (lab != ignore_index).sum()
     return total
+
+
+def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype: str, dw_accum: str,
+                 chunk_tokens: int) -> str:
+    """What backend="auto" runs: "fwdgrad" (three GEMM passes) on CUDA when a gradient is wanted,
+    the upstream gradient is a scalar (sum/mean) and its buffers fit in half the free memory;
+    otherwise the recompute path ("mixed" on CUDA, "torch" on CPU)."""
+    base = E.auto_backend(h)
+    if base != "mixed" or reduction == "none" or not torch.is_grad_enabled():
+        return base
+    if not (h.requires_grad or w.requires_grad):
+        return base
+    need = F.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, chunk_tokens,
+                            h.element_size())
+    free, _ = torch.cuda.mem_get_info(h.device)
+    return "fwdgrad" if need < free // 2 else base
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,10 +220,13 @@ class LinearCrossEntropy:
         name: str = "linear_ce"
         z_loss: float = 0.0
         label_smoothing: float = 0.0
-        backend: str = "auto"  # auto (mixed on CUDA, torch otherwise) | mixed | cublas | triton | torch
-        chunk_tokens: int = 4096  # torch path: tokens per logits chunk
+        # auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch
+        backend: str = "auto"
+        chunk_tokens: int = 4096  # torch and fwdgrad paths: tokens per logits chunk
         chunk_vocab: int = 16384  # torch path: vocabulary columns per logits chunk
-        workspace_mb: float = 256.0  # CUDA paths: cap on the [tokens, vocab slice] buffers
+        workspace_mb: float = 256.0  # recompute CUDA paths: cap on the [tokens, vocab slice] buffers
+        logits_dtype: str = "bfloat16"  # fwdgrad: dtype of its logits chunk (bfloat16 | float32)
+        dw_accum: str = "float32"  # fwdgrad: dtype of its dW accumulator (float32 | weight)
 
     @staticmethod
     def trainer_loss(opts: "LinearCrossEntropy.Options", vocab_size: int):
@@ -160,7 +234,8 @@ class LinearCrossEntropy:
         cls = fused_loss_class()
         return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
                           chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
-                          workspace_mb=opts.workspace_mb, global_vocab_size=vocab_size)
+                          workspace_mb=opts.workspace_mb, logits_dtype=opts.logits_dtype, dw_accum=opts.dw_accum,
+                          global_vocab_size=vocab_size)
 
     @staticmethod
     def check(opts: "LinearCrossEntropy.Options") -> None:
@@ -173,6 +248,14 @@ class LinearCrossEntropy:
             raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
         if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
+        check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
+
+
+def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
+    if logits_dtype not in F.LOGITS_DTYPES:
+        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(F.LOGITS_DTYPES)}, got {logits_dtype!r}")
+    if dw_accum not in F.DW_ACCUM:
+        raise ValueError(f"{prefix}dw_accum must be one of {', '.join(F.DW_ACCUM)}, got {dw_accum!r}")
 
 
 def fused_loss_class():
@@ -189,5 +272,6 @@ def _linear_ce_head_loss(self, h, w, labels, global_valid_tokens):
     loss = linear_cross_entropy(
         h, w, labels.reshape(-1), reduction="sum", z_loss=cfg.z_loss,
         label_smoothing=cfg.label_smoothing, backend=cfg.backend,
-        chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb)
+        chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb,
+        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum)
     return loss if global_valid_tokens is None else loss / global_valid_tokens

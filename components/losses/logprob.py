@@ -97,6 +97,10 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if backend == "fwdgrad":
+        raise ValueError("token_logprobs returns per-token log-probs whose upstream gradient is per token; "
+                         "backend='fwdgrad' (gradient in the forward) needs the objective itself: use "
+                         "components.losses.fused_rl.fused_policy_loss, or backend='auto'")
     shape = labels.shape
     h, w, lab = E.as_2d(hidden, weight, labels)
     cfg = _Cfg(ignore_index, 1.0 / float(temperature), bool(with_entropy), E.vocab_shard(w, vocab_group),

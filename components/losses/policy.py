@@ -32,10 +32,12 @@ RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format i
 class _Head:
     temperature: float = 1.0
     entropy_coef: float = 0.0  # > 0: subtract entropy_coef x (token mean of the policy's entropy)
-    backend: str = "auto"  # as linear_ce: auto | mixed | cublas | triton | torch
+    backend: str = "auto"  # as linear_ce: auto | fwdgrad | mixed | cublas | triton | torch
     chunk_tokens: int = 4096
     chunk_vocab: int = 16384
     workspace_mb: float = 256.0
+    logits_dtype: str = "bfloat16"  # fwdgrad (fused objective): dtype of the logits chunk
+    dw_accum: str = "float32"  # fwdgrad: dtype of the dW accumulator
 
 
 _HEAD_FIELDS = {f.name for f in fields(_Head)}
@@ -67,6 +69,14 @@ class _Policy:
             raise ValueError(f"loss.norm must be token or sequence, got {opts.norm!r}")
         if opts.entropy_coef < 0:
             raise ValueError(f"loss.entropy_coef must be >= 0, got {opts.entropy_coef}")
+        from components.losses.fused_rl import FUSABLE
+        from components.losses.linear_ce import check_fwdgrad_options
+
+        check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
+        if opts.backend == "fwdgrad" and cls.objective not in FUSABLE:
+            raise ValueError(f"loss={cls.objective} cannot use loss.backend=fwdgrad: its sequence-level ratio needs "
+                             "every token's log-prob before any gradient exists (fused objectives: "
+                             f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
         hp = {f.name: getattr(opts, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
         head = {k: getattr(opts, k) for k in _HEAD_FIELDS}
         return policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
@@ -147,6 +157,8 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     batch = self.batch or {}
     hp = dict(cfg.hparams)
     with_entropy = cfg.entropy_coef > 0
+    if _use_fused(cfg, h, w):
+        return _fused(self, h, w, labels, global_valid_tokens, batch, hp)
     lp, ent = token_logprobs(h, w, labels.reshape(-1), temperature=cfg.temperature, with_entropy=with_entropy,
                              backend=cfg.backend, chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
                              workspace_mb=cfg.workspace_mb)
@@ -180,6 +192,57 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
         metrics = {**metrics, "entropy": ent_sum.detach() / mask.sum().clamp_min(1)}
     # detached scalars, each a mean over this micro-step's local tokens (or sequences); the trainer
     # weighs them by the local trained tokens over the step's micro-steps and ranks when it logs
+    self.metrics, self.metric_weight = metrics, mask.sum().detach()
+    return loss
+
+
+def _use_fused(cfg, h, w) -> bool:
+    """backend fwdgrad, or auto where linear_ce's auto would pick it (CUDA, a gradient wanted, the
+    buffers fit), for the objectives that fuse (not GSPO)."""
+    from components.losses.fused_rl import FUSABLE
+    from components.losses.linear_ce import auto_backend
+
+    if cfg.objective not in FUSABLE:
+        return False
+    if cfg.backend == "fwdgrad":
+        return True
+    if cfg.backend != "auto":
+        return False
+    return auto_backend(h, w, "sum", cfg.logits_dtype, cfg.dw_accum, cfg.chunk_tokens) == "fwdgrad"
+
+
+def _batch_args(cfg, batch, labels, hp):
+    mask = labels != -100
+    zeros = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    old = batch.get("rl_old_logprobs", zeros).float()
+    adv = batch.get("rl_advantages", zeros).float()
+    ref = batch.get("rl_ref_logprobs")
+    if cfg.objective not in ("sft",) and "rl_old_logprobs" not in batch:
+        raise ValueError(f"loss={cfg.objective} needs rollouts (old log-probs, advantages): {RL_DATA_HINT}")
+    if hp.get("kl_coef", 0.0) > 0 and ref is None:
+        raise ValueError("loss.kl_coef > 0 needs ref_logprobs in every rollout record")
+    return mask, old, adv, ref
+
+
+def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
+    """The same objective with the gradient computed in the forward (components/losses/fused_rl.py)."""
+    from components.losses.fused_rl import fused_policy_loss
+
+    cfg = self.config
+    mask, old, adv, ref = _batch_args(cfg, batch, labels, hp)
+    kw = {"sequence_ids": batch.get("rl_sequence_ids")}
+    if hp.get("norm") == "sequence":
+        if "rl_num_seqs" not in batch:
+            raise ValueError(f"loss={cfg.objective} with sequence-level normalisation needs rollouts: {RL_DATA_HINT}")
+        kw["normalizer"] = batch["rl_num_seqs"].reshape(-1)[0].float()
+        kw["seq_tokens"] = batch["rl_seq_tokens"]
+    elif global_valid_tokens is not None:
+        kw["normalizer"] = global_valid_tokens.float()
+    den = global_valid_tokens.float() if global_valid_tokens is not None else None
+    loss, metrics = fused_policy_loss(
+        h.reshape(*labels.shape, h.shape[-1]), w, labels, cfg.objective, old, adv, mask, ref, hparams=hp,
+        temperature=cfg.temperature, entropy_coef=cfg.entropy_coef, entropy_den=den, **kw,
+        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
 
