@@ -22,7 +22,8 @@ from components.losses import policy, rl
 from components.losses.fused_rl import fused_policy_loss
 from components.losses.linear_ce import LinearCrossEntropy, linear_cross_entropy
 from components.losses.logprob import token_logprobs
-from tests.test_linear_ce import _close, _data, _free_port, _grads, reference
+from conftest import assert_rel as _close, free_port as _free_port, lm_head_data as _data
+from tests.test_linear_ce import _grads, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 IGN = -100
@@ -244,7 +245,8 @@ INTERP = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, sys.argv[1])
     import torch
-    from tests.test_linear_ce import _data, _grads
+    from conftest import lm_head_data as _data
+    from tests.test_linear_ce import _grads
     from tests.test_linear_ce_fwdgrad import CASES, RL_CASES, ref_ce, _rl_case, _unfused
     from components.losses.linear_ce import linear_cross_entropy
     from components.losses.fused_rl import fused_policy_loss

@@ -30,9 +30,10 @@ torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def _setup():
-    from tests.test_linear_ce import _close, _data, _grads, reference  # noqa: F401
+    from conftest import assert_rel, lm_head_data
+    from tests.test_linear_ce import _grads, reference
 
-    return _close, _data, _grads, reference
+    return assert_rel, lm_head_data, _grads, reference
 
 
 @pytest.mark.parametrize("dtype,logits,dw", [
