@@ -282,7 +282,9 @@ class AtomicSaves:
     ``manifest.json`` and renames the folder to ``step-N`` at the first ``save()`` call (torchtitan
     calls it at every step boundary) after all parts are there, and at the latest in ``finish()``
     (the trainer's close). No collective is involved after the save's own barrier, so a rank that
-    stops early never blocks the others. Every rank must construct this, in the same order."""
+    stops early never blocks the others. A rank whose hashing fails says so and leaves an error
+    part instead, so rank 0 names that rank and its error at once and the step stays invisible.
+    Every rank must construct this, in the same order."""
 
     def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0):
         import torch.distributed as dist
@@ -317,7 +319,7 @@ class AtomicSaves:
             if not head.ready():
                 if wait:
                     print(f"apiary: checkpoint step {head.step}: not every rank's checksums arrived in "
-                          f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr)
+                          f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr, flush=True)
                     self.pending.clear()
                 return
             head.finish()
