@@ -222,12 +222,22 @@ class _Pending:
         try:
             t = time.perf_counter()
             mine = entries(self.tmp, files[self.rank::self.world])
-            part = self.tmp / f"{MANIFEST}.rank{self.rank}"
-            tmp = part.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"files": mine, "hash_s": time.perf_counter() - t}))
-            os.replace(tmp, part)  # a part appears whole
-        except BaseException as e:  # reported by finish(); the step then stays invisible
+            self._write_part({"files": mine, "hash_s": time.perf_counter() - t})
+        except BaseException as e:  # reported by finish() on rank 0; the step then stays invisible
             self.error = e
+            if self.rank != 0:  # tell rank 0 (waiting for this part) that it will not come
+                print(f"apiary: checkpoint step {self.step}: rank {self.rank} could not compute its checksums "
+                      f"({e!r}); the step stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
+                try:
+                    self._write_part({"error": repr(e)})
+                except BaseException:  # the folder itself is gone or unwritable: rank 0 times out
+                    pass
+
+    def _write_part(self, body: dict) -> None:
+        part = self.tmp / f"{MANIFEST}.rank{self.rank}"
+        tmp = self.tmp / f"{MANIFEST}.rank{self.rank}.tmp"  # one per rank: the ranks write at the same time
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, part)  # a part appears whole
 
     def parts(self) -> list[Path]:
         return [self.tmp / f"{MANIFEST}.rank{r}" for r in range(self.world)]
@@ -246,8 +256,12 @@ class _Pending:
                   f"stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
             return
         merged, hash_s = {}, 0.0
-        for p in self.parts():
+        for r, p in enumerate(self.parts()):
             body = json.loads(p.read_text())
+            if "error" in body:
+                print(f"apiary: checkpoint step {self.step}: rank {r} could not compute its checksums "
+                      f"({body['error']}); the step stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
+                return
             merged.update(body["files"])
             hash_s = max(hash_s, body["hash_s"])
         write_manifest(self.tmp, self.step, merged, save_s=self.save_s, hash_s=hash_s)
@@ -268,7 +282,9 @@ class AtomicSaves:
     ``manifest.json`` and renames the folder to ``step-N`` at the first ``save()`` call (torchtitan
     calls it at every step boundary) after all parts are there, and at the latest in ``finish()``
     (the trainer's close). No collective is involved after the save's own barrier, so a rank that
-    stops early never blocks the others. Every rank must construct this, in the same order."""
+    stops early never blocks the others. A rank whose hashing fails says so and leaves an error
+    part instead, so rank 0 names that rank and its error at once and the step stays invisible.
+    Every rank must construct this, in the same order."""
 
     def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0):
         import torch.distributed as dist
@@ -303,7 +319,7 @@ class AtomicSaves:
             if not head.ready():
                 if wait:
                     print(f"apiary: checkpoint step {head.step}: not every rank's checksums arrived in "
-                          f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr)
+                          f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr, flush=True)
                     self.pending.clear()
                 return
             head.finish()

@@ -4,6 +4,7 @@ it loads before any worker starts. A flipped byte, a truncated or a deleted file
 step, the file and checkpoint.load_step=PREVIOUS; a save killed midway is ignored."""
 
 import json
+import time
 import shutil
 from pathlib import Path
 
@@ -204,3 +205,93 @@ def test_checksum_algorithms_agree_on_the_bytes(tmp_path):
 
     assert integrity.file_digest(f, "crc32") == f"{zlib.crc32(f.read_bytes()):08x}"
     assert integrity.file_digest(f, "xxh3_64") == xxhash.xxh3_64(f.read_bytes()).hexdigest()
+
+
+def test_ranks_writing_their_parts_at_once_each_keep_their_own(tmp_path, monkeypatch):
+    """Every rank hashes its share and writes manifest.json.rankR at the same time, in the same
+    folder: each part goes through its own temporary file, so a rank lagging between writing and
+    renaming its part neither loses it nor takes another rank's."""
+    import threading
+
+    folder = tmp_path / ".partial-4"
+    folder.mkdir()
+    files = ["__0_0.distcp", "__1_0.distcp", ".metadata"]
+    for i, name in enumerate(files):
+        (folder / name).write_bytes(bytes([i]) * (100 + i))
+    replace, gate, first = integrity.os.replace, threading.Event(), []
+
+    def lagging_replace(src, dst):  # the first rename (rank 1's part) waits until rank 0's is done
+        if not first:
+            first.append(src)
+            assert gate.wait(30)
+        return replace(src, dst)
+
+    monkeypatch.setattr(integrity.os, "replace", lagging_replace)
+    r1 = integrity._Pending(4, folder, tmp_path / "step-4", sorted(files), 1, 2, 0.0)
+    while not first:
+        time.sleep(0.01)
+    r0 = integrity._Pending(4, folder, tmp_path / "step-4", sorted(files), 0, 2, 0.0)
+    r0.thread.join(30)
+    gate.set()
+    r1.thread.join(30)
+    assert r0.error is None and r1.error is None, (r0.error, r1.error)
+    assert r0.ready()
+    r0.finish()
+    assert integrity.verify(tmp_path / "step-4") is None
+    body = json.loads((tmp_path / "step-4" / "manifest.json").read_text())
+    assert sorted(body["files"]) == sorted(files)
+
+
+def _failing_rank_worker(rank: int, port: int, out: str) -> None:
+    """Two gloo ranks save once; rank 1's hashing fails. Rank 0 records what its close did."""
+    import io
+    import os
+    import sys
+
+    import torch.distributed as dist
+    from torchtitan.components.checkpoint import AsyncMode
+
+    from framework import integrity
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ck = Path(out) / "checkpoint"
+
+    def dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        Path(checkpoint_id, f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+        if rank == 0:
+            Path(checkpoint_id, ".metadata").write_bytes(b"meta")
+
+    fake = type("Ckpt", (), {})()
+    fake.dcp_save = dcp_save
+    atomic = integrity.AtomicSaves(fake, wait_s=60)
+    if rank == 1:
+        def broken(folder, files, *a, **k):
+            raise OSError(28, "No space left on device")
+
+        integrity.entries = broken
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        fake.dcp_save({}, str(ck / "step-2"), AsyncMode.DISABLED)
+        t0 = time.monotonic()
+        atomic.finish()  # the trainer's close
+        seconds = time.monotonic() - t0
+    finally:
+        text, sys.stderr = sys.stderr.getvalue(), err
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"stderr": text, "seconds": seconds}))
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_hash_its_share_is_reported_and_not_waited_for(tmp_path):
+    """Rank 1's checksums fail (disk full): it says so, and rank 0's close reports rank 1's error
+    at once and leaves the step invisible, instead of waiting for a part that cannot come."""
+    from conftest import free_port, spawn_ranks
+
+    spawn_ranks(_failing_rank_worker, 2, free_port(), str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert "rank 1 could not compute its checksums" in r1["stderr"] and "No space left" in r1["stderr"]
+    assert "checkpoint step 2: rank 1 could not compute its checksums" in r0["stderr"], r0["stderr"]
+    assert "No space left on device" in r0["stderr"] and "stays incomplete" in r0["stderr"]
+    assert r0["seconds"] < 30  # not the 60 s wait for a part
+    ck = tmp_path / "checkpoint"
+    assert integrity.complete_steps(ck) == [] and (ck / ".partial-2").is_dir()
