@@ -354,3 +354,13 @@ def test_fp8_checkpoints_hold_plain_tensors(tmp_path):
         assert not same(values(ref), values(model))
         load(model, saved)
         assert same(values(ref), values(model)), saved
+
+
+def test_fp8_with_compile_is_refused_before_launch(workdir):
+    """torchao FP8 under per-block compile gave a NaN grad norm at step 1 on an H200: refused (exit 2)."""
+    from conftest import run_cli
+
+    p = run_cli(["train", "precision=fp8", "precision.compile=true", "training.steps=1"], cwd=workdir)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "precision.compile=true" in p.stderr and "NaN" in p.stderr and "Traceback" not in p.stderr
+    assert not (workdir / "runs").exists()

@@ -160,6 +160,11 @@ class FP8:
         """UserError when this machine cannot train in FP8 (resolve calls it before launch)."""
         from framework.errors import UserError
 
+        if opts.compile:  # measured on one H200, 2026-11-24 (docs/skills/fp8.md): grad norm NaN at step 1
+            raise UserError("precision=fp8 precision.compile=true", "torchao FP8 under torchtitan's per-block "
+                            "compile gave a NaN gradient norm at step 1 on an H200 (Qwen3-30B-A3B, 4 layers, 16K; "
+                            "bf16 with compile trains), so this combination is refused until it is fixed.",
+                            "Drop precision.compile (fp8 eager), or use precision=bf16 precision.compile=true.")
         launcher = getattr(getattr(cfg, "launcher", None), "name", "local") if cfg is not None else "local"
         if launcher == "local":  # a scheduler's GPUs are checked on the node (convert raises there)
             why = device_problem(opts.scaling)
