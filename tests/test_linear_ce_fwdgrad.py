@@ -276,7 +276,7 @@ INTERP = textwrap.dedent("""
 
 
 def test_triton_row_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     proc = subprocess.run([sys.executable, "-c", INTERP, str(ROOT)], capture_output=True, text=True, timeout=300,
                           env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
