@@ -114,7 +114,9 @@ _RANKS = textwrap.dedent("""
     t = T(steps=10, interval=100)
     g = preempt.install(t)
     t.train()
-    print(json.dumps({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}), flush=True)
+    # one file per rank: ranks share stdout, and two prints can land on one line
+    with open(f"result-{rank}.json", "w") as f:
+        json.dump({"rank": rank, "stopped_at": g.stopped_at, "saved": t.checkpointer.saved}, f)
     dist.barrier()  # tear gloo down together: a rank leaving early can abort its peer's exit
     dist.destroy_process_group()
 """)
@@ -125,8 +127,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     script.write_text(_RANKS)
     proc = run_ranks(script, [ROOT / "tests"], 2, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
-                     key=lambda r: r["rank"])
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)
+               if (tmp_path / f"result-{r}.json").exists()]
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]
     # rank 1 was signalled during step 4; both ranks stop after step 4 and both save step 4
     assert [r["stopped_at"] for r in results] == [4, 4]
