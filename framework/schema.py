@@ -20,7 +20,9 @@ class ModelConfig:
     n_layers: Optional[int] = None  # truncate/extend the layer stack
     vocab_size: Optional[int] = None  # override the flavor's vocabulary
     attn_backend: str = "flex"
-    flex_autotune: bool = True  # inductor max-autotune + coordinate descent for flex attention (false: faster compile)
+    # inductor max-autotune + coordinate descent for flex attention: off by default (on one H200 at 32K it
+    # added 136 s to a cold step 1 and changed steady tok/s by under 2%; docs/benchmarks.md)
+    flex_autotune: bool = False
     hf_checkpoint: Optional[str] = None
 
 

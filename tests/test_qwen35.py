@@ -267,8 +267,8 @@ def test_layouts_this_family_cannot_run_are_user_errors(overrides, needle):
 
 
 def test_flex_autotune_switch(tmp_path):
-    """model.flex_autotune=false recompiles flex attention without inductor's two tuners (the
-    long first-step tuning at head dim 256); true restores torchtitan's options."""
+    """model.flex_autotune=false (the default) recompiles flex attention without inductor's two
+    tuners (the long first-step tuning at head dim 256); true restores torchtitan's options."""
     from framework import devices
 
     devices.install()
@@ -279,12 +279,12 @@ def test_flex_autotune_switch(tmp_path):
 
     before = FlexAttention._compiled_flex_attn
     try:
-        trainer_config(resolve("qwen35_debug_moe", ["model.flex_autotune=false", f"output_dir={tmp_path}"], world_size=1, for_training=False))
+        trainer_config(resolve("qwen35_debug_moe", [f"output_dir={tmp_path}"], world_size=1, for_training=False))
         assert FlexAttention._compiled_flex_attn is not before
         assert devices.FLEX_COMPILE_OPTIONS["max_autotune"] is False
         assert devices.FLEX_COMPILE_OPTIONS["coordinate_descent_tuning"] is False
         assert devices.FLEX_COMPILE_OPTIONS["wrap_inductor_compiled_regions"] is True
-        trainer_config(resolve("qwen35_debug_moe", [f"output_dir={tmp_path}"], world_size=1, for_training=False))
+        trainer_config(resolve("qwen35_debug_moe", ["model.flex_autotune=true", f"output_dir={tmp_path}"], world_size=1, for_training=False))
         assert devices.FLEX_COMPILE_OPTIONS == FlexAttention.inductor_configs
     finally:
         FlexAttention._compiled_flex_attn = before
