@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-IGNORE_INDEX = -100
+from components.labels import IGNORE_INDEX
+
 PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
 _FORMATS = (".jsonl", ".parquet")

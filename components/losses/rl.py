@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce
 
 
 def _mask(loss_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -60,8 +62,6 @@ def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None, group=None):
     sid = sequence_ids.reshape(rows, -1).long()
     width = int(sid.max().item()) + 1 if sid.numel() else 1
     if group is not None:
-        import torch.distributed as dist
-
         w = torch.tensor([width], device=m.device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX, group=group)
         width = int(w.item())
@@ -195,9 +195,6 @@ def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     a_sum = _segment_sum(a.detach() * m, seg, n)
     tok = local_tok
     if seq_group is not None:
-        import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
-
         tok, a_sum = local_tok.clone(), a_sum.clone()
         dist.all_reduce(tok, group=seq_group)
         dist.all_reduce(a_sum, group=seq_group)
