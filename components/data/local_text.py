@@ -114,7 +114,7 @@ def _inspect_txt(f: str) -> tuple[int, int]:
 
 
 def _inspect_parquet(f: str) -> int:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
     try:
         pf = pq.ParquetFile(f)

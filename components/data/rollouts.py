@@ -129,7 +129,7 @@ class RolloutIndex:
             if f.suffix == ".jsonl":
                 handle = open(f, "rb")
             else:
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
                 handle = pq.ParquetFile(f)
             self._open = (fi, handle)
@@ -174,7 +174,7 @@ def _located_records(path: Path):
                     yield i, (offset, 0), json.loads(line)
                 offset += len(line)
     else:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
         pf, n = pq.ParquetFile(path), 0
         for g in range(pf.num_row_groups):

@@ -358,7 +358,7 @@ class ChunkedRoutedExperts(RoutedExperts):
 
 def _refuse_spmd_typechecking() -> None:
     try:
-        import spmd_types as spmd
+        import spmd_types as spmd  # optional dependency: spmd_types
     except ImportError:
         return
     if spmd.is_type_checking():
