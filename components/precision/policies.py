@@ -53,7 +53,6 @@ BACKEND_SCALINGS = {
 # row-wise / block-wise scaled GEMMs and FP8 grouped GEMMs need Hopper (9.0); MX block
 # scales (1x32, e8m0) are a Blackwell (10.0) tensor-core feature.
 MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0), "blockwise": (9, 0), "mxfp8": (10, 0)}
-EXPERT_MIN_CAPABILITY = (9, 0)
 # One FP8 layer against fp32, norm-wise relative error of the output and of each gradient.
 # e4m3 keeps 3 mantissa bits (relative spacing 2^-4..2^-3), e5m2 gradients 2 (2^-3..2^-2):
 # the rounding's rms is ~2.5% (e4m3) and ~5% (e5m2) of each element, and a GEMM's sum does not
