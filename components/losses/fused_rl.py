@@ -43,7 +43,7 @@ def token_weights(mask, norm, sequence_ids=None, normalizer=None, seq_tokens=Non
     m = mask.float()
     x = torch.zeros_like(m, requires_grad=True)
     with torch.enable_grad():
-        r = rl._reduce(x, m, norm, sequence_ids, normalizer, seq_tokens)
+        r = rl.reduce_tokens(x, m, norm, sequence_ids, normalizer, seq_tokens)
         (wt,) = torch.autograd.grad(r, x)
     return wt
 
@@ -74,7 +74,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     dev = h.device
     like = torch.zeros(shape, device=dev, dtype=torch.float32)
     old = old_logprobs.float().reshape(shape) if old_logprobs is not None else like
-    adv = rl._adv(advantages.float(), like) if advantages is not None else like
+    adv = rl.advantages_like(advantages.float(), like) if advantages is not None else like
     m = loss_mask.reshape(shape) if loss_mask is not None else torch.ones_like(like, dtype=torch.bool)
     ref = ref_logprobs.float().reshape(shape) if ref_logprobs is not None else None
     wt = token_weights(m, norm, sequence_ids, normalizer, seq_tokens).reshape(-1)
