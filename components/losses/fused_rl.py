@@ -107,9 +107,10 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and w.requires_grad
     with torch.no_grad():
-        res = fwdgrad.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index, inv_temp=1.0 / float(temperature),
-                    coef_fn=coef_fn, scale_fn=None if with_ent else scale_fn, need_ps=with_ent, need_dh=need_dh, need_dw=need_dw,
-                    logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
+        res = fwdgrad.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index,
+                          inv_temp=1.0 / float(temperature), coef_fn=coef_fn,
+                          scale_fn=None if with_ent else scale_fn, need_ps=with_ent, need_dh=need_dh,
+                          need_dw=need_dw, logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
     with torch.no_grad():
         lp = torch.where(valid, res.target - res.lse, torch.zeros_like(res.lse)).reshape(shape)
         kw = dict(hp, norm=norm)

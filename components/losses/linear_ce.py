@@ -44,7 +44,6 @@ nothing (local tokens, ``reduction="sum"``, divide by the global valid-token cou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -252,7 +251,8 @@ class LinearCrossEntropy:
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
     if logits_dtype not in fwdgrad.LOGITS_DTYPES:
-        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(fwdgrad.LOGITS_DTYPES)}, got {logits_dtype!r}")
+        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(fwdgrad.LOGITS_DTYPES)}, "
+                         f"got {logits_dtype!r}")
     if dw_accum not in fwdgrad.DW_ACCUM:
         raise ValueError(f"{prefix}dw_accum must be one of {', '.join(fwdgrad.DW_ACCUM)}, got {dw_accum!r}")
 

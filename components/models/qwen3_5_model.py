@@ -205,14 +205,16 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
         devices.prepare_context_parallel()
         # torch shards the BlockMask with its default (head-tail) balancer when torchtitan passes
         # none; keep masks and tokens in the same order.
-        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options  # device-shim ordering: after prepare_context_parallel
+        # device-shim ordering: after prepare_context_parallel
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
         _cp_options.enable_load_balance = balancer == "headtail"
         model.set_context_parallel(CPInfo(group=mesh.get_group(), world=mesh.size(),
                                           rank=mesh.get_local_rank(), layout=LOAD_BALANCERS[balancer]))
         attns = [b.attn.inner_attention for b in model.layers.values() if b.full_attn]
         if attns:
-            from torchtitan.distributed.context_parallel import apply_cp_to_forward  # device-shim ordering: after prepare_context_parallel
+            # device-shim ordering: after prepare_context_parallel
+            from torchtitan.distributed.context_parallel import apply_cp_to_forward
 
             apply_cp_to_forward(attns, mesh)
     if dims.tp_enabled or dims.ep_enabled:

@@ -37,7 +37,8 @@ from torchtitan.config import CompileConfig
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
-from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401  (keep_bf16: the policy's public name)
+# keep_bf16 stays readable here (the policy's public name)
+from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from framework import devices
 from framework.errors import UserError
 
@@ -315,7 +316,8 @@ def _torchao_linears(model_config, opts, emulate: bool):
 
 
 def _torchao_experts(model_config):
-    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls  # optional dependency: imports torchao when installed
+    # optional dependency: imports torchao when installed
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
     for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         swap_token_dispatcher(parent, PAD_MULTIPLE)
         cls = _get_float8_grouped_experts_cls(type(ec)._owner)
@@ -325,7 +327,8 @@ def _torchao_experts(model_config):
 
 
 def _torchao_mxfp8(model_config, experts: bool):
-    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls  # optional dependency: imports torchao when installed
+    # optional dependency: imports torchao when installed
+    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
     if MXFP8Linear is None:
         raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):

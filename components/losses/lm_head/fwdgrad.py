@@ -180,7 +180,8 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: engine
             if scale_fn is not None and grad:
                 scale = scale_fn(t0, t1, lse[sl], tgt[sl]).float()
         else:
-            part = (triton_fwdgrad.stats_rows if triton_ok else _torch_stats_rows)(z, lab[sl], inv_temp, need_sum, need_ps)
+            stats_rows = triton_fwdgrad.stats_rows if triton_ok else _torch_stats_rows
+            part = stats_rows(z, lab[sl], inv_temp, need_sum, need_ps)
             m, se, t_, ss_, sps_ = part
             if shard.group is not None:
                 mx = m.clone()
@@ -216,7 +217,8 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: engine
             if grad:
                 a, c, d = (x.float().contiguous() for x in (a, c, d))
                 b = b.float().contiguous() if b is not None else None
-                (triton_fwdgrad.grad_rows if triton_ok else _torch_grad_rows)(z, g_view, lab[sl], lse[sl], a, b, c, d, inv_temp)
+                grad_rows = triton_fwdgrad.grad_rows if triton_ok else _torch_grad_rows
+                grad_rows(z, g_view, lab[sl], lse[sl], a, b, c, d, inv_temp)
         if two:
             side.wait_stream(main)
             with torch.cuda.stream(side):
