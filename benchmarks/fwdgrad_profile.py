@@ -38,16 +38,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     torch.backends.cudnn.enabled = False
-    from components.losses import _fwdgrad
+    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
     from components.losses.linear_ce import linear_cross_entropy
 
     if a.block:
-        _fwdgrad.KERNEL["block"] = a.block
+        fwdgrad.KERNEL["block"] = a.block
     if a.warps:
-        _fwdgrad.KERNEL["num_warps"] = a.warps
+        fwdgrad.KERNEL["num_warps"] = a.warps
     if a.streams:
-        _fwdgrad.KERNEL["streams"] = a.streams
+        fwdgrad.KERNEL["streams"] = a.streams
     n, hd, v = a.tokens, a.hidden, a.vocab
     h = (torch.randn(n, hd, device="cuda") / hd ** 0.25).bfloat16().requires_grad_(True)
     w = (torch.randn(v, hd, device="cuda") / hd ** 0.25).bfloat16().requires_grad_(True)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows)
     total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-    txt = f"{a}\n{table}\ntotal CUDA time {total:.2f} ms; fallbacks: {sorted(_fwdgrad.FALLBACKS) or 'none'}\n"
+    txt = f"{a}\n{table}\ntotal CUDA time {total:.2f} ms; fallbacks: {sorted(fwdgrad.FALLBACKS) or 'none'}\n"
     print(txt)
     if a.out:
         Path(a.out).write_text(txt)

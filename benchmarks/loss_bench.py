@@ -164,12 +164,12 @@ def _grpo_batch(labels):
 
 
 def make_grpo_fused(h, w, labels, knobs=None):
-    from components.losses import _fwdgrad
+    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
 
     old, adv, mask = _grpo_batch(labels)
     k = dict(knobs or {})
-    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
+    fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
 
     def run():
         loss, _ = fused_policy_loss(h, w, labels, "grpo", old, adv, mask, hparams={"eps": 0.2, "norm": "token"}, **k)
@@ -192,11 +192,11 @@ def make_grpo_unfused(h, w, labels):
 
 
 def make_fwdgrad(h, w, labels, knobs=None):
-    from components.losses import _fwdgrad
+    from components.losses.lm_head import fwdgrad
     from components.losses.linear_ce import linear_cross_entropy
 
     k = dict(knobs or {})
-    _fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
+    fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})
 
     def run():
         linear_cross_entropy(h, w, labels, reduction="sum", backend="fwdgrad", **k).backward()
@@ -378,9 +378,9 @@ def main(argv=None) -> int:
                 row["ratio_to_gemms"] = row["time_ms"] / gemm_ms
             results.append(row)
         del h, w, labels
-    from components.losses import _fwdgrad
+    from components.losses.lm_head import fwdgrad
 
-    env["fwdgrad_cublas_fallbacks"] = sorted(_fwdgrad.FALLBACKS)  # [] = bf16-in/fp32-out GEMMs ran in place
+    env["fwdgrad_cublas_fallbacks"] = sorted(fwdgrad.FALLBACKS)  # [] = bf16-in/fp32-out GEMMs ran in place
     report = {"env": env, "args": vars(args), "results": results}
     _print_table(report)
     print("fwdgrad cuBLAS fallbacks:", env["fwdgrad_cublas_fallbacks"] or "none")

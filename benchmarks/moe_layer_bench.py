@@ -154,7 +154,7 @@ def run(args) -> dict:
     from torchtitan.distributed.activation_checkpoint import FullAC
     from torchtitan.distributed.utils import set_spmd_backend
 
-    from components.moe.chunk import auto_num_chunks
+    from components.moe.auto_chunks import auto_num_chunks
     from components.moe.chunked_experts import ChunkedRoutedExperts
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.losses import _lm_head as E
+from components.losses.lm_head import engine
 from components.losses.linear_ce import LinearCrossEntropy, linear_cross_entropy
 from conftest import (IGN, ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_rel, assert_same_trajectory,
                       free_port, lm_head_data, read_metrics, rel_err, run_in_triton_interpreter, run_ranks,
@@ -84,13 +84,13 @@ def test_ignored_tokens_have_no_loss_and_no_gradient():
 
 def test_frozen_weight_skips_weight_gradient_pass(monkeypatch):
     seen = []
-    orig = E._torch_grads
+    orig = engine._torch_grads
 
     def spy(*a):
         seen.append((a[-4], a[-3]))  # need_dh, need_dw
         return orig(*a)
 
-    monkeypatch.setattr(E, "_torch_grads", spy)
+    monkeypatch.setattr(engine, "_torch_grads", spy)
     h, w, labels = lm_head_data(9, 8, 30, torch.float32)
     hh = h.clone().requires_grad_(True)
     linear_cross_entropy(hh, w, labels, backend="torch").backward()
@@ -112,8 +112,8 @@ def test_sequence_sharding_sums_local_tokens_then_divides_by_global_count():
 
 
 def test_auto_backend_on_cpu_is_torch():
-    assert E.auto_backend(torch.zeros(1)) == "torch"
-    assert E._check_backend("auto", torch.zeros(1)) == "torch"
+    assert engine.auto_backend(torch.zeros(1)) == "torch"
+    assert engine.check_backend("auto", torch.zeros(1)) == "torch"
 
 
 def test_options_are_validated():

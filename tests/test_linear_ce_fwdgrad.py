@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from components.losses import _fwdgrad as F
+from components.losses.lm_head import fwdgrad
 from components.losses import policy, rl
 from components.losses.fused_rl import fused_policy_loss
 from components.losses.linear_ce import LinearCrossEntropy, linear_cross_entropy
@@ -84,13 +84,13 @@ def test_upstream_gradient_and_three_micro_steps_accumulate_exactly():
 
 def test_no_gradient_work_without_a_backward(monkeypatch):
     seen = []
-    orig = F.run
+    orig = fwdgrad.run
 
     def spy(*a, **k):
         seen.append((k["need_dh"], k["need_dw"]))
         return orig(*a, **k)
 
-    monkeypatch.setattr(F, "run", spy)
+    monkeypatch.setattr(fwdgrad, "run", spy)
     h, w, labels = _data(9, 8, 30, torch.float32)
     ref = reference(h.double(), w.double(), labels).item()
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from components.data.rollouts import read_rollouts
-from components.losses import _lm_head as E
+from components.losses.lm_head import engine
 from components.losses import rl
 from components.losses.logprob import token_logprobs
 from conftest import IGN, lm_head_data, rel_err, run_in_triton_interpreter
@@ -67,13 +67,13 @@ def test_token_logprobs_torch_path_matches_fp64(n, hd, v, dtype, temp, with_ent,
 
 def test_frozen_head_skips_weight_gradient(monkeypatch):
     seen = []
-    orig = E._torch_grads
+    orig = engine._torch_grads
 
     def spy(*a):
         seen.append((a[-4], a[-3]))
         return orig(*a)
 
-    monkeypatch.setattr(E, "_torch_grads", spy)
+    monkeypatch.setattr(engine, "_torch_grads", spy)
     h, w, labels = lm_head_data(11, 8, 40, torch.float32)
     g_lp, g_ent = torch.randn(11), torch.randn(11)
     fn = lambda a, b, c: token_logprobs(a, b, c, temperature=0.5, with_entropy=True, backend="torch")  # noqa: E731

@@ -32,7 +32,7 @@ WORLD = 2
 
 def test_auto_rule_table():
     sys.path.insert(0, str(ROOT))
-    from components.moe.chunk import AUTO_TOKEN_TABLE, auto_num_chunks
+    from components.moe.auto_chunks import AUTO_TOKEN_TABLE, auto_num_chunks
 
     q35 = dict(num_experts=256, top_k=8)  # Qwen3.5-35B-A3B
     assert auto_num_chunks(65_536, ep_size=1, **q35) == 1  # nothing to overlap without EP
@@ -132,6 +132,7 @@ def _check_layer(rank, mesh):
     import torch
 
     from components.models import qwen3
+    from components.moe import auto_chunks
     from components.moe import chunk as chunk_mod
     from components.moe.chunked_experts import ChunkedRoutedExperts
 
@@ -149,10 +150,10 @@ def _check_layer(rank, mesh):
     x = torch.randn(B, L, D, generator=gen)
     g = torch.randn(B, L, D, generator=gen)
 
-    table, floor, min_ep = chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT, chunk_mod.AUTO_MIN_EP
-    chunk_mod.AUTO_TOKEN_TABLE = ((16, 1), (math.inf, 3))  # force auto -> 3 chunks at 64 tokens
-    chunk_mod.AUTO_MIN_ROWS_PER_EXPERT = 1
-    chunk_mod.AUTO_MIN_EP = 2
+    table, floor, min_ep = auto_chunks.AUTO_TOKEN_TABLE, auto_chunks.AUTO_MIN_ROWS_PER_EXPERT, auto_chunks.AUTO_MIN_EP
+    auto_chunks.AUTO_TOKEN_TABLE = ((16, 1), (math.inf, 3))  # force auto -> 3 chunks at 64 tokens
+    auto_chunks.AUTO_MIN_ROWS_PER_EXPERT = 1
+    auto_chunks.AUTO_MIN_EP = 2
     # (policy, chunks it must use, recompute modes to pair with none)
     policies = {"chunk2": (chunk_mod.chunk2, 2, ("none", "full", "selective")),
                 "chunk3": (chunk_mod.chunk3, 3, ("none", "full")),
@@ -186,7 +187,7 @@ def _check_layer(rank, mesh):
                         assert b[key].abs().max() > 0, (tag, key)
                         assert _max_rel_err(r[key], b[key]) < 2e-2, (tag, key, _max_rel_err(r[key], b[key]))
     finally:
-        chunk_mod.AUTO_TOKEN_TABLE, chunk_mod.AUTO_MIN_ROWS_PER_EXPERT, chunk_mod.AUTO_MIN_EP = table, floor, min_ep
+        auto_chunks.AUTO_TOKEN_TABLE, auto_chunks.AUTO_MIN_ROWS_PER_EXPERT, auto_chunks.AUTO_MIN_EP = table, floor, min_ep
 
 
 def _check_model(rank, mesh):

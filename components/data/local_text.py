@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGED_CORPUS = Path(__file__).with_name("tiny_corpus.jsonl")
-_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
 HUB_FREE_NAMES = ("packaged", "local")  # data.name values that name no HuggingFace hub dataset
@@ -36,8 +36,8 @@ def local_data_files(path: str) -> list[str]:
     """The files a local ``data.path`` would read (empty when there are none)."""
     p = Path(path)
     if p.is_dir():
-        return sorted(str(f) for f in p.rglob("*") if f.suffix in _LOCAL_FORMATS and f.is_file())
-    return [str(p)] if p.is_file() and p.suffix in _LOCAL_FORMATS else []
+        return sorted(str(f) for f in p.rglob("*") if f.suffix in LOCAL_FORMATS and f.is_file())
+    return [str(p)] if p.is_file() and p.suffix in LOCAL_FORMATS else []
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _inspect_txt(f: str) -> tuple[int, int]:
 
 
 def _inspect_parquet(f: str) -> int:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
     try:
         pf = pq.ParquetFile(f)
@@ -133,16 +133,16 @@ def inspect_local(path: str) -> TextSummary:
     a parquet file without a ``text`` column. Reads every jsonl/txt line once (seconds per GB).
     """
     p = Path(path)
-    known = ", ".join(sorted(_LOCAL_FORMATS))
+    known = ", ".join(sorted(LOCAL_FORMATS))
     if not p.exists():
         raise ValueError(f"{path}: no such file or folder")
-    if p.is_file() and p.suffix not in _LOCAL_FORMATS:
+    if p.is_file() and p.suffix not in LOCAL_FORMATS:
         raise ValueError(f"{path}: unsupported suffix {p.suffix or '(none)'!r}; apiary reads {known}")
     files = local_data_files(path)
     if not files:
         others = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else []
         raise ValueError(f"{path}: no {known} file in this folder" + (f" ({len(others)} other files)" if others else ""))
-    kinds = {_LOCAL_FORMATS[Path(f).suffix] for f in files}
+    kinds = {LOCAL_FORMATS[Path(f).suffix] for f in files}
     if len(kinds) != 1:
         raise ValueError(f"{path}: files of several formats ({', '.join(sorted({Path(f).suffix for f in files}))}); "
                          "one folder holds one format")

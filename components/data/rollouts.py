@@ -13,11 +13,11 @@ One record per sampled sequence (prompt + response):
 
 Per-token fields describe the token at the same index (``field[t]`` is about ``input_ids[t]``).
 The model's output at position t predicts token t+1, so the reader shifts them by one:
-``labels[t] = input_ids[t+1]`` where ``loss_mask[t+1]`` (else -100), and likewise loss_mask,
+``labels[t] = input_ids[t+1]`` where ``loss_mask[t+1]`` (else IGNORE_INDEX, -100), and likewise loss_mask,
 old_logprobs, advantages and ref_logprobs, so that everything lines up with
 ``token_logprobs(hidden, weight, labels)``. Output (B rows, T columns):
 
-    input_ids [B, T] long (pad_id), labels [B, T] long (-100), loss_mask [B, T] bool,
+    input_ids [B, T] long (pad_id), labels [B, T] long (IGNORE_INDEX where not trained), loss_mask [B, T] bool,
     old_logprobs / advantages / ref_logprobs [B, T] float32 (0 at padding),
     positions [B, T] long (restart at every packed sequence), sequence_ids [B, T] long (index of
     the sequence inside its row, -1 at padding), seq_tokens [B, T] long (trained tokens of the
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-IGNORE_INDEX = -100
+from components.labels import IGNORE_INDEX
+
 PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
 _FORMATS = (".jsonl", ".parquet")
@@ -128,7 +129,7 @@ class RolloutIndex:
             if f.suffix == ".jsonl":
                 handle = open(f, "rb")
             else:
-                import pyarrow.parquet as pq
+                import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
                 handle = pq.ParquetFile(f)
             self._open = (fi, handle)
@@ -173,7 +174,7 @@ def _located_records(path: Path):
                     yield i, (offset, 0), json.loads(line)
                 offset += len(line)
     else:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)
 
         pf, n = pq.ParquetFile(path), 0
         for g in range(pf.num_row_groups):

@@ -20,7 +20,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets
 
-from components.data.local_text import _LOCAL_FORMATS, PACKAGED_CORPUS, local_data_files, source_kind  # noqa: F401
+from components.data.local_text import LOCAL_FORMATS, PACKAGED_CORPUS, local_data_files, source_kind  # noqa: F401
 
 
 def _text_of(sample: dict) -> str:
@@ -29,9 +29,9 @@ def _text_of(sample: dict) -> str:
 
 def _load_local(path: str) -> "object":
     files = local_data_files(path)
-    kinds = {_LOCAL_FORMATS[Path(f).suffix] for f in files}
+    kinds = {LOCAL_FORMATS[Path(f).suffix] for f in files}
     if len(kinds) != 1:
-        raise ValueError(f"{path}: expected files of one format among {sorted(_LOCAL_FORMATS)}")
+        raise ValueError(f"{path}: expected files of one format among {sorted(LOCAL_FORMATS)}")
     return load_dataset(kinds.pop(), data_files=files, split="train")
 
 

@@ -7,8 +7,11 @@ Ids 0-255 are raw UTF-8 bytes, then BOS and EOS. A model using it needs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
+
+from framework.errors import UserError
 
 
 class ByteTokenizer(BaseTokenizer):
@@ -50,10 +53,6 @@ def check_hf_tokenizer(path: str, model_vocab: int) -> int:
     ``data.tokenizer`` for a missing folder, no tokenizer files, a file that does not load, or
     ids beyond the model's embedding table.
     """
-    from pathlib import Path
-
-    from framework.errors import UserError
-
     where = f"data.tokenizer={path}"
     p = Path(path)
     if not p.is_dir():
@@ -65,8 +64,6 @@ def check_hf_tokenizer(path: str, model_vocab: int) -> int:
                         f"found {', '.join(have) or 'nothing'}).", "Copy the model's tokenizer.json and "
                         "tokenizer_config.json there (save_pretrained of its tokenizer writes both), or use "
                         "data.tokenizer=byte.")
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
     try:
         tok = HuggingFaceTokenizer(tokenizer_path=str(p))
     except Exception as e:  # a corrupt tokenizer.json / tokenizer_config.json

@@ -60,5 +60,5 @@ class LocalLauncher:
                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",
                "-m", "framework.cli", "train", *argv]
-        env = dict(os.environ, APIARY_LAUNCHED="1")
+        env = dict(os.environ)
         return lifecycle.supervise(cmd, env, nproc=opts.nproc)

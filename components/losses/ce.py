@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.components.loss import CrossEntropyLoss
+
 
 class CrossEntropy:
     @dataclass
@@ -12,6 +14,4 @@ class CrossEntropy:
 
     @staticmethod
     def trainer_loss(opts: "CrossEntropy.Options", vocab_size: int):
-        from torchtitan.components.loss import CrossEntropyLoss
-
         return CrossEntropyLoss.Config(global_vocab_size=vocab_size)

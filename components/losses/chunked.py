@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
 
 class ChunkedCrossEntropy:
     @dataclass
@@ -20,8 +22,6 @@ class ChunkedCrossEntropy:
 
     @staticmethod
     def trainer_loss(opts: "ChunkedCrossEntropy.Options", vocab_size: int):
-        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-
         ChunkedCrossEntropy.check(opts)
         return ChunkedLossWrapper.Config(
             num_chunks=opts.num_chunks,

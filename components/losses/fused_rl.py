@@ -1,4 +1,4 @@
-"""RL objectives with the gradient computed in the forward (backend ``fwdgrad``, _fwdgrad.py):
+"""RL objectives with the gradient computed in the forward (backend ``fwdgrad``, fwdgrad.py):
 ``fused_policy_loss`` = ``token_logprobs`` + the objective of ``rl.py``, in three GEMM-sized
 passes and without a recompute.
 
@@ -13,7 +13,7 @@ chunk's [T] log-probs with ``w`` as the mask (norm="token", normalizer 1). The l
 the metrics are rl.py's objective on the full (detached) log-probs, so they equal the unfused
 path's. Without the entropy term the logit gradient is ``-g_t`` times cross-entropy's, so the
 single fused cross-entropy kernel runs and ``-g_t`` scales the [T, H] sides of the gradient
-GEMMs (``_fwdgrad.run(scale_fn=...)``); with it, a statistics and a gradient kernel.
+GEMMs (``fwdgrad.run(scale_fn=...)``); with it, a statistics and a gradient kernel.
 
 GSPO is not fused: its sequence ratio exp(mean_t(lp_t - old_t)) needs every token of a
 sequence (on every context-parallel shard) before any token's gradient exists; a two-phase
@@ -27,9 +27,9 @@ import inspect
 
 import torch
 
-from components.losses import _fwdgrad as F
-from components.losses import _lm_head as E
+from components.labels import IGNORE_INDEX
 from components.losses import rl
+from components.losses.lm_head import engine, fwdgrad
 
 FUSABLE = ("grpo", "dapo", "cispo", "ppo", "sft")
 
@@ -43,7 +43,7 @@ def token_weights(mask, norm, sequence_ids=None, normalizer=None, seq_tokens=Non
     m = mask.float()
     x = torch.zeros_like(m, requires_grad=True)
     with torch.enable_grad():
-        r = rl._reduce(x, m, norm, sequence_ids, normalizer, seq_tokens)
+        r = rl.reduce_tokens(x, m, norm, sequence_ids, normalizer, seq_tokens)
         (wt,) = torch.autograd.grad(r, x)
     return wt
 
@@ -51,7 +51,7 @@ def token_weights(mask, norm, sequence_ids=None, normalizer=None, seq_tokens=Non
 def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, advantages, loss_mask,
                       ref_logprobs=None, *, hparams: dict | None = None, temperature: float = 1.0,
                       entropy_coef: float = 0.0, entropy_den=None, sequence_ids=None, normalizer=None,
-                      seq_tokens=None, vocab_group=None, ignore_index: int = E.IGNORE_INDEX,
+                      seq_tokens=None, vocab_group=None, ignore_index: int = IGNORE_INDEX,
                       logits_dtype: str = "bfloat16", dw_accum: str = "float32", chunk_tokens: int = 4096):
     """(loss, metrics) of ``rl.objective(objective)`` on the log-probs of ``hidden @ weight^T /
     temperature`` at ``labels``, minus ``entropy_coef * sum(entropy * mask) / entropy_den`` (den
@@ -69,12 +69,12 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     if ref_logprobs is None and hp.get("kl_coef", 0.0) > 0:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     shape = labels.shape
-    h, w, lab = E.as_2d(hidden, weight, labels)
-    shard = E.vocab_shard(w, vocab_group)
+    h, w, lab = engine.as_2d(hidden, weight, labels)
+    shard = engine.vocab_shard(w, vocab_group)
     dev = h.device
     like = torch.zeros(shape, device=dev, dtype=torch.float32)
     old = old_logprobs.float().reshape(shape) if old_logprobs is not None else like
-    adv = rl._adv(advantages.float(), like) if advantages is not None else like
+    adv = rl.advantages_like(advantages.float(), like) if advantages is not None else like
     m = loss_mask.reshape(shape) if loss_mask is not None else torch.ones_like(like, dtype=torch.bool)
     ref = ref_logprobs.float().reshape(shape) if ref_logprobs is not None else None
     wt = token_weights(m, norm, sequence_ids, normalizer, seq_tokens).reshape(-1)
@@ -107,9 +107,10 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and w.requires_grad
     with torch.no_grad():
-        res = F.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index, inv_temp=1.0 / float(temperature),
-                    coef_fn=coef_fn, scale_fn=None if with_ent else scale_fn, need_ps=with_ent, need_dh=need_dh, need_dw=need_dw,
-                    logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
+        res = fwdgrad.run(h.detach(), w.detach(), lab, shard=shard, ignore_index=ignore_index,
+                          inv_temp=1.0 / float(temperature), coef_fn=coef_fn,
+                          scale_fn=None if with_ent else scale_fn, need_ps=with_ent, need_dh=need_dh,
+                          need_dw=need_dw, logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
     with torch.no_grad():
         lp = torch.where(valid, res.target - res.lse, torch.zeros_like(res.lse)).reshape(shape)
         kw = dict(hp, norm=norm)
@@ -121,5 +122,5 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
             value = value - entropy_coef * ent_sum / den
             metrics = {**metrics, "entropy": ent_sum / m.sum().clamp_min(1)}
     if need_dh or need_dw:
-        value = F.StoredGrads.apply(h, w, value, res)
+        value = fwdgrad.StoredGrads.apply(h, w, value, res)
     return value, metrics

@@ -13,7 +13,7 @@ Per token (valid label y, s = h @ W^T, lse = logsumexp(s), V = global vocabulary
 
 Gradient placement: two paths.
 
-* gradient-in-forward (backend "fwdgrad", what "auto" runs on CUDA when it fits; _fwdgrad.py):
+* gradient-in-forward (backend "fwdgrad", what "auto" runs on CUDA when it fits; fwdgrad.py):
   per token chunk the full-vocabulary logits row is in memory ([chunk_tokens, V] buffer), so
   lse and dz come from one row kernel and the three GEMMs (logits, dH, dW) are the only
   GEMM-sized passes; dH and dW are stored and scaled by the (scalar) upstream gradient in
@@ -44,14 +44,12 @@ nothing (local tokens, ``reduction="sum"``, divide by the global valid-token cou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from components.losses import _fwdgrad as F
-from components.losses import _lm_head as E
+from components.labels import IGNORE_INDEX
+from components.losses.lm_head import engine, fwdgrad, head_loss
 
-IGNORE_INDEX = E.IGNORE_INDEX
 
 
 @dataclass
@@ -59,7 +57,7 @@ class _Cfg:
     ignore_index: int
     z_loss: float
     label_smoothing: float
-    shard: E.Shard
+    shard: engine.Shard
     backend: str
     chunk_tokens: int
     chunk_vocab: int
@@ -70,12 +68,12 @@ class _Cfg:
 
 class _LinearCEFwdGrad(torch.autograd.Function):
     """backend "fwdgrad": loss summed over tokens, dH and dW computed in the forward (three GEMM
-    passes, _fwdgrad.py) and scaled by the upstream gradient in the backward."""
+    passes, fwdgrad.py) and scaled by the upstream gradient in the backward."""
 
     @staticmethod
     def forward(ctx, h, w, labels, cfg: _Cfg, inv_temp: float, need_dh: bool, need_dw: bool):
-        res = F.run(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=inv_temp,
-                    ce=F.CE(cfg.z_loss, cfg.label_smoothing), need_dh=need_dh, need_dw=need_dw,
+        res = fwdgrad.run(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=inv_temp,
+                    ce=fwdgrad.CE(cfg.z_loss, cfg.label_smoothing), need_dh=need_dh, need_dw=need_dw,
                     logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
         ctx.res = res
         ctx.dtypes = (h, w) if (need_dh or need_dw) else None
@@ -85,7 +83,7 @@ class _LinearCEFwdGrad(torch.autograd.Function):
     def backward(ctx, g):
         res, (h, w) = ctx.res, ctx.dtypes
         ctx.res = ctx.dtypes = None  # free the stored gradients as soon as they are handed over
-        dh, dw = F.scale_grads(res, g, h, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        dh, dw = fwdgrad.scale_grads(res, g, h, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dh, dw, None, None, None, None, None
 
 
@@ -93,7 +91,7 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, cfg: _Cfg):
         eps = cfg.label_smoothing
-        st = E.statistics(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=1.0,
+        st = engine.statistics(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index, inv_temp=1.0,
                           need_sum=eps > 0, need_ps=False, backend=cfg.backend,
                           chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
                           workspace_mb=cfg.workspace_mb)
@@ -120,7 +118,7 @@ class _LinearCE(torch.autograd.Function):
         a = g * (1.0 + 2.0 * cfg.z_loss * lse) if cfg.z_loss > 0 else g
         c = -(1.0 - eps) * g
         d = -(eps / cfg.shard.total) * g
-        dh, dw = E.gradients(h, w, labels, lse, a, None, c, d, shard=cfg.shard,
+        dh, dw = engine.gradients(h, w, labels, lse, a, None, c, d, shard=cfg.shard,
                              ignore_index=cfg.ignore_index, inv_temp=1.0, need_dh=need_dh,
                              need_dw=need_dw, backend=cfg.backend, chunk_tokens=cfg.chunk_tokens,
                              chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb)
@@ -144,7 +142,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     rows are split (contiguous, in rank order); dH is all-reduced over it. temperature divides
     the logits (the loss is that of softmax(h W^T / temperature)).
 
-    backend "fwdgrad" (gradient in the forward, three GEMM passes; see _fwdgrad.py) takes
+    backend "fwdgrad" (gradient in the forward, three GEMM passes; see fwdgrad.py) takes
     ``logits_dtype`` (of its [chunk_tokens, V_local] logits buffer, "bfloat16" or "float32";
     fp32 inputs always use float32), ``dw_accum`` ("float32" or "weight": the dW accumulator's
     dtype) and ``chunk_tokens`` (tokens per chunk). It needs a scalar upstream gradient, so
@@ -165,12 +163,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError("backend='fwdgrad' computes dW in the forward and can only scale it by a scalar "
                          "upstream gradient; reduction='none' needs backend='auto' (or mixed/triton/cublas/torch)")
     shape = labels.shape
-    h, w, lab = E.as_2d(hidden, weight, labels)
-    shard = E.vocab_shard(w, vocab_group)
+    h, w, lab = engine.as_2d(hidden, weight, labels)
+    shard = engine.vocab_shard(w, vocab_group)
     if backend == "auto":
         backend = auto_backend(h, w, reduction, logits_dtype, dw_accum, chunk_tokens)
     cfg = _Cfg(ignore_index, float(z_loss), float(label_smoothing), shard,
-               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb),
+               engine.check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb),
                logits_dtype, dw_accum)
     inv_temp = 1.0 / float(temperature)
     if cfg.backend == "fwdgrad":
@@ -196,12 +194,12 @@ def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype:
     """What backend="auto" runs: "fwdgrad" (three GEMM passes) on CUDA when a gradient is wanted,
     the upstream gradient is a scalar (sum/mean) and its buffers fit in half the free memory;
     otherwise the recompute path ("mixed" on CUDA, "torch" on CPU)."""
-    base = E.auto_backend(h)
+    base = engine.auto_backend(h)
     if base != "mixed" or reduction == "none" or not torch.is_grad_enabled():
         return base
     if not (h.requires_grad or w.requires_grad):
         return base
-    need = F.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, chunk_tokens,
+    need = fwdgrad.estimate_bytes(h.shape[0], h.shape[1], w.shape[0], logits_dtype, dw_accum, chunk_tokens,
                             h.element_size())
     free, _ = torch.cuda.mem_get_info(h.device)
     return "fwdgrad" if need < free // 2 else base
@@ -244,25 +242,24 @@ class LinearCrossEntropy:
             raise ValueError(f"loss.label_smoothing must be in [0, 1), got {opts.label_smoothing}")
         if opts.z_loss < 0:
             raise ValueError(f"loss.z_loss must be >= 0, got {opts.z_loss}")
-        if opts.backend not in E.BACKENDS:
-            raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
+        if opts.backend not in engine.BACKENDS:
+            raise ValueError(f"loss.backend must be one of {', '.join(engine.BACKENDS)}, got {opts.backend!r}")
         if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
         check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
 
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
-    if logits_dtype not in F.LOGITS_DTYPES:
-        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(F.LOGITS_DTYPES)}, got {logits_dtype!r}")
-    if dw_accum not in F.DW_ACCUM:
-        raise ValueError(f"{prefix}dw_accum must be one of {', '.join(F.DW_ACCUM)}, got {dw_accum!r}")
+    if logits_dtype not in fwdgrad.LOGITS_DTYPES:
+        raise ValueError(f"{prefix}logits_dtype must be one of {', '.join(fwdgrad.LOGITS_DTYPES)}, "
+                         f"got {logits_dtype!r}")
+    if dw_accum not in fwdgrad.DW_ACCUM:
+        raise ValueError(f"{prefix}dw_accum must be one of {', '.join(fwdgrad.DW_ACCUM)}, got {dw_accum!r}")
 
 
 def fused_loss_class():
-    """torchtitan loss class (built lazily: importing torchtitan has to wait for devices.install)."""
-    from components.losses import _head_loss
-
-    return _head_loss.subclass("FusedLinearCrossEntropyLoss", _linear_ce_head_loss, {
+    """torchtitan loss class (built on first use, then cached)."""
+    return head_loss.subclass("FusedLinearCrossEntropyLoss", _linear_ce_head_loss, {
         "z_loss": 0.0, "label_smoothing": 0.0, "global_vocab_size": None})
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from components.losses import _lm_head as E
+from components.labels import IGNORE_INDEX
+from components.losses.lm_head import engine
 
-IGNORE_INDEX = E.IGNORE_INDEX
 
 
 @dataclass
@@ -34,7 +34,7 @@ class _Cfg:
     ignore_index: int
     inv_temp: float
     with_entropy: bool
-    shard: E.Shard
+    shard: engine.Shard
     backend: str
     chunk_tokens: int
     chunk_vocab: int
@@ -44,7 +44,7 @@ class _Cfg:
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, cfg: _Cfg):
-        st = E.statistics(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index,
+        st = engine.statistics(h, w, labels, shard=cfg.shard, ignore_index=cfg.ignore_index,
                           inv_temp=cfg.inv_temp, need_sum=False, need_ps=cfg.with_entropy,
                           backend=cfg.backend, chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
                           workspace_mb=cfg.workspace_mb)
@@ -79,7 +79,7 @@ class _TokenLogprobs(torch.autograd.Function):
             a = a + g_ent * mean_s
             b = -g_ent
         d = torch.zeros_like(lse)
-        dh, dw = E.gradients(h, w, labels, lse, a, b, c, d, shard=cfg.shard, ignore_index=cfg.ignore_index,
+        dh, dw = engine.gradients(h, w, labels, lse, a, b, c, d, shard=cfg.shard, ignore_index=cfg.ignore_index,
                              inv_temp=cfg.inv_temp, need_dh=need_dh, need_dw=need_dw, backend=cfg.backend,
                              chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
                              workspace_mb=cfg.workspace_mb)
@@ -102,8 +102,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                          "backend='fwdgrad' (gradient in the forward) needs the objective itself: use "
                          "components.losses.fused_rl.fused_policy_loss, or backend='auto'")
     shape = labels.shape
-    h, w, lab = E.as_2d(hidden, weight, labels)
-    cfg = _Cfg(ignore_index, 1.0 / float(temperature), bool(with_entropy), E.vocab_shard(w, vocab_group),
-               E._check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb))
+    h, w, lab = engine.as_2d(hidden, weight, labels)
+    cfg = _Cfg(ignore_index, 1.0 / float(temperature), bool(with_entropy), engine.vocab_shard(w, vocab_group),
+               engine.check_backend(backend, h), int(chunk_tokens), int(chunk_vocab), float(workspace_mb))
     lp, ent = _TokenLogprobs.apply(h, w, lab, cfg)
     return lp.reshape(shape), (ent.reshape(shape) if with_entropy else None)

@@ -23,7 +23,12 @@ from typing import Optional
 
 import torch
 
+from components.labels import IGNORE_INDEX
 from components.losses import rl
+from components.losses.fused_rl import FUSABLE, fused_policy_loss
+from components.losses.linear_ce import auto_backend, check_fwdgrad_options
+from components.losses.lm_head import engine, head_loss
+from components.losses.logprob import token_logprobs
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
 
@@ -54,24 +59,19 @@ class _Policy:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        engine = (_HEAD_FIELDS - {"temperature", "entropy_coef"}) | {"name"}
-        cls.objective_keys = tuple(f.name for f in fields(cls.Options) if f.name not in engine)
+        head_fields = (_HEAD_FIELDS - {"temperature", "entropy_coef"}) | {"name"}
+        cls.objective_keys = tuple(f.name for f in fields(cls.Options) if f.name not in head_fields)
 
     @classmethod
     def trainer_loss(cls, opts, vocab_size: int):
-        from components.losses import _lm_head as E
-
         if opts.temperature <= 0:
             raise ValueError(f"loss.temperature must be > 0, got {opts.temperature}")
-        if opts.backend not in E.BACKENDS:
-            raise ValueError(f"loss.backend must be one of {', '.join(E.BACKENDS)}, got {opts.backend!r}")
+        if opts.backend not in engine.BACKENDS:
+            raise ValueError(f"loss.backend must be one of {', '.join(engine.BACKENDS)}, got {opts.backend!r}")
         if getattr(opts, "norm", "token") not in ("token", "sequence"):
             raise ValueError(f"loss.norm must be token or sequence, got {opts.norm!r}")
         if opts.entropy_coef < 0:
             raise ValueError(f"loss.entropy_coef must be >= 0, got {opts.entropy_coef}")
-        from components.losses.fused_rl import FUSABLE
-        from components.losses.linear_ce import check_fwdgrad_options
-
         check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
         if opts.backend == "fwdgrad" and cls.objective not in FUSABLE:
             raise ValueError(f"loss={cls.objective} cannot use loss.backend=fwdgrad: its sequence-level ratio needs "
@@ -151,8 +151,6 @@ class SFT(_Policy):
 
 def policy_loss(self, h, w, labels, global_valid_tokens):
     """Policy objective on fused token log-probs; normalised over the whole optimizer step."""
-    from components.losses.logprob import token_logprobs
-
     cfg = self.config
     batch = self.batch or {}
     hp = dict(cfg.hparams)
@@ -163,7 +161,7 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
                              backend=cfg.backend, chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab,
                              workspace_mb=cfg.workspace_mb)
     lp = lp.reshape(labels.shape)
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     zeros = torch.zeros_like(lp)
     old = batch.get("rl_old_logprobs", zeros).float()
     adv = batch.get("rl_advantages", zeros).float()
@@ -199,9 +197,6 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
 def _use_fused(cfg, h, w) -> bool:
     """backend fwdgrad, or auto where linear_ce's auto would pick it (CUDA, a gradient wanted, the
     buffers fit), for the objectives that fuse (not GSPO)."""
-    from components.losses.fused_rl import FUSABLE
-    from components.losses.linear_ce import auto_backend
-
     if cfg.objective not in FUSABLE:
         return False
     if cfg.backend == "fwdgrad":
@@ -212,7 +207,7 @@ def _use_fused(cfg, h, w) -> bool:
 
 
 def _batch_args(cfg, batch, labels, hp):
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     zeros = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     old = batch.get("rl_old_logprobs", zeros).float()
     adv = batch.get("rl_advantages", zeros).float()
@@ -226,8 +221,6 @@ def _batch_args(cfg, batch, labels, hp):
 
 def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
     """The same objective with the gradient computed in the forward (components/losses/fused_rl.py)."""
-    from components.losses.fused_rl import fused_policy_loss
-
     cfg = self.config
     mask, old, adv, ref = _batch_args(cfg, batch, labels, hp)
     kw = {"sequence_ids": batch.get("rl_sequence_ids")}
@@ -254,8 +247,6 @@ def set_batch(self, batch: dict, seq_group=None) -> None:
 
 
 def policy_loss_class():
-    from components.losses import _head_loss
-
-    return _head_loss.subclass("PolicyLoss", policy_loss, {
+    return head_loss.subclass("PolicyLoss", policy_loss, {
         "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0},
         {"batch": None, "seq_group": None, "metrics": {}, "metric_weight": None, "set_batch": set_batch})

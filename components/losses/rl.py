@@ -30,13 +30,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce
 
 
 def _mask(loss_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return loss_mask.to(like.dtype)
 
 
-def _adv(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def advantages_like(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages per token, in ``like``'s dtype and shape (a per-sequence [B] is broadcast)."""
     a = advantages.to(like.dtype)
     if a.dim() == like.dim() - 1:
         a = a.unsqueeze(-1)
@@ -60,8 +63,6 @@ def _segments(m: torch.Tensor, sequence_ids: torch.Tensor | None, group=None):
     sid = sequence_ids.reshape(rows, -1).long()
     width = int(sid.max().item()) + 1 if sid.numel() else 1
     if group is not None:
-        import torch.distributed as dist
-
         w = torch.tensor([width], device=m.device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX, group=group)
         width = int(w.item())
@@ -88,7 +89,9 @@ def _sequence_mean(x, m, sequence_ids, normalizer, seq_tokens=None):
     return (per_seq * has).sum() / torch.as_tensor(den, dtype=x.dtype).clamp_min(1)
 
 
-def _reduce(x, m, norm: str, sequence_ids, normalizer, seq_tokens=None):
+def reduce_tokens(x, m, norm: str, sequence_ids, normalizer, seq_tokens=None):
+    """Per-token values ``x`` (mask ``m``) -> the loss: a token mean (``norm="token"``) or a mean
+    over sequences of each sequence's token mean (``norm="sequence"``)."""
     if norm == "token":
         return _token_mean(x, m, normalizer)
     if norm == "sequence":
@@ -123,7 +126,7 @@ def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps
     """
     m = _mask(loss_mask, logprobs)
     hi = eps if eps_high is None else eps_high
-    a = _adv(advantages, logprobs)
+    a = advantages_like(advantages, logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
     surr = torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + hi) * a)
     per_tok = -surr
@@ -134,7 +137,7 @@ def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps
         kl = _kl_k3(logprobs, ref_logprobs)
         per_tok = per_tok + kl_coef * kl
         metrics["kl_mean"] = _token_mean(kl.detach(), m, None)
-    loss = _reduce(per_tok, m, norm, sequence_ids, normalizer, seq_tokens)
+    loss = reduce_tokens(per_tok, m, norm, sequence_ids, normalizer, seq_tokens)
     return loss, metrics
 
 
@@ -188,16 +191,13 @@ def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     """
     del ref_logprobs, seq_tokens
     m = _mask(loss_mask, logprobs)
-    a = _adv(advantages, logprobs)
+    a = advantages_like(advantages, logprobs)
     seg, n = _segments(m, sequence_ids, seq_group)
     local_tok = _segment_sum(m, seg, n)
     log_sum = _segment_sum((logprobs - old_logprobs) * m, seg, n)
     a_sum = _segment_sum(a.detach() * m, seg, n)
     tok = local_tok
     if seq_group is not None:
-        import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
-
         tok, a_sum = local_tok.clone(), a_sum.clone()
         dist.all_reduce(tok, group=seq_group)
         dist.all_reduce(a_sum, group=seq_group)
@@ -227,13 +227,13 @@ def cispo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, e
     """
     del ref_logprobs
     m = _mask(loss_mask, logprobs)
-    a = _adv(advantages, logprobs)
+    a = advantages_like(advantages, logprobs)
     ratio = torch.exp(logprobs - old_logprobs).detach()
     lo = 0.0 if eps_low is None else 1 - eps_low
     w = torch.clamp(ratio, min=lo, max=1 + eps_high)
     per_tok = -(w * a * logprobs)
     metrics = _clip_metrics(ratio, lo, 1 + eps_high, m)
-    return _reduce(per_tok, m, norm, sequence_ids, normalizer, seq_tokens), metrics
+    return reduce_tokens(per_tok, m, norm, sequence_ids, normalizer, seq_tokens), metrics
 
 
 def sft(logprobs, old_logprobs=None, advantages=None, loss_mask=None, ref_logprobs=None, *,
@@ -242,7 +242,7 @@ def sft(logprobs, old_logprobs=None, advantages=None, loss_mask=None, ref_logpro
     old_logprobs, advantages and ref_logprobs are ignored."""
     del old_logprobs, advantages, ref_logprobs
     m = torch.ones_like(logprobs) if loss_mask is None else _mask(loss_mask, logprobs)
-    return _reduce(-logprobs, m, norm, sequence_ids, normalizer, seq_tokens), {}
+    return reduce_tokens(-logprobs, m, norm, sequence_ids, normalizer, seq_tokens), {}
 
 
 OBJECTIVES: dict[str, Callable] = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "ppo": ppo, "sft": sft}

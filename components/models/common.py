@@ -4,11 +4,14 @@ and the facts (sizes, experts, heads) the planner and validator need."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import FlexAttention, GQAttention
-from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
 from framework import devices
@@ -132,3 +135,38 @@ def facts_from_config(family: str, flavor: str, config) -> ModelFacts:
         n_attention_layers=len(attns),
         max_seq_len=int(getattr(a.rope, "max_seq_len", 0) or 0) if getattr(a, "rope", None) is not None else 0,
     )
+
+
+class ExactGroupedExperts(GroupedExperts):
+    """torchtitan's GroupedExperts computing in the activations' dtype.
+
+    torchtitan casts expert GEMMs to bf16 always; with bf16 activations (mixed precision)
+    this is the same computation, with fp32 activations it stays fp32 (HF parity, CPU tests).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if x_RD.dtype == torch.bfloat16:
+            return super().forward(x_RD, num_tokens_per_expert_E)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1, w2, w3))
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        try:
+            h = F.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs)) \
+                * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        except (RuntimeError, NotImplementedError):  # no grouped GEMM for this dtype here: loop
+            outs = []
+            for e, xe in enumerate(x_RD.split(num_tokens_per_expert_E.tolist())):
+                outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+            return torch.cat(outs) if outs else x_RD.new_zeros(0, w2.shape[1])
+
+
+def replace_config(cfg, new_cls, **changes):
+    """Rebuild a torchtitan config dataclass as a subclass config (same fields, plus changes)."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+    values.update(changes)
+    return new_cls(**values)

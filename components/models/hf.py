@@ -18,15 +18,25 @@ read the safetensors headers only (no tensor data), so they run before any worke
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import re
 import struct
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
+from framework import registry
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -115,8 +125,6 @@ def check_family(c: dict, path, family: str) -> None:
     other = family_of(mt)
     if other == family:
         return
-    from framework import registry
-
     flavors = list(getattr(registry.resolve("model", other), "FLAVORS", {})) if other else []
     fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
            "defaults; the architecture comes from config.json)." if other else
@@ -233,8 +241,6 @@ def checkpoint_depth(index: dict) -> int:
 # --------------------------------------------------------------------------- checks
 
 def _meta_model(config):
-    import copy
-
     with torch.device("meta"):
         return copy.deepcopy(config).build()
 
@@ -313,9 +319,6 @@ def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
     Layers at or beyond the model's depth are skipped (``model.n_layers`` below the checkpoint's).
     ``canonical(key)`` renames a checkpoint key or drops it (None).
     """
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     index = {k: v[0] for k, v in weight_index(path).items()}
     params = {_clean(n): p for n, p in model.named_parameters()}
     n_layers = len(model.layers)
@@ -372,8 +375,6 @@ class CausalMasksByDefault:
 
     def forward(self, tokens, positions=None, attention_masks=None, **kwargs):
         if attention_masks is None and self.config.first_attention is not None:
-            from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-
             if isinstance(self.config.first_attention.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
                 B, L = tokens.shape[0], tokens.shape[1]
                 pos = positions if positions is not None else torch.arange(L, device=tokens.device).expand(B, L)
@@ -381,12 +382,33 @@ class CausalMasksByDefault:
         return super().forward(tokens, positions, attention_masks, **kwargs)
 
 
+def model_class(base: type, adapter_cls: type, name: str, module: str) -> type:
+    """torchtitan's decoder ``base`` for a family that reads HF folders: its Config gains
+    ``hf_checkpoint`` (a HF folder, loaded through ``adapter_cls`` after the random init, by
+    ``init_states``) and a call without masks attends causally (``CausalMasksByDefault``).
+    ``name`` / ``module``: where the class is bound (so its configs pickle by reference)."""
+
+    class HFModel(CausalMasksByDefault, base):
+        @dataclass(kw_only=True, slots=True)
+        class Config(base.Config):
+            hf_checkpoint: str | None = None
+
+        def init_states(self, *, buffer_device=None) -> None:
+            super().init_states(buffer_device=buffer_device)
+            if self.config.hf_checkpoint:
+                load_into(self, self.config.hf_checkpoint, adapter_cls(self.config, None))
+
+    HFModel.__name__ = HFModel.__qualname__ = name
+    HFModel.Config.__qualname__ = f"{name}.Config"
+    HFModel.__module__ = HFModel.Config.__module__ = module
+    HFModel.__doc__ = f"torchtitan's {base.__name__} that loads ``config.hf_checkpoint`` after its random init."
+    return HFModel
+
+
 # --------------------------------------------------------------------------- export
 
 def save(state_dict: dict, config, adapter_cls, hf_config: dict, out_path) -> Path:
     """A torchtitan state dict -> HF folder (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
     out = Path(out_path)
     out.mkdir(parents=True, exist_ok=True)
     hf = {k: v.detach().to("cpu").contiguous() for k, v in adapter_cls(config, None).to_hf(state_dict).items()}
@@ -407,9 +429,6 @@ def latest_step(run_dir) -> Path:
 
 def export_run(run_dir, out_path, family_mod) -> Path:
     """`apiary export RUN_DIR --hf OUT` for a torchtitan-adapter family: latest checkpoint -> HF folder."""
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
-
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
@@ -431,10 +450,6 @@ def export_run(run_dir, out_path, family_mod) -> Path:
 
 def warn_routing_bias(model, step_dir) -> bool:
     """HF MoE configs have no routing bias: say so when load balancing trained one (it is not exported)."""
-    import logging
-
-    import torch.distributed.checkpoint as dcp
-
     keys = {k: v.shape for k, v in model.state_dict().items() if k.endswith("expert_bias_E")}
     if not keys:
         return False

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 from torchtitan.models import llama3 as tt_llama3
-from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common
+from components.models import common, hf
 
 HF_MODEL_TYPES = ("llama",)  # config.json model_type values this family reads (model.hf_checkpoint)
 FLAVORS = tt_llama3.llama3_configs
@@ -20,8 +23,6 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
                  load_balance_coeff: float | None = 1e-3, hf_checkpoint: str | None = None):
     """The flavor's config, or with ``hf_checkpoint`` the folder's architecture (flavor: defaults only)."""
     if hf_checkpoint:
-        from components.models import hf
-
         a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
         config = build_config(a, attn_backend=attn_backend, hf_checkpoint=hf_checkpoint)
         hf.check_weights(hf_checkpoint, config, _self(), a.n_layers)
@@ -44,19 +45,12 @@ def facts(flavor: str, **kwargs) -> common.ModelFacts:
     config = model_config(flavor, **kwargs)
     f = common.facts_from_config("llama3", flavor, config)
     if kwargs.get("hf_checkpoint"):
-        from dataclasses import replace
-
-        from components.models import hf
-
         f = replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
                                           hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
     return f
 
 
 # --------------------------------------------------------------------------- HuggingFace folders
-
-from components.models.hf import CausalMasksByDefault as _Masks  # noqa: E402
-
 
 @dataclass(frozen=True)
 class Arch:
@@ -80,27 +74,11 @@ class Arch:
     tie_embeddings: bool = False
 
 
-class HFLlama3Model(_Masks, Llama3Model):
-    """torchtitan's Llama 3 model that loads ``config.hf_checkpoint`` after its random init."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Llama3Model.Config):
-        hf_checkpoint: str | None = None
-
-    def init_states(self, *, buffer_device=None) -> None:
-        super().init_states(buffer_device=buffer_device)
-        if self.config.hf_checkpoint:
-            from components.models import hf
-
-            hf.load_into(self, self.config.hf_checkpoint, STATE_DICT_ADAPTER(self.config, None))
-
-
 STATE_DICT_ADAPTER = Llama3StateDictAdapter
+HFLlama3Model = hf.model_class(Llama3Model, STATE_DICT_ADAPTER, "HFLlama3Model", __name__)
 
 
 def arch_from_hf(path) -> Arch:
-    from components.models import hf
-
     c = hf.read_config(path)
     hf.check_family(c, path, "llama3")
     dim, n, heads, vocab, ffn = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -129,10 +107,6 @@ def arch_from_hf(path) -> Arch:
 
 def build_config(a: Arch, *, attn_backend: str = "flex", hf_checkpoint: str | None = None) -> HFLlama3Model.Config:
     """Arch -> torchtitan Llama 3 config (separate q/k/v projections, the HF layout)."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
-    from torchtitan.models.llama3.model import Llama3TransformerBlock
-
     rope = ComplexRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta, scaling=a.rope_scaling,
                               scaling_factor=a.scaling_factor, low_freq_factor=a.low_freq_factor,
                               high_freq_factor=a.high_freq_factor,
@@ -161,8 +135,6 @@ def build_config(a: Arch, *, attn_backend: str = "flex", hf_checkpoint: str | No
 def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
     if not hf_checkpoint:
         return None
-    from components.models import hf
-
     return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
 
 
@@ -194,12 +166,8 @@ def hf_config(a: Arch) -> dict:
 
 def export_hf(run_dir: str, out_path: str):
     """`apiary export RUN_DIR --hf OUT` for this family."""
-    from components.models import hf
-
     return hf.export_run(run_dir, out_path, _self())
 
 
 def _self():
-    import sys
-
     return sys.modules[__name__]

@@ -7,16 +7,19 @@ CPU tests and the embedded default recipe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 from torchtitan.models import qwen3 as tt_qwen3
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common
+from components.models import common, hf
+from components.models.common import ExactGroupedExperts, replace_config
 
 
 def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard") -> Qwen3Model.Config:
@@ -54,8 +57,6 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
                  load_balance_coeff: float | None = 1e-3, hf_checkpoint: str | None = None):
     """The flavor's config, or with ``hf_checkpoint`` the folder's architecture (flavor: defaults only)."""
     if hf_checkpoint:
-        from components.models import hf
-
         a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
         config = build_config(a, attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
                               hf_checkpoint=hf_checkpoint)
@@ -83,25 +84,16 @@ def facts(flavor: str, **kwargs) -> common.ModelFacts:
     config = model_config(flavor, **kwargs)
     f = common.facts_from_config("qwen3", flavor, config)
     if kwargs.get("hf_checkpoint"):
-        from dataclasses import replace
-
-        from components.models import hf
-
         f = replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
                                           hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
     return f
 
 
 def _self():
-    import sys
-
     return sys.modules[__name__]
 
 
 # --------------------------------------------------------------------------- HuggingFace folders
-
-from components.models.hf import CausalMasksByDefault as _Masks  # noqa: E402
-
 
 @dataclass(frozen=True)
 class Arch:
@@ -124,27 +116,11 @@ class Arch:
     tie_embeddings: bool = False
 
 
-class HFQwen3Model(_Masks, Qwen3Model):
-    """torchtitan's Qwen3 model that loads ``config.hf_checkpoint`` after its random init."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Qwen3Model.Config):
-        hf_checkpoint: str | None = None
-
-    def init_states(self, *, buffer_device=None) -> None:
-        super().init_states(buffer_device=buffer_device)
-        if self.config.hf_checkpoint:
-            from components.models import hf
-
-            hf.load_into(self, self.config.hf_checkpoint, STATE_DICT_ADAPTER(self.config, None))
-
-
 STATE_DICT_ADAPTER = Qwen3StateDictAdapter
+HFQwen3Model = hf.model_class(Qwen3Model, STATE_DICT_ADAPTER, "HFQwen3Model", __name__)
 
 
 def arch_from_hf(path) -> Arch:
-    from components.models import hf
-
     c = hf.read_config(path)
     hf.check_family(c, path, "qwen3")
     dim, n, heads, vocab = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -175,10 +151,6 @@ def arch_from_hf(path) -> Arch:
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
                  hf_checkpoint: str | None = None) -> HFQwen3Model.Config:
     """Arch -> torchtitan Qwen3 config (separate q/k/v projections, the HF layout)."""
-    from torchtitan.models.common.moe import MoE
-
-    from components.models.qwen3_5_model import ExactGroupedExperts, replace_config
-
     rope = CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta)
     shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                   attn_backend=attn_backend, rope=rope, fuse_qkv=False)
@@ -207,8 +179,6 @@ def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) 
     """The architecture of an HF folder with the user's explicit overrides (None without one)."""
     if not hf_checkpoint:
         return None
-    from components.models import hf
-
     return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
 
 
@@ -229,15 +199,11 @@ def hf_config(a: Arch) -> dict:
 
 def export_hf(run_dir: str, out_path: str):
     """`apiary export RUN_DIR --hf OUT` for this family."""
-    from components.models import hf
-
     return hf.export_run(run_dir, out_path, _self())
 
 
 def arch_from_config(config) -> Arch:
     """The Arch of a torchtitan Qwen3 config (a flavor's or an HF folder's), for export."""
-    from torchtitan.models.common.moe import MoE
-
     attn = config.layers[0].attention
     moes = [m for _, m, _, _ in config.traverse(MoE.Config)]
     ff = config.layers[0].feed_forward

@@ -14,81 +14,29 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torchtitan.models import qwen3_5 as tt
 from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
+from torchtitan.models.qwen3_5.rope import MRoPE
+from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common
-from components.models.common import ModelFacts
+from components.models import common, hf
+from components.models.common import ExactGroupedExperts, ModelFacts, replace_config
+from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
+# the family's names (FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS are read through this module)
+from components.models.qwen3_5_arch import FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS, Arch  # noqa: F401
+from components.models.qwen3_5_hf import TextStateDictAdapter, arch_from_hf_config, canonical_key, save_hf
+from components.models.qwen3_5_model import Qwen35TextModel, TextBlock, parallelize_qwen35_text
+from framework import devices
+from framework.errors import UserError
 
-UNAVAILABLE = None  # trains on CPU and CUDA
-
-
-@dataclass(frozen=True)
-class Arch:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    linear_key_heads: int
-    linear_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    vocab_size: int
-    num_experts: int = 0  # 0: dense SwiGLU of ffn_hidden_dim in every layer
-    top_k: int = 0
-    moe_hidden_dim: int = 0
-    shared_expert_hidden_dim: int = 0
-    ffn_hidden_dim: int = 0
-    full_attention_interval: int = 4  # every Nth layer is full attention, the rest GatedDeltaNet
-    conv_kernel: int = 4
-    rope_theta: float = 10_000_000.0
-    mrope_section: tuple = (11, 11, 10)
-    max_seq_len: int = 262144
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-
-    @property
-    def linear_head_dim(self) -> int:  # older callers; key and value head dims are equal in Qwen3.5
-        return self.linear_key_head_dim
-
-
-_BIG = dict(head_dim=256, rotary_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248_320)
-HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")  # config.json model_type values this family reads (model.hf_checkpoint)
-FLAVORS = {
-    # MoE (torchtitan qwen3_5 config_registry: _35b_a3b, _122b_a10b, _397b_a17b)
-    "35B-A3B": Arch(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, linear_key_heads=16, linear_value_heads=32,
-                    num_experts=256, top_k=8, moe_hidden_dim=512, shared_expert_hidden_dim=512, **_BIG),
-    "122B-A10B": Arch(dim=3072, n_layers=48, n_heads=32, n_kv_heads=2, linear_key_heads=16, linear_value_heads=64,
-                      num_experts=256, top_k=8, moe_hidden_dim=1024, shared_expert_hidden_dim=1024, **_BIG),
-    "397B-A17B": Arch(dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, linear_key_heads=16, linear_value_heads=64,
-                      num_experts=512, top_k=10, moe_hidden_dim=1024, shared_expert_hidden_dim=1024, **_BIG),
-    # dense (torchtitan: _27b, _9b, _4b, _2b, _0_8b; the small three tie embeddings on the hub,
-    # torchtitan keeps a separate lm_head and so do we)
-    "27B": Arch(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, linear_key_heads=16, linear_value_heads=48,
-                ffn_hidden_dim=17408, **_BIG),
-    "9B": Arch(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, linear_key_heads=16, linear_value_heads=32,
-               ffn_hidden_dim=12288, **_BIG),
-    "4B": Arch(dim=2560, n_layers=32, n_heads=16, n_kv_heads=4, linear_key_heads=16, linear_value_heads=32,
-               ffn_hidden_dim=9216, **_BIG),
-    "2B": Arch(dim=2048, n_layers=24, n_heads=8, n_kv_heads=2, linear_key_heads=16, linear_value_heads=16,
-               ffn_hidden_dim=6144, **_BIG),
-    "0.8B": Arch(dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, linear_key_heads=16, linear_value_heads=16,
-                 ffn_hidden_dim=3584, **_BIG),
-    # CPU-sized, same layer kinds (3 GatedDeltaNet : 1 attention), byte vocabulary
-    "debug_moe": Arch(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=4,
-                      linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                      num_experts=8, top_k=2, moe_hidden_dim=32, shared_expert_hidden_dim=32, vocab_size=320,
-                      mrope_section=(1, 1, 0), max_seq_len=4096),
-    "debug_dense": Arch(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=4,
-                        linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                        ffn_hidden_dim=128, vocab_size=320, mrope_section=(1, 1, 0), max_seq_len=4096),
-}
-# Flavor names in torchtitan's registry that share our numbers (checked by the tests).
-TORCHTITAN_FLAVORS = ("35B-A3B", "122B-A10B", "397B-A17B", "27B", "9B", "4B", "2B", "0.8B")
+STATE_DICT_ADAPTER = TextStateDictAdapter
 
 
 def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,
@@ -97,9 +45,6 @@ def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None 
     config.json is the architecture (the flavor supplies nothing) and the user's explicit
     ``n_layers`` (fewer: the first layers) / ``vocab_size`` (equal) are checked against it."""
     if hf_checkpoint:
-        from components.models import hf
-        from components.models.qwen3_5_hf import arch_from_hf_config
-
         return hf.apply_overrides(arch_from_hf_config(hf_checkpoint), hf_checkpoint, n_layers=n_layers,
                                   vocab_size=vocab_size)
     a = FLAVORS[flavor]
@@ -110,13 +55,6 @@ def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None 
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
                  linear_backend: str = "torch", hf_checkpoint: str | None = None):
     """Arch -> Qwen35TextModel.Config from torchtitan's Qwen3.5 layer builders."""
-    from torchtitan.models import qwen3_5 as tt
-    from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
-    from torchtitan.models.qwen3_5.rope import MRoPE
-
-    from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
-    from components.models.qwen3_5_model import ExactGroupedExperts, Qwen35TextModel, TextBlock, replace_config
-
     rope = MRoPE.Config(dim=a.rotary_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta,
                         mrope_section=list(a.mrope_section))
     shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
@@ -159,15 +97,11 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
                  n_layers: int | None = None, vocab_size: int | None = None,
                  load_balance_coeff: float | None = 1e-3, linear_backend: str | None = None,
                  hf_checkpoint: str | None = None):
-    from framework import devices
-
     a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
     config = build_config(a, attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
                           linear_backend=linear_backend or devices.linear_attention_backend(),
                           hf_checkpoint=hf_checkpoint)
     if hf_checkpoint:
-        from components.models import hf
-
         hf.check_weights(hf_checkpoint, config, sys.modules[__name__], a.n_layers)
     config = common.set_load_balance(config, load_balance_coeff)
     return common.use_device_attention(config)
@@ -175,8 +109,6 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
 
 def hf_key_shapes(key: str, shape: tuple) -> list[tuple[str, tuple]]:
     """A checkpoint key -> its canonical text-only keys and shapes (see hf.check_weights)."""
-    from components.models.qwen3_5_hf import canonical_key
-
     ck = canonical_key(key)
     if ck is None:
         return []
@@ -190,21 +122,7 @@ def hf_key_shapes(key: str, shape: tuple) -> list[tuple[str, tuple]]:
     return [(ck, shape)]
 
 
-def __getattr__(name):  # the adapter's import pulls torchtitan's Qwen3.5 package: only when asked
-    if name == "STATE_DICT_ADAPTER":
-        from components.models.qwen3_5_hf import TextStateDictAdapter
-
-        return TextStateDictAdapter
-    raise AttributeError(name)
-
-
 def model_spec(flavor: str, **kwargs):
-    from torchtitan.components.optimizer import register_moe_load_balancing_hook
-    from torchtitan.protocols.model_spec import ModelSpec
-
-    from components.models.qwen3_5_hf import TextStateDictAdapter
-    from components.models.qwen3_5_model import parallelize_qwen35_text
-
     spec = ModelSpec(name="qwen3_5", flavor=flavor, model=model_config(flavor, **kwargs),
                      parallelize_fn=parallelize_qwen35_text, pipelining_fn=None,
                      post_optimizer_build_fn=register_moe_load_balancing_hook,
@@ -235,8 +153,6 @@ def analytic_counts(a: Arch) -> tuple[int, int]:
 def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,
           hf_checkpoint: str | None = None, **kwargs) -> ModelFacts:
     """Sizes counted on the meta device from the model itself."""
-    from components.models.qwen3_5_model import Qwen35TextModel
-
     a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
     config = build_config(a)
     with torch.device("meta"):
@@ -266,8 +182,6 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
 def _source(a: Arch, hf_checkpoint: str | None) -> str:
     if not hf_checkpoint:
         return ""
-    from components.models import hf
-
     return hf.describe(a, hf_checkpoint, hf.checkpoint_depth(hf.weight_index(hf_checkpoint)))
 
 
@@ -278,8 +192,6 @@ def check_layout(cfg, layout) -> None:
     and GatedDeltaNet passes its state along the chain of contiguous parts, so the balancer
     must keep contiguous parts: "headtail" (two per rank, fla's zigzag) or "none".
     """
-    from framework.errors import UserError
-
     if layout.tp > 1:
         raise UserError(f"parallel.tp={layout.tp}", "apiary's text-only Qwen3.5 runs without tensor parallelism.",
                         "Use parallel.tp=1 (the table's default); shard with FSDP2, EP and CP.")
@@ -304,13 +216,23 @@ def check_layout(cfg, layout) -> None:
                         f"{layout.cp * 128}.", f"Try training.seq_len={(seq // (layout.cp * 128) + 1) * layout.cp * 128}.")
 
 
-def export_hf(run_dir: str, out_path: str):
-    """`apiary export RUN_DIR --hf OUT` for this family (see qwen3_5_hf.export_hf)."""
-    from components.models.qwen3_5_hf import export_hf as _export
-
-    return _export(run_dir, out_path)
-
-
-def unavailable() -> str | None:
-    """Why this family cannot train (None: it can)."""
-    return UNAVAILABLE
+def export_hf(run_dir: str, out_path: str) -> Path:
+    """`apiary export RUN_DIR --hf OUT`: the run's latest checkpoint -> a HF text-only folder."""
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
+                        "Point it at runs/RECIPE/TIMESTAMP.")
+    cfg = OmegaConf.load(run / "config.yaml")
+    if cfg.model.family != "qwen3_5":
+        raise UserError(f"apiary export {run_dir}", f"model.family={cfg.model.family}: this exporter writes Qwen3.5.")
+    step_dir = hf.latest_step(run)
+    a = arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
+                hf_checkpoint=cfg.model.get("hf_checkpoint"))
+    config = build_config(a)
+    with torch.device("meta"):
+        model = Qwen35TextModel(config)
+    # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
+    sd = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    hf.warn_routing_bias(model, step_dir)
+    return save_hf(sd, a, out_path, config)

@@ -4,9 +4,9 @@
   or the ``text_config`` of a multimodal one (``qwen3_5_moe`` / ``qwen3_5``) -> ``Arch``.
 * ``load_hf(model, path)``: safetensors -> model parameters (plain, FSDP- or EP-sharded
   DTensors), one layer at a time, through ``TextStateDictAdapter``.
-* ``export_hf(run_dir, out_path)``: the latest DCP checkpoint of a run -> a HF text-only
-  folder (config.json + model.safetensors) that ``Qwen3_5MoeForCausalLM`` /
-  ``Qwen3_5ForCausalLM`` and ``load_hf`` read.
+* ``save_hf(state_dict, arch, out_path, model_config)``: a torchtitan state dict -> a HF
+  text-only folder (config.json + model.safetensors) that ``Qwen3_5MoeForCausalLM`` /
+  ``Qwen3_5ForCausalLM`` and ``load_hf`` read (``apiary export`` is qwen3_5.export_hf).
 
 Key formats read: text-only ``model.layers.*`` and multimodal ``model.language_model.layers.*``
 (vision ``model.visual.*`` and ``mtp.*`` are skipped); routed experts either per expert
@@ -23,8 +23,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
+from components.models import hf
+from components.models.qwen3_5_arch import Arch
 from framework.errors import UserError
 
 _MM = "model.language_model."
@@ -35,10 +38,6 @@ _EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|u
 
 def arch_from_hf_config(config):
     """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
-    from components.models.qwen3_5 import Arch
-
-    from components.models import hf
-
     c = hf.read_config(config)
     hf.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5")
     hf.need(c, config, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -137,17 +136,17 @@ class TextStateDictAdapter(Qwen35StateDictAdapter):
 
     def to_hf(self, state_dict: dict) -> dict:
         dense = {k: v for k, v in state_dict.items() if ".routed_experts." not in k}
-        hf = {}
+        out_sd = {}
         for k, v in super().to_hf(dense).items():
-            hf["model." + k[len(_MM):] if k.startswith(_MM) else k] = v
+            out_sd["model." + k[len(_MM):] if k.startswith(_MM) else k] = v
         for k, v in state_dict.items():
             m = re.match(r"^layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$", k)
             if not m:
                 continue
             w = {"w1_EFD": "gate_proj", "w3_EFD": "up_proj", "w2_EDF": "down_proj"}[m[2]]
             for e in range(v.shape[0]):
-                hf[f"model.layers.{m[1]}.mlp.experts.{e}.{w}.weight"] = v[e]
-        return hf
+                out_sd[f"model.layers.{m[1]}.mlp.experts.{e}.{w}.weight"] = v[e]
+        return out_sd
 
 
 def canonical_key(key: str) -> str | None:
@@ -168,8 +167,6 @@ def _layer_of(key: str) -> int:
 @torch.no_grad()
 def load_hf(model: torch.nn.Module, path: str) -> None:
     """Copy a HF checkpoint's text weights into ``model`` (any sharding), one layer at a time."""
-    from components.models import hf
-
     hf.load_into(model, path, TextStateDictAdapter(model.config, None), canonical=canonical_key)
 
 
@@ -177,48 +174,10 @@ def load_hf(model: torch.nn.Module, path: str) -> None:
 
 def save_hf(state_dict: dict, arch, out_path: str, model_config) -> Path:
     """A torchtitan state dict of this family -> HF text-only folder."""
-    from safetensors.torch import save_file
-
     out = Path(out_path)
     out.mkdir(parents=True, exist_ok=True)
     adapter = TextStateDictAdapter(model_config, None)
-    hf = {k: v.detach().to("cpu").contiguous() for k, v in adapter.to_hf(state_dict).items()}
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    out_sd = {k: v.detach().to("cpu").contiguous() for k, v in adapter.to_hf(state_dict).items()}
+    save_file(out_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_text_config(arch), indent=2))
     return out
-
-
-def export_hf(run_dir: str, out_path: str) -> Path:
-    """`apiary export RUN_DIR --hf OUT`: the run's latest checkpoint -> a HF text-only folder."""
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
-
-    from components.models import qwen3_5
-
-    run = Path(run_dir)
-    if not (run / "config.yaml").is_file():
-        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
-                        "Point it at runs/RECIPE/TIMESTAMP.")
-    cfg = OmegaConf.load(run / "config.yaml")
-    if cfg.model.family != "qwen3_5":
-        raise UserError(f"apiary export {run_dir}", f"model.family={cfg.model.family}: this exporter writes Qwen3.5.")
-    steps = sorted((int(p.name.split("-")[1]), p) for p in (run / "checkpoint").glob("step-*")
-                   if (p / ".metadata").is_file() and p.name.split("-")[1].isdigit())
-    if not steps:
-        raise UserError(f"apiary export {run_dir}", "holds no complete checkpoint (checkpoint/step-N/.metadata).",
-                        "Train with checkpoint.enable=true first.")
-    step_dir = steps[-1][1]
-    a = qwen3_5.arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
-                        hf_checkpoint=cfg.model.get("hf_checkpoint"))
-    config = qwen3_5.build_config(a)
-    from components.models.qwen3_5_model import Qwen35TextModel
-
-    with torch.device("meta"):
-        model = Qwen35TextModel(config)
-    # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
-    sd = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
-    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
-    from components.models.hf import warn_routing_bias
-
-    warn_routing_bias(model, step_dir)
-    return save_hf(sd, a, out_path, config)

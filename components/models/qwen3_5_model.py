@@ -11,52 +11,26 @@ torchtitan's CP (K/V all-gather), GatedDeltaNet layers through chained state pas
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-from torchtitan.models.common.attention import create_varlen_metadata_for_document
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention, create_varlen_metadata_for_document
 from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe_sharding import set_moe_sharding_config
 from torchtitan.models.qwen3_5.model import Qwen35Model, Qwen35TransformerBlock
+from torchtitan.models.qwen3_5.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
+from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from components.models.gated_deltanet import CPInfo, GDNContext
+from components.models.qwen3_5_hf import load_hf
+from framework import devices
 
 LOAD_BALANCERS = {None: "contiguous", "none": "contiguous", "headtail": "zigzag"}  # -> GDN layout
-
-
-class ExactGroupedExperts(GroupedExperts):
-    """torchtitan's GroupedExperts computing in the activations' dtype.
-
-    torchtitan casts expert GEMMs to bf16 always; with bf16 activations (mixed precision)
-    this is the same computation, with fp32 activations it stays fp32 (HF parity, CPU tests).
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
-        pass
-
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if x_RD.dtype == torch.bfloat16:
-            return super().forward(x_RD, num_tokens_per_expert_E)
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1, w2, w3))
-        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        try:
-            h = F.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs)) \
-                * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        except (RuntimeError, NotImplementedError):  # no grouped GEMM for this dtype here: loop
-            outs = []
-            for e, xe in enumerate(x_RD.split(num_tokens_per_expert_E.tolist())):
-                outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
-            return torch.cat(outs) if outs else x_RD.new_zeros(0, w2.shape[1])
 
 
 class TextBlock(Qwen35TransformerBlock):
@@ -103,8 +77,6 @@ class Qwen35TextModel(Decoder):
 
         def get_nparams_and_flops(self, model, seq_len: int):
             if self.first_attention is None:
-                from torchtitan.models.utils import get_moe_model_nparams_and_flops
-
                 return get_moe_model_nparams_and_flops(self, model, 1, 0, seq_len)
             return Qwen35Model.Config.get_nparams_and_flops(self, model, seq_len)
 
@@ -119,8 +91,6 @@ class Qwen35TextModel(Decoder):
     def init_states(self, *, buffer_device=None) -> None:
         super().init_states(buffer_device=buffer_device)
         if self.config.hf_checkpoint:
-            from components.models.qwen3_5_hf import load_hf
-
             load_hf(self, self.config.hf_checkpoint)
 
     def gdn_context(self, positions: torch.Tensor | None, batch: int, seq: int, device) -> GDNContext:
@@ -146,7 +116,7 @@ class Qwen35TextModel(Decoder):
 
     def _fla_cp_contexts(self, positions: torch.Tensor) -> list:
         """fla's CP metadata per batch row, from the global document starts (one small all-gather)."""
-        from fla.ops.cp import build_cp_context
+        from fla.ops.cp import build_cp_context  # optional dependency: fla (CUDA kernels)
 
         cp = self._cp
         gathered = torch.empty(cp.world, *positions.shape, dtype=positions.dtype, device=positions.device)
@@ -167,8 +137,6 @@ class Qwen35TextModel(Decoder):
         return out
 
     def _needs_masks(self) -> bool:
-        from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-
         attn = self.config.first_attention
         return attn is not None and isinstance(attn.inner_attention, (FlexAttention.Config, VarlenAttention.Config))
 
@@ -202,9 +170,6 @@ def set_text_sharding(config, *, enable_ep: bool) -> None:
     apply_cp_to_forward and GDNContext, not by spmd local_maps (which would all-gather K/V a
     second time).
     """
-    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
-    from torchtitan.models.qwen3_5.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT
-
     for layer in config.layers:
         if layer.moe is not None:
             set_moe_sharding_config(layer.moe, enable_ep=enable_ep, enable_sp=False,
@@ -221,8 +186,6 @@ def _partial_dtensor_dims(parallel_dims):
     """
     if parallel_dims.spmd_backend == "partial_dtensor":
         return parallel_dims
-    from torchtitan.distributed import ParallelDims
-
     dims = ParallelDims(dp_replicate=parallel_dims.dp_replicate, dp_shard=parallel_dims.dp_shard,
                         cp=parallel_dims.cp, tp=parallel_dims.tp, pp=parallel_dims.pp, ep=parallel_dims.ep,
                         world_size=parallel_dims.world_size, spmd_backend="partial_dtensor")
@@ -233,8 +196,6 @@ def _partial_dtensor_dims(parallel_dims):
 def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, parallelism, compile_config,
                             ac_config, dump_folder: str, skip_dp: bool = False):
     """EP (torchtitan's MoE sharding), CP for both layer kinds, activation checkpointing, FSDP2."""
-    from framework import devices
-
     dims = _partial_dtensor_dims(parallel_dims)
     if dims.cp_enabled:
         balancer = parallelism.context_parallel_load_balancer
@@ -244,6 +205,7 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
         devices.prepare_context_parallel()
         # torch shards the BlockMask with its default (head-tail) balancer when torchtitan passes
         # none; keep masks and tokens in the same order.
+        # device-shim ordering: after prepare_context_parallel
         from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
         _cp_options.enable_load_balance = balancer == "headtail"
@@ -251,6 +213,7 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
                                           rank=mesh.get_local_rank(), layout=LOAD_BALANCERS[balancer]))
         attns = [b.attn.inner_attention for b in model.layers.values() if b.full_attn]
         if attns:
+            # device-shim ordering: after prepare_context_parallel
             from torchtitan.distributed.context_parallel import apply_cp_to_forward
 
             apply_cp_to_forward(attns, mesh)
@@ -276,14 +239,3 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
         ep_degree=dims.ep, edp_mesh=edp_mesh,
     )
     return model
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def replace_config(cfg, new_cls, **changes):
-    """Rebuild a torchtitan config dataclass as a subclass config (same fields, plus changes)."""
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
-    values.update(changes)
-    return new_cls(**values)

@@ -75,7 +75,7 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
-from components.moe.chunk import auto_num_chunks
+from components.moe.auto_chunks import auto_num_chunks
 
 # torchtitan's GroupedExperts runs its grouped GEMMs in bf16 whatever the activation dtype.
 GEMM_DTYPE = torch.bfloat16
@@ -305,7 +305,7 @@ class ChunkedRoutedExperts(RoutedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        num_chunks: int | None = 2  # None: pick per forward with components.moe.chunk.auto_num_chunks
+        num_chunks: int | None = 2  # None: pick per forward with components.moe.auto_chunks.auto_num_chunks
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -358,7 +358,7 @@ class ChunkedRoutedExperts(RoutedExperts):
 
 def _refuse_spmd_typechecking() -> None:
     try:
-        import spmd_types as spmd
+        import spmd_types as spmd  # optional dependency: spmd_types
     except ImportError:
         return
     if spmd.is_type_checking():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from framework.errors import UserError
+
 
 class AllToAll:
     """torch all_to_all_single with a host sync on the split sizes (torchtitan 'standard')."""
@@ -24,10 +26,8 @@ class DeepEP:
 
     @staticmethod
     def check() -> None:
-        from framework.errors import UserError
-
         try:
-            import deep_ep
+            import deep_ep  # optional dependency: DeepEP (CUDA, built from source)
         except ImportError:
             raise UserError("moe.comm=deepep", "the deep_ep package is not installed.",
                             "Build DeepEP >= 2 from source (docs/install.md), or use moe.comm=alltoall.") from None

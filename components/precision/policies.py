@@ -19,14 +19,28 @@ What stays bf16 under fp8, and why:
   weights (no FP8 kernels on this path); linears with a dimension not divisible by 16
   (FP8 tensor-core alignment), e.g. GatedDeltaNet's a/b projections.
 
-This module imports neither torchao nor TransformerEngine at import time: they are imported
-only when ``precision=fp8`` asks for them.
+This module imports neither torchao nor TransformerEngine at import time (optional dependencies):
+they are imported only when ``precision=fp8`` asks for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torchtitan.components.checkpointer import base
+from torchtitan.components.quantization.utils import swap_token_dispatcher
+from torchtitan.config import CompileConfig
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts
+
+# keep_bf16 stays readable here (the policy's public name)
+from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
+from framework import devices
+from framework.errors import UserError
 
 BACKENDS = ("torchao", "te")
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -40,23 +54,12 @@ BACKEND_SCALINGS = {
 # row-wise / block-wise scaled GEMMs and FP8 grouped GEMMs need Hopper (9.0); MX block
 # scales (1x32, e8m0) are a Blackwell (10.0) tensor-core feature.
 MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0), "blockwise": (9, 0), "mxfp8": (10, 0)}
-EXPERT_MIN_CAPABILITY = (9, 0)
-PAD_MULTIPLE = 16  # FP8 GEMM alignment: 16 bytes = 16 e4m3 elements
 # One FP8 layer against fp32, norm-wise relative error of the output and of each gradient.
 # e4m3 keeps 3 mantissa bits (relative spacing 2^-4..2^-3), e5m2 gradients 2 (2^-3..2^-2):
 # the rounding's rms is ~2.5% (e4m3) and ~5% (e5m2) of each element, and a GEMM's sum does not
 # shrink a relative error that every product shares, so a weight gradient (e5m2 x e4m3) sits
 # near 6%. tests/gpu/test_fp8_gpu.py holds every backend's layer to this.
 FP8_LAYER_TOL = 0.1
-
-
-def keep_bf16(fqn: str) -> bool:
-    """Linears that stay bf16 under fp8 (see the module docstring)."""
-    return fqn == "lm_head" or fqn.endswith(("router.gate", "shared_experts.gate"))
-
-
-def fp8_linear(fqn: str, in_features: int, out_features: int) -> bool:
-    return not keep_bf16(fqn) and in_features % PAD_MULTIPLE == 0 and out_features % PAD_MULTIPLE == 0
 
 
 class BF16:
@@ -86,8 +89,6 @@ class BF16:
 
 def _apply_compile(opts, tt_config) -> None:
     if opts.compile:
-        from torchtitan.config import CompileConfig
-
         tt_config.compile = CompileConfig(enable=True, components=["model"])
 
 
@@ -158,8 +159,6 @@ class FP8:
     @staticmethod
     def check_runtime(opts, cfg=None) -> None:
         """UserError when this machine cannot train in FP8 (resolve calls it before launch)."""
-        from framework.errors import UserError
-
         if opts.compile:  # measured on one H200, 2026-11-24 (docs/skills/fp8.md): grad norm NaN at step 1
             raise UserError("precision=fp8 precision.compile=true", "torchao FP8 under torchtitan's per-block "
                             "compile gave a NaN gradient norm at step 1 on an H200 (Qwen3-30B-A3B, 4 layers, 16K; "
@@ -185,7 +184,7 @@ class FP8:
             if why:
                 raise RuntimeError(f"precision=fp8: {why}")
         if opts.backend == "te":
-            from components.precision import te
+            from components.precision import te  # optional dependency: transformer_engine
 
             return te.convert_linears(model_config, opts.scaling)
         if opts.scaling == "mxfp8":
@@ -207,7 +206,7 @@ class FP8:
             def post_optimizer_build(optimizers, model_parts, parallel_dims):
                 if previous is not None:
                     previous(optimizers, model_parts, parallel_dims)
-                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # optional dependency: torchao
 
                 def hook(*_args, **_kwargs):
                     for m in model_parts:
@@ -221,8 +220,6 @@ class FP8:
 def _storage_owner(t):
     """The plain tensor holding ``t``'s data: through DTensor and torchao's wrapper subclasses
     (WeightWithDynamicFloat8CastTensor, the FP8 experts' weight wrapper)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     while is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         t = getattr(t, attrs[0])
@@ -236,8 +233,6 @@ def _shares_storage(a, b) -> bool:
 def plain_tensor(v):
     """``v`` with torchao's wrapper subclass taken off (DTensors keep their mesh and placements),
     sharing its storage: what a checkpoint stores and loads into."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(v, DTensor):
         inner = _storage_owner(v._local_tensor)
         if inner is v._local_tensor:
@@ -255,8 +250,6 @@ def patch_checkpoint_storage_check() -> None:
     save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
     tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
     the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back."""
-    from torchtitan.components.checkpointer import base
-
     if getattr(base.ModelWrapper, "_apiary_plain", False):
         return
 
@@ -270,15 +263,11 @@ def patch_checkpoint_storage_check() -> None:
 
 def device_problem(scaling: str) -> str | None:
     """Why this machine's GPU cannot run ``scaling`` FP8 GEMMs, or None."""
-    from framework import devices
-
     need = MIN_CAPABILITY[scaling]
     if not devices.has_accelerator():
         return ("FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability >= "
                 f"{need[0]}.{need[1]} for {scaling} scaling: Ada, Hopper H100/H200, Blackwell); this "
                 "machine has no CUDA device.")
-    import torch
-
     cc = torch.cuda.get_device_capability(0)
     if tuple(cc) < need:
         name = torch.cuda.get_device_name(0)
@@ -292,13 +281,13 @@ def backend_problem(backend: str) -> tuple[str, str] | None:
     """(reason, fix) when ``backend`` is not importable, else None."""
     if backend == "torchao":
         try:
-            import torchao.float8  # noqa: F401
+            import torchao.float8  # noqa: F401  (optional dependency)
         except ImportError as e:
             return (f"torchao is not importable ({e}).",
                     "Install it: pip install torchao==0.18.0 (docs/install.md), or use precision=bf16.")
         return None
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401  (optional dependency)
     except Exception as e:  # ImportError, or OSError from a core library built for another CUDA/torch
         return (f"TransformerEngine's PyTorch extension is not importable ({type(e).__name__}: {e}).",
                 "Build and install the transformer-engine-torch wheel against this torch with "
@@ -308,66 +297,49 @@ def backend_problem(backend: str) -> tuple[str, str] | None:
 
 # ---------------------------------------------------------------------- torchao
 def torchao_linear_config(scaling: str, fp8_all_gather: bool, emulate: bool = False):
-    from torchao.float8 import Float8LinearConfig
+    from torchao.float8 import Float8LinearConfig  # optional dependency: torchao
 
     c = Float8LinearConfig.from_recipe_name(scaling)
     return dataclasses.replace(c, enable_fsdp_float8_all_gather=fp8_all_gather, emulate=emulate)
 
 
-def _swap(model_config, parent, attr, new):
-    if parent is None:
-        return new
-    if isinstance(parent, list):
-        parent[attr] = new
-    else:
-        setattr(parent, attr, new)
-    return model_config
-
-
 def _torchao_linears(model_config, opts, emulate: bool):
-    from torchtitan.models.common.linear import Linear
-
-    from components.precision.torchao_linear import ApiaryFloat8Linear
+    from components.precision.torchao_linear import ApiaryFloat8Linear  # optional dependency: torchao
 
     ao = torchao_linear_config(opts.scaling, FP8.fp8_all_gather(opts), emulate)
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
         if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
             new = ApiaryFloat8Linear.Config(in_features=lc.in_features, out_features=lc.out_features,
                                             bias=lc.bias, param_init=lc.param_init, _torchao_config=ao)
-            model_config = _swap(model_config, parent, attr, new)
+            model_config = swap_config(model_config, parent, attr, new)
     return model_config
 
 
 def _torchao_experts(model_config):
+    # optional dependency: imports torchao when installed
     from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
-    from torchtitan.components.quantization.utils import swap_token_dispatcher
-    from torchtitan.models.common.moe import GroupedExperts
-
     for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         swap_token_dispatcher(parent, PAD_MULTIPLE)
         cls = _get_float8_grouped_experts_cls(type(ec)._owner)
         new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
-        model_config = _swap(model_config, parent, attr, new)
+        model_config = swap_config(model_config, parent, attr, new)
     return model_config
 
 
 def _torchao_mxfp8(model_config, experts: bool):
+    # optional dependency: imports torchao when installed
     from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
-    from torchtitan.components.quantization.utils import swap_token_dispatcher
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts
-
     if MXFP8Linear is None:
         raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
         if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
             new = MXFP8Linear.Config(in_features=lc.in_features, out_features=lc.out_features, bias=lc.bias,
                                      param_init=lc.param_init)
-            model_config = _swap(model_config, parent, attr, new)
+            model_config = swap_config(model_config, parent, attr, new)
     if experts:
         for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
             swap_token_dispatcher(parent, 32)  # MX block size
             cls = _get_mxfp8_grouped_experts_cls(type(ec)._owner)
             new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
-            model_config = _swap(model_config, parent, attr, new)
+            model_config = swap_config(model_config, parent, attr, new)
     return model_config

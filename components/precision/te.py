@@ -1,6 +1,6 @@
 """TransformerEngine FP8 linears for ``precision=fp8 precision.backend=te``.
 
-Every dense linear that fp8 converts (components.precision.policies.fp8_linear) becomes a
+Every dense linear that fp8 converts (components.precision.fp8_targets.fp8_linear) becomes a
 ``te.pytorch.Linear`` with the same parameter names (``weight``, ``bias``), whose forward runs
 under TE's FP8 autocast with the recipe chosen by ``precision.scaling``:
 
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as te_recipe
+from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
-from components.precision.policies import fp8_linear
+from components.precision.fp8_targets import fp8_linear, swap_config
 
 
 def make_recipe(scaling: str):
@@ -68,13 +69,9 @@ class TELinear(te.Linear, Module):
 
 
 def convert_linears(model_config, scaling: str):
-    from torchtitan.models.common.linear import Linear
-
-    from components.precision.policies import _swap
-
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
         if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
             new = TELinear.Config(in_features=lc.in_features, out_features=lc.out_features, bias=lc.bias,
                                   param_init=lc.param_init, scaling=scaling)
-            model_config = _swap(model_config, parent, attr, new)
+            model_config = swap_config(model_config, parent, attr, new)
     return model_config

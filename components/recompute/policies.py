@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
 
 class NoRecompute:
     @dataclass
@@ -24,8 +26,6 @@ class SelectiveRecompute:
 
     @staticmethod
     def ac_config(opts):
-        from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
         return SelectiveAC.Config()
 
 
@@ -38,6 +38,4 @@ class FullRecompute:
 
     @staticmethod
     def ac_config(opts):
-        from torchtitan.distributed.activation_checkpoint import FullAC
-
         return FullAC.Config()

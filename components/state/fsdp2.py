@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.state.common import check_threads
+from components.state.offload import HostOptimizers
 
 
 class FSDP2:
@@ -38,8 +39,6 @@ class FSDP2:
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
         if opts.offload == "optimizer":
-            from components.state.offload import HostOptimizers
-
             o = tt_config.optimizer
             tt_config.optimizer = HostOptimizers.Config(
                 param_groups=list(o.param_groups),

@@ -10,18 +10,14 @@ outside ``param.grad`` / ``optimizer.state`` expose it through ``static_tensors(
 
 from __future__ import annotations
 
+import torch
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from components.state.common import local
 
 
 def static_bytes(model_parts, optimizers) -> dict[str, int]:
     """Bytes of static state on this rank: ``params``, ``grads``, ``optimizer`` (on the
     training device), ``host`` (offloaded to host memory) and ``device_total``."""
-    import torch
-
     seen: set[tuple[str, int]] = set()
 
     def count(tensors) -> int:
@@ -29,7 +25,7 @@ def static_bytes(model_parts, optimizers) -> dict[str, int]:
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            st = _local(t).untyped_storage()
+            st = local(t).untyped_storage()
             key = (st.device.type, st.data_ptr())
             if st.nbytes() == 0 or key in seen:
                 continue

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from components.state.common import host_threads, local, materialize_state, torch_threads
+from framework import devices
 
 
 def _like(template, t):
     """``t`` (a local shard) wrapped with ``template``'s DTensor placements, or ``t``."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(template, DTensor):
         return DTensor.from_local(t, template.device_mesh, template.placements, shape=template.shape,
                                   stride=template.stride(), run_check=False)
@@ -61,8 +61,6 @@ class HostOptimizers(OptimizersContainer):
         return groups, patterns
 
     def _host_master(self, p: nn.Parameter) -> torch.Tensor:
-        from framework import devices
-
         shard = local(p).detach()
         master = devices.host_empty(shard.shape, torch.float32)
         master.copy_(shard)
@@ -78,8 +76,6 @@ class HostOptimizers(OptimizersContainer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from framework import devices
-
         assert closure is None, "HostOptimizers does not support closures"
         for p, _, staging in self._pairs:
             if p.grad is not None:

@@ -35,7 +35,20 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from components.state.common import check_threads
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torchtitan.distributed.utils as dist_utils
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from components.state.common import check_threads, host_threads, local, materialize_state, torch_threads
+from framework import devices
 
 _REDUCE = ("reduce_scatter", "all_reduce")
 
@@ -126,8 +139,6 @@ def without_fsdp(parallelize_fn):
     records the data-parallel meshes zero1 shards its optimizer over on the model part."""
 
     def parallelize(model, **kwargs):
-        from torch.distributed.fsdp import FSDPModule
-
         parallel_dims = kwargs["parallel_dims"]
         with _fsdp_wrappers_disabled():
             model = parallelize_fn(model, **kwargs)
@@ -147,11 +158,6 @@ def without_fsdp(parallelize_fn):
 # the sharded optimizer
 # --------------------------------------------------------------------------------------
 
-from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402  (after the device shims)
-
-from components.state.common import host_threads, torch_threads  # noqa: E402
-
-
 class _Slot:
     """One parameter in a bucket: where its gradient lives, which rows this rank owns."""
 
@@ -161,8 +167,6 @@ class _Slot:
 
 class _Bucket:
     def __init__(self, slots, mesh, param_dtype, reduce_dtype, device):
-        import torch
-
         self.slots, self.mesh = slots, mesh
         self.group = mesh.get_group()
         self.W, self.r = mesh.size(), mesh.get_local_rank()
@@ -219,12 +223,6 @@ class _Bucket:
             dst2d[lo: lo + n].copy_(src[q, :n])
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _checkpointable(t, global_shape, global_offset):
     """Mark ``t`` (one owned chunk) as a shard of a global tensor for DCP."""
     t.global_shape = tuple(global_shape)
@@ -235,6 +233,77 @@ def _checkpointable(t, global_shape, global_offset):
         t.local_offsets = ((0,) * t.dim(),)
         t.local_sizes = (tuple(t.shape),)
     return t
+
+
+class _Layout:
+    """Which parameters go into which bucket: one ``_Slot`` per trainable parameter, grouped by
+    (data-parallel mesh, param group) in model order, cut into buckets of ``bucket_mb``."""
+
+    def __init__(self, config, model_parts, layouts, ranks_per_stage: int):
+        self.config, self.model_parts, self.layouts = config, model_parts, layouts
+        self.ranks_per_stage = ranks_per_stage  # world // pp
+        self.patterns = [re.compile(pg.pattern) for pg in config.param_groups]
+        self.meshes: dict[int, object] = {}
+
+    def groups(self) -> dict[tuple[int, int], list[_Slot]]:
+        """Slots by (id of their data-parallel mesh, param-group index), in model order."""
+        groups: dict[tuple[int, int], list] = {}
+        for part, lay in zip(self.model_parts, self.layouts):
+            for name, p in part.named_parameters():
+                if not p.requires_grad:
+                    continue
+                gi = next((i for i, pat in enumerate(self.patterns) if pat.search(name)), None)
+                if gi is None:
+                    raise ValueError(f"no optimizer param_groups pattern matches {canonical_fqn(name)}")
+                s = self.slot(part, lay, name, p)
+                mesh = lay["expert"] if s.expert else lay["dense"]
+                self.meshes[id(mesh)] = mesh
+                groups.setdefault((id(mesh), gi), []).append(s)
+        return groups
+
+    def slot(self, part, lay, name: str, p) -> _Slot:
+        """Shape, owner module, global placement and norm weight of one parameter."""
+        s = _Slot()
+        is_dt = isinstance(p, DTensor)
+        s.fqn, s.param, s.lay = canonical_fqn(name), p, lay
+        s.expert = is_dt and "ep" in (p.device_mesh.mesh_dim_names or ())
+        mesh = lay["expert"] if s.expert else lay["dense"]
+        mod_path, _, s.pname = name.rpartition(".")
+        s.module = part.get_submodule(mod_path) if mod_path else part
+        t = local(p)
+        if t.dim() == 0:
+            raise ValueError(f"state=zero1 does not shard 0-dim parameters ({s.fqn})")
+        s.d0, s.rest = t.shape[0], tuple(t.shape[1:])
+        s.row = t.numel() // s.d0 if s.d0 else 0
+        s.global_shape = tuple(p.shape)
+        if is_dt:
+            _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            s.global_offset = tuple(offsets)
+            sharded = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+        else:
+            s.global_offset = (0,) * t.dim()
+            sharded = 1
+        holders = self.ranks_per_stage // (mesh.size() * sharded)
+        s.weight = 1.0 / max(1, holders)  # ranks holding the same rows (norm counts them once)
+        return s
+
+    def buckets(self, param_dtype, reduce_dtype) -> tuple[list[_Bucket], list[int]]:
+        """The buckets (bounded by bucket_mb of fp32) and the param-group index of each."""
+        cap = max(1, int(self.config.bucket_mb * 2**20 / 4))
+        buckets, bucket_group = [], []
+        for (mesh_id, gi), slots in self.groups().items():
+            mesh = self.meshes[mesh_id]
+            cur, size = [], 0
+            for s in slots + [None]:
+                n = 0 if s is None else local(s.param).numel()
+                if cur and (s is None or size + n > cap):
+                    buckets.append(_Bucket(cur, mesh, param_dtype, reduce_dtype, local(cur[0].param).device))
+                    bucket_group.append(gi)
+                    cur, size = [], 0
+                if s is not None:
+                    cur.append(s)
+                    size += n
+        return buckets, bucket_group
 
 
 class Zero1Optimizers(OptimizersContainer):
@@ -261,86 +330,40 @@ class Zero1Optimizers(OptimizersContainer):
 
     # construction ------------------------------------------------------------------------
     def _build(self, config, model_parts, layouts) -> None:
-        import torch
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from torchtitan.components.checkpointer.utils import canonical_fqn
-        from torchtitan.config import TORCH_DTYPE_MAP
-
-        from framework import devices
-
+        """The engine, step by step: slots and buckets (``_Layout``), fp32 masters, parameters in
+        the compute dtype, gradient hooks, the torch optimizers, checkpoint hooks."""
         self.model_parts = model_parts
         self.config = config
         self.offload = bool(config.offload)
         self.threads = host_threads(config.offload_threads) if self.offload else None
         self.grad_reduce = config.grad_reduce
-        param_dtype = TORCH_DTYPE_MAP[config.param_dtype]
+        self.param_dtype = TORCH_DTYPE_MAP[config.param_dtype]
         reduce_dtype = TORCH_DTYPE_MAP[config.reduce_dtype]
-        self.param_dtype = param_dtype
         # A separate fp32 master exists unless the parameters themselves are fp32 on the device.
-        self.separate_master = self.offload or param_dtype != torch.float32
+        self.separate_master = self.offload or self.param_dtype != torch.float32
         impl = self._build_impl_kwargs(config)
         for pg in config.param_groups:
             if pg.optimizer_name not in ("Adam", "AdamW"):
                 raise ValueError(f"state=zero1 shards element-wise optimizers only (Adam, AdamW); "
                                  f"got {pg.optimizer_name}. Use state=fsdp2.")
-        patterns = [re.compile(pg.pattern) for pg in config.param_groups]
         self._pp, self._world = layouts[0]["pp"], layouts[0]["world"]
+        layout = _Layout(config, model_parts, layouts, self._world // self._pp)
+        self.buckets, bucket_group = layout.buckets(self.param_dtype, reduce_dtype)
+        self._init_masters(reduce_dtype)
+        if self.param_dtype != torch.float32 or any(local(s.param).dtype != self.param_dtype
+                                                    for b in self.buckets for s in b.slots):
+            self._cast_params(self.param_dtype)  # module-level replacement keeps DTensors consistent
+        self._install_grad_hooks()
+        self._make_optimizers(bucket_group, impl)
+        if self.separate_master:
+            self._install_checkpoint_hooks()
+        self._slot_by_fqn = {s.fqn: (b, s) for b in self.buckets for s in b.slots}
+        self._reduced = False
+        _install_clip_dispatch()
+        torch.optim.Optimizer.__init__(self, [p for m in model_parts for p in m.parameters() if p.requires_grad], {})
 
-        # 1. slots, grouped by (data-parallel mesh, param group), in model order
-        groups: dict[tuple[int, int], list] = {}
-        meshes: dict[int, object] = {}
-        for part, lay in zip(model_parts, layouts):
-            for name, p in part.named_parameters():
-                if not p.requires_grad:
-                    continue
-                fqn = canonical_fqn(name)
-                gi = next((i for i, pat in enumerate(patterns) if pat.search(name)), None)
-                if gi is None:
-                    raise ValueError(f"no optimizer param_groups pattern matches {fqn}")
-                is_dt = isinstance(p, DTensor)
-                expert = is_dt and "ep" in (p.device_mesh.mesh_dim_names or ())
-                mesh = lay["expert"] if expert else lay["dense"]
-                meshes[id(mesh)] = mesh
-                s = _Slot()
-                s.fqn, s.param, s.expert, s.lay = fqn, p, expert, lay
-                mod_path, _, s.pname = name.rpartition(".")
-                s.module = part.get_submodule(mod_path) if mod_path else part
-                local = _local(p)
-                if local.dim() == 0:
-                    raise ValueError(f"state=zero1 does not shard 0-dim parameters ({fqn})")
-                s.d0, s.rest = local.shape[0], tuple(local.shape[1:])
-                s.row = local.numel() // s.d0 if s.d0 else 0
-                s.global_shape = tuple(p.shape)
-                if is_dt:
-                    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    s.global_offset = tuple(offsets)
-                    sharded = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
-                else:
-                    s.global_offset = (0,) * local.dim()
-                    sharded = 1
-                holders = (self._world // self._pp) // (mesh.size() * sharded)
-                s.weight = 1.0 / max(1, holders)  # ranks holding the same rows (norm counts them once)
-                groups.setdefault((id(mesh), gi), []).append(s)
-
-        # 2. buckets bounded by bucket_mb (fp32 bytes)
-        cap = max(1, int(config.bucket_mb * 2**20 / 4))
-        self.buckets: list[_Bucket] = []
-        bucket_group: list[int] = []  # param-group index of each bucket
-        for (mesh_id, gi), slots in groups.items():
-            mesh = meshes[mesh_id]
-            cur, size = [], 0
-            for s in slots + [None]:
-                n = 0 if s is None else _local(s.param).numel()
-                if cur and (s is None or size + n > cap):
-                    self.buckets.append(_Bucket(cur, mesh, param_dtype, reduce_dtype, _local(cur[0].param).device))
-                    bucket_group.append(gi)
-                    cur, size = [], 0
-                if s is not None:
-                    cur.append(s)
-                    size += n
-
-        # 3. masters (fp32 rows this rank owns) and the gradient views the optimizer reads
+    def _init_masters(self, reduce_dtype) -> None:
+        """The fp32 rows this rank owns (the masters) and the gradient views the optimizer reads."""
         for b in self.buckets:
             if self.separate_master:
                 if self.offload:
@@ -351,8 +374,7 @@ class Zero1Optimizers(OptimizersContainer):
                     b.master_flat = torch.empty(b.S, dtype=torch.float32, device=b.device)
             own_grad = b.host_grad if self.offload else b.own_region(b.main_grad)
             for s in b.slots:
-                local = _local(s.param).detach()
-                rows = local.reshape(s.d0, s.row)[s.lo: s.lo + s.rows].view(s.rows, *s.rest)
+                rows = local(s.param).detach().reshape(s.d0, s.row)[s.lo: s.lo + s.rows].view(s.rows, *s.rest)
                 if self.separate_master:
                     s.master = b.own(b.master_flat, s)
                     s.master.copy_(rows)
@@ -361,19 +383,17 @@ class Zero1Optimizers(OptimizersContainer):
                 s.grad = b.own(own_grad, s)
                 s.master.grad = s.grad
 
-        # 4. parameters in the compute dtype (module-level replacement keeps DTensors consistent)
-        if param_dtype != torch.float32 or any(_local(s.param).dtype != param_dtype
-                                               for b in self.buckets for s in b.slots):
-            self._cast_params(param_dtype)
-
-        # 5. gradient hooks: accumulate into the fp32 buckets, free the autograd gradient
+    def _install_grad_hooks(self) -> None:
+        """Accumulate each gradient into the fp32 buckets and free the autograd gradient."""
         self._hooks = []
         for b in self.buckets:
             for s in b.slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(b, s)))
                 s.param._apiary_zero1_owner = self
 
-        # 6. one torch optimizer per param group, over the owned master chunks
+    def _make_optimizers(self, bucket_group: list[int], impl: dict) -> None:
+        """One torch optimizer per param group, over the owned master chunks."""
+        config = self.config
         self.optimizers = []
         for gi, pg in enumerate(config.param_groups):
             owned = [s for b, g in zip(self.buckets, bucket_group) if g == gi for s in b.slots if s.rows > 0]
@@ -385,33 +405,25 @@ class Zero1Optimizers(OptimizersContainer):
         if config.implementation == "fused_opt_states_bf16":
             self._register_bf16_optimizer_state_hook()
 
-        # 7. checkpoints: with a separate master the model section holds the fp32 master, as a
-        #    DTensor over (data parallel x the parameter's own mesh) so that module state-dict
-        #    hooks (e.g. the fused-QKV split) see a distributed tensor, as they do under FSDP2.
-        #    (torch sets attributes on hooks: register plain functions, not bound methods.)
-        if self.separate_master:
-            owners: dict[int, tuple] = {}
-            for b in self.buckets:
-                for s in b.slots:
-                    s.master_dt = self._master_dtensor(b, s)
-                    owners.setdefault(id(s.module), (s.module, []))[1].append(s)
-            for module, slots in owners.values():
-                module.register_state_dict_post_hook(
-                    lambda m, sd, prefix, meta, slots=slots: self._save_masters(slots, sd, prefix))
-                module.register_load_state_dict_pre_hook(
-                    lambda m, sd, prefix, *a, slots=slots: self._load_masters(slots, sd, prefix))
-            for part in model_parts:
-                part.register_load_state_dict_post_hook(lambda m, keys: self._after_model_load(keys))
-        self._slot_by_fqn = {s.fqn: (b, s) for b in self.buckets for s in b.slots}
-        self._reduced = False
-        _install_clip_dispatch()
-        Optimizer = torch.optim.Optimizer
-        Optimizer.__init__(self, [p for m in model_parts for p in m.parameters() if p.requires_grad], {})
+    def _install_checkpoint_hooks(self) -> None:
+        """With a separate master the model section of a checkpoint holds the fp32 master, as a
+        DTensor over (data parallel x the parameter's own mesh) so that module state-dict hooks
+        (e.g. the fused-QKV split) see a distributed tensor, as they do under FSDP2. (torch sets
+        attributes on hooks: register plain functions, not bound methods.)"""
+        owners: dict[int, tuple] = {}
+        for b in self.buckets:
+            for s in b.slots:
+                s.master_dt = self._master_dtensor(b, s)
+                owners.setdefault(id(s.module), (s.module, []))[1].append(s)
+        for module, slots in owners.values():
+            module.register_state_dict_post_hook(
+                lambda m, sd, prefix, meta, slots=slots: self._save_masters(slots, sd, prefix))
+            module.register_load_state_dict_pre_hook(
+                lambda m, sd, prefix, *a, slots=slots: self._load_masters(slots, sd, prefix))
+        for part in self.model_parts:
+            part.register_load_state_dict_post_hook(lambda m, keys: self._after_model_load(keys))
 
     def _cast_params(self, dtype) -> None:
-        import torch.nn as nn
-        from torch.distributed.tensor import DTensor
-
         new_of: dict[int, nn.Parameter] = {}
         for part in self.model_parts:
             for mod in part.modules():
@@ -434,8 +446,6 @@ class Zero1Optimizers(OptimizersContainer):
 
     @staticmethod
     def _make_hook(b: _Bucket, s: _Slot):
-        from torch.distributed.tensor import DTensor
-
         def hook(param):
             g = param.grad
             if g is None:
@@ -451,8 +461,6 @@ class Zero1Optimizers(OptimizersContainer):
 
     # the step ----------------------------------------------------------------------------
     def _reduce(self) -> None:
-        import torch.distributed as dist
-
         if self._reduced:
             return
         works = []
@@ -470,9 +478,6 @@ class Zero1Optimizers(OptimizersContainer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Reduce the gradients, return the global norm and clip the owned rows in place."""
-        import torch
-        import torch.distributed as dist
-
         if float(norm_type) != 2.0:
             raise NotImplementedError("state=zero1 clips by the 2-norm only")
         self._reduce()
@@ -498,11 +503,6 @@ class Zero1Optimizers(OptimizersContainer):
         return total
 
     def step(self, closure=None):
-        import torch
-        import torch.distributed as dist
-
-        from framework import devices
-
         assert closure is None, "Zero1Optimizers does not support closures"
         if not self._engine_on:
             for opt in self.optimizers:  # not super().step(): its hook wrapper would rerun our pre-hooks
@@ -517,14 +517,12 @@ class Zero1Optimizers(OptimizersContainer):
             for opt in self.optimizers:
                 opt.step()
         with torch.no_grad():
-            self._params_from_masters(dist)
+            self._params_from_masters()
         self._reduced = False
         return None
 
-    def _params_from_masters(self, dist) -> None:
+    def _params_from_masters(self) -> None:
         """Cast the owned master rows to the compute dtype and all-gather every bucket."""
-        import torch
-
         for b in self.buckets:
             gathered = torch.empty(b.W * b.S, dtype=b.param_dtype, device=b.device)
             send = b.own_region(gathered)
@@ -542,7 +540,7 @@ class Zero1Optimizers(OptimizersContainer):
             if b.W > 1:
                 dist.all_gather_single(gathered, send, group=b.group)
             for s in b.slots:
-                b.gather_rows(gathered, s, _local(s.param).detach().view(s.d0, s.row))
+                b.gather_rows(gathered, s, local(s.param).detach().view(s.d0, s.row))
             del gathered
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -571,8 +569,6 @@ class Zero1Optimizers(OptimizersContainer):
 
     # checkpoints -------------------------------------------------------------------------
     def _init_state(self) -> None:
-        from components.state.common import materialize_state
-
         materialize_state(self.optimizers)
 
     def state_dict(self):
@@ -624,9 +620,6 @@ class Zero1Optimizers(OptimizersContainer):
     @staticmethod
     def _master_dtensor(b: _Bucket, s: _Slot):
         """The owned fp32 rows of ``s`` as a DTensor of the parameter's global shape."""
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor.placement_types import _StridedShard
-
         p = s.param
         if isinstance(p, DTensor):
             names = tuple(p.device_mesh.mesh_dim_names or ())
@@ -648,9 +641,6 @@ class Zero1Optimizers(OptimizersContainer):
                 state_dict[key] = s.master_dt
 
     def _load_masters(self, slots, state_dict, prefix) -> None:
-        import torch
-        from torch.distributed.tensor import DTensor
-
         for s in slots:
             key = prefix + s.pname
             if key not in state_dict:
@@ -667,17 +657,12 @@ class Zero1Optimizers(OptimizersContainer):
                 s.master.copy_(src[box])
 
     def _after_model_load(self, incompatible_keys) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from torchtitan.components.checkpointer.utils import canonical_fqn
-
         mine = {s.fqn for b in self.buckets for s in b.slots}
         for key in list(incompatible_keys.missing_keys):
             if canonical_fqn(key) in mine:
                 incompatible_keys.missing_keys.remove(key)
         with torch.no_grad():
-            self._params_from_masters(dist)
+            self._params_from_masters()
 
 
 # --------------------------------------------------------------------------------------
@@ -690,16 +675,12 @@ _ORIGINAL_CLIP = None
 
 def _install_clip_dispatch() -> None:
     global _ORIGINAL_CLIP
-    import torchtitan.distributed.utils as dist_utils
-
     if _ORIGINAL_CLIP is not None:
         return
     _ORIGINAL_CLIP = dist_utils.clip_grad_norm_
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
                         pp_mesh=None, ep_enabled=False):
-        import torch
-
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         owner = getattr(params[0], "_apiary_zero1_owner", None) if params else None
         if owner is not None:

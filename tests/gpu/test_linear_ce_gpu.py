@@ -130,11 +130,11 @@ def test_fused_rl_matches_unfused(name, hp, entropy_coef):
 @pytest.mark.parametrize("objective", [None, pytest.param("grpo", marks=pytest.mark.xfail(
     reason="measured on one H200 2026-11-24: with streams=2 the fused GRPO loss differs from streams=1 in "
            "its last bits (0.3062 both to 4 digits; torch.equal false); streams is a benchmark-only knob "
-           "(_fwdgrad.KERNEL, default 1), so training is unaffected; cause not found yet", strict=False))])
+           "(fwdgrad.KERNEL, default 1), so training is unaffected; cause not found yet", strict=False))])
 def test_two_streams_give_the_same_numbers(objective):
     """streams=2 (chunk i's dH/dW GEMMs on a side stream, two logits buffers) runs the same
     arithmetic in the same order: bitwise-equal loss and gradients."""
-    from components.losses import _fwdgrad as F
+    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
     from components.losses.linear_ce import linear_cross_entropy
 
@@ -150,20 +150,20 @@ def test_two_streams_give_the_same_numbers(objective):
 
     out = []
     for streams in (1, 2):
-        F.KERNEL["streams"] = streams
+        fwdgrad.KERNEL["streams"] = streams
         try:
             out.append(_grads(fn, h, w, labels))
         finally:
-            F.KERNEL["streams"] = 1
+            fwdgrad.KERNEL["streams"] = 1
     for a, b in zip(*out):
         assert torch.equal(a, b)
 
 
 def test_scale_cast_kernel_equals_torch():
     """The backward's fp32 dW x upstream -> bf16 pass: the same rounding as torch's mul + cast."""
-    from components.losses import _triton_fwdgrad as K
+    from components.losses.lm_head import triton_fwdgrad
 
     x = torch.randn(3 * 8192 + 5, device="cuda")
     g = torch.tensor(0.37, device="cuda")
     out = torch.empty_like(x, dtype=torch.bfloat16)
-    assert torch.equal(K.scale_cast(x, g, out), (x * g).bfloat16())
+    assert torch.equal(triton_fwdgrad.scale_cast(x, g, out), (x * g).bfloat16())

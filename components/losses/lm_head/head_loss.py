@@ -11,16 +11,20 @@ after; the fused function runs *as the lm_head's forward* (its forward is swappe
 duration of the call), so FSDP2's own hooks unshard the weight, accumulate its gradient and
 reduce-scatter it exactly as for a plain lm_head call.
 
-Classes are built lazily (importing torchtitan has to wait for ``devices.install``) and cached
-per name.
+Classes are built on first use and cached per name.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import field, make_dataclass
 from typing import Any
 
+import spmd_types as spmd
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import ChunkedLossWrapper, _DecoderOutputGradientBackProp
 
 _CLASSES: dict[str, type] = {}
 
@@ -34,12 +38,6 @@ def subclass(name: str, head_loss, fields: dict[str, Any], methods: dict[str, An
 
 
 def _build(name, head_loss, fields, methods):
-    from dataclasses import dataclass, field, make_dataclass
-
-    import spmd_types as spmd
-    from torch.distributed.tensor import DTensor
-    from torchtitan.components.loss import ChunkedLossWrapper, _DecoderOutputGradientBackProp
-
     extra = [(k, Any, field(default_factory=lambda v=v: v) if isinstance(v, (dict, list)) else field(default=v))
              for k, v in fields.items()]
     config = make_dataclass(
@@ -83,8 +81,6 @@ def _build(name, head_loss, fields, methods):
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor,
                  global_valid_tokens: torch.Tensor | None = None, **loss_inputs: Any):
-        from torch.distributed.fsdp import FSDPModule
-
         del loss_inputs  # per-token extras (positions) do not change these losses
         head = self.lm_head
         assert head is not None, "set_lm_head must run before the first call"

@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from components.losses import _lm_head as E
+from components.losses.lm_head import engine
+from components.losses.lm_head.knobs import KERNEL  # the launch knobs (benchmarks set them here too)
 
 LOGITS_DTYPES = ("bfloat16", "float32")
 DW_ACCUM = ("float32", "weight")
@@ -42,12 +43,6 @@ DW_ACCUM = ("float32", "weight")
 # Which cuBLAS fallbacks ran (an fp32 temporary instead of bf16-in/fp32-out in place); the
 # benchmark prints it.
 FALLBACKS: set[str] = set()
-
-# Launch knobs (benchmarks/loss_bench.py --fwdgrad-block/--fwdgrad-warps/--fwdgrad-streams sweep
-# them): the row kernel's columns per step and warps; streams=2 runs chunk i's dH/dW GEMMs on a
-# side stream while chunk i+1's logits GEMM and row kernel run (two logits buffers, CUDA only,
-# not under a vocabulary group).
-KERNEL = {"block": 4096, "num_warps": 8, "streams": 1}  # tuned on an H200 (docs/skills/linear_ce.md)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -112,7 +107,7 @@ def _addmm_(c, a, b):
     return c.add_(a.float() @ b.float())
 
 
-def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shard, ignore_index: int,
+def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: engine.Shard, ignore_index: int,
         inv_temp: float, ce: CE | None = None, coef_fn: Callable | None = None,
         scale_fn: Callable | None = None, need_sum: bool = False,
         need_ps: bool = False, need_dh: bool, need_dw: bool, logits_dtype: str = "bfloat16",
@@ -129,7 +124,7 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
     v = w.shape[0]
     dev = h.device
     f32 = dict(device=dev, dtype=torch.float32)
-    lab = E.local_labels(labels, shard, ignore_index)
+    lab = engine.local_labels(labels, shard, ignore_index)
     valid = labels != ignore_index
     grad = need_dh or need_dw
     if ce is not None:  # the fused kernel folds smoothing in; the sharded path needs the sums
@@ -160,7 +155,7 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
         dw = torch.empty((v, hd), device=dev, dtype=acc)
     triton_ok = use_triton(h)
     if triton_ok:
-        from components.losses import _triton_fwdgrad as K
+        from components.losses.lm_head import triton_fwdgrad  # optional dependency: triton (CUDA or its interpreter)
     for i, t0 in enumerate(range(0, n, tc)):
         t1 = min(n, t0 + tc)
         rows = t1 - t0
@@ -179,13 +174,14 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
         if fused_ce:
             z_loss, eps = ce.z_loss, ce.label_smoothing
             if triton_ok:
-                K.ce_rows(z, g_view, lab[sl], lse[sl], tgt[sl], loss[sl], inv_temp, z_loss, eps, v, grad)
+                triton_fwdgrad.ce_rows(z, g_view, lab[sl], lse[sl], tgt[sl], loss[sl], inv_temp, z_loss, eps, v, grad)
             else:
                 _torch_ce_rows(z, g_view, lab[sl], lse[sl], tgt[sl], loss[sl], inv_temp, z_loss, eps, v)
             if scale_fn is not None and grad:
                 scale = scale_fn(t0, t1, lse[sl], tgt[sl]).float()
         else:
-            part = (K.stats_rows if triton_ok else _torch_stats_rows)(z, lab[sl], inv_temp, need_sum, need_ps)
+            stats_rows = triton_fwdgrad.stats_rows if triton_ok else _torch_stats_rows
+            part = stats_rows(z, lab[sl], inv_temp, need_sum, need_ps)
             m, se, t_, ss_, sps_ = part
             if shard.group is not None:
                 mx = m.clone()
@@ -221,7 +217,8 @@ def run(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard: E.Shar
             if grad:
                 a, c, d = (x.float().contiguous() for x in (a, c, d))
                 b = b.float().contiguous() if b is not None else None
-                (K.grad_rows if triton_ok else _torch_grad_rows)(z, g_view, lab[sl], lse[sl], a, b, c, d, inv_temp)
+                grad_rows = triton_fwdgrad.grad_rows if triton_ok else _torch_grad_rows
+                grad_rows(z, g_view, lab[sl], lse[sl], a, b, c, d, inv_temp)
         if two:
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -311,9 +308,9 @@ def scale_grads(res: Result, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, 
 def _scale_cast(x, g, out):
     """out = x * g in out's dtype: one Triton pass on CUDA (torch's mixed-dtype mul is slower)."""
     if x.is_cuda and x.is_contiguous() and out.is_contiguous():
-        from components.losses import _triton_fwdgrad as K
+        from components.losses.lm_head import triton_fwdgrad  # optional dependency: triton (CUDA or its interpreter)
 
-        return K.scale_cast(x, g.to(x.device), out)
+        return triton_fwdgrad.scale_cast(x, g.to(x.device), out)
     return torch.mul(x, g, out=out)
 
 

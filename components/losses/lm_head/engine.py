@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = -100
-
 
 @dataclass
 class Shard:
@@ -72,7 +70,7 @@ def auto_backend(t: torch.Tensor) -> str:
     """
     if t.is_cuda:
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401  (optional dependency: is triton installed?)
         except ImportError:
             return "torch"
         return "mixed"
@@ -82,7 +80,7 @@ def auto_backend(t: torch.Tensor) -> str:
 BACKENDS = ("auto", "torch", "triton", "cublas", "mixed", "fwdgrad")  # fwdgrad: _fwdgrad.py
 
 
-def _check_backend(backend: str, t: torch.Tensor) -> str:
+def check_backend(backend: str, t: torch.Tensor) -> str:
     if backend == "auto":
         return auto_backend(t)
     if backend not in BACKENDS:
@@ -142,9 +140,9 @@ def statistics(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, shard:
     """Forward pass: per-token statistics, combined over vocabulary splits and shards."""
     lab = local_labels(labels, shard, ignore_index)
     if backend == "triton":
-        from components.losses import _triton_lm_head as k
+        from components.losses.lm_head import triton_kernels  # optional dependency: triton (CUDA or its interpreter)
 
-        m, se, tgt, ssum, sps = k.stats(h, w, lab, inv_temp, need_sum, need_ps)
+        m, se, tgt, ssum, sps = triton_kernels.stats(h, w, lab, inv_temp, need_sum, need_ps)
     elif backend in ("cublas", "mixed"):
         m, se, tgt, ssum, sps = _cublas_stats(h, w, lab, inv_temp, need_sum, need_ps, workspace_mb)
     else:
@@ -251,7 +249,7 @@ def _slice_width(n: int, v: int, bytes_per_elt: int, workspace_mb: float) -> int
 
 
 def _triton_grads(h, w, lab, lse, a, b, c, d, inv_temp, need_dh, need_dw, workspace_mb):
-    from components.losses import _triton_lm_head as k
+    from components.losses.lm_head import triton_kernels  # optional dependency: triton (CUDA or its interpreter)
 
     n, hd = h.shape
     v = w.shape[0]
@@ -262,7 +260,7 @@ def _triton_grads(h, w, lab, lse, a, b, c, d, inv_temp, need_dh, need_dw, worksp
     for v0 in range(0, v, width):
         v1 = min(v, v0 + width)
         dz = _flat_view(ws, n, v1 - v0)
-        k.dz_slice(h, w, lab, lse, a, b, c, d, v0, v1, dz, inv_temp)
+        triton_kernels.dz_slice(h, w, lab, lse, a, b, c, d, v0, v1, dz, inv_temp)
         wc = w[v0:v1] if w.dtype == h.dtype else w[v0:v1].to(h.dtype)
         _grad_gemms(dz, h, wc, dh, dw[v0:v1] if need_dw else None)
     return dh, dw
@@ -270,7 +268,7 @@ def _triton_grads(h, w, lab, lse, a, b, c, d, inv_temp, need_dh, need_dw, worksp
 
 def _cublas_stats(h, w, lab, inv_temp, need_sum, need_ps, workspace_mb):
     """Forward statistics from fp32 logits slices [N, width] (cuBLAS) folded by a Triton kernel."""
-    from components.losses import _triton_lm_head as k
+    from components.losses.lm_head import triton_kernels  # optional dependency: triton (CUDA or its interpreter)
 
     n, v = h.shape[0], w.shape[0]
     f32 = dict(device=h.device, dtype=torch.float32)
@@ -282,12 +280,12 @@ def _cublas_stats(h, w, lab, inv_temp, need_sum, need_ps, workspace_mb):
         v1 = min(v, v0 + width)
         z = _mm_f32(h, w[v0:v1].T if w.dtype == h.dtype else w[v0:v1].to(h.dtype).T,
                     out=_flat_view(zbuf, n, v1 - v0))
-        k.slice_stats(z, lab, v0, inv_temp, acc, first=v0 == 0)
+        triton_kernels.slice_stats(z, lab, v0, inv_temp, acc, first=v0 == 0)
     return tuple(x[None] if x is not None else None for x in acc)
 
 
 def _cublas_grads(h, w, lab, lse, a, b, c, d, inv_temp, need_dh, need_dw, workspace_mb):
-    from components.losses import _triton_lm_head as k
+    from components.losses.lm_head import triton_kernels  # optional dependency: triton (CUDA or its interpreter)
 
     n, hd = h.shape
     v = w.shape[0]
@@ -301,7 +299,7 @@ def _cublas_grads(h, w, lab, lse, a, b, c, d, inv_temp, need_dh, need_dw, worksp
         wc = w[v0:v1] if w.dtype == h.dtype else w[v0:v1].to(h.dtype)
         z = _mm_f32(h, wc.T, out=_flat_view(zbuf, n, v1 - v0))
         dz = _flat_view(dzbuf, n, v1 - v0)
-        k.slice_dz(z, dz, lab, lse, a, b, c, d, v0, inv_temp)
+        triton_kernels.slice_dz(z, dz, lab, lse, a, b, c, d, v0, inv_temp)
         _grad_gemms(dz, h, wc, dh, dw[v0:v1] if need_dw else None)
     return dh, dw
 

@@ -1,4 +1,4 @@
-"""Triton row kernels of the gradient-in-forward schedule (``_fwdgrad.py``). One program per
+"""Triton row kernels of the gradient-in-forward schedule (``fwdgrad.py``). One program per
 row of a [T, V] logits chunk written by cuBLAS: pass 1 reads the row (online max / sum-exp,
 target logit, sums), pass 2 reads it again and writes the logit gradient over it in place.
 
@@ -20,14 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from components.losses import _fwdgrad as F
-from components.losses._triton_lm_head import INTERPRET
+from components.losses.lm_head.knobs import KERNEL
+from components.losses.lm_head.triton_kernels import INTERPRET
 
 
 def _launch():
     if INTERPRET:
         return 64, 1
-    return int(F.KERNEL["block"]), int(F.KERNEL["num_warps"])
+    return int(KERNEL["block"]), int(KERNEL["num_warps"])
 
 
 @triton.jit
