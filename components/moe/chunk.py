@@ -13,6 +13,8 @@ before the worker has installed the device shims.
 
 from __future__ import annotations
 
+from framework.contracts import PlanTerms
+
 # The auto rule. Rows: (local tokens per rank below which this row applies, chunks).
 # The token thresholds follow seed 000's single-layer trend (chunk2 gains +7.8% at 4K tokens
 # and grows with length, to +24% at 64K: longer sequences give longer communication windows);
@@ -76,6 +78,11 @@ class NoChunk:
     def check(comm_backend: str, where: str = "moe.chunk=none") -> None:
         return None
 
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
+        return PlanTerms(facts={"chunks": 1, "overlap": "none"})
+
 
 class Chunked:
     """Split each MoE layer's local tokens into ``num_chunks`` chunks with an overlapped
@@ -98,6 +105,10 @@ class Chunked:
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
 
+    def plan_terms(self, opts, ctx) -> PlanTerms:
+        """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
+        return PlanTerms(facts={"chunks": self.num_chunks, "overlap": f"chunk{self.num_chunks}"})
+
 
 class AutoChunk:
     """Chunk count chosen per forward by ``auto_num_chunks`` (local tokens, EP size, GEMM rows)."""
@@ -111,6 +122,12 @@ class AutoChunk:
     @staticmethod
     def check(comm_backend: str, where: str = "moe.chunk=auto") -> None:
         _check_comm(where, comm_backend)
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
+        all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
+        return PlanTerms(facts={"chunks": 2, "overlap": "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"})
 
 
 # registry.yaml targets: components.moe.chunk:chunk2 / chunk3 / chunk4 / AutoChunk
