@@ -255,8 +255,8 @@ lists its options."""
 def apiary_parser():
     """One argparse parser, one subparser per command (plan, compare, launch add their own flags)."""
     from framework import compare, launch_cli, warmup
-    from toolkit import plan as plan_cli
     from framework.argparsing import Parser
+    from toolkit import plan as plan_cli
 
     p = Parser(prog="apiary", description=APIARY_DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser, required=True)
