@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import re
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ import yaml
 
 from framework import planner, registry
 from framework.planner import parts
+from framework.planner.search import candidates
 from framework.resolve import resolve
+from toolkit.plan import constraints
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANNER = ROOT / "framework" / "planner"
@@ -216,10 +219,16 @@ def test_unknown_names_plan_as_the_defaults_with_warnings(base):
 
 
 def test_search_varies_the_loss_among_those_with_the_recipes_objective(base):
-    from framework.planner.search import candidates
-
     names = candidates(base, planner.Constants())
     assert names["loss"] == ["ce", "chunked", "linear_ce"]
     assert names["state"] == registry.names("state") and names["recompute"] == registry.names("recompute")
     rl = resolve("debug_grpo", [], world_size=1, for_training=False)
     assert candidates(rl, planner.Constants())["loss"] == ["grpo"]
+
+
+def test_plan_constraints_take_their_verdict_from_layout_derive(base):
+    assert not any("VIOLATED" in v for v in constraints(base.layout, base.facts, base.cfg).values())
+    for dims, bad in ((dict(pp=3, dp_shard=8), "pp"), (dict(ep=3), "ep"), (dict(cp=3, dp_shard=8), "cp"),
+                      (dict(dp_shard=4), "dp_shard")):
+        rows = constraints(replace(base.layout, **dims), base.facts, base.cfg)
+        assert [k for k, v in rows.items() if "VIOLATED" in v] == [bad], dims

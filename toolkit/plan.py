@@ -129,8 +129,14 @@ def _split(ns):
 # dims: the rules and what each must satisfy
 
 
+# derive's refusals that name the whole layout, by the start of their reason -> the rows they break
+_PRODUCTS = {"dp_replicate x tp x pp": {"dp_replicate", "tp"}, "dp_replicate x dp_shard": {"dp_shard"},
+             "the table's EP": {"ep"}}
+
+
 def violated(layout, facts, cfg) -> set[str]:
-    """The dims framework.layout.derive refuses for ``layout`` given as-is (none for a derived layout)."""
+    """The dims framework.layout.derive refuses for ``layout`` given as-is (none for a derived
+    layout; derive reports the first rule broken)."""
     par = SimpleNamespace(**{k: cfg.parallel[k] for k in cfg.parallel})
     for dim, value in layout.dims.items():
         setattr(par, dim, value)
@@ -138,7 +144,9 @@ def violated(layout, facts, cfg) -> set[str]:
         derive(par, cfg.training, cfg.layout, facts, layout.world_size)
     except UserError as e:
         key = e.where.split("=", 1)[0].removeprefix("parallel.")
-        return {key} if key in layout.dims else set(layout.dims)
+        if key in layout.dims:
+            return {key}
+        return next((dims for start, dims in _PRODUCTS.items() if e.reason.startswith(start)), set(layout.dims))
     return set()
 
 
