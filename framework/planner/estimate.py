@@ -80,6 +80,13 @@ def choices(cfg, **chosen: str | None) -> dict[str, str]:
     return out
 
 
+def shapes_and_context(resolved, c: Constants, hw: Hardware) -> tuple[Shapes, PlanContext]:
+    """The model's shapes on this layout, and what plan_terms get as ``ctx.plan`` (stage: the only one)."""
+    sh = Shapes.of(resolved, c)
+    return sh, PlanContext(constants=c, hw=hw, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts,
+                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node))
+
+
 @dataclass
 class Asked:
     """The planned name and terms of each kind (for the memory of each stage and the step time)."""
@@ -133,10 +140,8 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     hw, mem_cap = gpu_for(c, gpu, gpu_memory_bytes)
     cfg, f, lay = resolved.cfg, resolved.facts, resolved.layout
     ch = choices(cfg, loss=loss, state=state, recompute=recompute, moe_chunk=moe_chunk)
-    sh = Shapes.of(resolved, c)
+    sh, pc = shapes_and_context(resolved, c, hw)
     warnings = list(sh.warnings)
-    pc = PlanContext(constants=c, hw=hw, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts,
-                     grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node))
     asked = ask_components(resolved, ch, pc, warnings)
     rc = asked.names["recompute"]
     stage, terms, last = stage_memory(resolved, sh, asked, pc, warnings)

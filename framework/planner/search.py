@@ -11,13 +11,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from framework import recipes
-from framework.contracts import Context, PlanContext
+from framework.contracts import Context
 from framework.errors import UserError
 from framework.layout import check_batch, derive
 from framework.planner import parts
 from framework.planner.constants import Constants
-from framework.planner.estimate import plan
-from framework.planner.memory import Shapes
+from framework.planner.estimate import gpu_for, plan, shapes_and_context
 from framework.resolve import Resolved, resolve
 
 SEARCH_KINDS = ("recompute", "loss", "state")  # the order of a row's choices
@@ -31,23 +30,22 @@ def _around(base: int, lo_factor: int, hi_factor: int) -> list[int]:
     return sorted(set(vals + [base]))
 
 
-def _objective(kind: str, name: str, resolved, c: Constants):
-    """The ``objective`` fact of a loss's PlanTerms (None when it names none)."""
-    obj = parts.component(kind, name)
+def _objective(name: str, ctx):
+    """The ``objective`` fact of a loss's PlanTerms (None when it names none or is not plannable)."""
+    obj = parts.component("loss", name)
     if obj is None:
         return None
-    sh = Shapes.of(resolved, c)
-    pc = PlanContext(constants=c, hw=None, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts)
-    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc)
-    return obj.plan_terms(parts.options(resolved.cfg, kind, name), ctx).facts.get("objective")
+    return obj.plan_terms(parts.options(ctx.cfg, "loss", name), ctx).facts.get("objective")
 
 
-def candidates(resolved, c: Constants) -> dict[str, list[str]]:
+def candidates(resolved, c: Constants, gpu: str | None = None, gpu_memory_bytes: int | None = None) -> dict:
     """kind -> the names search tries."""
+    hw, _ = gpu_for(c, gpu, gpu_memory_bytes)
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False,
+                  plan=shapes_and_context(resolved, c, hw)[1])
     out = {k: parts.names(k) for k in SEARCH_KINDS}
-    chosen = str(getattr(resolved.cfg.get("loss"), "name", parts.defaults()["loss"]))
-    want = _objective("loss", chosen, resolved, c)
-    out["loss"] = [n for n in out["loss"] if _objective("loss", n, resolved, c) == want]
+    want = _objective(str(getattr(resolved.cfg.get("loss"), "name", parts.defaults()["loss"])), ctx)
+    out["loss"] = [n for n in out["loss"] if _objective(n, ctx) == want]
     return out
 
 
@@ -115,7 +113,7 @@ def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, valid
     if plan_kwargs.get("calibration"):
         constants = constants.calibrated(plan_kwargs.pop("calibration"))
     plan_kwargs["constants"] = constants
-    names = candidates(resolved, constants)
+    names = candidates(resolved, constants, plan_kwargs.get("gpu"), plan_kwargs.get("gpu_memory_bytes"))
     counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
     rows = _fitting(raw, resolved, space, gpus, names, plan_kwargs, counts)
     out = []
