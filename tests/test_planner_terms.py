@@ -210,10 +210,11 @@ def test_user_loss_plan_terms_change_the_estimate(base, user_registry):
 
 
 def test_unknown_names_plan_as_the_defaults_with_warnings(base):
-    p = planner.plan(base, loss="nope", state="nada", recompute="never")
-    ref = planner.plan(base, loss="ce", state="fsdp2", recompute="selective")
+    p = planner.plan(base, loss="nope", state="nada", recompute="never", moe_chunk="chunk9")
+    ref = planner.plan(base, loss="ce", state="fsdp2", recompute="selective", moe_chunk="none")
     assert p.memory_bytes == ref.memory_bytes and p.time_s == ref.time_s
     assert p.warnings == ["recompute 'never' is unknown to the planner; estimated as selective.",
+                          "moe_chunk 'chunk9' is unknown to the planner; estimated as none.",
                           "state 'nada' is unknown to the planner; estimated as fsdp2.",
                           "loss 'nope' is unknown to the planner; estimated as ce (materialised logits)."]
 

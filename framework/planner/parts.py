@@ -15,8 +15,6 @@ from framework import registry
 from framework.contracts import PlanTerms
 
 DEFAULTS_PATH = registry.ROOT / "recipes" / "_defaults.yaml"
-# kinds whose unknown names are worth a warning (unknown moe.chunk and precision names plan as the default)
-WARN_KINDS = ("loss", "state", "recompute")
 
 
 @lru_cache(maxsize=None)
@@ -57,8 +55,7 @@ def ask(kind: str, name: str, ctx, warnings: list[str]) -> tuple[str, PlanTerms]
         return name, obj.plan_terms(options(ctx.cfg, kind, name), ctx)
     base = defaults()[kind]
     terms = component(kind, base).plan_terms(None, ctx)
-    if kind in WARN_KINDS:
-        summary = terms.facts.get("summary")
-        warnings.append(f"{kind} {name!r} is unknown to the planner; estimated as {base}"
-                        + (f" ({summary})." if summary else "."))
+    summary = terms.facts.get("summary")
+    warnings.append(f"{kind} {name!r} is unknown to the planner; estimated as {base}"
+                    + (f" ({summary})." if summary else "."))
     return base, terms
