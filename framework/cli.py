@@ -254,8 +254,9 @@ lists its options."""
 
 def apiary_parser():
     """One argparse parser, one subparser per command (plan, compare, launch add their own flags)."""
-    from framework import compare, launch_cli, plan_cli, warmup
+    from framework import compare, launch_cli, warmup
     from framework.argparsing import Parser
+    from toolkit import plan as plan_cli
 
     p = Parser(prog="apiary", description=APIARY_DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser, required=True)
@@ -305,7 +306,7 @@ def apiary_main(argv: list[str] | None = None) -> int:
         if cmd in ("plan", "compare", "launch", "warmup"):
             argparsing.finish(ns, extra, f"apiary {cmd}", ns.flags_hint, ns.flag_where)
             if cmd == "plan":
-                from framework.plan_cli import plan_args
+                from toolkit.plan import plan_args
 
                 return plan_args(ns)
             if cmd == "compare":

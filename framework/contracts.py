@@ -45,6 +45,7 @@ class Context:
     facts: Any = None  # the model's facts (components.models.common.ModelFacts) once known
     layout: Any = None  # framework.layout.Layout once derived
     for_training: bool = True  # False for print-only commands (--cfg, plan, show)
+    plan: Any = None  # a PlanContext while the planner asks plan_terms, else None
 
 
 @dataclass
@@ -72,7 +73,32 @@ class PlanTerms:
     # extra forward FLOPs as a fraction of a part's fwd+bwd FLOPs (recompute)
     extra_compute: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed as assumptions
-    facts: dict[str, Any] = field(default_factory=dict)  # kind-specific numbers the planner reads
+    # kind-specific numbers the planner reads: loss "objective" (--search varies the loss among
+    # those with the recipe's objective), "summary"; recompute "keep" (layer kind -> fraction of
+    # saved activations kept), "inputs_only", "forward_reruns"; state "comm" {name: seconds},
+    # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap"; precision its FP8 shares
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanContext:
+    """What the planner adds to ``Context`` (``ctx.plan``) when it asks ``plan_terms``: its
+    calibrated constants, the GPU and the shapes of the pipeline stage it is estimating.
+
+    ``plan_terms(options, ctx)`` gets ``options=None`` when the planner asks about a name the
+    recipe did not choose (``plan(loss=...)``, ``--search``): the component plans its defaults."""
+
+    constants: Any  # framework.planner.Constants, calibrated; components read their own constants by name
+    hw: Any  # framework.planner.Hardware of the planned GPU
+    tokens: float  # local tokens per microbatch on one rank (micro_batch x seq_len / cp, before TP)
+    micro_batch: int  # sequences per microbatch
+    split: dict  # parameters of the whole model: emb, head (+ final norm), dense_blocks, experts
+    counts: dict  # layers of each kind on one stage (attention, linear_attention, moe, mlp, norms)
+    grad_accum: int = 1  # gradient-accumulation micro-steps per optimizer step
+    first: bool = True  # the stage holds the embedding
+    last: bool = True  # the stage holds the LM head (and the loss)
+    earlier: dict = field(default_factory=dict)  # kind -> PlanTerms of the kinds planned before this one
+    link_bw: Any = None  # link_bw(group, stride) -> bytes/s of a collective over group ranks stride apart
 
 
 @runtime_checkable

@@ -41,8 +41,10 @@ def plan_recipe(family: str) -> tuple[str, int]:
 
 def show_hf(path: str, console) -> int:
     from framework import planner
-    from framework.plan_cli import _gib
     from framework.resolve import resolve
+
+    def _gib(b: float) -> str:  # GiB as `apiary plan` prints it
+        return f"{b / 2**30:,.2f}"
 
     p = Path(path)
     family, mt = family_for(p)

@@ -64,7 +64,7 @@ def _changes(p, r) -> list[str]:
 def cheapest_fits(r, recipe, overrides, kind, memory: int, n: int = 3) -> list[str]:
     """Up to ``n`` override sets from the planner's search that fit with the measured error to spare,
     fewest changed settings first, then fastest."""
-    from framework.plan_cli import search
+    from framework.planner import search
     from framework.resolve import resolve
 
     ovr = [o for o in overrides if not o.startswith(("preflight.", "output_dir=", "checkpoint.resume"))]

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from framework import planner
-from framework.plan_cli import parse_bytes, plan_main
+from toolkit.plan import parse_bytes, plan_main
 from framework.resolve import resolve
 
 GiB = 2**30

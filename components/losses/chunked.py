@@ -3,9 +3,12 @@ chunk with an immediate backward, so only [tokens / num_chunks, vocab] logits li
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from components.losses.ce import logits_plan_terms
+from framework.contracts import PlanTerms
 
 
 class ChunkedCrossEntropy:
@@ -27,3 +30,11 @@ class ChunkedCrossEntropy:
             num_chunks=opts.num_chunks,
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab_size),
         )
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """ce's logits terms for one chunk of the local tokens (``chunked_num_chunks`` when the
+        recipe's loss is not chunked); time ``loss_time_factor.chunked``."""
+        T = ctx.plan.tokens
+        n = int(getattr(opts, "num_chunks", 0) or 0) or int(ctx.plan.constants.chunked_num_chunks)
+        return logits_plan_terms(ctx, math.ceil(T / n), f"{T:,.0f} tokens / {n} chunks", "chunked")

@@ -28,7 +28,7 @@ Gradient placement: two paths.
 In the trainer the loss runs its backward at once (torchtitan's ChunkedLossWrapper protocol),
 so the forward and the backward run back to back anyway.
 
-Backends (``backend=``; details in _lm_head.py): "triton" = fused Triton kernels (the
+Backends (``backend=``; details in lm_head/engine.py): "triton" = fused Triton kernels (the
 statistics kernel keeps logit tiles on chip; the gradient kernel recomputes one vocabulary
 slice's logits and writes its dz into a bounded workspace, then cuBLAS runs dH += dz W and
 dW = dz^T h); "cublas" = cuBLAS writes fp32 logits of one vocabulary slice into the bounded
@@ -49,6 +49,7 @@ import torch
 
 from components.labels import IGNORE_INDEX
 from components.losses.lm_head import engine, fwdgrad, head_loss
+from framework.contracts import PlanTerms, Term
 
 
 
@@ -248,6 +249,11 @@ class LinearCrossEntropy:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
         check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
 
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """The fused LM head: no [tokens, vocab] logits (see ``fused_head_plan_terms``)."""
+        return fused_head_plan_terms(ctx, "cross_entropy")
+
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
     if logits_dtype not in fwdgrad.LOGITS_DTYPES:
@@ -272,3 +278,16 @@ def _linear_ce_head_loss(self, h, w, labels, global_valid_tokens):
         chunk_tokens=cfg.chunk_tokens, chunk_vocab=cfg.chunk_vocab, workspace_mb=cfg.workspace_mb,
         logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum)
     return loss if global_valid_tokens is None else loss / global_valid_tokens
+
+
+def fused_head_plan_terms(ctx, objective: str) -> PlanTerms:
+    """Planner terms of every loss on the fused LM-head engine (linear_ce and the policy losses):
+    one logits tile of the kernel and the fp32 gradient of the LM head's input; the loss layer
+    runs at ``loss_time_factor.linear_ce`` of its GEMM time."""
+    c, T, dim = ctx.plan.constants, ctx.plan.tokens, ctx.facts.dim
+    return PlanTerms(
+        memory=[Term("loss_tile", 1, c.linear_ce_tile_bytes, "loss", "one logits tile of the fused kernel"),
+                Term("loss_hidden_grad", T * dim, c.linear_ce_hidden_grad_bytes, "loss",
+                     f"{T:,.0f} tokens x dim {dim} x {c.linear_ce_hidden_grad_bytes:g} B")],
+        time_factor={"lm_head": float(c.loss_time_factor.get("linear_ce", c.loss_time_factor.get("ce", 1.65)))},
+        facts={"objective": objective})

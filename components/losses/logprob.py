@@ -1,6 +1,6 @@
 """Fused token log-probabilities (and entropy) for RL: ``token_logprobs(hidden, weight, labels)``
 gives log p(label) under softmax(hidden @ weight^T / temperature) without [tokens, vocab]
-logits, on the same engine and backends as linear_ce (``_lm_head``: Triton/cuBLAS vocabulary
+logits, on the same engine and backends as linear_ce (``lm_head.engine``: Triton/cuBLAS vocabulary
 slices in a bounded workspace on CUDA, chunked fp32 torch elsewhere).
 
 Per token with s = (h @ W^T) / T, lse = logsumexp(s):

@@ -29,6 +29,8 @@ from components.losses.fused_rl import FUSABLE, fused_policy_loss
 from components.losses.linear_ce import auto_backend, check_fwdgrad_options
 from components.losses.lm_head import engine, head_loss
 from components.losses.logprob import token_logprobs
+from components.losses.linear_ce import fused_head_plan_terms
+from framework.contracts import PlanTerms
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
 
@@ -80,6 +82,11 @@ class _Policy:
         hp = {f.name: getattr(opts, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
         head = {k: getattr(opts, k) for k in _HEAD_FIELDS}
         return policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
+
+    @classmethod
+    def plan_terms(cls, opts, ctx) -> PlanTerms:
+        """On the fused LM-head engine: planned as linear_ce; the objective is the loss's own."""
+        return fused_head_plan_terms(ctx, cls.objective)
 
 
 class GRPO(_Policy):

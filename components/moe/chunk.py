@@ -15,6 +15,7 @@ from __future__ import annotations
 from components.moe.auto_chunks import AUTO_MIN_EP  # noqa: F401  (framework/planner.py reads it from here)
 from components.moe.chunked_experts import use_chunked_experts
 from framework.errors import UserError
+from framework.contracts import PlanTerms
 
 
 def _check_comm(where: str, comm_backend: str) -> None:
@@ -34,6 +35,11 @@ class NoChunk:
     @staticmethod
     def check(comm_backend: str, where: str = "moe.chunk=none") -> None:
         return None
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
+        return PlanTerms(facts={"chunks": 1, "overlap": "none"})
 
 
 class Chunked:
@@ -55,6 +61,10 @@ class Chunked:
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
 
+    def plan_terms(self, opts, ctx) -> PlanTerms:
+        """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
+        return PlanTerms(facts={"chunks": self.num_chunks, "overlap": f"chunk{self.num_chunks}"})
+
 
 class AutoChunk:
     """Chunk count chosen per forward by ``components.moe.auto_chunks.auto_num_chunks`` (local
@@ -67,6 +77,12 @@ class AutoChunk:
     @staticmethod
     def check(comm_backend: str, where: str = "moe.chunk=auto") -> None:
         _check_comm(where, comm_backend)
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
+        all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
+        return PlanTerms(facts={"chunks": 2, "overlap": "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"})
 
 
 # registry.yaml targets: components.moe.chunk:chunk2 / chunk3 / chunk4 / AutoChunk

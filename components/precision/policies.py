@@ -41,6 +41,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from framework import devices
 from framework.errors import UserError
+from framework.contracts import PlanTerms, Term
 
 BACKENDS = ("torchao", "te")
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -85,6 +86,12 @@ class BF16:
     @staticmethod
     def apply(opts, spec, tt_config) -> None:
         _apply_compile(opts, tt_config)
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Every GEMM at the bf16 peak; nothing converted."""
+        return PlanTerms(notes=["precision bf16: every GEMM at bf16 peak"],
+                         facts={"dense_share": 0.0, "fp8_all_gather": False})
 
 
 def _apply_compile(opts, tt_config) -> None:
@@ -215,6 +222,37 @@ class FP8:
                 optimizers.register_step_post_hook(hook)
 
             spec.post_optimizer_build_fn = post_optimizer_build
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """The FP8 share of dense-block GEMMs (all but the routers) and of the expert GEMMs
+        (torchao with experts=true), at bf16 time x (1/``fp8_flops_ratio`` + cast overhead); one
+        block's FP8 weight copies; whether FSDP2 all-gathers the converted linears in FP8."""
+        opts = opts if opts is not None else FP8.Options()
+        c, f, lay, split = ctx.plan.constants, ctx.facts, ctx.layout, ctx.plan.split
+        # bf16 inside the blocks: the routers (dim x experts per MoE layer); norms are not GEMMs and are
+        # counted with the blocks but negligible
+        router = f.n_layers * f.dim * f.num_experts if f.num_experts else 0
+        dense = split["dense_blocks"]
+        dense_share = max(0.0, dense - router) / dense if dense else 0.0
+        experts = bool(f.num_experts) and bool(getattr(opts, "experts", True)) and str(opts.backend) == "torchao"
+        all_gather = FP8.fp8_all_gather(opts, ctx.cfg)
+        how = f"fp8 {opts.backend} {opts.scaling}"
+        over = c.fp8_cast_overhead_compiled if bool(getattr(opts, "compile", False)) else c.fp8_cast_overhead
+        factor = 1 / c.fp8_flops_ratio + over  # an FP8 GEMM's time over its bf16 time, casts included
+        share = {"dense": dense_share, "experts": 1.0 if experts else 0.0}
+        conv = split["dense_blocks"] / f.n_layers / lay.tp * dense_share + \
+            (split["experts"] / f.n_layers / max(lay.ep, 1) if experts else 0.0)
+        note = (f"precision {how}: FP8 GEMMs for {share['dense']:.0%} of dense-block and "
+                f"{share['experts']:.0%} of expert FLOPs at bf16 time x (1/{c.fp8_flops_ratio:g} + {over:g} casts) = "
+                f"x{factor:.2f}; LM head, attention, GatedDeltaNet in bf16; FSDP all-gather "
+                + ("FP8 for the converted linears" if all_gather else "bf16"))
+        return PlanTerms(
+            memory=[Term("fp8_weight_copies", conv, c.fp8_copy_bytes, "buffers",
+                         f"one block's FP8-converted params {conv / 1e6:,.1f}M x {c.fp8_copy_bytes:g} B "
+                         f"(FP8 weight + transposed copy; {how})")],
+            time_factor={k: (1 - s) + s * factor for k, s in share.items()},
+            notes=[note], facts={"dense_share": dense_share, "fp8_all_gather": all_gather})
 
 
 def _storage_owner(t):

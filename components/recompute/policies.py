@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from framework.contracts import PlanTerms
 
 
 class NoRecompute:
@@ -15,6 +16,12 @@ class NoRecompute:
     @staticmethod
     def ac_config(opts):
         return None
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Every saved activation kept; nothing rerun."""
+        keep = {k: 1.0 for k in ctx.plan.counts}
+        return PlanTerms(notes=["no extra compute"], facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
 
 
 class SelectiveRecompute:
@@ -28,6 +35,18 @@ class SelectiveRecompute:
     def ac_config(opts):
         return SelectiveAC.Config()
 
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Keeps ``selective_keep`` of each layer kind's saved activations (norm inputs, the
+        residual stream, all of them) and reruns ``selective_recompute_fraction`` of the forward GEMMs."""
+        c = ctx.plan.constants
+        keep = {k: float(c.selective_keep.get(k, 0.5)) for k in ctx.plan.counts}
+        keep["norms"] = 1.0
+        extra = c.selective_recompute_fraction / 3  # of fwd + bwd = 3 x fwd
+        return PlanTerms(extra_compute={"dense": extra, "experts": extra},
+                         notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
+                         facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
+
 
 class FullRecompute:
     """Keep only each block's input; rerun the whole block in backward."""
@@ -39,3 +58,11 @@ class FullRecompute:
     @staticmethod
     def ac_config(opts):
         return FullAC.Config()
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Keeps block inputs only; one more forward of every block (its collectives included)."""
+        keep = {k: 0.0 for k in ctx.plan.counts}
+        return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", "attention", "linear_attention")},
+                         notes=["+1 forward of every block (+1/3 of block FLOPs)"],
+                         facts={"keep": keep, "inputs_only": True, "forward_reruns": 1})

@@ -71,3 +71,16 @@ def torch_threads(n: int | None):
     finally:
         if n != old:
             torch.set_num_threads(old)
+
+
+def stage_params(ctx) -> tuple[float, float]:
+    """Planner: (dense, expert) parameters of the pipeline stage in ``ctx.plan`` (the embedding on
+    the first stage, the LM head on the last)."""
+    s, pp, pc = ctx.plan.split, ctx.layout.pp, ctx.plan
+    return s["dense_blocks"] / pp + (s["emb"] if pc.first else 0) + (s["head"] if pc.last else 0), s["experts"] / pp
+
+
+def step_params(ctx) -> tuple[float, float]:
+    """Planner: (dense, expert) parameters per stage that a step's gradient traffic moves."""
+    s, pp = ctx.plan.split, ctx.layout.pp
+    return (s["dense_blocks"] + s["emb"] + s["head"]) / pp, s["experts"] / pp

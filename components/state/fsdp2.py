@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from components.state.common import check_threads
+from components.state.common import check_threads, stage_params, step_params
 from components.state.offload import HostOptimizers
+from framework.contracts import PlanTerms, Term
 
 
 class FSDP2:
@@ -46,3 +47,62 @@ class FSDP2:
                 optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
                 threads=int(opts.offload_threads),
             )
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """Parameters (``fsdp2_param_bytes``), fp32 gradients and optimizer states sharded over
+        dp_shard x cp x tp (none on the GPU with offload=all); the all-gather buffers of the
+        largest unit plus prefetched blocks (converted linears in FP8 where precision says so),
+        the reduce-scatter buffer; all-gather fwd + bwd and reduce-scatter traffic per step."""
+        c, f, lay, pc = ctx.plan.constants, ctx.facts, ctx.layout, ctx.plan
+        dps, cp, ep, tp = lay.dp_shard, lay.cp, lay.ep, lay.tp
+        fp8 = pc.earlier["precision"].facts if "precision" in pc.earlier else {}
+        dense_stage, exp_stage = stage_params(ctx)
+        offload = opts is not None and str(opts.offload) == "all"
+        shard = dps * cp * tp
+        local = (dense_stage + exp_stage) / shard
+        pb, gb, ob = c.fsdp2_param_bytes, c.fsdp2_grad_bytes, c.master_bytes + c.adam_bytes
+        how = f"stage params / {shard} (dp_shard x cp x tp" + (
+            f"; experts over ep {ep} x efsdp {shard // ep})" if f.num_experts else ")")
+        gone = 0.0 if offload else 1.0
+        mem = [Term("parameters", local * gone, pb, "static", f"{how} x {pb:g} B"),
+               Term("gradients", local * gone, gb, "static", f"{how} x {gb:g} B"),
+               Term("optimizer_states", local * gone, ob, "static", f"{how} x {ob:g} B (master + Adam)"
+                    + (" (offloaded to CPU)" if offload else ""))]
+        # buffers: the embedding and the lm_head are never gathered together; the prefetched neighbour is a block
+        split = pc.split
+        block = split["dense_blocks"] / f.n_layers / tp + split["experts"] / f.n_layers / max(ep, 1)
+        units = [max([block] + ([split["emb"] / tp] if pc.first else []) + ([split["head"] / tp] if pc.last else []))]
+        units += [block] * (max(1, int(c.fsdp_allgather_units)) - 1)
+        k = max(1, int(c.fsdp_allgather_units))
+        ag = c.fsdp_allgather_bytes
+        if fp8.get("fp8_all_gather"):  # the block's converted dense linears arrive in FP8
+            dense_block = split["dense_blocks"] / f.n_layers / tp
+            ag_block = (block - dense_block * fp8["dense_share"]) * ag + dense_block * fp8["dense_share"] * \
+                c.fp8_allgather_bytes
+            units_b = [u * ag if u != block else ag_block for u in units[:k]]
+            mem.append(Term("fsdp_allgather", 1, sum(units_b), "buffers",
+                            f"largest unit + {k - 1} prefetched block(s), converted dense linears in FP8 "
+                            f"({c.fp8_allgather_bytes:g} B) and the rest at {ag:g} B"))
+        else:
+            mem.append(Term("fsdp_allgather", sum(units[:k]), c.fsdp_allgather_bytes, "buffers",
+                            f"largest unit + {k - 1} prefetched block(s) ({' + '.join(f'{u / 1e6:,.0f}M' for u in units[:k])} "
+                            f"params per rank) "
+                            f"x {c.fsdp_allgather_bytes:g} B"))
+        rb = c.fsdp_unsharded_grad_bytes + c.fsdp_reduce_bytes
+        mem.append(Term("fsdp_reduce_scatter", units[0], rb, "buffers",
+                        f"largest unit {units[0] / 1e6:,.0f}M params x ({c.fsdp_unsharded_grad_bytes:g} B grad + "
+                        f"{c.fsdp_reduce_bytes:g} B fp32 reduce input)"))
+        # traffic per optimizer step: all-gather fwd, all-gather bwd, reduce-scatter
+        dense_t, exp_t = step_params(ctx)
+        s_d, s_e = dps * cp, dps * cp * tp // max(ep, 1)
+        per = 2 * c.fsdp_allgather_bytes + c.fsdp_reduce_bytes
+        per_d = per
+        if fp8.get("fp8_all_gather"):  # converted dense linears all-gather 1 B/element
+            sh = fp8["dense_share"] * split["dense_blocks"] / lay.pp / dense_t if dense_t else 0.0
+            per_d = per - 2 * sh * (c.fsdp_allgather_bytes - c.fp8_allgather_bytes)
+        vol_d = pc.grad_accum * dense_t / tp * per_d * (s_d - 1) / s_d if s_d > 1 else 0.0
+        vol_e = pc.grad_accum * exp_t / ep * per * (s_e - 1) / s_e if s_e > 1 else 0.0
+        comm = vol_d / pc.link_bw(s_d, tp) + vol_e / pc.link_bw(s_e, ep)
+        return PlanTerms(memory=mem, facts={"comm": {"fsdp": comm}, "overlap": {"fsdp": c.fsdp_overlap},
+                                            "label": "FSDP"})

@@ -47,8 +47,9 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from components.state.common import check_threads, host_threads, local, materialize_state, torch_threads
+from components.state.common import check_threads, host_threads, local, materialize_state, torch_threads, stage_params, step_params
 from framework import devices
+from framework.contracts import PlanTerms, Term
 
 _REDUCE = ("reduce_scatter", "all_reduce")
 
@@ -103,6 +104,32 @@ class Zero1:
             param_dtype=tt_config.training.mixed_precision_param,
             reduce_dtype=tt_config.training.mixed_precision_reduce,
         )
+
+    @staticmethod
+    def plan_terms(opts, ctx) -> PlanTerms:
+        """bf16 parameters and fp32 gradients at the EP/TP layout (``zero1_*_bytes``), master +
+        Adam sharded over DP x CP x TP, two gradient buckets; reduce-scatter + all-gather of the
+        gradients / parameters over the whole data-parallel group per step."""
+        c, lay, pc = ctx.plan.constants, ctx.layout, ctx.plan
+        dpr, dps, cp, ep, tp = lay.dp_replicate, lay.dp_shard, lay.cp, lay.ep, lay.tp
+        dense_stage, exp_stage = stage_params(ctx)
+        local = dense_stage / tp + exp_stage / ep
+        opt_local = dense_stage / (tp * dpr * dps * cp) + exp_stage / (dpr * dps * cp * tp)
+        pb, gb, how = c.zero1_param_bytes, c.zero1_grad_bytes, f"dense/{tp} (TP) + experts/{ep} (EP)"
+        ob = c.master_bytes + c.adam_bytes
+        mem = [Term("parameters", local, pb, "static", f"stage params {how} x {pb:g} B"),
+               Term("gradients", local, gb, "static", f"stage params {how} x {gb:g} B"),
+               Term("optimizer_states", opt_local, ob, "static",
+                    f"stage params / (DP x CP x TP = {dpr * dps * cp * tp}) x {ob:g} B (master + Adam)"),
+               Term("grad_buckets", 2 * c.zero1_bucket_params, 4.0, "buffers",
+                    f"2 buckets x {c.zero1_bucket_params:,.0f} params x 4 B")]
+        dense_t, exp_t = step_params(ctx)
+        s_d, s_e = dpr * dps * cp, dpr * dps * cp * tp // max(ep, 1)
+        vol_d = dense_t / tp * (4 + 2) * (s_d - 1) / s_d
+        vol_e = exp_t / ep * (4 + 2) * (s_e - 1) / s_e if s_e > 1 else 0.0
+        comm = vol_d / pc.link_bw(s_d, tp) + vol_e / pc.link_bw(s_e, ep)
+        return PlanTerms(memory=mem, facts={"comm": {"zero1": comm}, "overlap": {"zero1": c.zero1_overlap},
+                                            "label": "ZeRO-1"})
 
 
 # --------------------------------------------------------------------------------------

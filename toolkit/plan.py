@@ -21,11 +21,19 @@ from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
-from framework.errors import UserError
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
-SEARCH_RECOMPUTE = ("none", "selective", "full")
-SEARCH_LOSS = ("ce", "chunked", "linear_ce")
-SEARCH_STATE = ("fsdp2", "zero1")
+from framework import argparsing, planner, recipes
+from framework.argparsing import Parser, overrides_arg
+from framework.cli import _fail
+from framework.errors import UserError
+from framework.layout import derive
+from framework.planner import Constants, search
+from framework.resolve import resolve
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -71,8 +79,6 @@ def _top(val: str) -> int:
 
 def add_arguments(p) -> None:
     """`apiary plan`'s flags; everything else is a positional k=v (planner settings or recipe overrides)."""
-    from framework.argparsing import overrides_arg
-
     overrides_arg(p, "recipe=NAME gpus=N gpu_memory=80GiB gpu=H100|H200 gpus_per_node=N calib.CONSTANT=V "
                      "calibration=FILE and recipe overrides (key=value, group=option, +key=value, ~key)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -83,8 +89,6 @@ def add_arguments(p) -> None:
 
 
 def parser():
-    from framework.argparsing import Parser
-
     p = Parser(prog="apiary plan", description=__doc__, flags_hint=FLAGS_HINT)
     add_arguments(p)
     return p
@@ -112,8 +116,6 @@ def _split(ns):
             path = Path(val)
             if not path.is_file():
                 raise UserError(a, f"no file at {path}.", "Give a JSON or YAML file of {constant: value}.")
-            import yaml
-
             data = yaml.safe_load(path.read_text()) or {}
             if not isinstance(data, dict):
                 raise UserError(a, "must hold a mapping of planner constants to values.")
@@ -127,133 +129,53 @@ def _split(ns):
 # dims: the rules and what each must satisfy
 
 
+# derive's refusals that name the whole layout, by the start of their reason -> the rows they break
+_PRODUCTS = {"dp_replicate x tp x pp": {"dp_replicate", "tp"}, "dp_replicate x dp_shard": {"dp_shard"},
+             "the table's EP": {"ep"}}
+
+
+def violated(layout, facts, cfg) -> set[str]:
+    """The dims framework.layout.derive refuses for ``layout`` given as-is (none for a derived
+    layout; derive reports the first rule broken)."""
+    par = SimpleNamespace(**{k: cfg.parallel[k] for k in cfg.parallel})
+    for dim, value in layout.dims.items():
+        setattr(par, dim, value)
+    try:
+        derive(par, cfg.training, cfg.layout, facts, layout.world_size)
+    except UserError as e:
+        key = e.where.split("=", 1)[0].removeprefix("parallel.")
+        if key in layout.dims:
+            return {key}
+        return next((dims for start, dims in _PRODUCTS.items() if e.reason.startswith(start)), set(layout.dims))
+    return set()
+
+
 def constraints(layout, facts, cfg) -> dict[str, str]:
+    """What each dim must satisfy, with its numbers; ok / VIOLATED as framework.layout.derive says."""
     W, dpr, dps, cp, ep, pp, tp = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp,
                                    layout.ep, layout.pp, layout.tp)
     seq = int(cfg.training.seq_len)
     split = 2 * cp * (tp if tp > 1 else 1)
     room = W // (dpr * tp * pp)
     ep_space = dps * cp * tp
+    bad = violated(layout, facts, cfg)
 
-    def ok(b):
-        return "ok" if b else "VIOLATED"
+    def ok(dim):
+        return "VIOLATED" if dim in bad else "ok"
     out = {
-        "dp_replicate": f"HSDP replicas; dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok(W % (dpr * tp * pp) == 0)}",
-        "tp": f"dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok(W % (dpr * tp * pp) == 0)}",
-        "pp": f"divides the {facts.n_layers} layers: {ok(pp == 1 or facts.n_layers % pp == 0)}",
+        "dp_replicate": f"HSDP replicas; dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok('dp_replicate')}",
+        "tp": f"dp_replicate x tp x pp = {dpr * tp * pp} divides world {W}: {ok('tp')}",
+        "pp": f"divides the {facts.n_layers} layers: {ok('pp')}",
         "cp": (f"seq {seq} divisible by 2 x cp{' x tp' if tp > 1 else ''} = {split}: "
-               f"{ok(cp == 1 or seq % split == 0)}; divides the {room} ranks left after dp_replicate x tp x pp: "
-               f"{ok(room % cp == 0)}; {seq // cp:,} tokens per GPU"),
+               f"{ok('cp')}; divides the {room} ranks left after dp_replicate x tp x pp: "
+               f"{ok('cp')}; {seq // cp:,} tokens per GPU"),
         "dp_shard": (f"dp_replicate x dp_shard x cp x tp x pp = {dpr * dps * cp * tp * pp} = world {W}: "
-                     f"{ok(dpr * dps * cp * tp * pp == W)}"),
-        "ep": (f"divides dp_shard x cp x tp = {ep_space}: {ok(ep_space % ep == 0)}; divides the "
-               f"{facts.num_experts} experts: {ok(facts.num_experts % ep == 0)}" if facts.num_experts
+                     f"{ok('dp_shard')}"),
+        "ep": (f"divides dp_shard x cp x tp = {ep_space}: {ok('ep')}; divides the "
+               f"{facts.num_experts} experts: {ok('ep')}" if facts.num_experts
                else "dense model: 1"),
     }
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# search
-
-
-def _registered(kind: str) -> set[str]:
-    from framework import registry
-
-    try:
-        return set(registry.names(kind))
-    except KeyError:
-        return set()
-
-
-def _around(base: int, lo_factor: int, hi_factor: int) -> list[int]:
-    vals, v = [], max(1, base // lo_factor)
-    while v <= base * hi_factor:
-        vals.append(v)
-        v *= 2
-    return sorted(set(vals + [base]))
-
-
-def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, validate=True) -> dict:
-    """Enumerate (ep, cp, pp, tp, recompute, loss, state) around ``resolved``'s layout.
-
-    Each layout is checked with the same derivation ``resolve`` uses (framework.layout); the
-    fastest rows that fit are then re-checked by ``resolve`` itself with the override list
-    shown in the table (a row it rejects is dropped). Returns {"rows", "counts"}.
-    """
-    from framework import planner, recipes
-    from framework.layout import check_batch, derive
-    from framework.resolve import Resolved, resolve
-
-    plan_kwargs = dict(plan_kwargs or {})
-    raw = recipes.load(recipe, overrides)  # un-derived: unset dims stay None
-    f, lay = resolved.facts, resolved.layout
-    fixed = {k.split("=", 1)[0].split(".", 1)[1] for k in overrides if k.startswith("parallel.") and "=" in k}
-    base = lay.dims
-    space = {
-        "ep": [e for e in _around(base["ep"], 4, 4) if not f.num_experts or f.num_experts % e == 0]
-        if f.num_experts else [1],
-        "cp": _around(base["cp"], 2, 2),
-        "pp": sorted({1, 2, base["pp"]}),
-        "tp": sorted({1, 2, base["tp"]}),
-    }
-    for d in fixed & set(space):
-        space[d] = [base[d]]
-    constants = planner.Constants()
-    if plan_kwargs.get("calibration"):
-        constants = constants.calibrated(plan_kwargs.pop("calibration"))
-    plan_kwargs["constants"] = constants
-    reg = {"loss": _registered("loss"), "state": _registered("state"), "recompute": _registered("recompute")}
-    counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
-    rows = []
-    for ep in space["ep"]:
-        for cp in space["cp"]:
-            for pp in space["pp"]:
-                for tp in space["tp"]:
-                    counts["layouts"] += 1
-                    par = SimpleNamespace(**{k: raw.parallel[k] for k in raw.parallel})
-                    par.ep, par.cp, par.pp, par.tp = ep, cp, pp, tp
-                    try:
-                        layout = derive(par, raw.training, raw.layout, f, gpus)
-                        ga = check_batch(raw.training, layout)
-                    except UserError:
-                        counts["invalid_layouts"] += 1
-                        continue
-                    r = Resolved(cfg=resolved.cfg, facts=f, layout=layout, grad_accum=ga)
-                    for rc in SEARCH_RECOMPUTE:
-                        for loss in SEARCH_LOSS:
-                            for state in SEARCH_STATE:
-                                counts["plans"] += 1
-                                p = planner.plan(r, loss=loss, state=state, recompute=rc, **plan_kwargs)
-                                if not p.fits:
-                                    counts["oom"] += 1
-                                    continue
-                                rows.append((p, dict(ep=ep, cp=cp, pp=pp, tp=tp), dict(recompute=rc, loss=loss,
-                                                                                       state=state)))
-    rows.sort(key=lambda x: (-x[0].tokens_per_s_per_gpu, x[0].total_bytes))
-    out = []
-    for p, dims, choice in rows:
-        if len(out) >= top:
-            break
-        set_keys = {f"parallel.{d}" for d in dims} | set(choice)
-        ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
-        ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
-        unregistered = [f"{k}={v}" for k, v in choice.items() if v not in reg[k]]
-        ovr += [f"{k}={v}" for k, v in choice.items() if v in reg[k]]
-        if validate:
-            try:
-                resolve(recipe, ovr, world_size=gpus, for_training=False)
-            except UserError:
-                counts["rejected_by_resolve"] += 1
-                continue
-        out.append({
-            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(resolved.cfg.training.seq_len) // dims["cp"],
-            "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
-            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
-            "overrides": ovr, "not_in_registry": unregistered,
-        })
-    counts["fit"] = len(rows)
-    return {"rows": out, "counts": counts}
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,10 +187,6 @@ def _gib(b: float) -> str:
 
 
 def _print_plan(console, r, p, rules_constraints) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-    from rich.text import Text
-
     f, lay = r.facts, r.layout
     console.print(f"[bold]apiary plan[/bold] {escape(r.cfg.recipe)}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
                   f"{f.n_active_params / 1e9:,.2f}B active), seq {r.cfg.training.seq_len:,}, local_batch "
@@ -309,9 +227,6 @@ def _print_plan(console, r, p, rules_constraints) -> None:
 
 
 def _print_search(console, res) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
     c = res["counts"]
     t = Table(title=f"--search: {c['layouts']} layouts ({c['invalid_layouts']} invalid), {c['plans']} plans, "
                     f"{c['oom']} OOM dropped, {c['fit']} fit; ranked by estimated time per token")
@@ -331,11 +246,6 @@ def _print_search(console, res) -> None:
 
 
 def _print_constants(console) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from framework.planner import Constants
-
     c = Constants()
     t = Table(title="planner constants (override with calib.NAME=VALUE or calibration=FILE)")
     for col in ("name", "value", "why"):
@@ -348,9 +258,6 @@ def _print_constants(console) -> None:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    from framework import argparsing
-    from framework.cli import _fail
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns, code = argparsing.run(parser(), argv, where="argument {flag}")
@@ -362,19 +269,12 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 
 def plan_args(ns) -> int:
-    from rich.console import Console
-
-    from framework.cli import _fail
-
     console = Console(highlight=False, soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
     try:
         opts, calibration, overrides = _split(ns)
         if opts["constants"]:
             _print_constants(console)
             return 0
-        from framework import planner, recipes
-        from framework.resolve import resolve
-
         if calibration:
             planner.Constants().calibrated(calibration)  # unknown constants fail before resolving
         recipe = opts["recipe"]

@@ -1,0 +1,181 @@
+"""``plan``: per-GPU memory and step time of a resolved recipe, from the model's shapes and the
+chosen components' ``plan_terms`` (framework.planner.parts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from framework.contracts import Context, PlanContext
+from framework.errors import UserError
+from framework.planner import parts
+from framework.planner.constants import GiB, Constants, Hardware
+from framework.planner.memory import Shapes, Term, stage_terms
+from framework.planner.time import StepInputs, link_bw, step_time
+
+@dataclass
+class Plan:
+    dims: dict[str, int]
+    memory_bytes: dict[str, int]
+    total_bytes: int
+    gpu_memory_bytes: int
+    fits: bool
+    verdict: str  # fits | tight | OOM
+    headroom_bytes: int
+    step_time_s: float
+    tflops_per_gpu: float
+    tokens_per_s_per_gpu: float
+    assumptions: list[str]
+    terms: list[Term] = field(default_factory=list)
+    time_s: dict[str, float] = field(default_factory=dict)  # compute and exposed comm by part
+    choices: dict[str, Any] = field(default_factory=dict)  # gpu, loss, state, recompute, moe_chunk, stage
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def torch_reserved_bytes(self) -> int:
+        """What torch.cuda.max_memory_reserved should read: total less the non-torch reserve."""
+        return self.total_bytes - self.memory_bytes.get("cuda_context_nccl", 0)
+
+    def to_json(self) -> dict:
+        return {
+            "dims": self.dims, "memory_bytes": self.memory_bytes, "total_bytes": self.total_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits, "verdict": self.verdict,
+            "headroom_bytes": self.headroom_bytes, "step_time_s": self.step_time_s,
+            "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "torch_reserved_bytes": self.torch_reserved_bytes, "choices": self.choices,
+            "time_s": self.time_s, "assumptions": self.assumptions, "warnings": self.warnings,
+            "terms": [{"name": t.name, "count": t.count, "bytes_per": t.bytes_per, "bytes": t.bytes,
+                       "group": t.group, "formula": t.formula} for t in self.terms],
+        }
+
+
+
+
+def constants_for(constants: Constants | None, calibration: dict | None, gpus_per_node: int | None) -> Constants:
+    c = constants or Constants()
+    if calibration:
+        c = c.calibrated(calibration)
+    if gpus_per_node is not None:
+        if int(gpus_per_node) < 1:
+            raise UserError(f"gpus_per_node={gpus_per_node}", "must be >= 1.")
+        c = replace(c, gpus_per_node=int(gpus_per_node))
+    return c
+
+
+def gpu_for(c: Constants, gpu: str | None, gpu_memory_bytes: int | None) -> tuple[Hardware, int]:
+    """The GPU kind (by memory when not named: above 100 GiB an H200) and the memory to fit."""
+    if gpu is None:
+        gpu = "H200" if gpu_memory_bytes is not None and gpu_memory_bytes > 100 * GiB else "H100"
+    hw = c.gpu(gpu)
+    return hw, int(gpu_memory_bytes if gpu_memory_bytes is not None else hw.hbm_bytes)
+
+
+def choices(cfg, **chosen: str | None) -> dict[str, str]:
+    """kind -> name: the argument when given, else the recipe's choice, else the defaults'."""
+    def name(kind):
+        node = cfg.get(kind)
+        return str(getattr(node, "name", parts.defaults()[kind])) if node is not None else parts.defaults()[kind]
+    out = {k: v or name(k) for k, v in chosen.items() if k != "moe_chunk"}
+    out["moe_chunk"] = chosen.get("moe_chunk") or str(cfg.moe.chunk)
+    return out
+
+
+def shapes_and_context(resolved, c: Constants, hw: Hardware) -> tuple[Shapes, PlanContext]:
+    """The model's shapes on this layout, and what plan_terms get as ``ctx.plan`` (stage: the only one)."""
+    sh = Shapes.of(resolved, c)
+    return sh, PlanContext(constants=c, hw=hw, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts,
+                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node))
+
+
+@dataclass
+class Asked:
+    """The planned name and terms of each kind (for the memory of each stage and the step time)."""
+
+    names: dict[str, str]
+    terms: dict[str, Any] = field(default_factory=dict)
+
+
+def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list[str]) -> Asked:
+    """precision, recompute and moe_chunk once; the state backend per stage (see stage_memory)."""
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc)
+    prec_name = str(getattr(resolved.cfg.get("precision"), "name", parts.defaults()["precision"]))
+    asked = Asked(names=dict(ch))
+    asked.names["precision"], asked.terms["precision"] = parts.ask("precision", prec_name, ctx, warnings)
+    asked.names["recompute"], asked.terms["recompute"] = parts.ask("recompute", ch["recompute"], ctx, warnings)
+    asked.terms["moe_chunk"] = parts.ask("moe_chunk", ch["moe_chunk"], ctx, warnings)[1]
+    return asked
+
+
+def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: list[str]):
+    """(peak stage's name, its terms, the last stage's state and loss terms)."""
+    pp = sh.lay.pp
+    specs = {"only": (True, True, 1)} if pp == 1 else \
+        {"first": (True, False, min(pp, sh.n_mb)), "last": (False, True, 1)}
+    stages, last = {}, {}
+    for stage, (first, is_last, in_flight) in specs.items():
+        spc = replace(pc, first=first, last=is_last, earlier={"precision": asked.terms["precision"]})
+        ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=spc)
+        state = parts.ask("state", asked.names["state"], ctx, warnings)[1]
+        loss = parts.ask("loss", asked.names["loss"], ctx, warnings)[1] if is_last else None
+        stages[stage] = stage_terms(sh, state=state, recompute=asked.names["recompute"],
+                                    rec=asked.terms["recompute"], chunking=asked.terms["moe_chunk"],
+                                    precision=asked.terms["precision"], loss=loss, in_flight=in_flight)
+        if is_last:
+            last = {"state": state, "loss": loss}
+    stage, terms = max(stages.items(), key=lambda kv: sum(x.bytes for x in kv[1]))
+    return stage, terms, last
+
+
+def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = None,
+         gpus_per_node: int | None = None, calibration: dict | None = None, constants: Constants | None = None,
+         loss: str | None = None, state: str | None = None, recompute: str | None = None,
+         moe_chunk: str | None = None) -> Plan:
+    """Estimate per-GPU memory and step time for ``resolved`` (framework.resolve.Resolved).
+
+    ``loss`` / ``state`` / ``recompute`` / ``moe_chunk`` override the recipe's choice by registry
+    name; a name that is not registered (or has no ``plan_terms``) is planned as the defaults'
+    choice of its kind, with a warning.
+    """
+    c = constants_for(constants, calibration, gpus_per_node)
+    hw, mem_cap = gpu_for(c, gpu, gpu_memory_bytes)
+    cfg, f, lay = resolved.cfg, resolved.facts, resolved.layout
+    ch = choices(cfg, loss=loss, state=state, recompute=recompute, moe_chunk=moe_chunk)
+    sh, pc = shapes_and_context(resolved, c, hw)
+    warnings = list(sh.warnings)
+    asked = ask_components(resolved, ch, pc, warnings)
+    rc = asked.names["recompute"]
+    stage, terms, last = stage_memory(resolved, sh, asked, pc, warnings)
+    warnings[:] = list(dict.fromkeys(warnings))  # each stage may have said the same
+    memory = {t.name: t.bytes for t in terms}
+    total = sum(memory.values())
+    headroom = mem_cap - total
+    verdict = "OOM" if headroom < 0 else ("tight" if headroom < c.tight_fraction * mem_cap else "fits")
+
+    st = step_time(StepInputs(sh=sh, hw=hw, names={**ch, "recompute": rc}, recompute=asked.terms["recompute"],
+                              loss=last["loss"], state=last["state"], chunking=asked.terms["moe_chunk"],
+                              precision=asked.terms["precision"]))
+    step = sum(st.time_s.values())
+    W, dpr, dps, cp, ep, pp, tp = lay.world_size, lay.dp_replicate, lay.dp_shard, lay.cp, lay.ep, lay.pp, lay.tp
+    assumptions = [
+        f"GPU {hw.name}: {hw.bf16_dense_flops / 1e12:.0f} TFLOP/s bf16 dense, memory {mem_cap / GiB:.1f} GiB, "
+        f"HBM {hw.hbm_bw / 1e12:.2f} TB/s; NVLink {hw.nvlink_bw / 1e9:.0f} GB/s collectives, "
+        f"{hw.nvlink_alltoall_bw / 1e9:.0f} GB/s all-to-all; IB {hw.ib_bw / 1e9:.0f} / "
+        f"{hw.ib_alltoall_bw / 1e9:.0f} GB/s per GPU; {c.gpus_per_node} GPUs per node",
+        f"local tokens {sh.T:,.0f} per microbatch (micro batch {sh.mb} x seq {sh.seq} / cp {cp}), {sh.Tt:,.0f} per rank "
+        f"after TP {tp}; peak stage: {stage}",
+        f"state {ch['state']}, recompute {rc}, loss {ch['loss']}, moe.chunk {ch['moe_chunk']}",
+        *st.assumptions,
+        f"reserve: fragmentation {c.fragmentation_fraction:.0%} of allocated, CUDA context + NCCL "
+        f"{(c.cuda_context_bytes + c.nccl_bytes) / GiB:.1f} GiB; verdict 'tight' under "
+        f"{c.tight_fraction:.0%} headroom",
+        "memory constants are engineering estimates not yet compared with measured GPU peaks; the compute "
+        "efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to apiary runs",
+    ]
+    return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
+                memory_bytes=memory, total_bytes=total, gpu_memory_bytes=mem_cap, fits=verdict != "OOM",
+                verdict=verdict, headroom_bytes=headroom, step_time_s=step,
+                tflops_per_gpu=st.model_flops_gpu / step / 1e12 if step else 0.0,
+                tokens_per_s_per_gpu=st.tokens_step / W / step if step else 0.0, assumptions=assumptions,
+                terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
+                                                        "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},
+                warnings=warnings)

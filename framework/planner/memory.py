@@ -1,0 +1,213 @@
+"""Per-GPU memory of one pipeline stage: shapes of the model, then a list of named terms.
+
+Terms, in order: the state backend's static state; activations kept for backward (as the
+recompute component says); the backward working set of one block; MoE dispatch/combine
+buffers (per the moe_chunk component's chunk count); the precision's buffers; the loss's terms
+(last stage); the state backend's buffers; CP buffers; the reserve (fragmentation, CUDA context
+and NCCL). The components' terms come from their ``plan_terms``; the rest is model shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.contracts import PlanTerms
+from framework.planner.constants import GiB, Constants
+
+
+@dataclass
+class Term:
+    """One memory term: ``count`` elements (or units) of ``bytes_per`` bytes each."""
+
+    name: str
+    count: float
+    bytes_per: float
+    group: str  # static | activations | loss | buffers | reserve
+    formula: str
+
+    @property
+    def bytes(self) -> int:
+        return int(round(self.count * self.bytes_per))
+
+    @classmethod
+    def of(cls, t) -> "Term":
+        """A component's ``framework.contracts.Term``."""
+        return cls(t.name, t.count, t.bytes_per, t.category, t.how)
+
+
+# --------------------------------------------------------------------------------------------
+# shapes
+
+
+def per_token_saved(f, cp: int) -> dict[str, float]:
+    """Activation elements one token saves for backward in one layer of each kind (no recompute),
+    before the TP split; ``norms``: the two RMSNorm inputs every layer saves (2 x dim)."""
+    d = f.dim
+    q, kv = f.n_heads * f.head_dim, f.n_kv_heads * f.head_dim
+    out = {
+        # q/k/v projection input; q and k before and after q/k-norm + RoPE; v; the K,V of the other
+        # CP ranks that attention saves (all-gather CP); attention output and o_proj input
+        # (output gate / reshape); fp32 log-sum-exp per head.
+        "attention": d + 2 * q + 3 * kv + 2 * kv * (cp - 1) + 2 * q + 2 * f.n_heads,
+        # router/expert input; fp32 router logits and probabilities; permuted expert input and
+        # combine input [top_k, dim]; w1, w3 outputs and their product [top_k, hidden]; shared
+        # expert w1, w3, product; the shared-expert gate.
+        "moe": d + 4 * f.num_experts + 2 * f.top_k * d + 3 * f.top_k * f.moe_hidden_dim
+        + 3 * f.shared_expert_hidden_dim + 1,
+        "mlp": d + 3 * f.ffn_hidden_dim,  # input; w1, w3 outputs and their product (SwiGLU)
+        "linear_attention": 0.0,
+    }
+    la = f.linear_attn or {}
+    if la:
+        kd, vd, hv = la["key_dim"], la["value_dim"], la["value_heads"]
+        # input; q,k,v before and after the causal conv (+SiLU); l2-normed q,k; the output gate z;
+        # fp32 beta and decay per value head; core output and gated-norm output (o_proj input).
+        out["linear_attention"] = d + 2 * (2 * kd + vd) + 2 * kd + vd + 4 * hv + 2 * vd
+    out["norms"] = 2 * d
+    return out
+
+
+def layer_counts(f, pp: int) -> dict[str, float]:
+    """Layers of each kind on one pipeline stage (fractions when pp does not split kinds evenly).
+    MoE models are taken as MoE in every layer, dense models as dense MLP in every layer."""
+    n = f.n_layers / pp
+    moe = f.num_experts > 0
+    return {"attention": f.n_attention_layers / pp, "linear_attention": f.n_linear_attention_layers / pp,
+            "moe": n if moe else 0.0, "mlp": 0.0 if moe else n, "norms": n}
+
+
+def param_split(f, c: Constants) -> dict[str, float]:
+    emb = f.vocab_size * f.dim
+    head = 0 if c.tied_embeddings else emb
+    blocks = max(0.0, f.n_params - emb - head - f.dim)
+    experts = min(float(f.n_expert_params), blocks)
+    return {"emb": emb, "head": head + f.dim, "dense_blocks": blocks - experts, "experts": experts}
+
+
+@dataclass
+class Shapes:
+    """What the memory and time estimates share: the model, layout and token counts of one rank."""
+
+    f: object  # ModelFacts
+    lay: object  # Layout
+    c: Constants
+    seq: int
+    local_batch: int
+    mb: int  # sequences per microbatch
+    n_mb: int  # microbatches per micro-step (PP)
+    grad_accum: int
+    counts: dict[str, float]
+    saved: dict[str, float]
+    split: dict[str, float]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def T(self) -> float:
+        """Local tokens per microbatch on one rank (before the sequence-parallel split)."""
+        return self.mb * self.seq / self.lay.cp
+
+    @property
+    def Tt(self) -> float:
+        """Per rank after TP (sequence parallel)."""
+        return self.T / self.lay.tp
+
+    @classmethod
+    def of(cls, resolved, c: Constants) -> "Shapes":
+        cfg, f, lay = resolved.cfg, resolved.facts, resolved.layout
+        seq, lb, pp = int(cfg.training.seq_len), int(cfg.training.local_batch), lay.pp
+        warnings = []
+        if pp > 1:
+            mb = int(getattr(cfg.parallel, "pp_microbatch_size", 1) or 1)
+            n_mb = max(1, lb // mb)
+            if n_mb < pp:
+                warnings.append(f"PP {pp} with {n_mb} microbatch(es) per step (local_batch {lb} / "
+                                f"pp_microbatch_size {mb}): the pipeline bubble is {pp - 1}/{n_mb + pp - 1} of the step.")
+        else:
+            mb, n_mb = lb, 1
+        return cls(f=f, lay=lay, c=c, seq=seq, local_batch=lb, mb=mb, n_mb=n_mb,
+                   grad_accum=int(getattr(resolved, "grad_accum", 1) or 1), counts=layer_counts(f, pp),
+                   saved=per_token_saved(f, lay.cp), split=param_split(f, c), warnings=warnings)
+
+
+# --------------------------------------------------------------------------------------------
+# terms of one stage
+
+
+def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int) -> list[Term]:
+    """Saved activations of the microbatches in flight, and one block's backward working set."""
+    f, c, pp, Tt, saved, counts = sh.f, sh.c, sh.lay.pp, sh.Tt, sh.saved, sh.counts
+    ab = c.act_bytes
+    keep = rec.facts["keep"]
+    if rec.facts.get("inputs_only"):
+        t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
+                  f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
+                  f"dim {f.dim} (block inputs only)")]
+    else:
+        per_tok = sum(counts[k] * saved[k] * keep[k] for k in saved)
+        t = [Term("activations", in_flight * Tt * per_tok, ab, "activations",
+                  f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {per_tok:,.0f} saved elements "
+                  f"per token per stage ({recompute})")]
+    # the largest block (mixer + FFN + norms) rerun in backward (the part not kept) + its gradients
+    mixer = max((k for k in ("attention", "linear_attention") if counts[k] > 0), key=lambda k: saved[k],
+                default="attention")
+    ffn = "moe" if counts["moe"] > 0 else "mlp"
+    block_elems = saved[mixer] + saved[ffn] + saved["norms"]
+    redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
+    t.append(Term("activation_working_set", Tt * (redo_elems + c.grad_working_factor * block_elems), ab,
+                  "activations", f"one {mixer} + {ffn} block: {Tt:,.0f} tokens x ({redo_elems:,.0f} recomputed + "
+                  f"{c.grad_working_factor:g} x {block_elems:,.0f} gradient) elements x {ab:g} B"))
+    return t
+
+
+def moe_terms(sh: Shapes, chunking: PlanTerms) -> list[Term]:
+    """Dispatch/combine buffers of one MoE layer, split over the chunks the moe_chunk policy runs."""
+    f, c, Tt = sh.f, sh.c, sh.Tt
+    if not f.num_experts:
+        return []
+    ab, chunks = c.act_bytes, chunking.facts.get("chunks", 1)
+    return [Term("moe_dispatch_combine", Tt * f.top_k * f.dim * c.moe_buffer_copies * c.ep_load_imbalance / chunks,
+                 ab, "buffers", f"top_k {f.top_k} x {Tt:,.0f} tokens x dim {f.dim} x {c.moe_buffer_copies:g} buffers x "
+                 f"imbalance {c.ep_load_imbalance:g} / {chunks} chunk(s) x {ab:g} B")]
+
+
+def cp_terms(sh: Shapes) -> list[Term]:
+    """CP: one attention layer's all-gathered K,V; GatedDeltaNet's per-rank states."""
+    f, c, cp, tp, mb, seq, counts = sh.f, sh.c, sh.lay.cp, sh.lay.tp, sh.mb, sh.seq, sh.counts
+    t = []
+    if cp > 1 and counts["attention"] > 0:
+        kvd = f.n_kv_heads * f.head_dim
+        t.append(Term("cp_kv_allgather", mb * seq * 2 * kvd / tp * c.cp_kv_copies, c.act_bytes, "buffers",
+                      f"{mb} x seq {seq} x 2 x kv {kvd}/{tp} x {c.cp_kv_copies:g} copies x {c.act_bytes:g} B (one layer)"))
+    la = f.linear_attn or {}
+    if cp > 1 and counts["linear_attention"] > 0 and la:
+        st = la["value_heads"] * (la["key_dim"] / la["key_heads"]) * (la["value_dim"] / la["value_heads"])
+        t.append(Term("cp_state_allgather", mb * cp * st, 4.0, "buffers",
+                      f"{mb} x cp {cp} x {st:,.0f} state elements (per-head k x v) x 4 B"))
+    return t
+
+
+def reserve_terms(c: Constants, terms: list[Term]) -> list[Term]:
+    """Allocator fragmentation over the allocated terms; CUDA context and NCCL outside the allocator."""
+    allocated = sum(x.bytes for x in terms)
+    return [Term("fragmentation", allocated, c.fragmentation_fraction, "reserve",
+                 f"{c.fragmentation_fraction:g} x allocated {allocated / GiB:.2f} GiB"),
+            Term("cuda_context_nccl", 1, c.cuda_context_bytes + c.nccl_bytes, "reserve",
+                 f"CUDA context {c.cuda_context_bytes / GiB:g} GiB + NCCL {c.nccl_bytes / GiB:g} GiB")]
+
+
+def of_category(pt: PlanTerms, *categories: str) -> list[Term]:
+    return [Term.of(t) for t in pt.memory if t.category in categories]
+
+
+def stage_terms(sh: Shapes, *, state: PlanTerms, recompute: str, rec: PlanTerms, chunking: PlanTerms,
+                precision: PlanTerms, loss: PlanTerms | None, in_flight: int) -> list[Term]:
+    """Every memory term of one stage (``loss`` None: the stage holds no LM head)."""
+    t = of_category(state, "static")
+    t += activation_terms(sh, recompute, rec, in_flight)
+    t += moe_terms(sh, chunking)
+    t += [Term.of(x) for x in precision.memory]
+    if loss is not None:
+        t += [Term.of(x) for x in loss.memory]
+    t += of_category(state, "buffers", "activations", "loss")
+    t += cp_terms(sh)
+    return t + reserve_terms(sh.c, t)
