@@ -71,7 +71,7 @@ def _top(val: str) -> int:
 
 def add_arguments(p) -> None:
     """`apiary plan`'s flags; everything else is a positional k=v (planner settings or recipe overrides)."""
-    from framework.argparsing import overrides_arg
+    from toolkit.argparsing import overrides_arg
 
     overrides_arg(p, "recipe=NAME gpus=N gpu_memory=80GiB gpu=H100|H200 gpus_per_node=N calib.CONSTANT=V "
                      "calibration=FILE and recipe overrides (key=value, group=option, +key=value, ~key)")
@@ -83,7 +83,7 @@ def add_arguments(p) -> None:
 
 
 def parser():
-    from framework.argparsing import Parser
+    from toolkit.argparsing import Parser
 
     p = Parser(prog="apiary plan", description=__doc__, flags_hint=FLAGS_HINT)
     add_arguments(p)
@@ -348,7 +348,7 @@ def _print_constants(console) -> None:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    from framework import argparsing
+    from toolkit import argparsing
     from framework.cli import _fail
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -15,3 +15,7 @@ class CrossEntropy:
         from torchtitan.components.loss import CrossEntropyLoss
 
         return CrossEntropyLoss.Config(global_vocab_size=vocab_size)
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another kernel of the same cross-entropy).
+    NUMERICS = {"": "dtype"}

@@ -27,3 +27,7 @@ class ChunkedCrossEntropy:
             num_chunks=opts.num_chunks,
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab_size),
         )
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another kernel of the same cross-entropy; num_chunks only reorders sums).
+    NUMERICS = {"": "dtype"}

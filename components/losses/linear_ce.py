@@ -250,6 +250,10 @@ class LinearCrossEntropy:
             raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
         check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (the same cross-entropy; z_loss and label_smoothing change the objective).
+    NUMERICS = {"": "dtype", "z_loss": "any", "label_smoothing": "any"}
+
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:
     if logits_dtype not in F.LOGITS_DTYPES:

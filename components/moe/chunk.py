@@ -76,6 +76,10 @@ class NoChunk:
     def check(comm_backend: str, where: str = "moe.chunk=none") -> None:
         return None
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
+
 
 class Chunked:
     """Split each MoE layer's local tokens into ``num_chunks`` chunks with an overlapped
@@ -98,6 +102,10 @@ class Chunked:
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
+
 
 class AutoChunk:
     """Chunk count chosen per forward by ``auto_num_chunks`` (local tokens, EP size, GEMM rows)."""
@@ -111,6 +119,10 @@ class AutoChunk:
     @staticmethod
     def check(comm_backend: str, where: str = "moe.chunk=auto") -> None:
         _check_comm(where, comm_backend)
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
 
 
 # registry.yaml targets: components.moe.chunk:chunk2 / chunk3 / chunk4 / AutoChunk

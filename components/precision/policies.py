@@ -83,6 +83,10 @@ class BF16:
     def apply(opts, spec, tt_config) -> None:
         _apply_compile(opts, tt_config)
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
+    NUMERICS = {"": "fp8", "compile": "dtype"}
+
 
 def _apply_compile(opts, tt_config) -> None:
     if opts.compile:
@@ -216,6 +220,10 @@ class FP8:
                 optimizers.register_step_post_hook(hook)
 
             spec.post_optimizer_build_fn = post_optimizer_build
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
+    NUMERICS = {"": "fp8", "compile": "dtype"}
 
 
 def _storage_owner(t):

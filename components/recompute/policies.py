@@ -14,6 +14,10 @@ class NoRecompute:
     def ac_config(opts):
         return None
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}
+
 
 class SelectiveRecompute:
     """Save expensive op outputs (matmuls, attention, collectives); recompute the rest."""
@@ -28,6 +32,10 @@ class SelectiveRecompute:
 
         return SelectiveAC.Config()
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}
+
 
 class FullRecompute:
     """Keep only each block's input; rerun the whole block in backward."""
@@ -41,3 +49,7 @@ class FullRecompute:
         from torchtitan.distributed.activation_checkpoint import FullAC
 
         return FullAC.Config()
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}

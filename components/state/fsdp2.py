@@ -47,3 +47,7 @@ class FSDP2:
                 optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
                 threads=int(opts.offload_threads),
             )
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another sharding of the same update changes reduction order).
+    NUMERICS = {"": "dtype"}

@@ -91,6 +91,10 @@ class Zero1:
             reduce_dtype=tt_config.training.mixed_precision_reduce,
         )
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another sharding of the same update changes reduction order).
+    NUMERICS = {"": "dtype"}
+
 
 # --------------------------------------------------------------------------------------
 # parallelize: torchtitan's model parallelism (EP/TP/CP/PP, AC, compile) without FSDP
