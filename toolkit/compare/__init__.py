@@ -49,6 +49,3 @@ def compare_main(argv: list[str] | None = None, ns=None) -> int:
         print_report(result, _out)
     return 1 if (o.check and result["check"]["failures"]) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(compare_main())

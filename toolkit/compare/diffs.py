@@ -13,7 +13,7 @@ from toolkit.compare.tolerance import Tolerance
 
 
 # --------------------------------------------------------------------------- differences
-def _rel(a: float, b: float) -> float:
+def rel_diff(a: float, b: float) -> float:
     if a == b:
         return 0.0
     if not (math.isfinite(a) and math.isfinite(b)):
@@ -25,7 +25,7 @@ def _curve(a: list, b: list) -> tuple[float | None, float | None]:
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
     if not pairs:
         return None, None
-    return max(abs(x - y) for x, y in pairs), max(_rel(x, y) for x, y in pairs)
+    return max(abs(x - y) for x, y in pairs), max(rel_diff(x, y) for x, y in pairs)
 
 
 def _tensor_diffs(a_path: Path, b_path: Path) -> dict:
@@ -73,8 +73,8 @@ def differences(base: dict, var: dict) -> dict:
     bp, vp = base.get("probe") or {}, var.get("probe") or {}
     if "loss" in bp and "loss" in vp:
         d["step0_loss_abs"] = abs(vp["loss"] - bp["loss"])
-        d["step0_loss_rel"] = _rel(vp["loss"], bp["loss"])
-        d["step0_grad_norm_rel"] = _rel(vp["grad_norm"], bp["grad_norm"])
+        d["step0_loss_rel"] = rel_diff(vp["loss"], bp["loss"])
+        d["step0_grad_norm_rel"] = rel_diff(vp["grad_norm"], bp["grad_norm"])
         bdir, vdir = Path(base["dir"]) / "probe", Path(var["dir"]) / "probe"
         if bp.get("logits") and vp.get("logits"):
             t = _tensor_diffs(vdir / vp["logits"]["file"], bdir / bp["logits"]["file"])

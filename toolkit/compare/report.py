@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from toolkit.compare.diffs import rel_diff
+from toolkit.compare.tolerance import TOLERANCES
 
 
 # --------------------------------------------------------------------------- report
@@ -37,7 +42,7 @@ def _step_rows(results: list[dict], limit: int = 25) -> list[list[str]]:
             lv = dict(zip(r["steps"], r["loss"])).get(s)
             row.append(_fmt(lv, ".6f"))
             if i:
-                row.append(_fmt(_rel(lv, bl), ".2e") if lv is not None and bl is not None else "-")
+                row.append(_fmt(rel_diff(lv, bl), ".2e") if lv is not None and bl is not None else "-")
         rows.append(row)
     return rows
 

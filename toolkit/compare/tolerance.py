@@ -104,7 +104,7 @@ def component_kind(key: str, variants) -> tuple[str, str] | None:
     return None
 
 
-def classify(key: str, variants: list[Variant], accelerator: bool) -> tuple[str, str]:
+def classify(key: str, variants: list, accelerator: bool) -> tuple[str, str]:
     """The tolerance kind for sweeping ``key`` over ``variants`` (resolved) and why."""
     kind, why = "any", f"no tolerance is known for {key}: treated as a deliberate change (pass --tol to check)"
     cfgs = [v.resolved.cfg for v in variants]
