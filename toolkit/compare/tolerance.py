@@ -35,7 +35,6 @@ TOL_CHOICES = ("exact", "fp32", "bf16", "dtype", "fp8", "any")
 # Swept config key that is no component's (exact key, or prefix ending in ".") -> tolerance kind, why.
 # A component's keys take their kind from its NUMERICS (component_kind below).
 KEY_KINDS: list[tuple[str, str, str]] = [
-    ("launcher.nproc", "dp", "data-parallel size"),
     ("parallel.dp_shard", "dp", "data-parallel size"),
     ("parallel.dp_replicate", "dp", "data-parallel size"),
     ("training.local_batch", "dp", "micro-batching"),
