@@ -50,7 +50,9 @@ KEY_KINDS: list[tuple[str, str, str]] = [
 
 
 # Where a recipe names each registry kind's choice: a group's `name` (loss=chunked) or a plain key.
-SELECTED_BY = {**{k: k for k in registry.GROUP_KINDS}, "moe_comm": "moe.comm", "moe_chunk": "moe.chunk"}
+# (model.family changes the parameters: a deliberate change, from the general rules below.)
+SELECTED_BY = {"loss": "loss", "state": "state", "recompute": "recompute", "precision": "precision",
+               "launcher": "launcher", "moe_comm": "moe.comm", "moe_chunk": "moe.chunk", "data": "data.format"}
 # Tolerance kinds from the tightest to the loosest (a switch between components takes the loosest).
 LOOSENESS = ("exact", "dp", "dtype", "fp32", "bf16", "fp8", "any")
 KIND_DOC = {
@@ -79,6 +81,8 @@ def component_kind(key: str, variants) -> tuple[str, str] | None:
     (``""``: the loosest kind of the variants' components) or sets one of its options (the
     baseline's entry for it, else its ``""``); None when ``key`` is no component's."""
     for kind, path in SELECTED_BY.items():
+        if kind not in registry.entries():
+            continue
         if key == path:
             opt = ""
         elif key.startswith(path + "."):
