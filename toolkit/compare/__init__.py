@@ -13,10 +13,10 @@ import sys
 from rich.text import Text
 
 from framework.errors import UserError
-from toolkit.compare.args import USAGE, Options, _Help, add_arguments, parse_args, parser
+from toolkit.compare.args import USAGE, HelpShown, Options, add_arguments, parse_args, parser
 from toolkit.compare.diffs import check, differences
 from toolkit.compare.report import markdown, print_report
-from toolkit.compare.running import SHAPE_KEYS, Plan, Variant, _err, _out, _SeedFailed, plan, run_plan
+from toolkit.compare.running import SHAPE_KEYS, Plan, SeedFailed, Variant, err_console, out_console, plan, run_plan
 from toolkit.compare.tolerance import KEY_KINDS, RESHARDED_NORM, TOL_CHOICES, TOLERANCES, Tolerance, classify
 
 __all__ = ["KEY_KINDS", "RESHARDED_NORM", "SHAPE_KEYS", "TOLERANCES", "TOL_CHOICES", "USAGE", "Options", "Plan",
@@ -30,22 +30,22 @@ def compare_main(argv: list[str] | None = None, ns=None) -> int:
     try:
         o = parse_args(argv, ns)
         p = plan(o)
-    except _Help as h:  # argparse printed the help
+    except HelpShown as h:  # argparse printed the help
         return int(h.args[0]) if h.args else 0
     except UserError as e:
-        _err.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
+        err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
         return e.exit_code
     try:
         result = run_plan(p)
-    except _SeedFailed as e:
-        _err.print("[bold red]error[/bold red]", Text(f"apiary compare: {e}"), soft_wrap=True)
+    except SeedFailed as e:
+        err_console.print("[bold red]error[/bold red]", Text(f"apiary compare: {e}"), soft_wrap=True)
         return 1
     (p.compare_dir / "compare.json").write_text(json.dumps(result, indent=2, default=str))
     (p.compare_dir / "compare.md").write_text(markdown(result))
     if o.json:
         print(json.dumps(result, indent=2, default=str))
-        print_report(result, _err)
+        print_report(result, err_console)
     else:
-        print_report(result, _out)
+        print_report(result, out_console)
     return 1 if (o.check and result["check"]["failures"]) else 0
 

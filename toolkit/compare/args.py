@@ -134,7 +134,7 @@ def parse_args(argv: list[str], ns=None) -> Options:
     if ns is None:
         ns, code = argparsing.run(parser(), list(argv), where="apiary compare {flag}")
         if ns is None:
-            raise _Help(code)
+            raise HelpShown(code)
     o = Options(argv=list(argv), json=ns.json, check=ns.check, probe=ns.probe, keep_checkpoints=ns.keep_checkpoints,
                 tol=ns.tol, jobs=ns.jobs, timeout=ns.timeout, max_numel=ns.max_numel)
     plain: list[str] = []
@@ -192,18 +192,18 @@ def parse_args(argv: list[str], ns=None) -> Options:
     return o
 
 
-class _Help(Exception):
+class HelpShown(Exception):
     pass
 
 
-def _quote(value: str) -> str:
+def quote_override(value: str) -> str:
     """A value as a Hydra override right-hand side."""
     if re.fullmatch(r"[\w./:+\-@]*", value):
         return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _slug(s: str, n: int = 40) -> str:
+def slug(s: str, n: int = 40) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:n] or "x"
 
 

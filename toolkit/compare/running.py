@@ -25,7 +25,7 @@ from framework import devices
 from framework.errors import UserError
 from framework.recipes import DEFAULT_RECIPE, recipe_path
 from framework.resolve import resolve
-from toolkit.compare.args import Options, _quote, _slug
+from toolkit.compare.args import Options, quote_override, slug
 from toolkit.compare.diffs import check, differences
 from toolkit.compare.tolerance import RESHARDED_NORM, TOLERANCES, Tolerance, classify
 from toolkit.probe import clean_env
@@ -35,8 +35,8 @@ from toolkit.probe import clean_env
 SHAPE_KEYS = ("model.family", "model.flavor", "model.n_layers", "model.vocab_size", "model.hf_checkpoint")
 
 
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-_out = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+out_console = Console(highlight=False, soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- plan
@@ -69,11 +69,11 @@ def plan(o: Options) -> Plan:
     variants = []
     for i, value in enumerate(o.values):
         ovs = list(o.overrides)
-        ovs.insert(o.sweep_index, f"{o.key}={_quote(value)}")
-        variants.append(Variant(i, value, f"{o.key}={value}", f"{i}-{_slug(value)}", ovs))
+        ovs.insert(o.sweep_index, f"{o.key}={quote_override(value)}")
+        variants.append(Variant(i, value, f"{o.key}={value}", f"{i}-{slug(value)}", ovs))
 
     recipe = recipe_path(o.recipe or DEFAULT_RECIPE).stem
-    cdir = Path(o.output_dir or Path("runs") / "compare" / f"{recipe}-{_slug(o.key)}-{stamp}").resolve()
+    cdir = Path(o.output_dir or Path("runs") / "compare" / f"{recipe}-{slug(o.key)}-{stamp}").resolve()
     given_seed = [f"checkpoint.load_path={o.seed_path}"] if o.seed_path else []
     for v in variants:
         try:
@@ -207,7 +207,7 @@ def _median(records: list[dict], key: str):
 def _run_variant(p: Plan, v: Variant) -> dict:
     vdir = p.compare_dir / v.name
     log = p.compare_dir / "logs" / f"{v.name}.log"
-    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: running -> {vdir}"))
+    err_console.print(Text.assemble(("compare", "bold"), f" {v.label}: running -> {vdir}"))
     rc, secs, timed_out = _run(_variant_cmd(p, v), log, p.opts.timeout)
     recs = _read_metrics(vdir)
     status = "ok" if rc == 0 else ("timeout" if timed_out else "crashed")
@@ -245,7 +245,7 @@ def _run_variant(p: Plan, v: Variant) -> dict:
         shutil.rmtree(vdir / "checkpoint", ignore_errors=True)
     word = {"ok": "[green]ok[/green]", "crashed": "[bold red]crashed[/bold red]",
             "timeout": "[bold red]timed out[/bold red]"}[status]
-    _err.print(Text.assemble(("compare", "bold"), f" {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})"))
+    err_console.print(Text.assemble(("compare", "bold"), f" {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})"))
     return res
 
 
@@ -256,13 +256,13 @@ def run_plan(p: Plan) -> dict:
     command = "apiary compare " + shlex.join(o.argv)
     for sdir, sov in p.seed_runs:
         log = p.compare_dir / "logs" / f"{sdir.name}.log"
-        _err.print(Text.assemble(("compare", "bold"), f" seed checkpoint -> {sdir}"))
+        err_console.print(Text.assemble(("compare", "bold"), f" seed checkpoint -> {sdir}"))
         rc, secs, _ = _run([sys.executable, "-m", "framework.cli", "train", *_recipe_arg(o), *sov], log,
                            o.timeout)
         if rc != 0 or not (sdir / "checkpoint" / "step-0" / ".metadata").is_file():
-            raise _SeedFailed(f"the seed checkpoint run failed (exit {rc}); last lines of {log}:\n{_tail(log)}")
+            raise SeedFailed(f"the seed checkpoint run failed (exit {rc}); last lines of {log}:\n{_tail(log)}")
     if o.jobs > 1:
-        _err.print(f"[yellow]compare[/yellow]: {o.jobs} variants at a time; their step times and throughput "
+        err_console.print(f"[yellow]compare[/yellow]: {o.jobs} variants at a time; their step times and throughput "
                    "share the machine and are not comparable")
         with ThreadPoolExecutor(o.jobs) as ex:
             results = list(ex.map(lambda v: _run_variant(p, v), p.variants))
@@ -287,7 +287,7 @@ def run_plan(p: Plan) -> dict:
     }
 
 
-class _SeedFailed(Exception):
+class SeedFailed(Exception):
     pass
 
 
