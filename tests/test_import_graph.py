@@ -153,7 +153,8 @@ def test_framework_never_imports_toolkit():
                    "the component contract redesign removes them")
 def test_components_import_only_the_contract_modules_of_framework():
     bad = [f"{m} imports {t} (line {ln})" for m in ALL if m.startswith("components")
-           for t, ln in imports(m).items() if t.startswith("framework") and t not in COMPONENT_MAY_IMPORT | {"framework"}]
+           for t, ln in imports(m).items()
+           if t.startswith("framework") and t not in COMPONENT_MAY_IMPORT | {"framework"}]
     assert not bad, "\n".join(bad)
 
 
@@ -181,6 +182,7 @@ def test_toolkit_function_level_imports_say_why():
         lines = p.read_text().splitlines()
         top = {id(n) for n in tree.body}
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top and "#" not in lines[node.end_lineno - 1]:
+            local = isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top
+            if local and "#" not in lines[node.end_lineno - 1]:
                 bad.append(f"{p.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not bad, "function-level imports without a reason:\n" + "\n".join(bad)
