@@ -30,7 +30,7 @@ show_compare() {  # the report and any variant's traceback, on stdout (the folde
 for what in "${@:-qwen3_trunc}"; do
   case $what in
     qwen3_trunc)
-      python3 -m framework.cli compare "${QWEN3[@]}" precision=bf16,fp8 checkpoint.model_only_last=true --check --timeout=400 \
+      python3 -m toolkit.cli compare "${QWEN3[@]}" precision=bf16,fp8 checkpoint.model_only_last=true --check --timeout=400 \
         output_dir="$OUT/fp8_qwen3_trunc" 2>&1 | tail -n 60
       show_compare "$OUT/fp8_qwen3_trunc" ;;
     qwen3_trunc_te)
@@ -46,7 +46,7 @@ for what in "${@:-qwen3_trunc}"; do
       python3 -m framework.cli train recipe=debug_moe precision=fp8 training.steps=5 logging.tensorboard=false \
         checkpoint.enable=false output_dir="$OUT/fp8_smoke" 2>&1 | tail -n 30 ;;
     qwen35_trunc)
-      python3 -m framework.cli compare "${QWEN35[@]}" checkpoint.model_only_last=true precision=bf16,fp8 --check \
+      python3 -m toolkit.cli compare "${QWEN35[@]}" checkpoint.model_only_last=true precision=bf16,fp8 --check \
         --timeout=600 output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60
       show_compare "$OUT/fp8_qwen35_trunc" ;;
     qwen35_bf16|qwen35_fp8)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
 KINDS = ("model", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
 APPLY_ORDER = ("model", "precision", "moe_chunk", "data", "loss", "recompute", "state")
 
-# apiary compare's tolerance kinds (framework.compare documents each).
+# apiary compare's tolerance kinds (toolkit.compare documents each).
 Tolerance = Literal["exact", "dp", "fp32", "bf16", "dtype", "fp8", "any"]
 
 

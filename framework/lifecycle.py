@@ -5,7 +5,7 @@
 * torchrun starts in its own session, so a terminal's Ctrl-C reaches the parent only, and the
   parent forwards each signal once: SIGTERM, SIGINT and SIGUSR1 as they are (SIGHUP as SIGTERM).
   torchrun relays a signal it handles to every worker (``--signals-to-handle``), whose handler
-  (framework/preempt.py) checkpoints at the next step boundary and exits 75.
+  (framework/preempt/) checkpoints at the next step boundary and exits 75.
 * A second SIGINT (Ctrl-C again) stops now: the parent sends SIGINT straight to the workers, which
   exit 130 at once without a checkpoint or a traceback; if anything of the run is still alive
   ``KILL_AFTER_S`` later, torchrun is killed (and with it the workers, below).

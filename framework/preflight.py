@@ -61,16 +61,16 @@ def _changes(p, r) -> list[str]:
     return out
 
 
-def cheapest_fits(r, recipe, overrides, kind, memory: int, n: int = 3) -> list[str]:
+def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) -> list[str]:
     """Up to ``n`` override sets from the planner's search that fit with the measured error to spare,
-    fewest changed settings first, then fastest."""
+    fewest changed settings first, then fastest; each checked by ``resolve`` (framework.resolve's,
+    passed in by its caller so that preflight does not import resolve back)."""
     from framework.planner import search
-    from framework.resolve import resolve
 
     ovr = [o for o in overrides if not o.startswith(("preflight.", "output_dir=", "checkpoint.resume"))]
     try:
         res = search(recipe, ovr, r.layout.world_size, r, top=10**6,
-                     plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory), validate=False)
+                     plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory), validate=None)
     except UserError:
         return []
     rows = [row for row in res["rows"] if not row["not_in_registry"]]
@@ -93,8 +93,9 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, n: int = 3) -> list[s
     return out
 
 
-def check_memory(r, recipe, overrides) -> None:
-    """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU."""
+def check_memory(r, recipe, overrides, resolve) -> None:
+    """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU;
+    ``resolve`` checks the changes it suggests (framework.resolve.resolve)."""
     from framework import planner
 
     mode = r.cfg.preflight.memory
@@ -113,7 +114,7 @@ def check_memory(r, recipe, overrides) -> None:
     head = (f"the planner estimates {total / GiB:,.1f} GiB per GPU on {kind} ({cap / GiB:,.1f} GiB, {source}); "
             f"largest terms (GiB): {named}")
     if total > cap * (1 + MEASURED_ERROR) and mode == "refuse":
-        fits = cheapest_fits(r, recipe, overrides, kind, cap)
+        fits = cheapest_fits(r, recipe, overrides, kind, cap, resolve)
         fix = ("Changes that fit, fewest first: " + "; ".join(fits) + ". " if fits else
                "The planner's search found no layout that fits this world size; use more GPUs or a shorter "
                "training.seq_len. ")

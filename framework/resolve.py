@@ -393,5 +393,5 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     if for_training:
         from framework.preflight import check_memory
 
-        check_memory(r, recipe, overrides)
+        check_memory(r, recipe, overrides, resolve)
     return r

@@ -48,8 +48,9 @@ def _child_env(env: dict | None = None) -> dict:
 
 def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = None):
     """Run the real console entry in a fresh interpreter (as a user would); ``nproc=N`` in argv
-    starts N ranks through the local launcher."""
-    return subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=cwd, env=_child_env(env),
+    starts N ranks through the local launcher. ``["apiary", ...]`` runs the tools' command (toolkit.cli)."""
+    cmd = ["-m", "toolkit.cli", *argv[1:]] if argv[:1] == ["apiary"] else ["-m", "framework.cli", *argv]
+    return subprocess.run([sys.executable, *cmd], cwd=cwd, env=_child_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from conftest import run_cli
-from framework.cli import apiary_main, train_main
+from framework.cli import train_main
+from toolkit.cli import apiary_main
 
 
 def _err(capsys, argv):

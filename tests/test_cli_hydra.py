@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from framework.cli import apiary_main, train_main
+from framework.cli import train_main
+from toolkit.cli import apiary_main
 
 TINY = ["training.seq_len=32", "model.n_layers=1", "checkpoint.enable=false", "logging.tensorboard=false"]
 

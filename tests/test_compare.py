@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework import compare
-from framework.compare import TOLERANCES, classify, compare_main
+from toolkit import compare
+from toolkit.compare import TOLERANCES, classify, compare_main
 
 TINY = ["training.steps=4", "training.seq_len=64", "logging.tensorboard=false"]
 

@@ -203,7 +203,7 @@ def test_warmup_trains_two_steps_and_lists_the_cache(tmp_path):
     (["training.cache_autotuning=false"], "would not be kept"),
 ])
 def test_warmup_refuses_what_it_cannot_honour(tmp_path, monkeypatch, capsys, argv, needle):
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     monkeypatch.chdir(tmp_path)
     assert apiary_main(["warmup", "recipe=debug_moe", *argv]) == 2
@@ -211,7 +211,7 @@ def test_warmup_refuses_what_it_cannot_honour(tmp_path, monkeypatch, capsys, arg
 
 
 def test_warmup_refuses_an_unwritable_cache(tmp_path, monkeypatch, capsys):
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     (tmp_path / "file").write_text("x")
     monkeypatch.chdir(tmp_path)
@@ -220,7 +220,7 @@ def test_warmup_refuses_an_unwritable_cache(tmp_path, monkeypatch, capsys):
 
 
 def _dry_run(capsys, argv):
-    from framework.launch_cli import launch_main
+    from toolkit.launch import launch_main
 
     code = launch_main(["recipe=debug_moe", "launcher=slurm", "nodes=2", "gpus_per_node=4", *argv, "--dry-run"])
     cap = capsys.readouterr()
@@ -233,14 +233,14 @@ def test_slurm_template_runs_warmup_before_the_job(tmp_path, monkeypatch, capsys
     code, script, err = _dry_run(capsys, ["launcher.warmup=true", f"training.kernel_cache={kc}",
                                           "training.seq_len=128"])
     assert code == 0, err
-    warm = next(l for l in script.splitlines() if "framework.cli apiary warmup" in l)
+    warm = next(l for l in script.splitlines() if "toolkit.cli warmup" in l)
     assert f"training.kernel_cache={kc}" in warm and "training.seq_len=128" in warm
     assert "srun --nodes=1 --ntasks=1 --gpus=1" in script
-    assert script.index("framework.cli apiary warmup") < script.index("-m framework.preempt train")
+    assert script.index("toolkit.cli warmup") < script.index("-m framework.preempt train")
     train_args = next(l for l in script.splitlines() if l.startswith("TRAIN_ARGS=("))
     assert f"training.kernel_cache={kc}" in train_args  # the job's ranks read the same cache
     code, script, err = _dry_run(capsys, [f"training.kernel_cache={kc}"])
-    assert code == 0 and "framework.cli apiary warmup" not in script  # off by default
+    assert code == 0 and "toolkit.cli warmup" not in script  # off by default
     code, _, err = _dry_run(capsys, ["launcher.warmup=true"])
     assert code == 2 and "launcher.warmup=true: needs training.kernel_cache" in err
 

@@ -166,7 +166,7 @@ def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe,
                                                           caplog):
     import torch.distributed.checkpoint as dcp
 
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     spec, d = SPECS[name], hf_dirs / name
     family = "llama3" if spec["cls"] == "llama" else None
@@ -204,7 +204,7 @@ def test_export_of_a_flavor_run_reimports_exactly(workdir, monkeypatch, capsys):
     """A run of a torchtitan flavor (fused QKV) exports to an HF folder that loads back exactly."""
     import torch.distributed.checkpoint as dcp
 
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
                              "output_dir=run"], workdir, monkeypatch, capsys)
@@ -290,7 +290,7 @@ def test_bad_folder_through_the_console_entry(hf_dirs, workdir):
 
 
 def test_apiary_show_on_an_hf_folder(hf_dirs, capsys):
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     assert apiary_main(["show", str(hf_dirs / "qwen3_moe")]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -14,7 +14,8 @@ import pytest
 
 from components.precision import policies
 from components.precision.policies import FP8, FP8_LAYER_TOL
-from framework import compare, planner
+from framework import planner
+from toolkit import compare
 from framework.errors import UserError
 from framework.resolve import resolve
 from tests.conftest import run_cli

@@ -231,7 +231,7 @@ def test_local_sources_are_counted(tmp_path):
 
 def test_memory_preflight_under_apiary_launch(workdir, capsys):
     """A Slurm submission from a login node (no GPU) is checked against gpu=H200 before sbatch."""
-    from framework.cli import apiary_main
+    from toolkit.cli import apiary_main
 
     argv = ["launch", "launcher=slurm", "nodes=1", "gpus_per_node=1", "gpu=H200", "--dry-run"]
     assert apiary_main([*argv, *[o for o in QWEN_OOM if not o.startswith("nproc=")]]) == 2

@@ -23,7 +23,7 @@ SLURM_DIR = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/slurm-test"))
 
 
 def _launch(capsys, argv):
-    from framework.launch_cli import launch_main
+    from toolkit.launch import launch_main
 
     code = launch_main(argv)
     cap = capsys.readouterr()
@@ -111,7 +111,7 @@ def test_unregistered_launcher_is_a_user_error(capsys, workdir):
 
 
 def test_cp_template_and_custom_template(capsys, workdir):
-    from framework.launch_cli import cp_template_main
+    from toolkit.launch import cp_template_main
 
     assert cp_template_main(["slurm", "my.sbatch.j2"]) == 0
     mine = workdir / "my.sbatch.j2"

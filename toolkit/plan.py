@@ -27,8 +27,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from framework import argparsing, planner, recipes
-from framework.argparsing import Parser, overrides_arg
+from framework import planner, recipes
+from toolkit import argparsing
+from toolkit.argparsing import Parser, overrides_arg
 from framework.cli import _fail
 from framework.errors import UserError
 from framework.layout import derive
@@ -285,7 +286,7 @@ def plan_args(ns) -> int:
         kwargs = dict(gpu_memory_bytes=opts["gpu_memory"], gpu=opts["gpu"], gpus_per_node=opts["gpus_per_node"],
                       calibration=calibration or None)
         p = planner.plan(r, **kwargs)
-        res = search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs) if opts["search"] else None
+        res = search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs, validate=resolve) if opts["search"] else None
         if opts["json"]:
             out = {"recipe": r.cfg.recipe, "world_size": gpus, **p.to_json(), "rules": r.layout.rules,
                    "constraints": constraints(r.layout, r.facts, r.cfg)}

@@ -62,3 +62,7 @@ class LocalLauncher:
                "-m", "framework.cli", "train", *argv]
         env = dict(os.environ)
         return lifecycle.supervise(cmd, env, nproc=opts.nproc)
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (nproc: the data-parallel size).
+    NUMERICS = {"": "any", "nproc": "dp"}

@@ -180,6 +180,10 @@ class SlurmLauncher:
               f"  follow     tail -f {out / 'logs' / f'slurm-{job}.out'}", flush=True)
         return wait_for_job(job) if opts.wait else 0
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (nodes x gpus_per_node: the data-parallel size).
+    NUMERICS = {"": "any", "nodes": "dp", "gpus_per_node": "dp"}
+
 
 # ---------------------------------------------------------------------- waiting
 # Final states (scontrol's JobState names). COMPLETING is not one: a job shows it on its way to

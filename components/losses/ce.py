@@ -25,6 +25,10 @@ class CrossEntropy:
         T = ctx.plan.tokens
         return logits_plan_terms(ctx, int(T), f"{T:,.0f} tokens", "ce")
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another kernel of the same cross-entropy).
+    NUMERICS = {"": "dtype"}
+
 
 def logits_plan_terms(ctx, rows: int, how: str, time_key: str) -> PlanTerms:
     """Materialised logits of ``rows`` tokens over the TP-split vocabulary (ce and chunked)."""

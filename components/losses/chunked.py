@@ -38,3 +38,7 @@ class ChunkedCrossEntropy:
         T = ctx.plan.tokens
         n = int(getattr(opts, "num_chunks", 0) or 0) or int(ctx.plan.constants.chunked_num_chunks)
         return logits_plan_terms(ctx, math.ceil(T / n), f"{T:,.0f} tokens / {n} chunks", "chunked")
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another kernel of the same cross-entropy; num_chunks only reorders sums).
+    NUMERICS = {"": "dtype"}

@@ -52,7 +52,6 @@ from components.losses.lm_head import engine, fwdgrad, head_loss
 from framework.contracts import PlanTerms, Term
 
 
-
 @dataclass
 class _Cfg:
     ignore_index: int
@@ -253,6 +252,10 @@ class LinearCrossEntropy:
     def plan_terms(opts, ctx) -> PlanTerms:
         """The fused LM head: no [tokens, vocab] logits (see ``fused_head_plan_terms``)."""
         return fused_head_plan_terms(ctx, "cross_entropy")
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (the same cross-entropy; z_loss and label_smoothing change the objective).
+    NUMERICS = {"": "dtype", "z_loss": "any", "label_smoothing": "any"}
 
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:

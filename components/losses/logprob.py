@@ -28,7 +28,6 @@ from components.labels import IGNORE_INDEX
 from components.losses.lm_head import engine
 
 
-
 @dataclass
 class _Cfg:
     ignore_index: int

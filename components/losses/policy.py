@@ -257,3 +257,13 @@ def policy_loss_class():
     return head_loss.subclass("PolicyLoss", policy_loss, {
         "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0},
         {"batch": None, "seq_group": None, "metrics": {}, "metric_weight": None, "set_batch": set_batch})
+
+
+# apiary compare: how runs differing in a policy loss or its options are held to each other. Another
+# objective, or one of its hyperparameters (objective_keys), is a deliberate change; the head's
+# engine settings (backend, chunks, dtypes) are another kernel of the same math. SFT is the same
+# masked NLL as ce, so switching between them is not a change of objective.
+for _loss in (GRPO, DAPO, GSPO, CISPO, PPO, SFT):
+    _loss.NUMERICS = {"": "dtype" if _loss is SFT else "any",
+                      **{f.name: "any" if f.name in _loss.objective_keys else "dtype"
+                         for f in fields(_loss.Options) if f.name != "name"}}

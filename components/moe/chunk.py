@@ -41,6 +41,10 @@ class NoChunk:
         """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
         return PlanTerms(facts={"chunks": 1, "overlap": "none"})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
+
 
 class Chunked:
     """Split each MoE layer's local tokens into ``num_chunks`` chunks with an overlapped
@@ -65,6 +69,10 @@ class Chunked:
         """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
         return PlanTerms(facts={"chunks": self.num_chunks, "overlap": f"chunk{self.num_chunks}"})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
+
 
 class AutoChunk:
     """Chunk count chosen per forward by ``components.moe.auto_chunks.auto_num_chunks`` (local
@@ -83,6 +91,10 @@ class AutoChunk:
         """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
         all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
         return PlanTerms(facts={"chunks": 2, "overlap": "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"})
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (chunking reschedules dispatch/combine around the same expert GEMMs).
+    NUMERICS = {"": "exact"}
 
 
 # registry.yaml targets: components.moe.chunk:chunk2 / chunk3 / chunk4 / AutoChunk

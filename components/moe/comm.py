@@ -14,6 +14,10 @@ class AllToAll:
     def check() -> None:
         return None
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another dispatch/combine backend).
+    NUMERICS = {"": "dtype"}
+
 
 class DeepEP:
     """DeepEP >= 2 (deep_ep.ElasticBuffer) kernels through torchtitan's 'deepep' backend.
@@ -35,3 +39,7 @@ class DeepEP:
             raise UserError("moe.comm=deepep", f"deep_ep {getattr(deep_ep, '__version__', '?')} has no "
                             "ElasticBuffer; torchtitan's deepep backend needs DeepEP >= 2.",
                             "Rebuild DeepEP from its current source, or use moe.comm=alltoall.")
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another dispatch/combine backend).
+    NUMERICS = {"": "dtype"}

@@ -93,6 +93,10 @@ class BF16:
         return PlanTerms(notes=["precision bf16: every GEMM at bf16 peak"],
                          facts={"dense_share": 0.0, "fp8_all_gather": False})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
+    NUMERICS = {"": "fp8", "compile": "dtype"}
+
 
 def _apply_compile(opts, tt_config) -> None:
     if opts.compile:
@@ -253,6 +257,10 @@ class FP8:
                          f"(FP8 weight + transposed copy; {how})")],
             time_factor={k: (1 - s) + s * factor for k, s in share.items()},
             notes=[note], facts={"dense_share": dense_share, "fp8_all_gather": all_gather})
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
+    NUMERICS = {"": "fp8", "compile": "dtype"}
 
 
 def _storage_owner(t):

@@ -23,6 +23,10 @@ class NoRecompute:
         keep = {k: 1.0 for k in ctx.plan.counts}
         return PlanTerms(notes=["no extra compute"], facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}
+
 
 class SelectiveRecompute:
     """Save expensive op outputs (matmuls, attention, collectives); recompute the rest."""
@@ -47,6 +51,10 @@ class SelectiveRecompute:
                          notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
                          facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}
+
 
 class FullRecompute:
     """Keep only each block's input; rerun the whole block in backward."""
@@ -66,3 +74,7 @@ class FullRecompute:
         return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", "attention", "linear_attention")},
                          notes=["+1 forward of every block (+1/3 of block FLOPs)"],
                          facts={"keep": keep, "inputs_only": True, "forward_reruns": 1})
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (recompute reruns the same forward ops in backward).
+    NUMERICS = {"": "exact"}

@@ -106,3 +106,7 @@ class FSDP2:
         comm = vol_d / pc.link_bw(s_d, tp) + vol_e / pc.link_bw(s_e, ep)
         return PlanTerms(memory=mem, facts={"comm": {"fsdp": comm}, "overlap": {"fsdp": c.fsdp_overlap},
                                             "label": "FSDP"})
+
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another sharding of the same update changes reduction order).
+    NUMERICS = {"": "dtype"}

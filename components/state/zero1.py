@@ -131,6 +131,10 @@ class Zero1:
         return PlanTerms(memory=mem, facts={"comm": {"zero1": comm}, "overlap": {"zero1": c.zero1_overlap},
                                             "label": "ZeRO-1"})
 
+    # apiary compare: how runs differing in this component or its options are held to each other
+    # (another sharding of the same update changes reduction order).
+    NUMERICS = {"": "dtype"}
+
 
 # --------------------------------------------------------------------------------------
 # parallelize: torchtitan's model parallelism (EP/TP/CP/PP, AC, compile) without FSDP

@@ -8,6 +8,7 @@ registered losses with ``plan_terms`` that optimise the same objective as the re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from framework import recipes
@@ -17,7 +18,6 @@ from framework.layout import check_batch, derive
 from framework.planner import parts
 from framework.planner.constants import Constants
 from framework.planner.estimate import gpu_for, plan, shapes_and_context
-from framework.resolve import Resolved, resolve
 
 SEARCH_KINDS = ("recompute", "loss", "state")  # the order of a row's choices
 
@@ -78,8 +78,7 @@ def _layouts(raw, resolved, space, gpus, counts):
                     except UserError:
                         counts["invalid_layouts"] += 1
                         continue
-                    yield dict(ep=ep, cp=cp, pp=pp, tp=tp), Resolved(cfg=resolved.cfg, facts=f, layout=layout,
-                                                                     grad_accum=ga)
+                    yield dict(ep=ep, cp=cp, pp=pp, tp=tp), replace(resolved, layout=layout, grad_accum=ga)
 
 
 def _fitting(raw, resolved, space, gpus, names, plan_kwargs, counts) -> list:
@@ -98,12 +97,14 @@ def _fitting(raw, resolved, space, gpus, names, plan_kwargs, counts) -> list:
     return rows
 
 
-def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, validate=True) -> dict:
+def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, validate=None) -> dict:
     """Enumerate (ep, cp, pp, tp, recompute, loss, state) around ``resolved``'s layout.
 
     Each layout is checked with the same derivation ``resolve`` uses (framework.layout); the
     fastest rows that fit are then re-checked by ``resolve`` itself with the override list
-    shown in the table (a row it rejects is dropped). Returns {"rows", "counts"}.
+    shown in the table (a row it rejects is dropped): ``validate`` is that function
+    (framework.resolve.resolve, passed in so the planner does not import resolve back; None: rows
+    are not re-checked). Returns {"rows", "counts"}.
     """
     plan_kwargs = dict(plan_kwargs or {})
     raw = recipes.load(recipe, overrides)  # un-derived: unset dims stay None
@@ -124,9 +125,9 @@ def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, valid
         ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
         ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
         ovr += [f"{k}={v}" for k, v in choice.items()]
-        if validate:
+        if validate is not None:
             try:
-                resolve(recipe, ovr, world_size=gpus, for_training=False)
+                validate(recipe, ovr, world_size=gpus, for_training=False)
             except UserError:
                 counts["rejected_by_resolve"] += 1
                 continue

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from framework import recipes, registry
+from components.models.hf import read_config  # the config reader every family uses
+from framework import planner, recipes, registry
 from framework.errors import UserError
+from framework.resolve import resolve
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:,.2f}"
 
 
 def family_for(path: Path) -> tuple[str, str]:
-    from components.models.hf import read_config  # the config reader every family uses
-
     c = read_config(path)
     mt = str(c.get("model_type", ""))
     for family in registry.names("model"):
@@ -40,12 +44,6 @@ def plan_recipe(family: str) -> tuple[str, int]:
 
 
 def show_hf(path: str, console) -> int:
-    from framework import planner
-    from framework.resolve import resolve
-
-    def _gib(b: float) -> str:  # GiB as `apiary plan` prints it
-        return f"{b / 2**30:,.2f}"
-
     p = Path(path)
     family, mt = family_for(p)
     recipe, gpus = plan_recipe(family)

@@ -21,7 +21,7 @@ a note, so a probe of a large model still reports loss and gradient norm.
 
 Entry point (what ``apiary compare`` runs in each variant's subprocess)::
 
-    python -m framework.probe --dump DIR [--train] [--max-numel N] [recipe=X] [overrides ...]
+    python -m toolkit.probe --dump DIR [--train] [--max-numel N] [recipe=X] [overrides ...]
 
 Without ``--train`` it probes (under torchrun: on every rank). With ``--train`` it first
 runs ``train`` with the same arguments (framework.cli.train_main, so the recipe's launcher
@@ -32,14 +32,25 @@ DIR/probe.json always says what happened, including a probe failure (``error``).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
 from pathlib import Path
 
-from framework import devices
+import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+from torchtitan.distributed import utils as dist_utils
+
+from framework import devices, run
+from framework.build import trainer_config
+from framework.cli import train_main
+from framework.hydra_cli import ALIASES
+from framework.resolve import resolve
 
 DEFAULT_MAX_NUMEL = 2**28
 # Wrappers that rename parameters (activation checkpointing, torch.compile, FSDP1).
@@ -60,8 +71,6 @@ class _CaptureLogits:
         self.preds = []
 
     def __call__(self, pred, labels, *args, **kwargs):
-        from torch.distributed.tensor import DTensor
-
         p = pred.detach()
         if isinstance(p, DTensor):
             p = p.full_tensor()
@@ -71,11 +80,6 @@ class _CaptureLogits:
 
 def _first_step(trainer, dump: Path, rank: int, max_numel: int, n_params: int) -> dict:
     """Forward/backward of the first global batch; write this rank's pieces under ``dump``."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
-    from torchtitan.distributed import utils as dist_utils
-
     pd = trainer.parallel_dims
     notes: list[str] = []
     batch_degree, batch_rank = 1, 0
@@ -180,8 +184,6 @@ def _first_step(trainer, dump: Path, rank: int, max_numel: int, n_params: int) -
 
 def _merge(dump: Path, world: int, res: dict) -> dict:
     """Rank 0: merge the per-rank pieces into grads.pt / logits.pt and summarise them."""
-    import torch
-
     out = {k: res[k] for k in ("loss", "grad_norm", "microbatches", "notes")}
     out["grads"] = out["logits"] = None
     if res["grads_ok"]:
@@ -212,16 +214,11 @@ def _merge(dump: Path, world: int, res: dict) -> dict:
 def probe(resolved, dump_dir: str | os.PathLike | None = None, max_numel: int = DEFAULT_MAX_NUMEL) -> dict:
     """Probe the first step of ``resolved`` (see the module docstring); returns the summary on
     rank 0 (other ranks: {}) and writes DIR/probe.json, DIR/grads.pt, DIR/logits.pt."""
-    from framework import run
-
     devices.install()
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # one process, maybe after a run in this process:
         os.environ.pop("MASTER_PORT", None)  # _single_process_env picks a fresh one
     run._single_process_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    import torch
-
-    from framework.build import trainer_config
 
     dump = Path(dump_dir) if dump_dir is not None else Path(resolved.cfg.output_dir)
     dump.mkdir(parents=True, exist_ok=True)
@@ -268,15 +265,13 @@ def _parse(argv: list[str]):
         else:
             rest.append(a)
     if dump is None:
-        raise SystemExit("usage: python -m framework.probe --dump DIR [--train] [--max-numel N] "
+        raise SystemExit("usage: python -m toolkit.probe --dump DIR [--train] [--max-numel N] "
                          "[recipe=X] [overrides ...]")
     return Path(dump).resolve(), max_numel, train, rest
 
 
 def _probe_args(rest: list[str], dump: Path):
     """Recipe and overrides for the probe's own trainer: same run, dump folder as output_dir."""
-    from framework.cli import ALIASES
-
     recipe, overrides = None, []
     for a in rest:
         key, sep, val = a.partition("=")
@@ -308,23 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     dump, max_numel, train, rest = _parse(argv)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if train:
-        from framework.cli import train_main
-
         rc = train_main(rest)
         if rc != 0:
             return rc
         sys.stdout.flush()
-        import gc
-
         gc.collect()  # the training run's trainer, before a second one is built here
         if devices.has_accelerator():
-            import torch
-
             torch.cuda.empty_cache()
     recipe, overrides = _probe_args(rest, dump)
     try:
-        from framework.resolve import resolve
-
         if not under_torchrun:  # a one-rank run in this process left its world behind
             for k in _RANK_ENV:
                 os.environ.pop(k, None)
@@ -333,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.cfg.launcher.name != "local":
                 _write_error(dump, f"probe skipped: it runs on this machine only (launcher {r.cfg.launcher.name})")
                 return 0
-            import shutil
-
             torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-            cmd = [torchrun, "--standalone", f"--nproc_per_node={r.layout.world_size}", "-m", "framework.probe",
+            cmd = [torchrun, "--standalone", f"--nproc_per_node={r.layout.world_size}", "-m", "toolkit.probe",
                    f"--dump={dump}", f"--max-numel={max_numel}", *rest]
             prc = subprocess.call(cmd, env=clean_env())
             if prc != 0 and not (dump / "probe.json").is_file():

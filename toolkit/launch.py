@@ -21,7 +21,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from framework import recipes, registry, run, runlock
 from framework.errors import UserError, did_you_mean
+from framework.resolve import resolve
+from framework.schema import RecipeConfig
+from toolkit import argparsing
+from toolkit.argparsing import Parser, overrides_arg
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -39,8 +44,6 @@ FLAGS_HINT = "Flags: --dry-run, --wait, -v/--verbose, -h/--help."
 
 def add_arguments(p) -> None:
     """`apiary launch`'s flags; recipe=, launcher=, shorthands and overrides are positional k=v."""
-    from framework.argparsing import overrides_arg
-
     overrides_arg(p, "recipe=NAME launcher=local|slurm, the launcher's options without `launcher.` "
                      "(nodes=N gpus_per_node=G partition=P ... for slurm, nproc=N for local) and recipe overrides")
     p.add_argument("-n", "--dry-run", "--dry_run", dest="dry_run", action="store_true",
@@ -51,8 +54,6 @@ def add_arguments(p) -> None:
 
 
 def parser():
-    from framework.argparsing import Parser
-
     p = Parser(prog="apiary launch", description=__doc__, flags_hint=FLAGS_HINT)
     add_arguments(p)
     return p
@@ -72,8 +73,6 @@ def _split(ns):
 
 
 def _launcher_class(name: str | None, recipe: str | None):
-    from framework import recipes, registry
-
     if name is None:
         name = str(recipes.load(recipe, []).launcher.name)
     registry.check("launcher", name, where=f"launcher={name}")
@@ -94,9 +93,6 @@ def _expand(tokens: list[str], option_names: set[str]) -> list[str]:
 
 def _check_shorthands(tokens: list[str], name: str, fields: set[str]) -> None:
     """A bare ``key=v`` that belongs to another launcher: say which launcher it belongs to."""
-    from framework import registry
-    from framework.schema import RecipeConfig
-
     top = {f.name for f in dataclasses.fields(RecipeConfig)}
     for t in tokens:
         key, sep, _ = t.partition("=")
@@ -135,8 +131,6 @@ def _worker_argv(recipe, overrides, r, flags) -> list[str]:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
-    from framework import argparsing
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns, code = argparsing.run(parser(), argv, where="apiary launch {flag}")
@@ -158,9 +152,6 @@ def launch_args(ns) -> int:
             if "wait" not in fields:
                 raise UserError("--wait", f"launcher {name} has no wait option.", "Drop --wait.")
             overrides.append("launcher.wait=true")
-
-        from framework import recipes
-        from framework.resolve import resolve
 
         opts = recipes.load(recipe, overrides).launcher
         if hasattr(cls, "check_options"):
@@ -185,8 +176,6 @@ def launch_args(ns) -> int:
     out.print(summary, markup=False)
     for w in warnings:
         err_console.print("[yellow]warning[/yellow]", Text(str(w)))
-
-    from framework import runlock
 
     if "dry_run" not in flags:
         try:  # one run per output_dir: checked (local: taken) before anything starts or is submitted
@@ -228,8 +217,6 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
         err_console.print("dry run: nothing started.")
         return 0
 
-    from framework import run
-
     def in_process():
         last = run.train(r, verbose="verbose" in flags)
         if last:
@@ -248,7 +235,6 @@ def cp_template_main(argv: list[str]) -> int:
         if len(argv) != 2:
             raise UserError(f"apiary cp-template {' '.join(argv)}".strip(), "needs a launcher name and a path.",
                             CP_TEMPLATE_USAGE)
-        from framework import registry
 
         name, dest = argv
         registry.check("launcher", name, where=f"apiary cp-template {name}")

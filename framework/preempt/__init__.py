@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from framework import lifecycle
+
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
 STOP_NOW_EXIT_CODE = 130  # a second SIGINT: stop at once, no checkpoint
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -46,8 +48,6 @@ _GUARDS: list["Guard"] = []
 
 
 def _handler(signum, frame) -> None:
-    from framework import lifecycle
-
     first = _FLAG.signum is None
     rank, name = os.environ.get("RANK", "0"), signal.Signals(signum).name
     if not first and signum == signal.SIGINT and time.time() - _FLAG.at > SAME_DELIVERY_S:
@@ -123,7 +123,7 @@ class Guard:
     def _agree(self) -> bool:
         """True on every rank when any rank was signalled (one small all-reduce)."""
         import torch
-        import torch.distributed as dist
+        import torch.distributed as dist  # reason: `python -m framework.preempt` arms the handlers before torch loads
 
         mine = 1 if requested() else 0
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -171,7 +171,7 @@ class Guard:
 
 def _cpu_group():
     """A gloo group for the flag, so the per-step check never waits on the GPU stream."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # reason: `python -m framework.preempt` arms the handlers before torch loads
 
     if "gloo" in str(dist.get_backend()):  # gloo, or "cuda:nccl,cpu:gloo": CPU tensors go through gloo
         return dist.group.WORLD
@@ -246,7 +246,7 @@ def exit_if_stopped(guard: Guard | None = None) -> None:
 
 def _hook_trainer_class() -> None:
     """Hook every torchtitan Trainer when its train() starts (used by ``main``)."""
-    from torchtitan.trainer import Trainer
+    from torchtitan.trainer import Trainer  # reason: imported after arm() (python -m framework.preempt)
 
     if getattr(Trainer.train, "_apiary_preempt", False):
         return
@@ -258,27 +258,3 @@ def _hook_trainer_class() -> None:
 
     train._apiary_preempt = True
     Trainer.train = train
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m framework.preempt train ARGS``: ``train ARGS``, preemptible."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":
-        argv = argv[1:]
-    arm()  # a signal during start-up exits with EXIT_CODE instead of killing the process
-    from framework import devices
-
-    devices.install()  # point torchtitan at the CPU (when there is no GPU) before importing it
-    _hook_trainer_class()
-    from framework.cli import train_main
-
-    code = train_main(argv)
-    if code == 0 and stopped():
-        return EXIT_CODE
-    return code
-
-
-if __name__ == "__main__":
-    from framework import preempt as _preempt  # one module object: the handler's flag lives there
-
-    sys.exit(_preempt.main())

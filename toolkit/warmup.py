@@ -23,7 +23,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from framework import kernel_cache, run
 from framework.errors import UserError
+from framework.hydra_cli import ALIASES
+from framework.resolve import resolve
+from toolkit.argparsing import Parser, overrides_arg
 
 console = Console(highlight=False, soft_wrap=True)
 STEPS = 2
@@ -31,23 +35,17 @@ _SET = {"training.steps": str(STEPS), "checkpoint.enable": "false"}
 
 
 def add_arguments(p) -> None:
-    from framework.argparsing import overrides_arg
-
     overrides_arg(p, help="recipe=NAME and the job's key=value overrides (Hydra's grammar)")
     p.add_argument("-v", "--verbose", action="store_true", help="torchtitan's INFO logs")
 
 
 def parser():
-    from framework.argparsing import Parser
-
     p = Parser(prog="apiary warmup", description=__doc__)
     add_arguments(p)
     return p
 
 
 def _key(a: str) -> str:
-    from framework.hydra_cli import ALIASES
-
     k = a.lstrip("+~").split("=", 1)[0]
     return ALIASES.get(k, k)
 
@@ -91,9 +89,6 @@ def cache_summary(dirs: dict[str, Path]) -> list[tuple[str, Path, int, int, int]
 
 
 def warmup_args(ns) -> int:
-    from framework import kernel_cache, run
-    from framework.resolve import resolve
-
     tmp = tempfile.mkdtemp(prefix="apiary-warmup-")
     try:
         recipe, overrides, notes = warmup_overrides(ns.overrides, str(Path(tmp) / "run"))

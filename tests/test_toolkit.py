@@ -1,0 +1,65 @@
+"""The tools package: compare's tolerances come from the components' NUMERICS (its own table
+names no component), and the `apiary` command lives in toolkit.cli, not on the training path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from framework import registry
+from conftest import ROOT, _child_env
+from toolkit.compare import tolerance
+
+
+def _variant(**groups):
+    cfg = SimpleNamespace(training=SimpleNamespace(dtype="float32", local_batch=2, deterministic=True),
+                          data=SimpleNamespace(sharding="blocks"),
+                          **{k: SimpleNamespace(name=v) for k, v in groups.items()})
+    r = SimpleNamespace(cfg=cfg, layout=SimpleNamespace(dp=1, dims={"dp_shard": 1, "ep": 1, "cp": 1, "tp": 1, "pp": 1}),
+                        grad_accum=1, facts=SimpleNamespace(num_experts=0))
+    return SimpleNamespace(resolved=r)
+
+
+@pytest.mark.parametrize("kind", sorted(set(tolerance.SELECTED_BY) & set(registry.entries())))
+def test_every_component_declares_its_numerics(kind):
+    for name in registry.names(kind):
+        numerics = registry.resolve(kind, name).NUMERICS
+        assert isinstance(numerics, dict) and numerics, (kind, name)
+        assert set(numerics.values()) <= set(tolerance.LOOSENESS), (kind, name, numerics)
+
+
+def test_compare_table_names_no_component_key():
+    paths = set(tolerance.SELECTED_BY.values())
+    named = [pat for pat, _, _ in tolerance.KEY_KINDS
+             if any(pat == p or pat.startswith(p + ".") or p.startswith(pat) and pat.endswith(".") for p in paths)]
+    assert named == []
+
+
+def test_a_user_component_without_numerics_is_a_deliberate_change(tmp_path, monkeypatch):
+    """A loss from a user registry file that declares no NUMERICS: compare checks nothing unless told."""
+    (tmp_path / "my_loss_mod.py").write_text("class Mine:\n    pass\n")
+    reg = tmp_path / "reg.yaml"
+    reg.write_text("loss:\n  mine_nonumerics:\n    target: my_loss_mod:Mine\n    doc: test\n")
+    monkeypatch.setattr(registry, "_USED", [])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.entries.cache_clear()
+    try:
+        registry.use(reg)
+        kind, why = tolerance.classify("loss", [_variant(loss="ce"), _variant(loss="mine_nonumerics")], False)
+    finally:
+        registry.entries.cache_clear()  # the next caller reads registry.yaml afresh
+    assert kind == "any" and "mine_nonumerics declares no NUMERICS" in why
+    # an option the component does not list takes the kind of switching to another of its kind
+    assert tolerance.classify("loss.num_chunks", [_variant(loss="chunked")] * 2, False)[0] == "fp32"
+    assert tolerance.classify("moe.chunk", [_variant()] * 2, False) == (
+        "exact", "moe.chunk (moe_chunk none): the same arithmetic, rescheduled")
+
+
+def test_framework_cli_refuses_the_apiary_command():
+    p = subprocess.run([sys.executable, "-m", "framework.cli", "apiary", "ls"], cwd=ROOT, env=_child_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert "python -m framework.cli apiary" in p.stderr and "python -m toolkit.cli" in p.stderr

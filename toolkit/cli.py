@@ -1,0 +1,181 @@
+"""The `apiary` console script: one argparse parser with a subparser per command.
+
+    apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | warmup ...
+           | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT
+
+Each command's k=v arguments are recipe overrides in `train`'s grammar (framework.cli, Hydra).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from rich.table import Table
+from rich.text import Text
+
+from framework import recipes, registry
+from framework.cli import _fail, console
+from framework.errors import UserError, did_you_mean
+from toolkit import argparsing, compare, launch, plan, warmup
+from toolkit.show import show_hf
+
+
+
+def _ls() -> int:
+    t = Table(title="recipes", show_lines=False)
+    t.add_column("name")
+    t.add_column("description")
+    for name in recipes.recipe_names():
+        desc = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")
+        t.add_row(Text(name), Text(str(desc)))
+    console.print(t)
+    t = Table(title="registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)")
+    for c in ("kind", "name", "target", "doc", "from"):
+        t.add_column(c)
+    for kind, names in registry.entries().items():
+        for name, e in names.items():
+            t.add_row(*map(Text, (kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))))
+    console.print(t)
+    return 0
+
+
+def _show(name: str) -> int:
+    if (Path(name) / "config.json").is_file():  # a HuggingFace model folder
+        return show_hf(name, console)
+    if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
+        console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
+        return 0
+    for kind, names in registry.entries().items():
+        if name in names:
+            e = names[name]
+            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
+            skill = registry.ROOT / "docs" / "skills" / f"{name}.md"
+            if skill.is_file():
+                console.print(f"  skill page: {skill}", markup=False)
+            return 0
+    known = recipes.recipe_names() + [n for ns in registry.entries().values() for n in ns]
+    raise UserError(f"apiary show {name}", "no recipe or registry name called that.",
+                    did_you_mean(name, known) or "Run `apiary ls`.")
+
+
+def _cp(name: str, dest: str) -> int:
+    src = recipes.recipe_path(name)
+    d = Path(dest)
+    if d.is_dir():
+        d = d / src.name
+    if d.exists():
+        raise UserError(f"apiary cp {name} {dest}", f"{d} already exists; not overwriting it.",
+                        "Choose another path or remove it first.")
+    d.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, d)
+    console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)", markup=False)
+    return 0
+
+
+def _export(run_dir: str, out: str) -> int:
+    cfg_path = Path(run_dir) / "config.yaml"
+    if not cfg_path.is_file():
+        raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
+                        "Point it at runs/RECIPE/TIMESTAMP.")
+    family = OmegaConf.load(cfg_path).model.family
+    mod = registry.resolve("model", family)
+    if not hasattr(mod, "export_hf"):
+        raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
+                        "Export exists for qwen3_5.")
+    console.print(f"exported {run_dir} -> {mod.export_hf(run_dir, out)}", markup=False)
+    return 0
+
+
+APIARY_DESCRIPTION = """recipes, registry names, planning, A/B comparison, launching and export.
+Each command's k=v arguments are recipe overrides in `train`'s grammar; `apiary COMMAND --help`
+lists its options."""
+
+# The commands with their own flags: (name, module with add_arguments/parser, one-line help).
+TOOLS = (
+    ("plan", plan, "derived dims, per-GPU memory by term, verdict, step time; --search ranks layouts"),
+    ("compare", compare, "run variants of one key from one seed checkpoint side by side (--check, --json)"),
+    ("launch", launch, "check the recipe for a launcher's world size, then run it here or submit it"),
+    ("warmup", warmup, "fill the kernel cache for a recipe's shapes on one device (2 steps, no checkpoint)"),
+)
+
+
+def apiary_parser() -> argparsing.Parser:
+    """One argparse parser, one subparser per command (plan, compare, launch, warmup add their own flags)."""
+    p = argparsing.Parser(prog="apiary", description=APIARY_DESCRIPTION)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=argparsing.Parser, required=True)
+    ls = sub.add_parser("ls", help="recipes and registry names with their docs and where each came from",
+                        description="Recipes and registry names with their docs; `from` says which registry file "
+                                    "bound each name (registry.yaml or a user file).")
+    ls.add_argument("registry", nargs="*", metavar="registry=PATH",
+                    help="also list a user registry file's names (as the APIARY_REGISTRY variable does)")
+    show = sub.add_parser("show", help="a recipe's YAML, or a registry name's binding")
+    show.add_argument("name", metavar="NAME", help="a recipe name or file, or a registry name")
+    cp = sub.add_parser("cp", help="copy a recipe to edit it (then `train recipe=PATH`)")
+    cp.add_argument("name", metavar="NAME", help="the recipe to copy")
+    cp.add_argument("dest", metavar="PATH", help="a file or a folder; never overwritten")
+    for name, mod, helptext in TOOLS:
+        doc = compare.USAGE if mod is compare else mod.__doc__
+        hint = mod.parser().flags_hint
+        sp = sub.add_parser(name, help=helptext, description=doc, flags_hint=hint)
+        mod.add_arguments(sp)
+        sp.set_defaults(flags_hint=hint, flag_where="argument {flag}" if name == "plan" else f"apiary {name} {{flag}}")
+    cpt = sub.add_parser("cp-template", help="copy a launcher's script template (then launcher.template=PATH)")
+    cpt.add_argument("launcher", metavar="LAUNCHER", help="a launcher with a template (slurm)")
+    cpt.add_argument("dest", metavar="PATH", help="where to write it; never overwritten")
+    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
+    return p
+
+
+def apiary_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        p = apiary_parser()
+        if not argv or argv[0] == "help":
+            p.print_help()
+            return 0
+        try:
+            ns, extra = p.parse_known_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        cmd, rest = ns.cmd, argv[argv.index(ns.cmd) + 1:]
+        if cmd in ("plan", "compare", "launch", "warmup"):
+            argparsing.finish(ns, extra, f"apiary {cmd}", ns.flags_hint, ns.flag_where)
+            if cmd == "plan":
+                return plan.plan_args(ns)
+            if cmd == "compare":
+                return compare.compare_main(rest, ns)
+            if cmd == "warmup":
+                return warmup.warmup_args(ns)
+            return launch.launch_args(ns)
+        if extra:
+            raise UserError(f"apiary {cmd} {' '.join(extra)}", "unrecognized arguments.", f"See `apiary {cmd} --help`.")
+        if cmd == "ls":
+            for a in ns.registry:
+                key, sep, val = a.partition("=")
+                if key != "registry" or not sep:
+                    raise UserError(f"apiary ls {a}", "takes only registry=PATH.", "See `apiary ls --help`.")
+                registry.use(val, where=a)
+            return _ls()
+        if cmd == "show":
+            return _show(ns.name)
+        if cmd == "cp":
+            return _cp(ns.name, ns.dest)
+        if cmd == "cp-template":
+            return launch.cp_template_main([ns.launcher, ns.dest])
+        return _export(ns.run_dir, ns.hf)
+    except UserError as e:
+        return _fail(e)
+
+
+def apiary_entry() -> None:
+    sys.exit(apiary_main())
+
+
+if __name__ == "__main__":
+    apiary_entry()
