@@ -26,12 +26,23 @@ Every kind shares the same life cycle:
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
 KINDS = ("model", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
 APPLY_ORDER = ("model", "precision", "moe_chunk", "data", "loss", "recompute", "state")
+# Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
+# Group kinds (``loss=chunked``) keep their options in their own section; the others share a
+# framework section (``model.family``, ``moe.comm``, ``data.format``).
+SELECT = {"model": ("model", "family"), "precision": ("precision", "name"), "moe_comm": ("moe", "comm"),
+          "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
+          "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name")}
+GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
 
 # apiary compare's tolerance kinds (framework.compare documents each).
 Tolerance = Literal["exact", "dp", "fp32", "bf16", "dtype", "fp8", "any"]
@@ -45,6 +56,15 @@ class Context:
     facts: Any = None  # the model's facts (components.models.common.ModelFacts) once known
     layout: Any = None  # framework.layout.Layout once derived
     for_training: bool = True  # False for print-only commands (--cfg, plan, show)
+    components: dict = field(default_factory=dict)  # kind -> the chosen component (registry object)
+    options: dict = field(default_factory=dict)  # kind -> its Options instance
+    summary: list = field(default_factory=list)  # lines rank 0 prints first (what the run trains on)
+    shared: dict = field(default_factory=dict)  # facts one component's check leaves for another's
+
+    def choice(self, kind: str) -> str:
+        """The name chosen for ``kind`` (``loss`` -> ``chunked``)."""
+        section, key = SELECT[kind]
+        return str(self.cfg[section][key])
 
 
 @dataclass
@@ -91,9 +111,12 @@ class Component(Protocol):
 
 class ModelFamily(Component, Protocol):
     """kind ``model``: a family module. ``FLAVORS`` names its sizes; ``facts`` sizes a flavor
-    without building it; ``apply`` puts the model spec on ``tc``."""
+    without building it; ``apply`` puts the model spec on ``tc``; ``model_kwargs`` are the
+    ``model_config`` / ``facts`` arguments the recipe asks for."""
 
     FLAVORS: Mapping[str, Any]
+
+    def model_kwargs(self, options: Any, ctx: Context) -> dict: ...
 
     def facts(self, flavor: str, **model_kwargs: Any) -> Any: ...
 
@@ -133,7 +156,8 @@ class Data(Component, Protocol):
     line (what it trains on); ``STEP_KEYS`` / ``BATCH_KEYS`` are what its batches carry beyond
     tokens and labels (the trainer forwards them to the loss)."""
 
-    BATCH_KEYS: ClassVar[tuple[str, ...]]
+    BATCH_KEYS: ClassVar[tuple[str, ...]]  # per token (context-parallel sharded like the tokens)
+    STEP_KEYS: ClassVar[tuple[str, ...]]  # per sample (not sharded)
 
     def summary(self, options: Any, ctx: Context) -> str: ...
 
@@ -146,10 +170,70 @@ class Launcher(Component, Protocol):
     def launch(self, options: Any, argv: list[str], run_in_process: Any) -> int: ...
 
 
+# ---------------------------------------------------------------------------------------------
+# Options helpers (OmegaConf has no Literal type; the recipe schema stores the base type)
+# ---------------------------------------------------------------------------------------------
+
+
+def choices(tp: Any) -> tuple | None:
+    """The values of a ``Literal[...]`` annotation (``Optional[Literal[...]]`` too), else None."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union:
+        for a in typing.get_args(tp):
+            if typing.get_origin(a) is Literal:
+                return typing.get_args(a)
+    return None
+
+
+def check_choices(obj: Any, prefix: str, where: str = "") -> None:
+    """ValueError naming ``prefix + field`` for a field outside its ``Literal`` choices
+    (call it first in an Options' ``__post_init__``)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        names = choices(hints.get(f.name))
+        value = getattr(obj, f.name)
+        if names is not None and value is not None and value not in names:
+            raise ValueError(f"{prefix}{f.name} must be {'|'.join(map(str, names))}{where}, got {value!r}")
+
+
+def schema_of(options_cls: type) -> type:
+    """A dataclass OmegaConf can type-check: ``options_cls`` with ``Literal`` fields as ``str``
+    (their choices are checked by ``options_cls.__post_init__``) and no ``__post_init__``."""
+    hints = typing.get_type_hints(options_cls)
+    out = []
+    for f in dataclasses.fields(options_cls):
+        tp = hints[f.name]
+        names = choices(tp)
+        if names is not None:
+            base = type(names[0])
+            tp = typing.Optional[base] if type(None) in typing.get_args(tp) else base
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
+                   else dataclasses.MISSING)
+        out.append((f.name, tp) if default is dataclasses.MISSING else (f.name, tp, default))
+    return dataclasses.make_dataclass(f"{options_cls.__qualname__.replace('.', '_')}_schema", out, kw_only=True)
+
+
+def make_options(component: Any, node: Any) -> Any:
+    """``component.Options`` built from a recipe section (the keys it declares); ValueError from
+    its ``__post_init__`` when a value is out of range."""
+    cls = component.Options
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in node:
+            v = node[f.name]
+            kw[f.name] = OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v
+    return cls(**kw)
+
+
 PROTOCOLS: dict[str, type] = {
     "model": ModelFamily, "loss": Loss, "recompute": Recompute, "state": State, "moe_comm": MoeComm,
     "moe_chunk": MoeChunk, "precision": Precision, "data": Data, "launcher": Launcher,
 }
+# Members this branch's contract work provides (plan_terms and NUMERICS come with the planner and
+# compare work).
+CORE_MEMBERS = ("Options", "check", "apply")
 
 
 def missing_members(kind: str, obj: Any) -> list[str]:

@@ -13,20 +13,32 @@ from dataclasses import dataclass
 
 
 class LocalLauncher:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "local"
-        nproc: int = 1  # ranks on this machine
+        """registry name (launcher=local)"""
+        nproc: int = 1
+        """ranks on this machine (`nproc=N` for short)"""
         master_port: int = 29500
-        shutdown_timeout_s: int = 900  # after a stop signal, torchrun kills ranks that have not exited by then
+        """torchrun's rendezvous port"""
+        shutdown_timeout_s: int = 900
+        """after a stop signal, torchrun kills ranks that have not exited by then"""
+
+        def __post_init__(self):
+            if self.nproc < 1:
+                raise ValueError(f"nproc (launcher.nproc) must be >= 1 (processes on this machine), got {self.nproc}")
+            if not 0 < self.master_port < 65536:
+                raise ValueError(f"launcher.master_port must be a TCP port (1-65535), got {self.master_port}")
 
     @staticmethod
-    def check(opts: "LocalLauncher.Options") -> None:
+    def check(options: "LocalLauncher.Options", ctx=None) -> None:
         """Called by resolve before anything starts (ValueError: the reason)."""
-        if opts.nproc < 1:
-            raise ValueError(f"nproc (launcher.nproc) must be >= 1 (processes on this machine), got {opts.nproc}")
-        if not 0 < opts.master_port < 65536:
-            raise ValueError(f"launcher.master_port must be a TCP port (1-65535), got {opts.master_port}")
+        type(options).__post_init__(options)
+
+    @staticmethod
+    def apply(options, tc, ctx=None) -> None:
+        """Nothing to edit: the launcher starts the ranks, it does not configure them."""
+        return None
 
     @staticmethod
     def world_size(opts: "LocalLauncher.Options") -> int:

@@ -37,7 +37,7 @@ _LAUNCH_ONLY = ("launcher", "output_dir", "checkpoint.resume", "nproc")
 
 
 class SlurmLauncher:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "slurm"
         nodes: int = 1
@@ -63,6 +63,18 @@ class SlurmLauncher:
     @staticmethod
     def world_size(opts) -> int:
         return int(opts.nodes) * int(opts.gpus_per_node)
+
+    @staticmethod
+    def check(options, ctx=None) -> None:
+        """Before launch: the options themselves, and warmup's need of a shared kernel cache."""
+        SlurmLauncher.check_options(options)
+        if ctx is not None:
+            SlurmLauncher.check_warmup(options, ctx)
+
+    @staticmethod
+    def apply(options, tc, ctx=None) -> None:
+        """Nothing to edit: the batch script starts the ranks, it does not configure them."""
+        return None
 
     # ------------------------------------------------------------------ checks
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 from torchtitan.models.common.attention import FlexAttention, GQAttention
@@ -12,6 +13,61 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
 from framework import devices
+from framework.errors import UserError
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """The recipe's ``model:`` section as every family reads it (defaults: framework/schema.py's
+    ModelConfig)."""
+
+    family: str
+    """registry kind model: the family module"""
+    flavor: str
+    """a key of the family's FLAVORS"""
+    n_layers: Optional[int] = None
+    """truncate/extend the layer stack (None: the flavor's)"""
+    vocab_size: Optional[int] = None
+    """override the flavor's vocabulary"""
+    attn_backend: str = "flex"
+    """torchtitan attention backend"""
+    flex_autotune: bool = True
+    """inductor max-autotune + coordinate descent for flex attention (false: faster compile)"""
+    hf_checkpoint: Optional[str] = None
+    """a HuggingFace folder whose architecture and weights the model loads"""
+
+    def __post_init__(self):
+        if self.n_layers is not None and self.n_layers < 1:
+            raise ValueError(f"model.n_layers must be >= 1, got {self.n_layers}")
+
+
+def model_kwargs(options, ctx) -> dict:
+    """The family's ``model_config`` / ``facts`` arguments this recipe asks for."""
+    kw = dict(attn_backend=options.attn_backend, moe_comm_backend=ctx.components["moe_comm"].torchtitan_backend,
+              n_layers=options.n_layers, vocab_size=options.vocab_size,
+              load_balance_coeff=ctx.cfg.moe.load_balance_coeff)
+    if options.hf_checkpoint:
+        kw["hf_checkpoint"] = options.hf_checkpoint
+    return kw
+
+
+def check_model(options, ctx) -> None:
+    """What every family refuses before launch: a sequence longer than the model's RoPE length."""
+    if not ctx.for_training or ctx.facts is None:
+        return
+    limit = getattr(ctx.facts, "max_seq_len", 0)
+    seq = ctx.cfg.training.seq_len
+    if limit and seq > limit:
+        src = (f"max_position_embeddings of {options.hf_checkpoint}" if options.hf_checkpoint
+               else f"model.flavor={options.flavor}")
+        raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).",
+                        f"Use training.seq_len <= {limit}.")
+
+
+def apply_model(family, options, tc, ctx) -> None:
+    """Put a fresh model spec of ``family`` (a family module) on the trainer config."""
+    devices.set_flex_autotune(bool(options.flex_autotune))
+    tc.model_spec = family.model_spec(options.flavor, **model_kwargs(options, ctx))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 
 from torchtitan.models import llama3 as tt_llama3
@@ -200,6 +202,20 @@ def export_hf(run_dir: str, out_path: str):
 
 
 def _self():
-    import sys
-
     return sys.modules[__name__]
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

@@ -7,6 +7,8 @@ CPU tests and the embedded default recipe.
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 
 from torchtitan.models import qwen3 as tt_qwen3
@@ -93,8 +95,6 @@ def facts(flavor: str, **kwargs) -> common.ModelFacts:
 
 
 def _self():
-    import sys
-
     return sys.modules[__name__]
 
 
@@ -250,3 +250,19 @@ def arch_from_config(config) -> Arch:
                 route_norm=moes[0].router.route_norm if moes else True, rope_theta=attn.rope.theta,
                 max_seq_len=attn.rope.max_seq_len, norm_eps=norm.eps,
                 tie_embeddings=bool(config.enable_weight_tying))
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

@@ -314,3 +314,21 @@ def export_hf(run_dir: str, out_path: str):
 def unavailable() -> str | None:
     """Why this family cannot train (None: it can)."""
     return UNAVAILABLE
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+    if ctx.for_training and ctx.layout is not None:  # planning may explore layouts it cannot train yet
+        check_layout(ctx.cfg, ctx.layout)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

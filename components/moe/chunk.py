@@ -13,6 +13,9 @@ before the worker has installed the device shims.
 
 from __future__ import annotations
 
+from components.moe.comm import MoeOptions
+from framework.errors import UserError
+
 # The auto rule. Rows: (local tokens per rank below which this row applies, chunks).
 # The token thresholds follow seed 000's single-layer trend (chunk2 gains +7.8% at 4K tokens
 # and grows with length, to +24% at 64K: longer sequences give longer communication windows);
@@ -59,21 +62,29 @@ def auto_num_chunks(num_tokens: int, *, ep_size: int, num_experts: int, top_k: i
 def _check_comm(where: str, comm_backend: str) -> None:
     """Chunking runs on torchtitan's standard all-to-all dispatcher only."""
     if comm_backend != "standard":
-        from framework.errors import UserError
-
         raise UserError(where, f"chunked EP overlap needs the standard all-to-all dispatcher (moe.comm=alltoall), "
                                f"not torchtitan backend {comm_backend!r}.", "Use moe.chunk=none with this moe.comm.")
+
+
+def _backend(ctx) -> str:
+    return ctx.components["moe_comm"].torchtitan_backend
 
 
 class NoChunk:
     """One dispatch -> grouped GEMM -> combine per MoE layer (the baseline)."""
 
+    Options = MoeOptions
+
     @staticmethod
-    def apply(model_config) -> None:
+    def convert(model_config) -> None:
         return None
 
     @staticmethod
-    def check(comm_backend: str, where: str = "moe.chunk=none") -> None:
+    def check(options, ctx) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
         return None
 
 
@@ -81,19 +92,25 @@ class Chunked:
     """Split each MoE layer's local tokens into ``num_chunks`` chunks with an overlapped
     dispatch / grouped-GEMM / combine schedule (forward and backward)."""
 
+    Options = MoeOptions
+
     def __init__(self, num_chunks: int):
         if num_chunks < 2:
             raise ValueError(f"Chunked needs at least 2 chunks, got {num_chunks} (use NoChunk)")
         self.num_chunks = num_chunks
 
-    def apply(self, model_config) -> None:
-        from components.moe.chunked_experts import use_chunked_experts
+    def convert(self, model_config) -> None:
+        """Edit the model config's routed experts (before it is built)."""
+        from components.moe.chunked_experts import use_chunked_experts  # reason: imports torchtitan (after devices.install)
 
         use_chunked_experts(model_config, self.num_chunks)
 
-    def check(self, comm_backend: str, where: str | None = None) -> None:
+    def check(self, options, ctx) -> None:
         """Before any worker starts: refuse dispatchers this policy cannot chunk (UserError)."""
-        _check_comm(where or f"moe.chunk=chunk{self.num_chunks}", comm_backend)
+        _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+
+    def apply(self, options, tc, ctx) -> None:
+        self.convert(tc.model_spec.model)
 
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
@@ -102,15 +119,21 @@ class Chunked:
 class AutoChunk:
     """Chunk count chosen per forward by ``auto_num_chunks`` (local tokens, EP size, GEMM rows)."""
 
+    Options = MoeOptions
+
     @staticmethod
-    def apply(model_config) -> None:
-        from components.moe.chunked_experts import use_chunked_experts
+    def convert(model_config) -> None:
+        from components.moe.chunked_experts import use_chunked_experts  # reason: imports torchtitan (after devices.install)
 
         use_chunked_experts(model_config, None)
 
     @staticmethod
-    def check(comm_backend: str, where: str = "moe.chunk=auto") -> None:
-        _check_comm(where, comm_backend)
+    def check(options, ctx) -> None:
+        _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        AutoChunk.convert(tc.model_spec.model)
 
 
 # registry.yaml targets: components.moe.chunk:chunk2 / chunk3 / chunk4 / AutoChunk

@@ -6,38 +6,53 @@ from dataclasses import dataclass
 
 
 class NoRecompute:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "none"
+        """registry name (recompute=none)"""
 
     @staticmethod
-    def ac_config(opts):
+    def check(options, ctx) -> None:
         return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        tc.activation_checkpoint = None
 
 
 class SelectiveRecompute:
     """Save expensive op outputs (matmuls, attention, collectives); recompute the rest."""
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "selective"
+        """registry name (recompute=selective)"""
 
     @staticmethod
-    def ac_config(opts):
-        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    def check(options, ctx) -> None:
+        return None
 
-        return SelectiveAC.Config()
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC  # reason: after devices.install
+
+        tc.activation_checkpoint = SelectiveAC.Config()
 
 
 class FullRecompute:
     """Keep only each block's input; rerun the whole block in backward."""
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "full"
+        """registry name (recompute=full)"""
 
     @staticmethod
-    def ac_config(opts):
-        from torchtitan.distributed.activation_checkpoint import FullAC
+    def check(options, ctx) -> None:
+        return None
 
-        return FullAC.Config()
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        from torchtitan.distributed.activation_checkpoint import FullAC  # reason: after devices.install
+
+        tc.activation_checkpoint = FullAC.Config()
