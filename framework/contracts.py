@@ -162,12 +162,22 @@ class Data(Component, Protocol):
     def summary(self, options: Any, ctx: Context) -> str: ...
 
 
+@dataclass
+class LaunchEnv:
+    """What the framework hands a launcher at launch (so launchers import nothing else of it)."""
+
+    resolved: Any  # framework.resolve.Resolved: the run being launched
+    supervise: Any  # supervise(cmd, env, nproc) -> exit code: run torchrun and forward stop signals
+    worker_module: str = "framework.lifecycle"  # `python -m MODULE torchrun ...` starts torchrun quietly
+    train_module: str = "framework.cli"  # `python -m MODULE train ARGS` is one rank
+
+
 class Launcher(Component, Protocol):
     """kind ``launcher``: how ranks start (this machine, Slurm)."""
 
     def world_size(self, options: Any) -> int: ...
 
-    def launch(self, options: Any, argv: list[str], run_in_process: Any) -> int: ...
+    def launch(self, options: Any, argv: list[str], run_in_process: Any, env: LaunchEnv) -> int: ...
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from framework import run
 from framework.errors import UserError, did_you_mean
 
 console = Console(highlight=False, soft_wrap=True)
@@ -214,7 +215,7 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
                               f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.", markup=False)
             return 0
         try:
-            return int(cls.launch(opts, argv_w, None, resolved=r))
+            return int(cls.launch(opts, argv_w, None, run.launch_env(r)))
         except UserError as e:
             return _fail(e)
 
@@ -228,15 +229,13 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
         err_console.print("dry run: nothing started.")
         return 0
 
-    from framework import run
-
     def in_process():
         last = run.train(r, verbose="verbose" in flags)
         if last:
             console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
-    return int(cls.launch(opts, argv_w, in_process))
+    return int(cls.launch(opts, argv_w, in_process, run.launch_env(r)))
 
 
 CP_TEMPLATE_USAGE = "usage: apiary cp-template LAUNCHER PATH   (then launch with launcher.template=PATH)"

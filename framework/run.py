@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from framework import devices, first_step, kernel_cache, preempt
+from framework import contracts, devices, first_step, kernel_cache, lifecycle, preempt
 
 
 def _single_process_env() -> None:
@@ -24,6 +24,11 @@ def _single_process_env() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def launch_env(resolved) -> contracts.LaunchEnv:
+    """What a launcher component needs of the framework to start ``resolved``'s ranks."""
+    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise)
 
 
 def write_run_files(resolved) -> None:

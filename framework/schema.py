@@ -56,7 +56,7 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    format: str = "text"  # text: documents packed for LM training | rollouts: RL rollouts (loss=grpo ...)
+    format: str = "text"  # registry.yaml kind `data` (components/data/formats.py documents each option)
     name: str = "packaged"  # packaged | local | an HF hub dataset name
     path: Optional[str] = None  # local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)
     tokenizer: str = "byte"  # byte | path to a HF tokenizer folder

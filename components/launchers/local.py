@@ -1,6 +1,6 @@
 """Local launcher: one process for one rank; torchrun on this machine for nproc > 1.
 
-With nproc > 1 this process supervises torchrun (framework.lifecycle.supervise): it forwards
+With nproc > 1 this process supervises torchrun (``env.supervise``, framework.lifecycle's): it forwards
 SIGTERM / SIGINT / SIGUSR1 once, so the ranks checkpoint at the next step boundary and exit 75,
 returns the ranks' exit code, stops at once on a second Ctrl-C, and takes torchrun and the
 ranks down with it if it is killed outright."""
@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+
+from framework.contracts import LaunchEnv
+from framework.errors import UserError
 
 
 class LocalLauncher:
@@ -46,21 +49,16 @@ class LocalLauncher:
 
     @staticmethod
     def check_options(opts: "LocalLauncher.Options") -> None:
-        from framework.errors import UserError
-
         if int(opts.shutdown_timeout_s) < 1:
             raise UserError(f"launcher.shutdown_timeout_s={opts.shutdown_timeout_s}", "must be >= 1: it is how "
                             "long torchrun waits for the ranks to checkpoint after a stop signal before it "
                             "kills them.", "Leave it at 900, or set it above one step plus one checkpoint save.")
 
     @staticmethod
-    def launch(opts: "LocalLauncher.Options", argv: list[str], run_in_process) -> int:
+    def launch(opts: "LocalLauncher.Options", argv: list[str], run_in_process, env: LaunchEnv) -> int:
         """Run ``train argv`` with ``opts.nproc`` ranks; returns the exit code."""
         if opts.nproc == 1:
             return run_in_process()
-        from framework import lifecycle
-        from framework.errors import UserError
-
         try:
             LocalLauncher.check_options(opts)
         except UserError as e:
@@ -68,9 +66,9 @@ class LocalLauncher:
             return e.exit_code
 
         # torchrun, run as `python -m framework.lifecycle torchrun` (no traceback after a stop signal)
-        cmd = [sys.executable, "-m", "framework.lifecycle", "torchrun", "--standalone", f"--nproc_per_node={opts.nproc}",
+        cmd = [sys.executable, "-m", env.worker_module, "torchrun", "--standalone", f"--nproc_per_node={opts.nproc}",
                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",
-               "-m", "framework.cli", "train", *argv]
-        env = dict(os.environ, APIARY_LAUNCHED="1")
-        return lifecycle.supervise(cmd, env, nproc=opts.nproc)
+               "-m", env.train_module, "train", *argv]
+        child_env = dict(os.environ, APIARY_LAUNCHED="1")
+        return env.supervise(cmd, child_env, nproc=opts.nproc)

@@ -12,6 +12,7 @@ from torchtitan.models.common.attention import FlexAttention, GQAttention
 from torchtitan.models.common.moe import MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
+from components.models.dense_mask_attention import DenseMaskAttention
 from framework import devices
 from framework.errors import UserError
 
@@ -126,10 +127,11 @@ def set_load_balance(config, coeff: float | None):
 
 
 def use_device_attention(config):
-    """Swap flex attention for the device's implementation (devices decides)."""
-    replacement = devices.inner_attention_config()
-    if replacement is None:
+    """Swap flex attention for a dense-mask SDPA where flex attention cannot train (CPU)."""
+    if devices.flex_attention_trains():
         return config
+    devices.uncompiled_block_masks()
+    replacement = DenseMaskAttention.Config
     for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
         if isinstance(parent, list):
             parent[attr] = replacement()

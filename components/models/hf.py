@@ -19,6 +19,7 @@ read the safetensors headers only (no tensor data), so they run before any worke
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 import struct
@@ -115,9 +116,8 @@ def check_family(c: dict, path, family: str) -> None:
     other = family_of(mt)
     if other == family:
         return
-    from framework import registry
-
-    flavors = list(getattr(registry.resolve("model", other), "FLAVORS", {})) if other else []
+    # the packaged family module of that model_type (family_of names components/models/<family>.py)
+    flavors = list(getattr(importlib.import_module(f"components.models.{other}"), "FLAVORS", {})) if other else []
     fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
            "defaults; the architecture comes from config.json)." if other else
            "apiary loads qwen3, qwen3_moe, llama and qwen3_5(_moe) checkpoints.")
