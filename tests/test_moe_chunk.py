@@ -65,11 +65,11 @@ def test_policies_refuse_what_they_cannot_chunk():
         return SimpleNamespace(components={"moe_comm": SimpleNamespace(torchtitan_backend=backend)})
 
     for policy, name in ((chunk2, "chunk2"), (AutoChunk, "auto")):
-        opts = MoeOptions(comm="alltoall", chunk=name)
+        opts = MoeOptions(comm="alltoall", chunk=name, load_balance_coeff=None)
         policy.check(opts, ctx("standard"))
         with pytest.raises(UserError, match="moe.comm=alltoall"):
             policy.check(opts, ctx("deepep"))
-    NoChunk.check(MoeOptions(comm="deepep", chunk="none"), ctx("deepep"))
+    NoChunk.check(MoeOptions(comm="deepep", chunk="none", load_balance_coeff=None), ctx("deepep"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,15 +26,15 @@ class DataOptions:
 
     format: str
     """registry kind data: text (documents packed for LM training) | rollouts (RL rollouts, loss=grpo ...)"""
-    name: str = "packaged"
+    name: str
     """packaged | local | an HF hub dataset name"""
-    path: Optional[str] = None
+    path: Optional[str]
     """local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)"""
-    tokenizer: str = "byte"
+    tokenizer: str
     """byte | path to a HF tokenizer folder"""
-    num_workers: int = 0
+    num_workers: int
     """loader processes per rank: 0 (in the training process) or 1"""
-    sharding: str = "blocks"
+    sharding: str
     """blocks: same global batches for any DP size | documents: split docs by rank"""
 
 

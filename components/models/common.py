@@ -26,15 +26,15 @@ class ModelOptions:
     """registry kind model: the family module"""
     flavor: str
     """a key of the family's FLAVORS"""
-    n_layers: Optional[int] = None
+    n_layers: Optional[int]
     """truncate/extend the layer stack (None: the flavor's)"""
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int]
     """override the flavor's vocabulary"""
-    attn_backend: str = "flex"
+    attn_backend: str
     """torchtitan attention backend"""
-    flex_autotune: bool = True
+    flex_autotune: bool
     """inductor max-autotune + coordinate descent for flex attention (false: faster compile)"""
-    hf_checkpoint: Optional[str] = None
+    hf_checkpoint: Optional[str]
     """a HuggingFace folder whose architecture and weights the model loads"""
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ class MoeOptions:
     """registry kind moe_comm: the expert-parallel dispatch/combine backend"""
     chunk: str
     """registry kind moe_chunk: the overlap schedule of each MoE layer"""
-    load_balance_coeff: Optional[float] = None
+    load_balance_coeff: Optional[float]
     """auxiliary-loss-free load balancing coefficient (None: off)"""
 
 
