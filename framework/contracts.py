@@ -26,7 +26,10 @@ Every kind shares the same life cycle:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
@@ -205,6 +208,27 @@ def check_choices(obj: Any, prefix: str, where: str = "") -> None:
         value = getattr(obj, f.name)
         if names is not None and value is not None and value not in names:
             raise ValueError(f"{prefix}{f.name} must be {'|'.join(map(str, names))}{where}, got {value!r}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's doc: the string literal after it (torchtitan's style) or its ``# comment``,
+    read from the class's source and its bases' (empty where the source cannot be read)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        lines = src.splitlines()
+        body = ast.parse(src).body[0].body
+        for stmt, nxt in zip(body, [*body[1:], None]):
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+            elif "#" in lines[stmt.end_lineno - 1]:
+                docs[stmt.target.id] = lines[stmt.end_lineno - 1].split("#", 1)[1].strip()
+    return docs
 
 
 def schema_of(options_cls: type) -> type:

@@ -104,3 +104,14 @@ def test_data_kind_supplies_the_batch_keys_the_trainer_forwards(tmp_path):
     rl = trainer_config(resolve("debug_grpo", [f"output_dir={tmp_path / 'b'}"], for_training=False))
     assert "rl_advantages" in rl.batch_keys and rl.step_keys == ("rl_num_seqs",)
     assert type(rl.dataloader).__qualname__.startswith("RolloutDataLoader")
+
+
+def test_field_docs_and_choices_reach_train_help():
+    from components.losses.chunked import ChunkedCrossEntropy
+    from framework.hydra_cli import help_text
+
+    assert contracts.field_docs(ChunkedCrossEntropy.Options)["num_chunks"].startswith("sequence chunks per step")
+    text = help_text()
+    assert "loss.backend: auto|torch|triton|cublas|mixed|fwdgrad = 'auto'" in text
+    assert "state.offload: none|optimizer|all = 'none'" in text
+    assert "data (a key's value): text, rollouts" in text
