@@ -22,6 +22,9 @@ Every kind shares the same life cycle:
    step-time factors), see ``PlanTerms``.
 5. ``NUMERICS``: how ``apiary compare`` holds two runs that differ in this component or in one of
    its options to each other (``""``: another name of the same kind; ``"opt"``: that option).
+
+Optional: ``SKILL`` names the docs/skills page of the component when it is not ``<name>.md``
+(resolve's error messages point there; the kind's page, e.g. ``recompute.md``, is the fallback).
 """
 
 from __future__ import annotations

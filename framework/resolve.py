@@ -42,16 +42,25 @@ def context(cfg, for_training: bool = True) -> contracts.Context:
         comp = registry.resolve(kind, name, where=f"{section}.{key}={name}" if section != kind or key != "name"
                                 else f"{kind}={name}")
         ctx.components[kind] = comp
-        with _as_user_error(kind, name):
+        with _as_user_error(kind, name, comp):
             ctx.options[kind] = contracts.make_options(comp, cfg[section])
     return ctx
+
+
+def _see(kind: str, name: str, component=None) -> str:
+    """Where the options of ``kind=name`` are documented: its skill page (``SKILL`` or its name)
+    or its kind's, and `apiary show`."""
+    for page in (getattr(component, "SKILL", None), name, kind):
+        if page and (registry.ROOT / "docs" / "skills" / f"{page}.md").is_file():
+            return f"See `apiary show {name}` and docs/skills/{page}.md."
+    return f"See `apiary show {name}`."
 
 
 class _as_user_error:
     """ValueError raised by a component (the reason) -> UserError naming the kind and choice."""
 
-    def __init__(self, kind: str, name: str):
-        self.kind, self.name = kind, name
+    def __init__(self, kind: str, name: str, component=None):
+        self.kind, self.name, self.component = kind, name, component
 
     def __enter__(self):
         return self
@@ -60,8 +69,7 @@ class _as_user_error:
         if tp is not None and issubclass(tp, ValueError):
             section, key = contracts.SELECT[self.kind]
             where = f"{self.kind}={self.name}" if (section, key) == (self.kind, "name") else f"{section}.{key}={self.name}"
-            raise UserError(where, f"{e}.".replace("..", "."),
-                            f"See `apiary show {self.name}` and docs/skills/{self.name}.md.") from None
+            raise UserError(where, f"{e}.".replace("..", "."), _see(self.kind, self.name, self.component)) from None
         return False
 
 
@@ -96,7 +104,7 @@ def model_facts(cfg, ctx: contracts.Context | None = None):
 def check_components(ctx: contracts.Context) -> None:
     """Every kind's ``check(options, ctx)``, in ``contracts.KINDS`` order, before any worker starts."""
     for kind in contracts.KINDS:
-        with _as_user_error(kind, ctx.choice(kind)):
+        with _as_user_error(kind, ctx.choice(kind), ctx.components[kind]):
             ctx.components[kind].check(ctx.options[kind], ctx)
 
 

@@ -115,3 +115,14 @@ def test_field_docs_and_choices_reach_train_help():
     assert "loss.backend: auto|torch|triton|cublas|mixed|fwdgrad = 'auto'" in text
     assert "state.offload: none|optimizer|all = 'none'" in text
     assert "data (a key's value): text, rollouts" in text
+
+
+def test_refusal_points_at_a_skill_page_that_exists(capsys, workdir):
+    from framework.cli import train_main
+
+    for argv, page in ((["loss=grpo", "data.format=rollouts", "loss.temperature=0"], "docs/skills/rl_objectives.md"),
+                       (["state=zero1", "state.bucket_mb=0"], "docs/skills/zero1.md")):
+        assert train_main(argv) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert page in err, err
+        assert (registry.ROOT / page).is_file()

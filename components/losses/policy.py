@@ -73,6 +73,7 @@ class _Policy:
 
     objective = ""
     NEEDS_DATA: tuple[str, ...] = ("rollouts",)
+    SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
 
     objective_keys: tuple[str, ...] = ()  # options that change what is optimised (apiary compare)
 

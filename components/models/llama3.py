@@ -207,6 +207,7 @@ def _self():
 
 # -- the component contract (framework/contracts.py, kind ``model``) --------------------------
 Options = common.ModelOptions
+SKILL = "models"  # docs/skills/models.md
 
 
 def model_kwargs(options, ctx) -> dict:

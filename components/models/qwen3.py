@@ -254,6 +254,7 @@ def arch_from_config(config) -> Arch:
 
 # -- the component contract (framework/contracts.py, kind ``model``) --------------------------
 Options = common.ModelOptions
+SKILL = "models"  # docs/skills/models.md
 
 
 def model_kwargs(options, ctx) -> dict:

@@ -66,6 +66,8 @@ def fp8_linear(fqn: str, in_features: int, out_features: int) -> bool:
 class BF16:
     """bf16 compute everywhere (torchtitan's mixed precision), the baseline."""
 
+    SKILL = "fp8"  # docs/skills/fp8.md covers both precisions
+
     @dataclass(kw_only=True)
     class Options:
         name: str = "bf16"
