@@ -24,6 +24,8 @@ def test_registry_entry_satisfies_its_protocol(kind, name):
     assert [m for m in contracts.missing_members(kind, comp) if m not in later] == []
     assert dataclasses.is_dataclass(comp.Options)
     assert all(f.kw_only for f in dataclasses.fields(comp.Options)), f"{kind}={name}: Options is not kw_only"
+    docs = contracts.field_docs(comp.Options)
+    assert [f.name for f in dataclasses.fields(comp.Options) if not docs.get(f.name)] == [], "undocumented fields"
     # the recipe schema OmegaConf checks types against (Literal fields stored as their base type)
     assert {f.name for f in dataclasses.fields(contracts.schema_of(comp.Options))} == \
         {f.name for f in dataclasses.fields(comp.Options)}

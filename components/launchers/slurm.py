@@ -26,7 +26,7 @@ import sys
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 from framework.contracts import LaunchEnv
 from framework.errors import EXIT_PREEMPTED, UserError
@@ -43,25 +43,45 @@ class SlurmLauncher:
     @dataclass(kw_only=True)
     class Options:
         name: str = "slurm"
+        """registry name (launcher=slurm)"""
         nodes: int = 1
-        gpus_per_node: int = 8  # ranks per node (one per GPU; with device=cpu, CPU ranks)
+        """nodes of the job (one torchrun each)"""
+        gpus_per_node: int = 8
+        """ranks per node (one per GPU; with device=cpu, CPU ranks)"""
         partition: Optional[str] = None
+        """sbatch --partition"""
         account: Optional[str] = None
+        """sbatch --account"""
         qos: Optional[str] = None
-        time: str = "04:00:00"  # Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM:SS ...
-        job_name: Optional[str] = None  # default: apiary-<recipe>
-        cpus_per_task: Optional[int] = None  # CPUs for each node's torchrun (all its ranks)
-        mem: Optional[str] = None  # per node, e.g. 0 (all), 500G
+        """sbatch --qos"""
+        time: str = "04:00:00"
+        """Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM:SS ..."""
+        job_name: Optional[str] = None
+        """default: apiary-<recipe>"""
+        cpus_per_task: Optional[int] = None
+        """CPUs for each node's torchrun (all its ranks)"""
+        mem: Optional[str] = None
+        """per node, e.g. 0 (all), 500G"""
         exclusive: bool = False
-        device: str = "gpu"  # gpu | cpu (cpu: gloo ranks, no GPUs requested)
-        preempt_signal_s: int = 300  # USR1 this long before the time limit: checkpoint + requeue
-        requeue: bool = True  # requeue the job after a preemption checkpoint
-        rdzv_port: Optional[int] = None  # default: 20000 + SLURM_JOB_ID % 20000
-        template: Optional[str] = None  # path to your own .sbatch.j2 (apiary cp-template slurm PATH)
-        extra_sbatch: List[str] = field(default_factory=list)  # e.g. ["--constraint=h200", "--exclusive"]
-        setup: List[str] = field(default_factory=list)  # shell lines before launch, e.g. "module load cuda"
-        wait: bool = False  # block until the job ends (through requeues) and return its exit code
-        warmup: bool = False  # before srun: `apiary warmup` on one task fills training.kernel_cache
+        """sbatch --exclusive (whole nodes)"""
+        device: Literal["gpu", "cpu"] = "gpu"
+        """gpu | cpu (cpu: gloo ranks, no GPUs requested)"""
+        preempt_signal_s: int = 300
+        """USR1 this long before the time limit: checkpoint + requeue"""
+        requeue: bool = True
+        """requeue the job after a preemption checkpoint"""
+        rdzv_port: Optional[int] = None
+        """default: 20000 + SLURM_JOB_ID % 20000"""
+        template: Optional[str] = None
+        """path to your own .sbatch.j2 (apiary cp-template slurm PATH)"""
+        extra_sbatch: List[str] = field(default_factory=list)
+        """e.g. ["--constraint=h200", "--exclusive"]"""
+        setup: List[str] = field(default_factory=list)
+        """shell lines before launch, e.g. 'module load cuda'"""
+        wait: bool = False
+        """block until the job ends (through requeues) and return its exit code"""
+        warmup: bool = False
+        """before srun: `apiary warmup` on one task fills training.kernel_cache"""
 
     @staticmethod
     def world_size(opts) -> int:
