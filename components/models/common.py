@@ -13,8 +13,11 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models.dense_mask_attention import DenseMaskAttention
+from components.moe import gloo_alltoall
 from framework import devices
 from framework.errors import UserError
+
+devices.on_cpu_parallelize(gloo_alltoall.install)  # CPU: torchtitan's EP all-to-all through gloo
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,8 @@
 
 gloo implements uneven splits only in all_to_all_single; torchtitan's EP dispatcher goes
 through a path gloo refuses ("ProcessGroupGloo::alltoall: invalid tensor size").
-``install`` routes torchtitan's dispatcher here on CPU (registered with framework.devices'
-CPU parallelize hooks when components.moe is imported); the arithmetic is the same data movement.
+``install`` routes torchtitan's dispatcher here on CPU (components.models.common registers it
+with framework.devices' CPU parallelize hooks); the arithmetic is the same data movement.
 """
 
 from __future__ import annotations
