@@ -5,6 +5,7 @@ Everything here runs before any worker is spawned and turns bad input into UserE
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -39,8 +40,7 @@ def context(cfg, for_training: bool = True) -> contracts.Context:
     for kind in contracts.KINDS:
         section, key = contracts.SELECT[kind]
         name = str(cfg[section][key])
-        comp = registry.resolve(kind, name, where=f"{section}.{key}={name}" if section != kind or key != "name"
-                                else f"{kind}={name}")
+        comp = registry.resolve(kind, name, where=_where(kind, name))
         ctx.components[kind] = comp
         with _as_user_error(kind, name, comp):
             ctx.options[kind] = contracts.make_options(comp, cfg[section])
@@ -56,25 +56,19 @@ def _see(kind: str, name: str, component=None) -> str:
     return f"See `apiary show {name}`."
 
 
-class _as_user_error:
+def _where(kind: str, name: str) -> str:
+    """How the command line names a kind's choice: ``loss=chunked``, ``moe.chunk=chunk2``."""
+    section, key = contracts.SELECT[kind]
+    return f"{kind}={name}" if (section, key) == (kind, "name") else f"{section}.{key}={name}"
+
+
+@contextlib.contextmanager
+def _as_user_error(kind: str, name: str, component=None):
     """ValueError raised by a component (the reason) -> UserError naming the kind and choice."""
-
-    def __init__(self, kind: str, name: str, component=None):
-        self.kind, self.name, self.component = kind, name, component
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, tp, e, tb):
-        if tp is not None and issubclass(tp, ValueError):
-            section, key = contracts.SELECT[self.kind]
-            where = f"{self.kind}={self.name}" if (section, key) == (self.kind, "name") else f"{section}.{key}={self.name}"
-            raise UserError(where, f"{e}.".replace("..", "."), _see(self.kind, self.name, self.component)) from None
-        return False
-
-
-def model_module(cfg):
-    return registry.resolve("model", cfg.model.family, where=f"model.family={cfg.model.family}")
+    try:
+        yield
+    except ValueError as e:
+        raise UserError(_where(kind, name), f"{e}.".replace("..", "."), _see(kind, name, component)) from None
 
 
 def model_kwargs(cfg, ctx: contracts.Context | None = None) -> dict:
@@ -86,7 +80,7 @@ def model_kwargs(cfg, ctx: contracts.Context | None = None) -> dict:
 def model_facts(cfg, ctx: contracts.Context | None = None):
     ctx = ctx or context(cfg, for_training=False)
     mod, opts = ctx.components["model"], ctx.options["model"]
-    flavors = list(getattr(mod, "FLAVORS", {}))
+    flavors = list(mod.FLAVORS)
     if opts.flavor not in flavors:
         raise UserError(f"model.flavor={opts.flavor}",
                         f"unknown flavor for {opts.family}; known: {', '.join(flavors)}.",
