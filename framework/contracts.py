@@ -268,9 +268,6 @@ PROTOCOLS: dict[str, type] = {
     "model": ModelFamily, "loss": Loss, "recompute": Recompute, "state": State, "moe_comm": MoeComm,
     "moe_chunk": MoeChunk, "precision": Precision, "data": Data, "launcher": Launcher,
 }
-# Members this branch's contract work provides (plan_terms and NUMERICS come with the planner and
-# compare work).
-CORE_MEMBERS = ("Options", "check", "apply")
 
 
 def missing_members(kind: str, obj: Any) -> list[str]:

@@ -35,6 +35,9 @@ def test_kinds_and_apply_order_cover_the_registry():
     assert set(registry.entries()) == set(contracts.KINDS)
     assert set(contracts.APPLY_ORDER) <= set(contracts.KINDS)
     assert set(contracts.SELECT) == set(contracts.KINDS)
+    # missing_members does see a kind's members (the registry test above is not vacuous)
+    assert {"Options", "check", "apply", "NEEDS_DATA"} <= set(contracts.missing_members("loss", object()))
+    assert {"BATCH_KEYS", "STEP_KEYS", "summary"} <= set(contracts.missing_members("data", object()))
 
 
 def test_literal_choices_are_checked_by_options():
