@@ -35,8 +35,9 @@ class LocalLauncher:
 
     @staticmethod
     def check(options: "LocalLauncher.Options", ctx=None) -> None:
-        """Called by resolve before anything starts (ValueError: the reason)."""
+        """Called by resolve before anything starts (ValueError: the reason; UserError)."""
         type(options).__post_init__(options)
+        LocalLauncher.check_options(options)
 
     @staticmethod
     def apply(options, tc, ctx=None) -> None:

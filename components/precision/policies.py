@@ -1,11 +1,11 @@
 """Training precision: ``bf16`` (baseline: bf16 GEMMs, fp32 master weights) and ``fp8``
 (FP8 GEMMs for the dense linears and the MoE expert grouped GEMMs; docs/skills/fp8.md).
 
-The precision protocol: ``check(opts, cfg, facts)`` raises ValueError for option combinations
-no backend runs (resolve turns it into a user error, also when only planning);
-``check_runtime(opts, cfg)`` raises UserError when this machine cannot run it (no FP8 GPU,
-backend not importable); ``convert(opts, model_config)`` edits the torchtitan model config
-before it is built; ``apply(opts, spec, tt_config)`` sets trainer options (compile, FSDP hooks).
+The precision contract (framework/contracts.py): ``check(options, ctx)`` raises ValueError for
+option combinations no backend runs (resolve turns it into a user error, also when only
+planning) and, when training, UserError where this machine cannot run it (``check_runtime``: no
+FP8 GPU, backend not importable); ``apply(options, tc, ctx)`` converts the model config on
+``tc.model_spec`` before it is built (``FP8.convert``) and sets trainer options (compile, FSDP hooks).
 
 What stays bf16 under fp8, and why:
 - the LM head: apiary's fused losses (chunked, linear_ce, the policy losses) read
@@ -78,10 +78,6 @@ class BF16:
     @staticmethod
     def check(options, ctx=None) -> None:
         return None
-
-    @staticmethod
-    def convert(opts, model_config):
-        return model_config
 
     @staticmethod
     def apply(options, tc, ctx=None) -> None:
