@@ -13,7 +13,8 @@ from framework.resolve import Resolved, context
 def trainer_config(r: Resolved):
     """torchtitan's Trainer.Config: the framework's common part, then each component's
     ``apply(options, tc, ctx)`` in ``contracts.APPLY_ORDER``."""
-    from torchtitan.components.checkpoint import CheckpointManager  # reason: torchtitan after devices.install
+    # reason: torchtitan (and the trainer built on it) is slow to import; only the training path needs it
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig

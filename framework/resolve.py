@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import contracts, recipes, registry
+from framework import contracts, integrity, recipes, registry
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
 
@@ -125,16 +126,12 @@ def latest_run_dir(recipe: str) -> Path | None:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """The complete checkpoint steps of a run (a save killed midway is never one)."""
-    from framework.integrity import complete_steps
-
-    return complete_steps(Path(run_dir) / "checkpoint")
+    return integrity.complete_steps(Path(run_dir) / "checkpoint")
 
 
 def _any_step_dir(run_dir: Path) -> bool:
     """Any checkpoint/step-N folder, complete or not: a fresh run must not overwrite either."""
-    from framework.integrity import step_dirs
-
-    return bool(step_dirs(Path(run_dir) / "checkpoint"))
+    return bool(integrity.step_dirs(Path(run_dir) / "checkpoint"))
 
 
 def _check_outputs(cfg) -> None:
@@ -147,9 +144,7 @@ def _check_outputs(cfg) -> None:
                 raise UserError("checkpoint.resume=true", f"no earlier run of {cfg.recipe} with a checkpoint "
                                 f"under runs/{cfg.recipe}/.", "Pass output_dir=PATH of the run to continue.")
             cfg.output_dir = str(latest)
-        from framework.integrity import check_resume
-
-        step = check_resume(Path(cfg.output_dir), ck.load_step, "checkpoint.resume=true")  # exit 2 if corrupt
+        step = integrity.check_resume(Path(cfg.output_dir), ck.load_step, "checkpoint.resume=true")  # exit 2 if corrupt
         if step >= cfg.training.steps:
             raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {step} of "
                             f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
@@ -181,8 +176,6 @@ def _check_writable(cfg) -> None:
     try:  # os.access alone says yes to root on a read-only mount
         writable = os.access(probe, os.W_OK | os.X_OK)
         if writable:
-            import tempfile
-
             tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
     except OSError:
         writable = False
@@ -253,9 +246,7 @@ def _check_inputs(cfg, for_training: bool) -> None:
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     if ck.load_path is not None:
-        from framework.integrity import verify
-
-        problem = verify(Path(ck.load_path))
+        problem = integrity.verify(Path(ck.load_path))
         if problem is not None:
             raise UserError(f"checkpoint.load_path={ck.load_path}", f"{Path(ck.load_path) / problem[0]} "
                             f"{problem[1]}: the checkpoint is corrupt.", "Point it at an intact step folder.")
@@ -283,7 +274,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
                  data_summary="\n".join(ctx.summary), ctx=ctx)
     if for_training:
-        from framework.preflight import check_memory
+        from framework.preflight import check_memory  # reason: cycle resolve -> preflight -> plan_cli -> resolve
 
         check_memory(r, recipe, overrides)
     return r

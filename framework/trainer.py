@@ -34,17 +34,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel.api import cp_shard
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from framework import integrity
+from framework import first_step, integrity
 
 _GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
 
 def _capture_grad_norm() -> None:
     """Keep the grad norm train_step computes (it is local to train_step) for the finite check."""
-    from torchtitan.distributed import utils as dist_utils
-
     if getattr(dist_utils.clip_grad_norm_, "_apiary", False):
         return
     original = dist_utils.clip_grad_norm_
@@ -100,8 +101,6 @@ class ApiaryTrainer(Trainer):
         super().close()
 
     def train_step(self, data_iterator):
-        from framework import first_step
-
         first_step.STATE.step_started()  # the first step's breakdown (framework/first_step.py)
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0
@@ -134,8 +133,6 @@ class ApiaryTrainer(Trainer):
             self._skips_total += 1
             self._skipped_now, self._loss_was_bad = True, loss_bad
             self.optimizers.zero_grad()
-            from torchtitan.tools.logging import logger
-
             logger.warning(f"step {self.step}: {what} is not finite; update skipped "
                            f"({self._skips_in_row} in a row, {self._skips_total} in all)")
             return None
@@ -245,8 +242,6 @@ class ApiaryTrainer(Trainer):
             return inputs, labels, extra_kwargs
         group = None
         if rl and self.parallel_dims.cp_enabled:
-            from torchtitan.distributed.context_parallel.api import cp_shard
-
             per_token = [k for k in self.config.batch_keys if k in rl]
             cp_mesh = self.parallel_dims.get_mesh("cp")
             sharded, _ = cp_shard(cp_mesh, tuple(rl[k] for k in per_token), None,
