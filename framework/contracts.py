@@ -43,7 +43,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 KINDS = ("model", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
 APPLY_ORDER = ("model", "precision", "moe_chunk", "data", "loss", "recompute", "state")
 # Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
-# Group kinds (``loss=chunked``) keep their options in their own section; the others share a
+# Group kinds (``loss=NAME``) keep their options in their own section; the others share a
 # framework section (``model.family``, ``moe.comm``, ``data.format``).
 SELECT = {"model": ("model", "family"), "precision": ("precision", "name"), "moe_comm": ("moe", "comm"),
           "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
@@ -68,7 +68,7 @@ class Context:
     shared: dict = field(default_factory=dict)  # facts one component's check leaves for another's
 
     def choice(self, kind: str) -> str:
-        """The name chosen for ``kind`` (``loss`` -> ``chunked``)."""
+        """The name chosen for ``kind`` (the value of its key in the recipe)."""
         section, key = SELECT[kind]
         return str(self.cfg[section][key])
 

@@ -58,7 +58,8 @@ def _see(kind: str, name: str, component=None) -> str:
 
 
 def _where(kind: str, name: str) -> str:
-    """How the command line names a kind's choice: ``loss=chunked``, ``moe.chunk=chunk2``."""
+    """How the command line names a kind's choice: ``KIND=NAME`` for a group kind, else
+    ``SECTION.KEY=NAME`` (contracts.SELECT)."""
     section, key = contracts.SELECT[kind]
     return f"{kind}={name}" if (section, key) == (kind, "name") else f"{section}.{key}={name}"
 
