@@ -59,7 +59,7 @@ class Context:
     """What a component sees at check / apply / plan time (read-only by convention)."""
 
     cfg: Any  # the composed recipe (DictConfig)
-    facts: Any = None  # the model's facts (components.models.common.ModelFacts) once known
+    facts: Any = None  # the model's facts (ModelFamily.facts: sizes, experts, heads) once known
     layout: Any = None  # framework.layout.Layout once derived
     for_training: bool = True  # False for print-only commands (--cfg, plan, show)
     components: dict = field(default_factory=dict)  # kind -> the chosen component (registry object)

@@ -148,7 +148,7 @@ def install() -> None:
 def linear_attention_backend() -> str:
     """Kernels for linear-attention layers (GatedDeltaNet and its causal conv): fla's Triton
     kernels on CUDA, apiary's chunked torch implementation elsewhere
-    (components.models.gated_deltanet)."""
+    (a model family's linear-attention layers)."""
     return "fla" if has_accelerator() else "torch"
 
 
@@ -217,7 +217,7 @@ def elapsed_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-# ---- host buffers for optimizer offload (added with components.state zero1 / fsdp2 offload) ----
+# ---- host buffers for optimizer offload (state components with offload=optimizer) ----
 
 
 def host_empty(shape, dtype) -> torch.Tensor:

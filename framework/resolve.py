@@ -22,7 +22,7 @@ from framework.layout import Layout, check_batch, derive
 @dataclass
 class Resolved:
     cfg: DictConfig  # composed recipe, derived dims filled in
-    facts: object  # components.models.common.ModelFacts
+    facts: object  # the model family's facts (ModelFamily.facts)
     layout: Layout
     grad_accum: int
     data_summary: str = ""  # what the run trains on (printed first by rank 0)
