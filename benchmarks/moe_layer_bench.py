@@ -117,7 +117,7 @@ def build_layer(cfg, policy_name, rank, world, mesh, device, dtype, state=None):
     from framework import devices
 
     cfg = copy.deepcopy(cfg)
-    _policy(policy_name).apply(cfg)
+    _policy(policy_name).convert(cfg)
     with torch.device("meta"):
         moe = cfg.build()
     _shard_experts(moe, rank, world, mesh)

@@ -7,7 +7,7 @@
     logits = model(tokens)                                  # [B, S] token ids -> [B, S, V]
 
 Generic over model families: the family module (registry.yaml kind ``model``) supplies
-``model_config``; this module only resolves names and materialises the model in fp32 on
+``model_spec`` (framework/contracts.py); this module only resolves names and materialises the model in fp32 on
 this process's device.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from framework import devices, recipes, registry  # importing framework applies the device shims
+from framework.resolve import model_kwargs
 from framework.errors import UserError, did_you_mean
 
 
@@ -39,8 +40,6 @@ def model_settings(recipe_or_flavor: str, hf_checkpoint: str | None = None, **ov
     """(family, flavor, model_config kwargs) for a recipe or flavor name plus overrides."""
     kwargs: dict = {}
     if recipe_or_flavor in recipes.recipe_names() or recipe_or_flavor.endswith((".yaml", ".yml")):
-        from framework.resolve import model_kwargs
-
         cfg = recipes.load(recipe_or_flavor, [])
         family, flavor = cfg.model.family, cfg.model.flavor
         kwargs = model_kwargs(cfg)
@@ -71,9 +70,9 @@ def build_model(recipe_or_flavor: str, hf_checkpoint: str | None = None, *, devi
         raise UserError(f"model.flavor={flavor}", f"unknown flavor for {family}; known: {', '.join(flavors)}.",
                         did_you_mean(flavor, flavors))
     try:
-        config = mod.model_config(flavor, **kwargs)
+        config = mod.model_spec(flavor, **kwargs).model
     except TypeError as e:
-        raise UserError(f"build_model({recipe_or_flavor!r})", f"{family}.model_config does not take these "
+        raise UserError(f"build_model({recipe_or_flavor!r})", f"{family}.model_spec does not take these "
                         f"settings: {e}.", "Drop the override (e.g. hf_checkpoint) for this family.") from None
     dev = torch.device(device or devices.device_type())
     with torch.device("meta"):

@@ -6,33 +6,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from framework import registry
-from framework.resolve import Resolved, model_kwargs, model_module
+from framework import contracts
+from framework.resolve import Resolved, context
 
 
 def trainer_config(r: Resolved):
+    """torchtitan's Trainer.Config: the framework's common part, then each component's
+    ``apply(options, tc, ctx)`` in ``contracts.APPLY_ORDER``."""
+    # reason: torchtitan (and the trainer built on it) is slow to import; only the training path needs it
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
-    from components.data import text
-    from components.data.tokenizer import ByteTokenizer
     from framework.metrics import ApiaryMetrics
     from framework.trainer import ApiaryTrainer
 
     cfg, lay = r.cfg, r.layout
     out = Path(cfg.output_dir)
-
-    from framework import devices
-
-    devices.set_flex_autotune(bool(cfg.model.flex_autotune))
-    spec = model_module(cfg).model_spec(cfg.model.flavor, **model_kwargs(cfg))  # fresh per Trainer
-    precision = registry.resolve("precision", cfg.precision.name)
-    spec.model = precision.convert(cfg.precision, spec.model)
-    registry.resolve("moe_chunk", cfg.moe.chunk).apply(spec.model)
-    loss = registry.resolve("loss", cfg.loss.name).trainer_loss(cfg.loss, r.facts.vocab_size)
-    ac = registry.resolve("recompute", cfg.recompute.name).ac_config(cfg.recompute)
+    ctx = r.ctx
+    if ctx is None:  # a Resolved built by hand (the planner's search): components chosen now
+        ctx = context(cfg, for_training=False)
+    ctx.cfg, ctx.facts, ctx.layout = cfg, r.facts, lay
 
     o = cfg.optimizer
     optimizer = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
@@ -43,33 +37,13 @@ def trainer_config(r: Resolved):
         warmup_steps=min(cfg.lr.warmup_steps, max(cfg.training.steps - 1, 0)),
         decay_ratio=cfg.lr.decay_ratio, decay_type=cfg.lr.decay_type, min_lr_factor=cfg.lr.min_lr_factor,
     )
-    if cfg.data.format == "rollouts":
-        from components.data.rollout_loader import RolloutDataLoader
-        from components.data.rollouts import source
-
-        dataloader = RolloutDataLoader.Config(
-            path=source(cfg.data.name, cfg.data.path), num_workers=cfg.data.num_workers,
-            global_batch=cfg.training.global_batch if cfg.training.global_batch is not None else -1)
-    else:
-        dataloader = text.PackedTextDataLoader.Config(dataset=text.register(cfg.data.name, cfg.data.path),
-                                                      num_workers=cfg.data.num_workers, sharding=cfg.data.sharding)
-    if cfg.data.tokenizer == "byte":
-        tokenizer, assets = ByteTokenizer.Config(), str(out)
-    else:
-        tokenizer, assets = HuggingFaceTokenizer.Config(), str(cfg.data.tokenizer)
     if cfg.logging.wandb:
         os.environ.setdefault("WANDB_PROJECT", cfg.logging.wandb_project)
         if not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
 
     tc = ApiaryTrainer.Config(
-        model_spec=spec,
-        hf_assets_path=assets,
         dump_folder=str(out),
-        tokenizer=tokenizer,
-        dataloader=dataloader,
-        loss=loss,
-        activation_checkpoint=ac,
         optimizer=optimizer,
         lr_scheduler=lr,
         metrics=ApiaryMetrics.Config(
@@ -116,6 +90,6 @@ def trainer_config(r: Resolved):
         comm=CommConfig(),
         debug=DebugConfig(seed=cfg.training.seed, deterministic=cfg.training.deterministic),
     )
-    registry.resolve("state", cfg.state.name).apply(cfg.state, tc)
-    precision.apply(cfg.precision, spec, tc)
+    for kind in contracts.APPLY_ORDER:
+        ctx.components[kind].apply(ctx.options[kind], tc, ctx)
     return tc

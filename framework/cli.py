@@ -131,7 +131,7 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
         return 0
 
     try:
-        return launcher.launch(r.cfg.launcher, worker_argv, in_process)
+        return launcher.launch(r.cfg.launcher, worker_argv, in_process, run.launch_env(r))
     finally:
         if lock is not None:
             lock.release()

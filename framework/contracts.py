@@ -18,20 +18,37 @@ Every kind shares the same life cycle:
 3. ``apply(options, tc, ctx)``: called by ``framework.build`` in the order of ``APPLY_ORDER``; edits
    torchtitan's ``Trainer.Config`` ``tc`` in place (its model spec, loss, activation checkpoint,
    parallelism, optimizer, dataloader, tokenizer, ...).
-4. ``plan_terms(options, ctx)``: what the component adds to the planner's estimate (memory terms,
-   step-time factors), see ``PlanTerms``.
+4. ``plan_terms(options, ctx)`` (the kinds in ``Planned``): what the component adds to the
+   planner's estimate (memory terms, step-time factors), see ``PlanTerms``.
 5. ``NUMERICS``: how ``apiary compare`` holds two runs that differ in this component or in one of
    its options to each other (``""``: another name of the same kind; ``"opt"``: that option).
+
+Optional: ``SKILL`` names the docs/skills page of the component when it is not ``<name>.md``
+(resolve's error messages point there; the kind's page, e.g. ``recompute.md``, is the fallback).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
 KINDS = ("model", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
 APPLY_ORDER = ("model", "precision", "moe_chunk", "data", "loss", "recompute", "state")
+# Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
+# Group kinds (``loss=NAME``) keep their options in their own section; the others share a
+# framework section (``model.family``, ``moe.comm``, ``data.format``).
+SELECT = {"model": ("model", "family"), "precision": ("precision", "name"), "moe_comm": ("moe", "comm"),
+          "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
+          "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name")}
+GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
 
 # apiary compare's tolerance kinds (toolkit.compare documents each).
 Tolerance = Literal["exact", "dp", "fp32", "bf16", "dtype", "fp8", "any"]
@@ -42,10 +59,19 @@ class Context:
     """What a component sees at check / apply / plan time (read-only by convention)."""
 
     cfg: Any  # the composed recipe (DictConfig)
-    facts: Any = None  # the model's facts (components.models.common.ModelFacts) once known
+    facts: Any = None  # the model's facts (ModelFamily.facts: sizes, experts, heads) once known
     layout: Any = None  # framework.layout.Layout once derived
     for_training: bool = True  # False for print-only commands (--cfg, plan, show)
+    components: dict = field(default_factory=dict)  # kind -> the chosen component (registry object)
+    options: dict = field(default_factory=dict)  # kind -> its Options instance
+    summary: list = field(default_factory=list)  # lines rank 0 prints first (what the run trains on)
+    shared: dict = field(default_factory=dict)  # facts one component's check leaves for another's
     plan: Any = None  # a PlanContext while the planner asks plan_terms, else None
+
+    def choice(self, kind: str) -> str:
+        """The name chosen for ``kind`` (the value of its key in the recipe)."""
+        section, key = SELECT[kind]
+        return str(self.cfg[section][key])
 
 
 @dataclass
@@ -112,31 +138,39 @@ class Component(Protocol):
 
     def apply(self, options: Any, tc: Any, ctx: Context) -> None: ...
 
+
+class Planned(Protocol):
+    """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_chunk,
+    precision). The model's share comes from its ``facts``; data, moe_comm and launchers add none."""
+
     def plan_terms(self, options: Any, ctx: Context) -> PlanTerms: ...
 
 
 class ModelFamily(Component, Protocol):
     """kind ``model``: a family module. ``FLAVORS`` names its sizes; ``facts`` sizes a flavor
-    without building it; ``apply`` puts the model spec on ``tc``."""
+    without building it; ``apply`` puts the model spec on ``tc``; ``model_kwargs`` are the
+    ``model_config`` / ``facts`` arguments the recipe asks for."""
 
     FLAVORS: Mapping[str, Any]
+
+    def model_kwargs(self, options: Any, ctx: Context) -> dict: ...
 
     def facts(self, flavor: str, **model_kwargs: Any) -> Any: ...
 
     def model_spec(self, flavor: str, **model_kwargs: Any) -> Any: ...
 
 
-class Loss(Component, Protocol):
+class Loss(Component, Planned, Protocol):
     """kind ``loss``: sets ``tc.loss``. ``NEEDS_DATA`` names the data kinds it trains on."""
 
     NEEDS_DATA: ClassVar[tuple[str, ...]]
 
 
-class Recompute(Component, Protocol):
+class Recompute(Component, Planned, Protocol):
     """kind ``recompute``: sets ``tc.activation_checkpoint``; its ``plan_terms`` say what is kept."""
 
 
-class State(Component, Protocol):
+class State(Component, Planned, Protocol):
     """kind ``state``: parameter / gradient / optimizer-state sharding (parallelize, optimizer)."""
 
 
@@ -146,11 +180,11 @@ class MoeComm(Component, Protocol):
     torchtitan_backend: str
 
 
-class MoeChunk(Component, Protocol):
+class MoeChunk(Component, Planned, Protocol):
     """kind ``moe_chunk``: edits the model spec's routed experts (overlap schedule)."""
 
 
-class Precision(Component, Protocol):
+class Precision(Component, Planned, Protocol):
     """kind ``precision``: converts the model spec's linears and sets compile / hooks."""
 
 
@@ -159,9 +193,20 @@ class Data(Component, Protocol):
     line (what it trains on); ``STEP_KEYS`` / ``BATCH_KEYS`` are what its batches carry beyond
     tokens and labels (the trainer forwards them to the loss)."""
 
-    BATCH_KEYS: ClassVar[tuple[str, ...]]
+    BATCH_KEYS: ClassVar[tuple[str, ...]]  # per token (context-parallel sharded like the tokens)
+    STEP_KEYS: ClassVar[tuple[str, ...]]  # per sample (not sharded)
 
     def summary(self, options: Any, ctx: Context) -> str: ...
+
+
+@dataclass
+class LaunchEnv:
+    """What the framework hands a launcher at launch (so launchers import nothing else of it)."""
+
+    resolved: Any  # framework.resolve.Resolved: the run being launched
+    supervise: Any  # supervise(cmd, env, nproc) -> exit code: run torchrun and forward stop signals
+    worker_module: str = "framework.lifecycle"  # `python -m MODULE torchrun ...` starts torchrun quietly
+    train_module: str = "framework.cli"  # `python -m MODULE train ARGS` is one rank
 
 
 class Launcher(Component, Protocol):
@@ -169,7 +214,85 @@ class Launcher(Component, Protocol):
 
     def world_size(self, options: Any) -> int: ...
 
-    def launch(self, options: Any, argv: list[str], run_in_process: Any) -> int: ...
+    def launch(self, options: Any, argv: list[str], run_in_process: Any, env: LaunchEnv) -> int: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Options helpers (OmegaConf has no Literal type; the recipe schema stores the base type)
+# ---------------------------------------------------------------------------------------------
+
+
+def choices(tp: Any) -> tuple | None:
+    """The values of a ``Literal[...]`` annotation (``Optional[Literal[...]]`` too), else None."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union:
+        for a in typing.get_args(tp):
+            if typing.get_origin(a) is Literal:
+                return typing.get_args(a)
+    return None
+
+
+def check_choices(obj: Any, prefix: str, where: str = "") -> None:
+    """ValueError naming ``prefix + field`` for a field outside its ``Literal`` choices
+    (call it first in an Options' ``__post_init__``)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        names = choices(hints.get(f.name))
+        value = getattr(obj, f.name)
+        if names is not None and value is not None and value not in names:
+            raise ValueError(f"{prefix}{f.name} must be {'|'.join(map(str, names))}{where}, got {value!r}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's doc: the string literal after it (torchtitan's style) or its ``# comment``,
+    read from the class's source and its bases' (empty where the source cannot be read)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        lines = src.splitlines()
+        body = ast.parse(src).body[0].body
+        for stmt, nxt in zip(body, [*body[1:], None]):
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+            elif "#" in lines[stmt.end_lineno - 1]:
+                docs[stmt.target.id] = lines[stmt.end_lineno - 1].split("#", 1)[1].strip()
+    return docs
+
+
+def schema_of(options_cls: type) -> type:
+    """A dataclass OmegaConf can type-check: ``options_cls`` with ``Literal`` fields as ``str``
+    (their choices are checked by ``options_cls.__post_init__``) and no ``__post_init__``."""
+    hints = typing.get_type_hints(options_cls)
+    out = []
+    for f in dataclasses.fields(options_cls):
+        tp = hints[f.name]
+        names = choices(tp)
+        if names is not None:
+            base = type(names[0])
+            tp = typing.Optional[base] if type(None) in typing.get_args(tp) else base
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   field(default_factory=f.default_factory) if f.default_factory is not dataclasses.MISSING
+                   else dataclasses.MISSING)
+        out.append((f.name, tp) if default is dataclasses.MISSING else (f.name, tp, default))
+    return dataclasses.make_dataclass(f"{options_cls.__qualname__.replace('.', '_')}_schema", out, kw_only=True)
+
+
+def make_options(component: Any, node: Any) -> Any:
+    """``component.Options`` built from a recipe section (the keys it declares); ValueError from
+    its ``__post_init__`` when a value is out of range."""
+    cls = component.Options
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in node:
+            v = node[f.name]
+            kw[f.name] = OmegaConf.to_container(v) if isinstance(v, (DictConfig, ListConfig)) else v
+    return cls(**kw)
 
 
 PROTOCOLS: dict[str, type] = {

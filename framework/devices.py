@@ -32,18 +32,10 @@ def backend() -> str:
     return "nccl" if has_accelerator() else "gloo"
 
 
-def inner_attention_config():
-    """Replacement for flex attention on this device, or None to keep flex.
-
-    torch 2.14's flex attention has no CPU backward; on CPU the same masks run
-    through a dense-mask SDPA (components.models.dense_mask_attention).
-    """
-    if has_accelerator():
-        return None
-    _uncompiled_block_masks()
-    from components.models.dense_mask_attention import DenseMaskAttention
-
-    return DenseMaskAttention.Config
+def flex_attention_trains() -> bool:
+    """Whether flex attention runs forward and backward here (torch 2.14 has no CPU backward:
+    a model family swaps in a dense-mask attention elsewhere, after ``uncompiled_block_masks``)."""
+    return has_accelerator()
 
 
 FLEX_COMPILE_OPTIONS: dict | None = None  # what set_flex_autotune compiled flex attention with
@@ -105,7 +97,7 @@ def _cpu_module_shims() -> None:
     cpu.manual_seed_all = lambda seed: torch.manual_seed(seed)
 
 
-def _uncompiled_block_masks() -> None:
+def uncompiled_block_masks() -> None:
     """torchtitan compiles create_block_mask; on CPU inductor spends ~30 s on it per process."""
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention
@@ -113,14 +105,13 @@ def _uncompiled_block_masks() -> None:
     attention._compiled_create_block_mask = create_block_mask
 
 
-def _gloo_expert_parallel() -> None:
-    """gloo handles uneven EP splits only through all_to_all_single."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+_CPU_PARALLELIZE_HOOKS: list = []  # component shims run after parallelize on CPU (gloo)
 
-    from components.moe import gloo_alltoall
 
-    AllToAllTokenDispatcher._dispatch_token_exchange = gloo_alltoall.dispatch_token_exchange
-    AllToAllTokenDispatcher._combine_token_exchange = gloo_alltoall.combine_token_exchange
+def on_cpu_parallelize(hook) -> None:
+    """Register ``hook()`` to run once a model is parallelized on CPU (a component's gloo shim)."""
+    if hook not in _CPU_PARALLELIZE_HOOKS:
+        _CPU_PARALLELIZE_HOOKS.append(hook)
 
 
 def after_parallelize(model: torch.nn.Module) -> torch.nn.Module:
@@ -129,7 +120,8 @@ def after_parallelize(model: torch.nn.Module) -> torch.nn.Module:
         return model
     from torch.distributed.fsdp import FSDPModule
 
-    _gloo_expert_parallel()
+    for hook in _CPU_PARALLELIZE_HOOKS:
+        hook()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # gloo has no ReduceOp.PREMUL_SUM; reduce with SUM and divide afterwards.
@@ -156,7 +148,7 @@ def install() -> None:
 def linear_attention_backend() -> str:
     """Kernels for linear-attention layers (GatedDeltaNet and its causal conv): fla's Triton
     kernels on CUDA, apiary's chunked torch implementation elsewhere
-    (components.models.gated_deltanet)."""
+    (a model family's linear-attention layers)."""
     return "fla" if has_accelerator() else "torch"
 
 
@@ -225,7 +217,7 @@ def elapsed_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-# ---- host buffers for optimizer offload (added with components.state zero1 / fsdp2 offload) ----
+# ---- host buffers for optimizer offload (state components with offload=optimizer) ----
 
 
 def host_empty(shape, dtype) -> torch.Tensor:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import difflib
 
 
+# A rank stopped on request (preemption signal) after a checkpoint: run it again (EX_TEMPFAIL).
+EXIT_PREEMPTED = 75
+
+
 class UserError(Exception):
     """A problem with the user's input. ``str(err)`` is the whole message."""
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
-import re
 import time
 import typing
 
+from framework import contracts
 from framework.errors import UserError
 
 # Short spellings accepted on the command line, rewritten to their full keys.
@@ -219,22 +218,16 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
 
 # ------------------------------------------------------------------------------------ --help
 def _field_docs(cls) -> dict[str, str]:
-    """A dataclass's per-field comments (`name: type = default  # doc`), read from its source."""
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    docs = {}
-    for line in src.splitlines():
-        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if m:
-            docs[m.group(1)] = m.group(2).strip()
-    return docs
+    """A dataclass's per-field docs (`# comment` or the string literal after the field)."""
+    return contracts.field_docs(cls)
 
 
 def _type_name(t) -> str:
     if isinstance(t, str):
         return t.replace("Optional[", "").rstrip("]") + ("|null" if t.startswith("Optional[") else "")
+    names = contracts.choices(t)
+    if names is not None:
+        return "|".join(map(str, names)) + ("|null" if type(None) in typing.get_args(t) else "")
     args = typing.get_args(t)
     if type(None) in args:
         return "|".join(_type_name(a) for a in args if a is not type(None)) + "|null"

@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import registry
+from framework import contracts, registry
 from framework.errors import UserError, closest, did_you_mean
 from framework.schema import RecipeConfig
 
@@ -36,7 +36,7 @@ def _store() -> None:
                 continue
             component = registry.resolve(kind, name, where=f"{kind}={name}")
             try:
-                node = component.Options(name=name)
+                node = contracts.schema_of(component.Options)(name=name)
             except (AttributeError, TypeError):  # only a user's component can get here
                 e = registry.entries()[kind][name]
                 raise UserError(f"{kind}={name}", f"{e['target']} (from {e['source']}) needs an `Options` dataclass "

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import yaml
 
+from framework.contracts import GROUP_KINDS  # noqa: F401  (kinds whose choice is a config group)
 from framework.errors import UserError, did_you_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY_PATH = ROOT / "registry.yaml"
 ENV_VAR = "APIARY_REGISTRY"
-# Kinds whose chosen option is a config group: `loss=chunked loss.num_chunks=4`.
-GROUP_KINDS = ("loss", "state", "recompute", "launcher", "precision")
 _USED: list[Path] = []  # user registry files merged so far, in order
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import warnings
 import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from rich.console import Console
 
-from framework import devices, first_step, kernel_cache, preempt
+from framework import contracts, devices, first_step, kernel_cache, lifecycle, preempt
 
 
 def _single_process_env() -> None:
@@ -19,11 +21,15 @@ def _single_process_env() -> None:
                  ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def launch_env(resolved) -> contracts.LaunchEnv:
+    """What a launcher component needs of the framework to start ``resolved``'s ranks."""
+    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise)
 
 
 def write_run_files(resolved) -> None:
@@ -47,13 +53,11 @@ def train(resolved, verbose: bool = False) -> dict | None:
             print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
         write_run_files(resolved)
         if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
-            from rich.console import Console
-
             Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
-    import torch
+    import torch  # reason: below, with torchtitan (slow to import; only workers train)
 
-    from framework.build import trainer_config
-    from torchtitan.tools.logging import init_logger
+    from framework.build import trainer_config  # reason: as above
+    from torchtitan.tools.logging import init_logger  # reason: as above
 
     init_logger()
     for msg in ("In CPU autocast", "DTensor random operators", "'set_vital' is deprecated",
@@ -88,7 +92,7 @@ def train(resolved, verbose: bool = False) -> dict | None:
 
 def _record_plan(resolved, metrics: Path) -> None:
     """Write the planner's per-GPU estimate next to the measured peak (last record) and print both."""
-    from framework.planner import estimate_for_run, merge_into_last_record
+    from framework.planner import estimate_for_run, merge_into_last_record  # reason: planner is heavy; after the run
 
     try:
         est = estimate_for_run(resolved)
@@ -99,8 +103,6 @@ def _record_plan(resolved, metrics: Path) -> None:
     if not devices.has_accelerator():  # the estimate is for GPU memory; CPU RSS is not comparable
         return
     last = json.loads(metrics.read_text().splitlines()[-1])
-    from rich.console import Console
-
     Console(highlight=False, soft_wrap=True).print(
         f"memory: measured peak {last['peak_mem_bytes'] / 2**30:.2f} GiB ({last['peak_mem_kind']}), "
         f"planned {est['plan_torch_reserved_bytes'] / 2**30:.2f} GiB (torch reserved; "

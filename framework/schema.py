@@ -58,7 +58,7 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    format: str = "text"  # text: documents packed for LM training | rollouts: RL rollouts (loss=grpo ...)
+    format: str = "text"  # registry.yaml kind `data` (components/data/formats.py documents each option)
     name: str = "packaged"  # packaged | local | an HF hub dataset name
     path: Optional[str] = None  # local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)
     tokenizer: str = "byte"  # byte | path to a HF tokenizer folder
@@ -130,9 +130,9 @@ class LayoutTable:
 
     ep_by_params: list[LayoutRule] = field(default_factory=list)
     target_local_seq: int = 32768  # CP = global sequence / this, rounded up to a valid divisor
-    min_local_seq: int = 16384
-    pp: int = 1
-    tp: int = 1
+    min_local_seq: int = 16384  # the per-GPU sequence the table aims to keep between this and target_local_seq
+    pp: int = 1  # 2 is optional: peak performance, lower peak memory
+    tp: int = 1  # only with a clear model or hardware reason
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """apiary's torchtitan ``Trainer``: torchtitan's, plus the RL batch path.
 
-The rollout loader's samples carry per-token RL tensors (``rl_*``: old log-probs, advantages,
-sequence ids, ...) next to ``input`` and ``positions``. torchtitan would pass every extra key to
+The data component names the extra batch keys (``batch_keys`` per token, ``step_keys`` per
+sample; the rollout loader's samples carry per-token RL tensors (``rl_*``: old log-probs, advantages,
+sequence ids, ...) next to ``input`` and ``positions``). torchtitan would pass every extra key to
 the model's forward, so ``post_dataloading_process`` takes them out first, lets torchtitan shard
 inputs, labels and positions for context parallelism, shards the per-token ``rl_*`` tensors the
 same way (same load balancer, so token t of every tensor lands on the same rank), and hands them
@@ -33,18 +34,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel.api import cp_shard
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from components.data.rollout_loader import RL_KEYS, STEP_KEYS
-from framework import integrity
+from framework import first_step, integrity
 
 _GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
 
 def _capture_grad_norm() -> None:
     """Keep the grad norm train_step computes (it is local to train_step) for the finite check."""
-    from torchtitan.distributed import utils as dist_utils
-
     if getattr(dist_utils.clip_grad_norm_, "_apiary", False):
         return
     original = dist_utils.clip_grad_norm_
@@ -63,6 +64,8 @@ class ApiaryTrainer(Trainer):
         on_nonfinite: str = "stop"  # stop | skip (training.on_nonfinite)
         max_skips: int = 5  # skip: stop when more than this many steps in a row are non-finite
         resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
+        batch_keys: tuple = ()  # per-token batch tensors for the loss (the data component's BATCH_KEYS)
+        step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
@@ -98,8 +101,6 @@ class ApiaryTrainer(Trainer):
         super().close()
 
     def train_step(self, data_iterator):
-        from framework import first_step
-
         first_step.STATE.step_started()  # the first step's breakdown (framework/first_step.py)
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0
@@ -132,8 +133,6 @@ class ApiaryTrainer(Trainer):
             self._skips_total += 1
             self._skipped_now, self._loss_was_bad = True, loss_bad
             self.optimizers.zero_grad()
-            from torchtitan.tools.logging import logger
-
             logger.warning(f"step {self.step}: {what} is not finite; update skipped "
                            f"({self._skips_in_row} in a row, {self._skips_total} in all)")
             return None
@@ -236,15 +235,14 @@ class ApiaryTrainer(Trainer):
         return float(mean)
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
-        rl = {k: input_dict.pop(k) for k in (*RL_KEYS, *STEP_KEYS) if k in input_dict}
+        keys = (*self.config.batch_keys, *self.config.step_keys)
+        rl = {k: input_dict.pop(k) for k in keys if k in input_dict}
         inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         if not hasattr(self.loss_fn, "set_batch"):
             return inputs, labels, extra_kwargs
         group = None
         if rl and self.parallel_dims.cp_enabled:
-            from torchtitan.distributed.context_parallel.api import cp_shard
-
-            per_token = [k for k in RL_KEYS if k in rl]
+            per_token = [k for k in self.config.batch_keys if k in rl]
             cp_mesh = self.parallel_dims.get_mesh("cp")
             sharded, _ = cp_shard(cp_mesh, tuple(rl[k] for k in per_token), None,
                                   self.config.parallelism.context_parallel_load_balancer)

@@ -37,14 +37,20 @@ class ScaledCE(CrossEntropyLoss):
 
 
 class Scaled:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "scaled_ce"
-        scale: float = 2.0  # multiplies the cross-entropy
+        scale: float = 2.0
+        """multiplies the cross-entropy"""
 
     @staticmethod
-    def trainer_loss(opts, vocab_size):
-        return ScaledCE.Config(global_vocab_size=vocab_size, scale=opts.scale)
+    def check(options, ctx):
+        if options.scale <= 0:
+            raise ValueError(f"loss.scale must be > 0, got {options.scale}")
+
+    @staticmethod
+    def apply(options, tc, ctx):
+        tc.loss = ScaledCE.Config(global_vocab_size=ctx.facts.vocab_size, scale=options.scale)
 '''
 
 

@@ -140,9 +140,6 @@ def test_framework_never_imports_toolkit():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=False, reason="components still import framework modules besides contracts/errors/devices "
-                   "(launchers/slurm.py: framework.resolve, framework.preempt; models and state: framework helpers); "
-                   "the component contract redesign removes them")
 def test_components_import_only_the_contract_modules_of_framework():
     bad = [f"{m} imports {t} (line {ln})" for m in ALL if m.startswith("components")
            for t, ln in imports(m).items()

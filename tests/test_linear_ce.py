@@ -118,9 +118,9 @@ def test_auto_backend_on_cpu_is_torch():
 
 def test_options_are_validated():
     with pytest.raises(ValueError, match="label_smoothing"):
-        LinearCrossEntropy.trainer_loss(LinearCrossEntropy.Options(label_smoothing=1.0), 100)
+        LinearCrossEntropy.check(LinearCrossEntropy.Options(label_smoothing=1.0), None)
     with pytest.raises(ValueError, match="backend"):
-        LinearCrossEntropy.trainer_loss(LinearCrossEntropy.Options(backend="cuda"), 100)
+        LinearCrossEntropy.check(LinearCrossEntropy.Options(backend="cuda"), None)
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, dtype=torch.long), reduction="avg")
 

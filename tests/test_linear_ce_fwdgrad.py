@@ -108,7 +108,7 @@ def test_refusals_name_the_option():
     with pytest.raises(ValueError, match="logits_dtype"):
         linear_cross_entropy(h, w, labels, backend="fwdgrad", logits_dtype="float16")
     with pytest.raises(ValueError, match="dw_accum"):
-        LinearCrossEntropy.trainer_loss(LinearCrossEntropy.Options(dw_accum="fp8"), 100)
+        LinearCrossEntropy.check(LinearCrossEntropy.Options(dw_accum="fp8"), None)
     with pytest.raises(ValueError, match="temperature"):
         linear_cross_entropy(h, w, labels, temperature=0.0)
     with pytest.raises(ValueError, match="fwdgrad"):
@@ -116,9 +116,9 @@ def test_refusals_name_the_option():
     with pytest.raises(ValueError, match="gspo cannot use backend=fwdgrad"):
         fused_policy_loss(h, w, labels, "gspo", None, torch.zeros(6), labels != IGN)
     with pytest.raises(ValueError, match="loss=gspo cannot use loss.backend=fwdgrad"):
-        policy.GSPO.trainer_loss(policy.GSPO.Options(backend="fwdgrad"), 100)
+        policy.GSPO.check(policy.GSPO.Options(backend="fwdgrad"), None)
     with pytest.raises(ValueError, match="loss.logits_dtype"):
-        policy.GRPO.trainer_loss(policy.GRPO.Options(logits_dtype="int8"), 100)
+        policy.GRPO.check(policy.GRPO.Options(logits_dtype="int8"), None)
 
 
 def test_auto_on_cpu_keeps_the_recompute_path():

@@ -57,11 +57,19 @@ def test_policies_refuse_what_they_cannot_chunk():
 
     with pytest.raises(ValueError):
         Chunked(1)
-    for policy in (chunk2, AutoChunk):
-        policy.check("standard")
+    from types import SimpleNamespace
+
+    from components.moe.comm import MoeOptions
+
+    def ctx(backend):
+        return SimpleNamespace(components={"moe_comm": SimpleNamespace(torchtitan_backend=backend)})
+
+    for policy, name in ((chunk2, "chunk2"), (AutoChunk, "auto")):
+        opts = MoeOptions(comm="alltoall", chunk=name, load_balance_coeff=None)
+        policy.check(opts, ctx("standard"))
         with pytest.raises(UserError, match="moe.comm=alltoall"):
-            policy.check("deepep")
-    NoChunk.check("deepep")
+            policy.check(opts, ctx("deepep"))
+    NoChunk.check(MoeOptions(comm="deepep", chunk="none", load_balance_coeff=None), ctx("deepep"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +114,7 @@ def _layer_case(moe_cfg, policy, mesh, rank, ref_state, x, g, recompute, skew):
     from framework import devices
 
     cfg = copy.deepcopy(moe_cfg)
-    policy.apply(cfg)
+    policy.convert(cfg)
     moe = cfg.build()
     moe.load_state_dict(ref_state)
     _ep_shard(moe, mesh, rank, WORLD)
@@ -213,7 +221,7 @@ def _check_model(rank, mesh):
     results = {}
     for name, policy in (("none", chunk_mod.NoChunk), ("chunk2", chunk_mod.chunk2)):
         cfg = copy.deepcopy(base_cfg)
-        policy.apply(cfg)
+        policy.convert(cfg)
         model = cfg.build()
         model.load_state_dict(state)
         _ep_shard(model, mesh, rank, WORLD)
@@ -235,7 +243,7 @@ def _check_model(rank, mesh):
     assert g0.keys() == g1.keys()
     # the recipe's dispatcher must be torchtitan's standard all-to-all: DeepEP is refused at build time
     with pytest.raises(ValueError, match="standard all-to-all"):
-        chunk_mod.chunk2.apply(qwen3.model_config("tiny_moe", moe_comm_backend="deepep"))
+        chunk_mod.chunk2.convert(qwen3.model_config("tiny_moe", moe_comm_backend="deepep"))
     for k in g0:
         if ".experts." in k or k.endswith(("_EFD", "_EDF")):
             assert _max_rel_err(g1[k], g0[k]) < 2e-2, (k, _max_rel_err(g1[k], g0[k]))

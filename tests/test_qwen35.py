@@ -277,7 +277,8 @@ def test_flex_autotune_switch(tmp_path):
     from framework.build import trainer_config
     from framework.resolve import resolve
 
-    before = FlexAttention._compiled_flex_attn
+    before, before_options = FlexAttention._compiled_flex_attn, devices.FLEX_COMPILE_OPTIONS
+    devices.FLEX_COMPILE_OPTIONS = None  # as in a fresh process (earlier tests may have compiled it already)
     try:
         trainer_config(resolve("qwen35_debug_moe", [f"output_dir={tmp_path}"], world_size=1, for_training=False))
         assert FlexAttention._compiled_flex_attn is not before
@@ -288,7 +289,7 @@ def test_flex_autotune_switch(tmp_path):
         assert devices.FLEX_COMPILE_OPTIONS == FlexAttention.inductor_configs
     finally:
         FlexAttention._compiled_flex_attn = before
-        devices.FLEX_COMPILE_OPTIONS = None
+        devices.FLEX_COMPILE_OPTIONS = before_options
 
 
 def test_fla_fp32_training_warns_once(caplog, monkeypatch):

@@ -203,7 +203,7 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
                               f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.", markup=False)
             return 0
         try:
-            return int(cls.launch(opts, argv_w, None, resolved=r))
+            return int(cls.launch(opts, argv_w, None, run.launch_env(r)))
         except UserError as e:
             return _fail(e)
 
@@ -223,7 +223,7 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
             console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
         return 0
 
-    return int(cls.launch(opts, argv_w, in_process))
+    return int(cls.launch(opts, argv_w, in_process, run.launch_env(r)))
 
 
 CP_TEMPLATE_USAGE = "usage: apiary cp-template LAUNCHER PATH   (then launch with launcher.template=PATH)"

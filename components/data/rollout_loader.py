@@ -30,10 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from components.data.rollouts import RolloutIndex, build_rows, pack_rows
-
-RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens")
-STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
+from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, build_rows, pack_rows  # noqa: F401
 
 
 class RolloutRows(IterableDataset, Stateful):

@@ -39,6 +39,8 @@ import torch
 
 from components.labels import IGNORE_INDEX
 
+RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens")  # per token
+STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
 PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
 _FORMATS = (".jsonl", ".parquet")

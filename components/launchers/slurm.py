@@ -26,7 +26,10 @@ import sys
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
+
+from framework.contracts import LaunchEnv
+from framework.errors import EXIT_PREEMPTED, UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "launchers" / "slurm" / "train.sbatch.j2"
@@ -37,39 +40,69 @@ _LAUNCH_ONLY = ("launcher", "output_dir", "checkpoint.resume", "nproc")
 
 
 class SlurmLauncher:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "slurm"
+        """registry name (launcher=slurm)"""
         nodes: int = 1
-        gpus_per_node: int = 8  # ranks per node (one per GPU; with device=cpu, CPU ranks)
+        """nodes of the job (one torchrun each)"""
+        gpus_per_node: int = 8
+        """ranks per node (one per GPU; with device=cpu, CPU ranks)"""
         partition: Optional[str] = None
+        """sbatch --partition"""
         account: Optional[str] = None
+        """sbatch --account"""
         qos: Optional[str] = None
-        time: str = "04:00:00"  # Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM:SS ...
-        job_name: Optional[str] = None  # default: apiary-<recipe>
-        cpus_per_task: Optional[int] = None  # CPUs for each node's torchrun (all its ranks)
-        mem: Optional[str] = None  # per node, e.g. 0 (all), 500G
+        """sbatch --qos"""
+        time: str = "04:00:00"
+        """Slurm time limit: MM, HH:MM:SS, D-HH, D-HH:MM:SS ..."""
+        job_name: Optional[str] = None
+        """default: apiary-<recipe>"""
+        cpus_per_task: Optional[int] = None
+        """CPUs for each node's torchrun (all its ranks)"""
+        mem: Optional[str] = None
+        """per node, e.g. 0 (all), 500G"""
         exclusive: bool = False
-        device: str = "gpu"  # gpu | cpu (cpu: gloo ranks, no GPUs requested)
-        preempt_signal_s: int = 300  # USR1 this long before the time limit: checkpoint + requeue
-        requeue: bool = True  # requeue the job after a preemption checkpoint
-        rdzv_port: Optional[int] = None  # default: 20000 + SLURM_JOB_ID % 20000
-        template: Optional[str] = None  # path to your own .sbatch.j2 (apiary cp-template slurm PATH)
-        extra_sbatch: List[str] = field(default_factory=list)  # e.g. ["--constraint=h200", "--exclusive"]
-        setup: List[str] = field(default_factory=list)  # shell lines before launch, e.g. "module load cuda"
-        wait: bool = False  # block until the job ends (through requeues) and return its exit code
-        warmup: bool = False  # before srun: `apiary warmup` on one task fills training.kernel_cache
+        """sbatch --exclusive (whole nodes)"""
+        device: Literal["gpu", "cpu"] = "gpu"
+        """gpu | cpu (cpu: gloo ranks, no GPUs requested)"""
+        preempt_signal_s: int = 300
+        """USR1 this long before the time limit: checkpoint + requeue"""
+        requeue: bool = True
+        """requeue the job after a preemption checkpoint"""
+        rdzv_port: Optional[int] = None
+        """default: 20000 + SLURM_JOB_ID % 20000"""
+        template: Optional[str] = None
+        """path to your own .sbatch.j2 (apiary cp-template slurm PATH)"""
+        extra_sbatch: List[str] = field(default_factory=list)
+        """e.g. ["--constraint=h200", "--exclusive"]"""
+        setup: List[str] = field(default_factory=list)
+        """shell lines before launch, e.g. 'module load cuda'"""
+        wait: bool = False
+        """block until the job ends (through requeues) and return its exit code"""
+        warmup: bool = False
+        """before srun: `apiary warmup` on one task fills training.kernel_cache"""
 
     @staticmethod
     def world_size(opts) -> int:
         return int(opts.nodes) * int(opts.gpus_per_node)
 
+    @staticmethod
+    def check(options, ctx=None) -> None:
+        """Before launch: the options themselves, and warmup's need of a shared kernel cache."""
+        SlurmLauncher.check_options(options)
+        if ctx is not None:
+            SlurmLauncher.check_warmup(options, ctx)
+
+    @staticmethod
+    def apply(options, tc, ctx=None) -> None:
+        """Nothing to edit: the batch script starts the ranks, it does not configure them."""
+        return None
+
     # ------------------------------------------------------------------ checks
     @staticmethod
     def check_options(opts) -> None:
         """Checks that need no recipe (run before resolving, so the message names the option)."""
-        from framework.errors import UserError
-
         if opts.nodes < 1 or opts.gpus_per_node < 1:
             raise UserError(f"launcher.nodes={opts.nodes} launcher.gpus_per_node={opts.gpus_per_node}",
                             "both must be >= 1.", "E.g. nodes=4 gpus_per_node=8.")
@@ -93,8 +126,6 @@ class SlurmLauncher:
     @staticmethod
     def check_warmup(opts, resolved) -> None:
         """launcher.warmup=true needs a cache the job's ranks read: training.kernel_cache."""
-        from framework.errors import UserError
-
         if getattr(opts, "warmup", False) and not resolved.cfg.training.kernel_cache:
             raise UserError("launcher.warmup=true", "needs training.kernel_cache: without it the warmup task "
                             "fills the caches of the node it runs on only, not those the job's other nodes read.",
@@ -107,8 +138,6 @@ class SlurmLauncher:
     @staticmethod
     def preflight(opts, resolved, *, dry_run: bool = False) -> list[str]:
         """Raise UserError for options that cannot work; return warnings."""
-        from framework.errors import UserError
-
         SlurmLauncher.check_options(opts)
         SlurmLauncher.check_warmup(opts, resolved)
         if not dry_run and shutil.which("sbatch") is None:
@@ -130,8 +159,6 @@ class SlurmLauncher:
         """The batch script for ``train argv`` (recipe=... and overrides) with these options."""
         import jinja2
 
-        from framework.errors import UserError
-
         SlurmLauncher.check_warmup(opts, resolved)
         path = template_path(opts)
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(path.parent)),
@@ -147,18 +174,13 @@ class SlurmLauncher:
 
     # ------------------------------------------------------------------ launch
     @staticmethod
-    def launch(opts, argv: list[str], run_in_process=None, resolved=None) -> int:
+    def launch(opts, argv: list[str], run_in_process, env: LaunchEnv) -> int:
         """Write the script into the run directory and submit it; returns sbatch's exit code
-        (or the job's, with launcher.wait=true)."""
-        from framework.errors import UserError
-
+        (or the job's, with launcher.wait=true). ``env.resolved`` is the run, resolved for
+        this launcher's world size."""
+        resolved = env.resolved
         try:
-            if resolved is None:  # called as `train launcher=slurm ...`: resolve for this world size
-                from framework.resolve import resolve
-
-                recipe = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), None)
-                overrides = [a for a in argv if not a.startswith(("recipe=", "-"))]
-                resolved = resolve(recipe, overrides, world_size=SlurmLauncher.world_size(opts))
+            if run_in_process is not None:  # `train launcher=slurm ...` (apiary launch ran preflight itself)
                 for w in SlurmLauncher.preflight(opts, resolved):
                     print(f"warning: {w}", file=sys.stderr)
             script = SlurmLauncher.render(opts, resolved, argv)
@@ -228,8 +250,6 @@ def wait_for_job(job: str, poll_s: float = 2.0) -> int:
 
 # ---------------------------------------------------------------------- helpers
 def template_path(opts) -> Path:
-    from framework.errors import UserError
-
     if not opts.template:
         return TEMPLATE
     p = Path(opts.template).expanduser()
@@ -278,7 +298,6 @@ def context(opts, resolved, argv: list[str]) -> dict:
     """Everything the template may use (documented in docs/launching.md)."""
     from omegaconf import OmegaConf
 
-    from framework.preempt import EXIT_CODE
 
     cfg = resolved.cfg
     out = Path(cfg.output_dir).resolve()
@@ -312,7 +331,7 @@ def context(opts, resolved, argv: list[str]) -> dict:
         # how long torchrun lets ranks finish their step and checkpoint after USR1/TERM
         shutdown_timeout_s=max(30, grace - 30) if grace else 30,
         time_limit_s=limit,
-        preempt_exit_code=EXIT_CODE,
+        preempt_exit_code=EXIT_PREEMPTED,
         rendered_at=_time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         command=" ".join(shlex.quote(a) for a in ["apiary", "launch", *argv]),
     )

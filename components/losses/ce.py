@@ -9,14 +9,28 @@ from torchtitan.components.loss import CrossEntropyLoss
 from framework.contracts import PlanTerms, Term
 
 
+def check_data(name: str, needs: tuple[str, ...], ctx) -> None:
+    """The recipe's data kind is one this loss trains on (ValueError: the reason)."""
+    fmt = ctx.choice("data")
+    if fmt not in needs:
+        raise ValueError(f"loss={name} trains on data.format={'|'.join(needs)}, not {fmt}")
+
+
 class CrossEntropy:
-    @dataclass
+    NEEDS_DATA = ("text", "rollouts")
+
+    @dataclass(kw_only=True)
     class Options:
         name: str = "ce"
+        """registry name (loss=ce)"""
 
     @staticmethod
-    def trainer_loss(opts: "CrossEntropy.Options", vocab_size: int):
-        return CrossEntropyLoss.Config(global_vocab_size=vocab_size)
+    def check(options: "CrossEntropy.Options", ctx) -> None:
+        check_data(options.name, CrossEntropy.NEEDS_DATA, ctx)
+
+    @staticmethod
+    def apply(options: "CrossEntropy.Options", tc, ctx) -> None:
+        tc.loss = CrossEntropyLoss.Config(global_vocab_size=ctx.facts.vocab_size)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

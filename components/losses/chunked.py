@@ -7,28 +7,37 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from components.losses.ce import logits_plan_terms
+
+from components.losses.ce import check_data, logits_plan_terms
 from framework.contracts import PlanTerms
 
 
 class ChunkedCrossEntropy:
-    @dataclass
+    NEEDS_DATA = ("text", "rollouts")
+
+    @dataclass(kw_only=True)
     class Options:
         name: str = "chunked"
+        """registry name (loss=chunked)"""
         num_chunks: int = 8
+        """sequence chunks per step; only [tokens / num_chunks, vocab] logits live at once"""
+
+        def __post_init__(self):
+            if self.num_chunks < 1:
+                raise ValueError(f"loss.num_chunks must be >= 1 (chunks of the sequence per step), got {self.num_chunks}")
 
     @staticmethod
-    def check(opts: "ChunkedCrossEntropy.Options") -> None:
+    def check(options: "ChunkedCrossEntropy.Options", ctx=None) -> None:
         """Called by resolve before anything starts (ValueError: the reason)."""
-        if opts.num_chunks < 1:
-            raise ValueError(f"loss.num_chunks must be >= 1 (chunks of the sequence per step), got {opts.num_chunks}")
+        type(options).__post_init__(options)
+        if ctx is not None:
+            check_data(options.name, ChunkedCrossEntropy.NEEDS_DATA, ctx)
 
     @staticmethod
-    def trainer_loss(opts: "ChunkedCrossEntropy.Options", vocab_size: int):
-        ChunkedCrossEntropy.check(opts)
-        return ChunkedLossWrapper.Config(
-            num_chunks=opts.num_chunks,
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab_size),
+    def apply(options: "ChunkedCrossEntropy.Options", tc, ctx) -> None:
+        tc.loss = ChunkedLossWrapper.Config(
+            num_chunks=options.num_chunks,
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=ctx.facts.vocab_size),
         )
 
     @staticmethod

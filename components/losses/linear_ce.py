@@ -44,12 +44,14 @@ nothing (local tokens, ``reduction="sum"``, divide by the global valid-token cou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from components.labels import IGNORE_INDEX
+from components.losses.ce import check_data
 from components.losses.lm_head import engine, fwdgrad, head_loss
-from framework.contracts import PlanTerms, Term
+from framework.contracts import PlanTerms, Term, check_choices
 
 
 @dataclass
@@ -212,41 +214,52 @@ def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype:
 
 class LinearCrossEntropy:
     objective_keys = ("z_loss", "label_smoothing")  # change what is optimised (apiary compare)
+    NEEDS_DATA = ("text", "rollouts")
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "linear_ce"
+        """registry name (loss=linear_ce)"""
         z_loss: float = 0.0
+        """PaLM's z-loss coefficient on lse^2 (>= 0)"""
         label_smoothing: float = 0.0
-        # auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch
-        backend: str = "auto"
-        chunk_tokens: int = 4096  # torch and fwdgrad paths: tokens per logits chunk
-        chunk_vocab: int = 16384  # torch path: vocabulary columns per logits chunk
-        workspace_mb: float = 256.0  # recompute CUDA paths: cap on the [tokens, vocab slice] buffers
-        logits_dtype: str = "bfloat16"  # fwdgrad: dtype of its logits chunk (bfloat16 | float32)
-        dw_accum: str = "float32"  # fwdgrad: dtype of its dW accumulator (float32 | weight)
+        """torch's label smoothing, in [0, 1)"""
+        backend: Literal["auto", "torch", "triton", "cublas", "mixed", "fwdgrad"] = "auto"
+        """auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch"""
+        chunk_tokens: int = 4096
+        """torch and fwdgrad paths: tokens per logits chunk"""
+        chunk_vocab: int = 16384
+        """torch path: vocabulary columns per logits chunk"""
+        workspace_mb: float = 256.0
+        """recompute CUDA paths: cap on the [tokens, vocab slice] buffers"""
+        logits_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+        """fwdgrad: dtype of its logits chunk"""
+        dw_accum: Literal["float32", "weight"] = "float32"
+        """fwdgrad: dtype of its dW accumulator"""
+
+        def __post_init__(self):
+            check_choices(self, "loss.")
+            if not 0.0 <= self.label_smoothing < 1.0:
+                raise ValueError(f"loss.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+            if self.z_loss < 0:
+                raise ValueError(f"loss.z_loss must be >= 0, got {self.z_loss}")
+            if self.chunk_tokens < 1 or self.chunk_vocab < 1 or self.workspace_mb <= 0:
+                raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
 
     @staticmethod
-    def trainer_loss(opts: "LinearCrossEntropy.Options", vocab_size: int):
-        LinearCrossEntropy.check(opts)
-        cls = fused_loss_class()
-        return cls.Config(z_loss=opts.z_loss, label_smoothing=opts.label_smoothing, backend=opts.backend,
-                          chunk_tokens=opts.chunk_tokens, chunk_vocab=opts.chunk_vocab,
-                          workspace_mb=opts.workspace_mb, logits_dtype=opts.logits_dtype, dw_accum=opts.dw_accum,
-                          global_vocab_size=vocab_size)
-
-    @staticmethod
-    def check(opts: "LinearCrossEntropy.Options") -> None:
+    def check(options: "LinearCrossEntropy.Options", ctx=None) -> None:
         """Called by resolve before anything starts (ValueError: the reason)."""
-        if not 0.0 <= opts.label_smoothing < 1.0:
-            raise ValueError(f"loss.label_smoothing must be in [0, 1), got {opts.label_smoothing}")
-        if opts.z_loss < 0:
-            raise ValueError(f"loss.z_loss must be >= 0, got {opts.z_loss}")
-        if opts.backend not in engine.BACKENDS:
-            raise ValueError(f"loss.backend must be one of {', '.join(engine.BACKENDS)}, got {opts.backend!r}")
-        if opts.chunk_tokens < 1 or opts.chunk_vocab < 1 or opts.workspace_mb <= 0:
-            raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
-        check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
+        type(options).__post_init__(options)
+        if ctx is not None:
+            check_data(options.name, LinearCrossEntropy.NEEDS_DATA, ctx)
+
+    @staticmethod
+    def apply(options: "LinearCrossEntropy.Options", tc, ctx) -> None:
+        o = options
+        tc.loss = fused_loss_class().Config(
+            z_loss=o.z_loss, label_smoothing=o.label_smoothing, backend=o.backend, chunk_tokens=o.chunk_tokens,
+            chunk_vocab=o.chunk_vocab, workspace_mb=o.workspace_mb, logits_dtype=o.logits_dtype,
+            dw_accum=o.dw_accum, global_vocab_size=ctx.facts.vocab_size)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

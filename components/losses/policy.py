@@ -19,32 +19,55 @@ step's trained tokens, across micro-steps and data/context-parallel ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from components.labels import IGNORE_INDEX
 from components.losses import rl
 from components.losses.fused_rl import FUSABLE, fused_policy_loss
-from components.losses.linear_ce import auto_backend, check_fwdgrad_options
-from components.losses.lm_head import engine, head_loss
+from components.losses.linear_ce import auto_backend
+from components.losses.lm_head import head_loss
 from components.losses.logprob import token_logprobs
 from components.losses.linear_ce import fused_head_plan_terms
 from framework.contracts import PlanTerms
+from framework.contracts import check_choices
+from framework.errors import UserError
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
 
 
-@dataclass
+Backend = Literal["auto", "torch", "triton", "cublas", "mixed", "fwdgrad"]
+Norm = Literal["token", "sequence"]
+
+
+@dataclass(kw_only=True)
 class _Head:
     temperature: float = 1.0
-    entropy_coef: float = 0.0  # > 0: subtract entropy_coef x (token mean of the policy's entropy)
-    backend: str = "auto"  # as linear_ce: auto | fwdgrad | mixed | cublas | triton | torch
+    """divides the logits (use the sampler's temperature); > 0"""
+    entropy_coef: float = 0.0
+    """> 0: subtract entropy_coef x (token mean of the policy's entropy)"""
+    backend: Backend = "auto"
+    """LM-head engine, as linear_ce: auto | fwdgrad | mixed | cublas | triton | torch"""
     chunk_tokens: int = 4096
+    """torch and fwdgrad paths: tokens per logits chunk"""
     chunk_vocab: int = 16384
+    """torch path: vocabulary columns per logits chunk"""
     workspace_mb: float = 256.0
-    logits_dtype: str = "bfloat16"  # fwdgrad (fused objective): dtype of the logits chunk
-    dw_accum: str = "float32"  # fwdgrad: dtype of the dW accumulator
+    """recompute CUDA paths: cap on the [tokens, vocab slice] buffers"""
+    logits_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """fwdgrad (fused objective): dtype of the logits chunk"""
+    dw_accum: Literal["float32", "weight"] = "float32"
+    """fwdgrad: dtype of the dW accumulator"""
+
+    def __post_init__(self):
+        check_choices(self, "loss.")
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.chunk_tokens < 1 or self.chunk_vocab < 1 or self.workspace_mb <= 0:
+            raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
 
 
 _HEAD_FIELDS = {f.name for f in fields(_Head)}
@@ -55,7 +78,8 @@ class _Policy:
     trainer loss ``PolicyLoss``."""
 
     objective = ""
-    needs_rollouts = True
+    NEEDS_DATA: tuple[str, ...] = ("rollouts",)
+    SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
 
     objective_keys: tuple[str, ...] = ()  # options that change what is optimised (apiary compare)
 
@@ -65,23 +89,33 @@ class _Policy:
         cls.objective_keys = tuple(f.name for f in fields(cls.Options) if f.name not in head_fields)
 
     @classmethod
-    def trainer_loss(cls, opts, vocab_size: int):
-        if opts.temperature <= 0:
-            raise ValueError(f"loss.temperature must be > 0, got {opts.temperature}")
-        if opts.backend not in engine.BACKENDS:
-            raise ValueError(f"loss.backend must be one of {', '.join(engine.BACKENDS)}, got {opts.backend!r}")
-        if getattr(opts, "norm", "token") not in ("token", "sequence"):
-            raise ValueError(f"loss.norm must be token or sequence, got {opts.norm!r}")
-        if opts.entropy_coef < 0:
-            raise ValueError(f"loss.entropy_coef must be >= 0, got {opts.entropy_coef}")
-        check_fwdgrad_options(opts.logits_dtype, opts.dw_accum)
-        if opts.backend == "fwdgrad" and cls.objective not in FUSABLE:
+    def check(cls, options, ctx=None) -> None:
+        """Before launch (ValueError / UserError): option values, and the data this objective trains on."""
+        type(options).__post_init__(options)
+        if options.backend == "fwdgrad" and cls.objective not in FUSABLE:
             raise ValueError(f"loss={cls.objective} cannot use loss.backend=fwdgrad: its sequence-level ratio needs "
                              "every token's log-prob before any gradient exists (fused objectives: "
                              f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
-        hp = {f.name: getattr(opts, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
-        head = {k: getattr(opts, k) for k in _HEAD_FIELDS}
-        return policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
+        if ctx is None:
+            return
+        seq_norm = getattr(options, "norm", "token") == "sequence"
+        if (cls.NEEDS_DATA == ("rollouts",) or seq_norm) and ctx.choice("data") != "rollouts":
+            what = ("is a policy objective: it trains on RL rollouts (old log-probs, advantages, loss masks), not "
+                    "on text." if cls.NEEDS_DATA == ("rollouts",)
+                    else "with loss.norm=sequence needs the rollouts' sequence boundaries.")
+            raise UserError(f"loss={cls.objective}", what,
+                            "Add data.format=rollouts data.path=ROLLOUTS (jsonl/parquet records with input_ids, "
+                            "loss_mask, old_logprobs, advantages; see docs/skills/rl_objectives.md).")
+        kl = getattr(options, "kl_coef", 0.0)
+        if kl and ctx.shared.get("rollouts.with_ref") is False:
+            raise UserError(f"loss.kl_coef={kl}", "needs ref_logprobs in every rollout record.",
+                            "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
+
+    @classmethod
+    def apply(cls, options, tc, ctx) -> None:
+        hp = {f.name: getattr(options, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
+        head = {k: getattr(options, k) for k in _HEAD_FIELDS}
+        tc.loss = policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
 
     @classmethod
     def plan_terms(cls, opts, ctx) -> PlanTerms:
@@ -92,68 +126,90 @@ class _Policy:
 class GRPO(_Policy):
     objective = "grpo"
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "grpo"
+        """registry name"""
         eps: float = 0.2
+        """PPO clip range"""
         kl_coef: float = 0.0
-        norm: str = "sequence"
+        """k3 KL to the reference policy (needs ref_logprobs)"""
+        norm: Norm = "sequence"
+        """token: mean over the step's trained tokens | sequence: per-sequence mean"""
 
 
 class DAPO(_Policy):
     objective = "dapo"
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "dapo"
+        """registry name"""
         eps_low: float = 0.2
+        """lower clip range"""
         eps_high: float = 0.28
-        norm: str = "token"
+        """upper clip range (clip-higher)"""
+        norm: Norm = "token"
+        """token: mean over the step's trained tokens | sequence: per-sequence mean"""
 
 
 class GSPO(_Policy):
     objective = "gspo"
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "gspo"
+        """registry name"""
         eps_low: float = 3e-4
+        """lower clip range of the sequence ratio"""
         eps_high: float = 4e-4
+        """upper clip range of the sequence ratio"""
 
 
 class CISPO(_Policy):
     objective = "cispo"
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "cispo"
+        """registry name"""
         eps_low: Optional[float] = None
+        """lower clip of the importance weight (None: no lower clip)"""
         eps_high: float = 0.28
-        norm: str = "token"
+        """upper clip of the importance weight"""
+        norm: Norm = "token"
+        """token: mean over the step's trained tokens | sequence: per-sequence mean"""
 
 
 class PPO(_Policy):
     objective = "ppo"
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "ppo"
+        """registry name"""
         eps: float = 0.2
+        """clip range"""
         eps_high: Optional[float] = None
+        """upper clip range (None: eps)"""
         kl_coef: float = 0.0
-        norm: str = "token"
+        """KL to the reference policy (needs ref_logprobs)"""
+        norm: Norm = "token"
+        """token: mean over the step's trained tokens | sequence: per-sequence mean"""
 
 
 class SFT(_Policy):
     """Also trains on text data (every label is a trained token): the same loss as ce."""
 
     objective = "sft"
-    needs_rollouts = False
+    NEEDS_DATA = ("text", "rollouts")
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options(_Head):
         name: str = "sft"
-        norm: str = "token"
+        """registry name"""
+        norm: Norm = "token"
+        """token: mean over the step's trained tokens | sequence: per-sequence mean (needs rollouts)"""
 
 
 def policy_loss(self, h, w, labels, global_valid_tokens):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,66 @@ from torchtitan.models.common.attention import FlexAttention, GQAttention
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
+from components.models.dense_mask_attention import DenseMaskAttention
+from components.moe import gloo_alltoall
 from framework import devices
+from framework.errors import UserError
+
+devices.on_cpu_parallelize(gloo_alltoall.install)  # CPU: torchtitan's EP all-to-all through gloo
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """The recipe's ``model:`` section as every family reads it (defaults: framework/schema.py's
+    ModelConfig)."""
+
+    family: str
+    """registry kind model: the family module"""
+    flavor: str
+    """a key of the family's FLAVORS"""
+    n_layers: Optional[int]
+    """truncate/extend the layer stack (None: the flavor's)"""
+    vocab_size: Optional[int]
+    """override the flavor's vocabulary"""
+    attn_backend: str
+    """torchtitan attention backend"""
+    flex_autotune: bool
+    """inductor max-autotune + coordinate descent for flex attention (false: faster compile)"""
+    hf_checkpoint: Optional[str]
+    """a HuggingFace folder whose architecture and weights the model loads"""
+
+    def __post_init__(self):
+        if self.n_layers is not None and self.n_layers < 1:
+            raise ValueError(f"model.n_layers must be >= 1, got {self.n_layers}")
+
+
+def model_kwargs(options, ctx) -> dict:
+    """The family's ``model_config`` / ``facts`` arguments this recipe asks for."""
+    kw = dict(attn_backend=options.attn_backend, moe_comm_backend=ctx.components["moe_comm"].torchtitan_backend,
+              n_layers=options.n_layers, vocab_size=options.vocab_size,
+              load_balance_coeff=ctx.cfg.moe.load_balance_coeff)
+    if options.hf_checkpoint:
+        kw["hf_checkpoint"] = options.hf_checkpoint
+    return kw
+
+
+def check_model(options, ctx) -> None:
+    """What every family refuses before launch: a sequence longer than the model's RoPE length."""
+    if not ctx.for_training or ctx.facts is None:
+        return
+    limit = getattr(ctx.facts, "max_seq_len", 0)
+    seq = ctx.cfg.training.seq_len
+    if limit and seq > limit:
+        src = (f"max_position_embeddings of {options.hf_checkpoint}" if options.hf_checkpoint
+               else f"model.flavor={options.flavor}")
+        raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).",
+                        f"Use training.seq_len <= {limit}.")
+
+
+def apply_model(family, options, tc, ctx) -> None:
+    """Put a fresh model spec of ``family`` (a family module) on the trainer config."""
+    devices.set_flex_autotune(bool(options.flex_autotune))
+    tc.model_spec = family.model_spec(options.flavor, **model_kwargs(options, ctx))
 
 
 @dataclass(frozen=True)
@@ -73,10 +133,11 @@ def set_load_balance(config, coeff: float | None):
 
 
 def use_device_attention(config):
-    """Swap flex attention for the device's implementation (devices decides)."""
-    replacement = devices.inner_attention_config()
-    if replacement is None:
+    """Swap flex attention for a dense-mask SDPA where flex attention cannot train (CPU)."""
+    if devices.flex_attention_trains():
         return config
+    devices.uncompiled_block_masks()
+    replacement = DenseMaskAttention.Config
     for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
         if isinstance(parent, list):
             parent[attr] = replacement()

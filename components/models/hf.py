@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 import logging
 import re
@@ -36,7 +37,6 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-from framework import registry
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -125,7 +125,8 @@ def check_family(c: dict, path, family: str) -> None:
     other = family_of(mt)
     if other == family:
         return
-    flavors = list(getattr(registry.resolve("model", other), "FLAVORS", {})) if other else []
+    # the packaged family module of that model_type (family_of names components/models/<family>.py)
+    flavors = list(getattr(importlib.import_module(f"components.models.{other}"), "FLAVORS", {})) if other else []
     fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
            "defaults; the architecture comes from config.json)." if other else
            "apiary loads qwen3, qwen3_moe, llama and qwen3_5(_moe) checkpoints.")

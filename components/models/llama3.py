@@ -171,3 +171,22 @@ def export_hf(run_dir: str, out_path: str):
 
 def _self():
     return sys.modules[__name__]
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+# apiary compare: another family is another model (its options: compare's own table of model.* keys)
+NUMERICS = {"": "any"}
+SKILL = "models"  # docs/skills/models.md
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

@@ -216,3 +216,22 @@ def arch_from_config(config) -> Arch:
                 route_norm=moes[0].router.route_norm if moes else True, rope_theta=attn.rope.theta,
                 max_seq_len=attn.rope.max_seq_len, norm_eps=norm.eps,
                 tie_embeddings=bool(config.enable_weight_tying))
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+# apiary compare: another family is another model (its options: compare's own table of model.* keys)
+NUMERICS = {"": "any"}
+SKILL = "models"  # docs/skills/models.md
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

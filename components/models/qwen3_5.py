@@ -236,3 +236,23 @@ def export_hf(run_dir: str, out_path: str) -> Path:
     dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
     hf.warn_routing_bias(model, step_dir)
     return save_hf(sd, a, out_path, config)
+
+
+# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+Options = common.ModelOptions
+# apiary compare: another family is another model (its options: compare's own table of model.* keys)
+NUMERICS = {"": "any"}
+
+
+def model_kwargs(options, ctx) -> dict:
+    return common.model_kwargs(options, ctx)
+
+
+def check(options, ctx) -> None:
+    common.check_model(options, ctx)
+    if ctx.for_training and ctx.layout is not None:  # planning may explore layouts it cannot train yet
+        check_layout(ctx.cfg, ctx.layout)
+
+
+def apply(options, tc, ctx) -> None:
+    common.apply_model(sys.modules[__name__], options, tc, ctx)

@@ -16,6 +16,7 @@ from components.moe.auto_chunks import AUTO_MIN_EP  # noqa: F401  (framework/pla
 from components.moe.chunked_experts import use_chunked_experts
 from framework.errors import UserError
 from framework.contracts import PlanTerms
+from components.moe.comm import MoeOptions
 
 
 def _check_comm(where: str, comm_backend: str) -> None:
@@ -25,15 +26,25 @@ def _check_comm(where: str, comm_backend: str) -> None:
                                f"not torchtitan backend {comm_backend!r}.", "Use moe.chunk=none with this moe.comm.")
 
 
+def _backend(ctx) -> str:
+    return ctx.components["moe_comm"].torchtitan_backend
+
+
 class NoChunk:
     """One dispatch -> grouped GEMM -> combine per MoE layer (the baseline)."""
 
+    Options = MoeOptions
+
     @staticmethod
-    def apply(model_config) -> None:
+    def convert(model_config) -> None:
         return None
 
     @staticmethod
-    def check(comm_backend: str, where: str = "moe.chunk=none") -> None:
+    def check(options, ctx) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
         return None
 
     @staticmethod
@@ -50,17 +61,24 @@ class Chunked:
     """Split each MoE layer's local tokens into ``num_chunks`` chunks with an overlapped
     dispatch / grouped-GEMM / combine schedule (forward and backward)."""
 
+    Options = MoeOptions
+
     def __init__(self, num_chunks: int):
         if num_chunks < 2:
             raise ValueError(f"Chunked needs at least 2 chunks, got {num_chunks} (use NoChunk)")
         self.num_chunks = num_chunks
 
-    def apply(self, model_config) -> None:
+    def convert(self, model_config) -> None:
+        """Edit the model config's routed experts (before it is built)."""
+
         use_chunked_experts(model_config, self.num_chunks)
 
-    def check(self, comm_backend: str, where: str | None = None) -> None:
+    def check(self, options, ctx) -> None:
         """Before any worker starts: refuse dispatchers this policy cannot chunk (UserError)."""
-        _check_comm(where or f"moe.chunk=chunk{self.num_chunks}", comm_backend)
+        _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+
+    def apply(self, options, tc, ctx) -> None:
+        self.convert(tc.model_spec.model)
 
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
@@ -78,13 +96,20 @@ class AutoChunk:
     """Chunk count chosen per forward by ``components.moe.auto_chunks.auto_num_chunks`` (local
     tokens, EP size, GEMM rows)."""
 
+    Options = MoeOptions
+
     @staticmethod
-    def apply(model_config) -> None:
+    def convert(model_config) -> None:
+
         use_chunked_experts(model_config, None)
 
     @staticmethod
-    def check(comm_backend: str, where: str = "moe.chunk=auto") -> None:
-        _check_comm(where, comm_backend)
+    def check(options, ctx) -> None:
+        _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        AutoChunk.convert(tc.model_spec.model)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

@@ -2,24 +2,61 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from framework.errors import UserError
 
 
-class AllToAll:
+
+
+@dataclass(kw_only=True)
+class MoeOptions:
+    """The recipe's ``moe:`` section (defaults in framework/schema.py's MoEConfig), shared by the
+    ``moe_comm`` and ``moe_chunk`` kinds."""
+
+    comm: str
+    """registry kind moe_comm: the expert-parallel dispatch/combine backend"""
+    chunk: str
+    """registry kind moe_chunk: the overlap schedule of each MoE layer"""
+    load_balance_coeff: Optional[float]
+    """auxiliary-loss-free load balancing coefficient (None: off)"""
+
+
+class _Comm:
+    Options = MoeOptions
+    torchtitan_backend = ""
+
+    @staticmethod
+    def check(options, ctx=None) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx=None) -> None:
+        """Nothing to edit: the model family passes ``torchtitan_backend`` to its model config."""
+        return None
+
+
+class AllToAll(_Comm):
     """torch all_to_all_single with a host sync on the split sizes (torchtitan 'standard')."""
 
     torchtitan_backend = "standard"
-
-    @staticmethod
-    def check() -> None:
-        return None
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (another dispatch/combine backend).
     NUMERICS = {"": "dtype"}
 
 
-class DeepEP:
+@dataclass(kw_only=True)
+class DeepEPOptions(MoeOptions):
+    """``moe:`` with moe.comm=deepep: the package is checked as the options are read, before the
+    model is sized (torchtitan's DeepEP dispatcher cannot even be configured without it)."""
+
+    def __post_init__(self):
+        DeepEP.check()
+
+
+class DeepEP(_Comm):
     """DeepEP >= 2 (deep_ep.ElasticBuffer) kernels through torchtitan's 'deepep' backend.
 
     Needs CUDA and DeepEP built from source (docs/install.md); asking for it without them is a
@@ -27,11 +64,12 @@ class DeepEP:
     """
 
     torchtitan_backend = "deepep"
+    Options = DeepEPOptions
 
     @staticmethod
-    def check() -> None:
+    def check(options=None, ctx=None) -> None:
         try:
-            import deep_ep  # optional dependency: DeepEP (CUDA, built from source)
+            import deep_ep  # reason: optional dependency (CUDA builds only)
         except ImportError:
             raise UserError("moe.comm=deepep", "the deep_ep package is not installed.",
                             "Build DeepEP >= 2 from source (docs/install.md), or use moe.comm=alltoall.") from None

@@ -2,7 +2,8 @@
 
 gloo implements uneven splits only in all_to_all_single; torchtitan's EP dispatcher goes
 through a path gloo refuses ("ProcessGroupGloo::alltoall: invalid tensor size").
-framework.devices routes CPU runs here; the arithmetic is the same data movement.
+``install`` routes torchtitan's dispatcher here on CPU (components.models.common registers it
+with framework.devices' CPU parallelize hooks); the arithmetic is the same data movement.
 """
 
 from __future__ import annotations
@@ -33,3 +34,12 @@ def dispatch_token_exchange(self, routed_input_ND, pg, output_splits, input_spli
 
 def combine_token_exchange(self, routed_output_RD, pg, input_splits, output_splits):
     return AllToAllSingle.apply(routed_output_RD, input_splits, output_splits, self.ep_mesh.get_group())
+
+
+def install() -> None:
+    """gloo handles uneven EP splits only through all_to_all_single: point torchtitan's
+    all-to-all dispatcher at the functions above."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # reason: after devices.install
+
+    AllToAllTokenDispatcher._dispatch_token_exchange = dispatch_token_exchange
+    AllToAllTokenDispatcher._combine_token_exchange = combine_token_exchange

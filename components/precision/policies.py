@@ -1,11 +1,11 @@
 """Training precision: ``bf16`` (baseline: bf16 GEMMs, fp32 master weights) and ``fp8``
 (FP8 GEMMs for the dense linears and the MoE expert grouped GEMMs; docs/skills/fp8.md).
 
-The precision protocol: ``check(opts, cfg, facts)`` raises ValueError for option combinations
-no backend runs (resolve turns it into a user error, also when only planning);
-``check_runtime(opts, cfg)`` raises UserError when this machine cannot run it (no FP8 GPU,
-backend not importable); ``convert(opts, model_config)`` edits the torchtitan model config
-before it is built; ``apply(opts, spec, tt_config)`` sets trainer options (compile, FSDP hooks).
+The precision contract (framework/contracts.py): ``check(options, ctx)`` raises ValueError for
+option combinations no backend runs (resolve turns it into a user error, also when only
+planning) and, when training, UserError where this machine cannot run it (``check_runtime``: no
+FP8 GPU, backend not importable); ``apply(options, tc, ctx)`` converts the model config on
+``tc.model_spec`` before it is built (``FP8.convert``) and sets trainer options (compile, FSDP hooks).
 
 What stays bf16 under fp8, and why:
 - the LM head: apiary's fused losses (chunked, linear_ce, the policy losses) read
@@ -27,6 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
+
+from framework.contracts import check_choices
+from framework.errors import UserError
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -40,7 +44,6 @@ from torchtitan.models.common.moe import GroupedExperts
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from framework import devices
-from framework.errors import UserError
 from framework.contracts import PlanTerms, Term
 
 BACKENDS = ("torchao", "te")
@@ -66,26 +69,22 @@ FP8_LAYER_TOL = 0.1
 class BF16:
     """bf16 compute everywhere (torchtitan's mixed precision), the baseline."""
 
-    @dataclass
+    SKILL = "fp8"  # docs/skills/fp8.md covers both precisions
+
+    @dataclass(kw_only=True)
     class Options:
         name: str = "bf16"
-        compile: bool = False  # torch.compile each transformer block (torchtitan's compile)
+        """registry name (precision=bf16)"""
+        compile: bool = False
+        """torch.compile each transformer block (torchtitan's compile)"""
 
     @staticmethod
-    def check(opts, cfg=None, facts=None) -> None:
+    def check(options, ctx=None) -> None:
         return None
 
     @staticmethod
-    def check_runtime(opts, cfg=None) -> None:
-        return None
-
-    @staticmethod
-    def convert(opts, model_config):
-        return model_config
-
-    @staticmethod
-    def apply(opts, spec, tt_config) -> None:
-        _apply_compile(opts, tt_config)
+    def apply(options, tc, ctx=None) -> None:
+        _apply_compile(options, tc)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
@@ -106,14 +105,41 @@ def _apply_compile(opts, tt_config) -> None:
 class FP8:
     """FP8 GEMMs (torchao: e4m3 weights/activations, e5m2 gradients) for dense linears and MoE expert grouped GEMMs."""
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "fp8"
-        backend: str = "torchao"  # torchao | te (TransformerEngine, built from source: docs/install.md)
-        scaling: str = "tensorwise"  # tensorwise | rowwise (torchao) | blockwise (te) | mxfp8 (Blackwell)
-        experts: bool = True  # MoE routed-expert grouped GEMMs in FP8 too (torchao)
-        all_gather: str = "auto"  # FSDP2 parameter all-gather: auto | fp8 (torchao tensorwise) | bf16
-        compile: bool = False  # torch.compile each transformer block (fuses the FP8 casts)
+        """registry name (precision=fp8)"""
+        backend: Literal["torchao", "te"] = "torchao"
+        """torchao | te (TransformerEngine, built from source: docs/install.md)"""
+        scaling: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
+        """tensorwise | rowwise (torchao) | blockwise (te) | mxfp8 (Blackwell)"""
+        experts: bool = True
+        """MoE routed-expert grouped GEMMs in FP8 too (torchao)"""
+        all_gather: Literal["auto", "fp8", "bf16"] = "auto"
+        """FSDP2 parameter all-gather: auto | fp8 (torchao tensorwise) | bf16"""
+        compile: bool = False
+        """torch.compile each transformer block (fuses the FP8 casts)"""
+
+        def __post_init__(self):
+            if self.backend not in BACKENDS:
+                raise ValueError(f"precision.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+            if self.scaling not in SCALINGS:
+                raise ValueError(f"precision.scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+            if self.all_gather not in ("auto", "fp8", "bf16"):
+                raise ValueError(f"precision.all_gather must be auto, fp8 or bf16, got {self.all_gather!r}")
+            check_choices(self, "precision.")
+            if self.scaling not in BACKEND_SCALINGS[self.backend]:
+                other = next(b for b in BACKENDS if b != self.backend)
+                raise ValueError(
+                    f"precision.backend={self.backend} has no {self.scaling} FP8 recipe (it runs "
+                    f"{', '.join(BACKEND_SCALINGS[self.backend])}); precision.backend={other} runs "
+                    f"{', '.join(BACKEND_SCALINGS[other])}")
+            if self.all_gather == "fp8" and not (self.backend == "torchao" and self.scaling == "tensorwise"):
+                raise ValueError(
+                    f"precision.all_gather=fp8 needs one scale per weight tensor (torchao tensorwise): with "
+                    f"backend={self.backend} scaling={self.scaling} each rank would need the whole weight "
+                    "to compute its scales; use precision.all_gather=auto (bf16 all-gather here) or "
+                    "precision.scaling=tensorwise precision.backend=torchao")
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -127,29 +153,15 @@ class FP8:
         return supported
 
     @staticmethod
-    def check(opts, cfg=None, facts=None) -> None:
-        if opts.backend not in BACKENDS:
-            raise ValueError(f"precision.backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
-        if opts.scaling not in SCALINGS:
-            raise ValueError(f"precision.scaling must be one of {', '.join(SCALINGS)}, got {opts.scaling!r}")
-        if opts.scaling not in BACKEND_SCALINGS[opts.backend]:
-            other = next(b for b in BACKENDS if b != opts.backend)
-            raise ValueError(
-                f"precision.backend={opts.backend} has no {opts.scaling} FP8 recipe (it runs "
-                f"{', '.join(BACKEND_SCALINGS[opts.backend])}); precision.backend={other} runs "
-                f"{', '.join(BACKEND_SCALINGS[other])}")
-        if opts.all_gather not in ("auto", "fp8", "bf16"):
-            raise ValueError(f"precision.all_gather must be auto, fp8 or bf16, got {opts.all_gather!r}")
-        if opts.all_gather == "fp8":
-            if not (opts.backend == "torchao" and opts.scaling == "tensorwise"):
-                raise ValueError(
-                    f"precision.all_gather=fp8 needs one scale per weight tensor (torchao tensorwise): with "
-                    f"backend={opts.backend} scaling={opts.scaling} each rank would need the whole weight "
-                    "to compute its scales; use precision.all_gather=auto (bf16 all-gather here) or "
-                    "precision.scaling=tensorwise precision.backend=torchao")
-            if cfg is not None and cfg.state.name != "fsdp2":
-                raise ValueError(f"precision.all_gather=fp8 is an FSDP2 parameter all-gather; state="
-                                 f"{cfg.state.name} does not all-gather parameters per block (use state=fsdp2)")
+    def check(options, ctx=None) -> None:
+        """Option combinations (always) and whether this machine can train FP8 (ctx.for_training)."""
+        opts = options
+        type(opts).__post_init__(opts)
+        cfg = ctx.cfg if ctx is not None else None
+        facts = ctx.facts if ctx is not None else None
+        if opts.all_gather == "fp8" and cfg is not None and cfg.state.name != "fsdp2":
+            raise ValueError(f"precision.all_gather=fp8 is an FSDP2 parameter all-gather; state="
+                             f"{cfg.state.name} does not all-gather parameters per block (use state=fsdp2)")
         moe = facts is not None and getattr(facts, "num_experts", 0) > 0
         if moe and opts.experts:
             if opts.backend == "te":
@@ -166,6 +178,8 @@ class FP8:
                 raise ValueError(
                     f"FP8 expert GEMMs need a token dispatcher that pads expert groups (torchao's all-to-all); "
                     f"moe.comm={cfg.moe.comm} has none in apiary; use moe.comm=alltoall or precision.experts=false")
+        if ctx is not None and ctx.for_training:
+            FP8.check_runtime(opts, cfg)
 
     @staticmethod
     def check_runtime(opts, cfg=None) -> None:
@@ -206,7 +220,10 @@ class FP8:
         return model_config
 
     @staticmethod
-    def apply(opts, spec, tt_config) -> None:
+    def apply(options, tc, ctx=None) -> None:
+        opts, tt_config = options, tc
+        tc.model_spec.model = FP8.convert(opts, tc.model_spec.model)
+        spec = tc.model_spec
         _apply_compile(opts, tt_config)
         patch_checkpoint_storage_check()
         if FP8.fp8_all_gather(opts) and opts.backend == "torchao":

@@ -9,13 +9,18 @@ from framework.contracts import PlanTerms
 
 
 class NoRecompute:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "none"
+        """registry name (recompute=none)"""
 
     @staticmethod
-    def ac_config(opts):
+    def check(options, ctx) -> None:
         return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        tc.activation_checkpoint = None
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
@@ -31,13 +36,18 @@ class NoRecompute:
 class SelectiveRecompute:
     """Save expensive op outputs (matmuls, attention, collectives); recompute the rest."""
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "selective"
+        """registry name (recompute=selective)"""
 
     @staticmethod
-    def ac_config(opts):
-        return SelectiveAC.Config()
+    def check(options, ctx) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        tc.activation_checkpoint = SelectiveAC.Config()
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
@@ -59,13 +69,18 @@ class SelectiveRecompute:
 class FullRecompute:
     """Keep only each block's input; rerun the whole block in backward."""
 
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "full"
+        """registry name (recompute=full)"""
 
     @staticmethod
-    def ac_config(opts):
-        return FullAC.Config()
+    def check(options, ctx) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx) -> None:
+        tc.activation_checkpoint = FullAC.Config()
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

@@ -9,34 +9,38 @@ and optimizer on the host)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
 from components.state.offload import HostOptimizers
 from framework.contracts import PlanTerms, Term
+from framework.contracts import check_choices
 
 
 class FSDP2:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "fsdp2"
-        reshard_after_forward: str = "default"  # default | always | never
-        # none | optimizer (Adam states, fp32 master, update on the host) | all (+ params and grads)
-        offload: str = "none"
-        offload_threads: int = 0  # CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)
+        """registry name (state=fsdp2)"""
+        reshard_after_forward: Literal["default", "always", "never"] = "default"
+        """free each block's all-gathered parameters after its forward (torchtitan's policy)"""
+        offload: Literal["none", "optimizer", "all"] = "none"
+        """none | optimizer (Adam states, fp32 master, update on the host) | all (+ params and grads)"""
+        offload_threads: int = 0
+        """CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)"""
+
+        def __post_init__(self):
+            check_choices(self, "state.", " for fsdp2")
+            check_threads(self.offload_threads)
 
     @staticmethod
-    def check(opts: "FSDP2.Options") -> None:
+    def check(options: "FSDP2.Options", ctx=None) -> None:
         """ValueError for option values this backend cannot run (resolve calls it before launch)."""
-        if opts.reshard_after_forward not in ("default", "always", "never"):
-            raise ValueError(
-                f"state.reshard_after_forward must be default|always|never, got {opts.reshard_after_forward!r}")
-        if opts.offload not in ("none", "optimizer", "all"):
-            raise ValueError(f"state.offload must be none|optimizer|all for fsdp2, got {opts.offload!r}")
-        check_threads(opts.offload_threads)
+        type(options).__post_init__(options)
 
     @staticmethod
-    def apply(opts: "FSDP2.Options", tt_config) -> None:
-        FSDP2.check(opts)
+    def apply(options: "FSDP2.Options", tc, ctx=None) -> None:
+        opts, tt_config = options, tc
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
         if opts.offload == "optimizer":

@@ -34,6 +34,7 @@ import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -50,33 +51,39 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from components.state.common import check_threads, host_threads, local, materialize_state, torch_threads, stage_params, step_params
 from framework import devices
 from framework.contracts import PlanTerms, Term
+from framework.contracts import check_choices
 
 _REDUCE = ("reduce_scatter", "all_reduce")
 
 
 class Zero1:
-    @dataclass
+    @dataclass(kw_only=True)
     class Options:
         name: str = "zero1"
-        offload: str = "none"  # none | optimizer (master weights, optimizer states and the update on the host)
-        offload_threads: int = 0  # CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)
-        grad_reduce: str = "reduce_scatter"  # reduce_scatter | all_reduce
-        bucket_mb: float = 256.0  # fp32 gradient bucket size; bounds the all-gather buffer too
+        """registry name (state=zero1)"""
+        offload: Literal["none", "optimizer"] = "none"
+        """none | optimizer (master weights, optimizer states and the update on the host)"""
+        offload_threads: int = 0
+        """CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)"""
+        grad_reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+        """how fp32 gradient buckets are reduced over data parallel"""
+        bucket_mb: float = 256.0
+        """fp32 gradient bucket size; bounds the all-gather buffer too"""
+
+        def __post_init__(self):
+            check_choices(self, "state.", " for zero1")
+            if not self.bucket_mb > 0:
+                raise ValueError(f"state.bucket_mb must be > 0, got {self.bucket_mb}")
+            check_threads(self.offload_threads)
 
     @staticmethod
-    def check(opts: "Zero1.Options") -> None:
+    def check(options: "Zero1.Options", ctx=None) -> None:
         """ValueError for option values this backend cannot run (resolve calls it before launch)."""
-        if opts.offload not in ("none", "optimizer"):
-            raise ValueError(f"state.offload must be none|optimizer for zero1, got {opts.offload!r}")
-        if opts.grad_reduce not in _REDUCE:
-            raise ValueError(f"state.grad_reduce must be one of {'|'.join(_REDUCE)}, got {opts.grad_reduce!r}")
-        if not opts.bucket_mb > 0:
-            raise ValueError(f"state.bucket_mb must be > 0, got {opts.bucket_mb}")
-        check_threads(opts.offload_threads)
+        type(options).__post_init__(options)
 
     @staticmethod
-    def apply(opts: "Zero1.Options", tt_config) -> None:
-        Zero1.check(opts)
+    def apply(options: "Zero1.Options", tc, ctx=None) -> None:
+        opts, tt_config = options, tc
         par = tt_config.parallelism
         # ZeRO-1 has no replicate/shard split: every data-parallel rank holds the parameters
         # and the optimizer is sharded over all of them. Fold dp_replicate into dp_shard so

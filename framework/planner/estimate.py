@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from framework.contracts import Context, PlanContext
+from framework.contracts import Context, PlanContext, SELECT
 from framework.errors import UserError
 from framework.planner import parts
 from framework.planner.constants import GiB, Constants, Hardware
@@ -71,13 +71,14 @@ def gpu_for(c: Constants, gpu: str | None, gpu_memory_bytes: int | None) -> tupl
 
 
 def choices(cfg, **chosen: str | None) -> dict[str, str]:
-    """kind -> name: the argument when given, else the recipe's choice, else the defaults'."""
+    """kind -> name: the argument when given, else the recipe's choice (where contracts.SELECT puts
+    it), else the defaults'."""
     def name(kind):
-        node = cfg.get(kind)
-        return str(getattr(node, "name", parts.defaults()[kind])) if node is not None else parts.defaults()[kind]
-    out = {k: v or name(k) for k, v in chosen.items() if k != "moe_chunk"}
-    out["moe_chunk"] = chosen.get("moe_chunk") or str(cfg.moe.chunk)
-    return out
+        section, key = SELECT[kind]
+        node = cfg.get(section) if hasattr(cfg, "get") else None
+        value = node.get(key) if node is not None and hasattr(node, "get") else getattr(node, key, None)
+        return str(value) if value is not None else parts.defaults()[kind]
+    return {k: v or name(k) for k, v in chosen.items()}
 
 
 def shapes_and_context(resolved, c: Constants, hw: Hardware) -> tuple[Shapes, PlanContext]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import yaml
+from omegaconf import OmegaConf
 
-from framework import registry
-from framework.contracts import PlanTerms
+from framework import registry, schema
+from framework.contracts import SELECT, PlanTerms
 
 DEFAULTS_PATH = registry.ROOT / "recipes" / "_defaults.yaml"
 
@@ -25,7 +26,10 @@ def defaults() -> dict[str, str]:
     for item in data.get("defaults", []):
         if isinstance(item, dict):
             out.update({str(k): str(v) for k, v in item.items()})
-    out["moe_chunk"] = str(data["moe"]["chunk"])
+    recipe = OmegaConf.structured(schema.RecipeConfig)  # the other kinds' defaults live in the schema
+    for kind, (section, key) in SELECT.items():
+        if kind not in out and OmegaConf.select(recipe, f"{section}.{key}", default=None) is not None:
+            out[kind] = str(OmegaConf.select(recipe, f"{section}.{key}"))
     return out
 
 

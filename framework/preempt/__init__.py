@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 from framework import lifecycle
+from framework.errors import EXIT_PREEMPTED
 
-EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
+EXIT_CODE = EXIT_PREEMPTED  # 75, EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
 STOP_NOW_EXIT_CODE = 130  # a second SIGINT: stop at once, no checkpoint
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 SAME_DELIVERY_S = 0.3  # a SIGINT this soon after the first is the same one relayed twice (srun + torchrun)

@@ -14,7 +14,7 @@ forward pass (statistics) and one backward pass (gradients) serve both. Nothing 
 * backend "triton" (CUDA): the statistics come from a fused kernel that keeps the logit tiles
   on chip (no logits anywhere); the backward's fused kernel recomputes the logits of one
   vocabulary slice and writes dz for it into a bounded workspace, then cuBLAS runs the two
-  gradient GEMMs (dz @ W_slice, dz^T @ h) (see _triton_lm_head.py);
+  gradient GEMMs (dz @ W_slice, dz^T @ h) (see triton_kernels.py);
 * backend "cublas" (CUDA): cuBLAS writes fp32 logits of one vocabulary slice [N, width] into
   the bounded workspace and small Triton kernels fold it into the statistics (forward) or
   turn it into dz (backward);

@@ -1,6 +1,6 @@
 """Triton kernels for the fused LM head (linear_ce, logprob). Imported only for CUDA tensors
 or under Triton's CPU interpreter (TRITON_INTERPRET=1); the math they implement is written
-out, in torch, in ``components.losses._lm_head`` (the reference path).
+out, in torch, in ``components.losses.lm_head.engine`` (the reference path).
 
 Backend "triton": two kernels, both tile-by-tile over ``z = hidden @ weight^T`` with fp32
 accumulation:

@@ -1,0 +1,176 @@
+"""The ``data`` kind: what a run trains on, chosen by ``data.format`` (registry.yaml: text, rollouts).
+
+``check`` refuses bad data settings and unreadable inputs before any worker starts and adds the
+run's first line (what it trains on) to ``ctx.summary``; ``apply`` sets torchtitan's dataloader and
+tokenizer and the batch keys the trainer hands to the loss (``BATCH_KEYS`` per token, sharded
+like the tokens under context parallelism; ``STEP_KEYS`` per sample).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local, local_data_files
+from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, pack_rows, rollout_files, source
+from framework.errors import UserError, did_you_mean
+
+SHARDINGS = ("blocks", "documents")
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    """The recipe's ``data:`` section (defaults: framework/schema.py's DataConfig)."""
+
+    format: str
+    """registry kind data: text (documents packed for LM training) | rollouts (RL rollouts, loss=grpo ...)"""
+    name: str
+    """packaged | local | an HF hub dataset name"""
+    path: Optional[str]
+    """local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)"""
+    tokenizer: str
+    """byte | path to a HF tokenizer folder"""
+    num_workers: int
+    """loader processes per rank: 0 (in the training process) or 1"""
+    sharding: str
+    """blocks: same global batches for any DP size | documents: split docs by rank"""
+
+
+def _check_common(o: DataOptions, ctx) -> None:
+    if o.sharding not in SHARDINGS:
+        raise UserError(f"data.sharding={o.sharding}", f"unknown; valid: {', '.join(SHARDINGS)}.",
+                        did_you_mean(str(o.sharding), SHARDINGS))
+    if o.num_workers not in (0, 1):
+        raise UserError(f"data.num_workers={o.num_workers}", "each rank's loader is one ordered stream "
+                        "(text windows or rollout rows dealt in blocks); with more than one worker process "
+                        "every worker would produce the same batches and the run would train on repeats.",
+                        "Set data.num_workers=1 to load in one background process, or 0 to load in the "
+                        "training process.")
+
+
+def _tokenizer(o: DataOptions, tc, ctx) -> None:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer  # reason: torchtitan after devices.install
+
+    from components.data.tokenizer import ByteTokenizer  # reason: imports torchtitan
+
+    if o.tokenizer == "byte":
+        tc.tokenizer, tc.hf_assets_path = ByteTokenizer.Config(), str(ctx.cfg.output_dir)
+    else:
+        tc.tokenizer, tc.hf_assets_path = HuggingFaceTokenizer.Config(), str(o.tokenizer)
+
+
+class Text:
+    """Documents packed into training windows (packaged corpus, local files or an HF dataset)."""
+
+    Options = DataOptions
+    NUMERICS = {"": "any"}  # apiary compare: other data trains another model
+    BATCH_KEYS: tuple[str, ...] = ()
+    STEP_KEYS: tuple[str, ...] = ()
+
+    @staticmethod
+    def check(options: DataOptions, ctx) -> None:
+        _check_common(options, ctx)
+        if not ctx.for_training:
+            return
+        if options.tokenizer != "byte":
+            from components.data.tokenizer import check_hf_tokenizer  # reason: imports torchtitan
+
+            check_hf_tokenizer(str(options.tokenizer), ctx.facts.vocab_size)
+        elif ctx.facts.vocab_size < 258:
+            raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has "
+                            f"{ctx.facts.vocab_size}.", "Set model.vocab_size=320.")
+        line = Text.summary(options, ctx)
+        if line:
+            ctx.summary.append(line)
+
+    @staticmethod
+    def summary(options: DataOptions, ctx) -> str:
+        """data.path wins over data.name; every local file parses. The line naming what trains."""
+        d = options
+        if d.path is not None and d.name not in HUB_FREE_NAMES:
+            raise UserError(f"data.path={d.path} with data.name={d.name}", "both name a source of text (a local "
+                            "path and a HuggingFace dataset); apiary will not guess which one you meant.",
+                            f"Keep data.path and set data.name=local, or drop data.path to stream {d.name}.")
+        if d.path is None and d.name == "local":
+            raise UserError("data.name=local", "needs data.path (a jsonl / json / parquet / txt file or a folder "
+                            "of them).", "Set data.path=PATH, or data.name=packaged for the packaged corpus.")
+        if d.path is None and d.name not in ("packaged", "", "tiny"):
+            return (f"data: HuggingFace dataset {d.name} (streamed; size unknown before it is read), "
+                    f"tokenizer {d.tokenizer}")
+        path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
+        if int(os.environ.get("RANK", "0")) != 0 and local_data_files(path):
+            return ""  # a torchrun worker: rank 0 reads every line (and refuses for all); the others start
+        try:
+            summary = inspect_local(path)
+        except ValueError as e:
+            msg = str(e)
+            if msg.endswith("no such file or folder"):
+                msg = "no jsonl, json, parquet or txt file there (nothing at that path)"
+            raise UserError(f"data.path={d.path}", f"{msg}.", "Fix the file or point data.path at another "
+                            "(jsonl/json: one JSON object with a string 'text' per line; txt: UTF-8, a document "
+                            "per line; parquet: a 'text' column).") from None
+        kind = "packaged" if d.path is None else "local"
+        return f"data: {summary.describe(kind, d.tokenizer)}, tokenizer {d.tokenizer}"
+
+    @staticmethod
+    def apply(options: DataOptions, tc, ctx) -> None:
+        from components.data import text  # reason: imports datasets and torchtitan (slow; only to train)
+
+        tc.dataloader = text.PackedTextDataLoader.Config(dataset=text.register(options.name, options.path),
+                                                         num_workers=options.num_workers, sharding=options.sharding)
+        _tokenizer(options, tc, ctx)
+        tc.batch_keys, tc.step_keys = Text.BATCH_KEYS, Text.STEP_KEYS
+
+
+class Rollouts:
+    """RL rollouts (token ids, loss masks, old log-probs, advantages), packed into windows."""
+
+    Options = DataOptions
+    NUMERICS = {"": "any"}  # apiary compare: other data trains another model
+    BATCH_KEYS = RL_KEYS
+    STEP_KEYS = STEP_KEYS
+
+    @staticmethod
+    def check(options: DataOptions, ctx) -> None:
+        """Rollout files exist, parse, fit seq_len and the vocabulary."""
+        _check_common(options, ctx)
+        if not ctx.for_training:
+            return
+        d, cfg = options, ctx.cfg
+        path = source(d.name, d.path)
+        if path is None:
+            raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged "
+                            "rollouts).", "Set data.path to a rollout .jsonl/.parquet file or a folder of them.")
+        if not rollout_files(path):
+            raise UserError(f"data.path={path}", "no .jsonl or .parquet rollout file there.",
+                            "Point data.path at a rollout file or a folder of them.")
+        if cfg.parallel.pp not in (None, 1):
+            raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
+                            "Set parallel.pp=1.")
+        try:
+            index = RolloutIndex(path, validate=True)
+            pack_rows(index.lengths, cfg.training.seq_len, index.where)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(f"data.path={path}", f"{e}.".replace("pack_to", "training.seq_len"),
+                            "Fix the records, or raise training.seq_len above the longest sequence.") from None
+        top = index.max_token
+        if top >= ctx.facts.vocab_size:
+            raise UserError(f"data.path={path}", f"token id {top} is outside the model's vocabulary "
+                            f"({ctx.facts.vocab_size}): the rollouts were tokenized for another model.")
+        ctx.shared["rollouts.with_ref"] = bool(index.with_ref)  # a loss with a KL term needs them
+
+    @staticmethod
+    def summary(options: DataOptions, ctx) -> str:
+        return ""
+
+    @staticmethod
+    def apply(options: DataOptions, tc, ctx) -> None:
+        from components.data.rollout_loader import RolloutDataLoader  # reason: imports torchtitan
+
+        g = ctx.cfg.training.global_batch
+        tc.dataloader = RolloutDataLoader.Config(path=source(options.name, options.path),
+                                                 num_workers=options.num_workers,
+                                                 global_batch=g if g is not None else -1)
+        _tokenizer(options, tc, ctx)
+        tc.batch_keys, tc.step_keys = Rollouts.BATCH_KEYS, Rollouts.STEP_KEYS

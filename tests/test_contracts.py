@@ -1,0 +1,133 @@
+"""framework/contracts.py: every registry entry satisfies its kind's Protocol, and every
+component's bad option is refused before launch (exit 2, one paragraph naming the key)."""
+
+import dataclasses
+
+import pytest
+
+from conftest import run_cli
+from framework import contracts, registry
+
+
+def _entries():
+    for kind in contracts.KINDS:
+        for name in registry.names(kind):
+            yield kind, name
+
+
+@pytest.mark.parametrize("kind,name", list(_entries()))
+def test_registry_entry_satisfies_its_protocol(kind, name):
+    comp = registry.resolve(kind, name)
+    # Only the members this contract work provides (Options, check, apply and the kind's own
+    # members); plan_terms and NUMERICS arrive with the planner and compare work.
+    later = {"plan_terms", "NUMERICS"}
+    assert [m for m in contracts.missing_members(kind, comp) if m not in later] == []
+    assert dataclasses.is_dataclass(comp.Options)
+    assert all(f.kw_only for f in dataclasses.fields(comp.Options)), f"{kind}={name}: Options is not kw_only"
+    docs = contracts.field_docs(comp.Options)
+    assert [f.name for f in dataclasses.fields(comp.Options) if not docs.get(f.name)] == [], "undocumented fields"
+    # the recipe schema OmegaConf checks types against (Literal fields stored as their base type)
+    assert {f.name for f in dataclasses.fields(contracts.schema_of(comp.Options))} == \
+        {f.name for f in dataclasses.fields(comp.Options)}
+
+
+def test_kinds_and_apply_order_cover_the_registry():
+    assert set(registry.entries()) == set(contracts.KINDS)
+    assert set(contracts.APPLY_ORDER) <= set(contracts.KINDS)
+    assert set(contracts.SELECT) == set(contracts.KINDS)
+    # missing_members does see a kind's members (the registry test above is not vacuous)
+    assert {"Options", "check", "apply", "NEEDS_DATA"} <= set(contracts.missing_members("loss", object()))
+    assert {"BATCH_KEYS", "STEP_KEYS", "summary"} <= set(contracts.missing_members("data", object()))
+
+
+def test_literal_choices_are_checked_by_options():
+    from components.losses.linear_ce import LinearCrossEntropy
+    from components.state.fsdp2 import FSDP2
+
+    with pytest.raises(ValueError, match="loss.backend must be auto|torch"):
+        LinearCrossEntropy.Options(backend="cuda")
+    with pytest.raises(ValueError, match=r"state.offload must be none\|optimizer\|all for fsdp2, got 'disk'"):
+        FSDP2.Options(offload="disk")
+    assert FSDP2.Options(offload="all").offload == "all"
+
+
+def test_chunked_num_chunks_zero_exits_2_before_any_worker(workdir):
+    p = run_cli(["train", "recipe=debug_moe", "loss=chunked", "loss.num_chunks=0"], cwd=workdir, timeout=300)
+    assert p.returncode == 2, p.stderr
+    err = " ".join(p.stderr.split())
+    assert err.startswith("error apiary: loss=chunked: loss.num_chunks must be >= 1")
+    assert "Traceback" not in p.stderr and "step" not in p.stdout
+    assert len(p.stderr.strip().splitlines()) == 1  # one paragraph
+    assert not (workdir / "runs").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["loss=linear_ce", "loss.z_loss=-1"], ["loss=linear_ce", "loss.z_loss must be >= 0"]),
+    (["loss=linear_ce", "loss.backend=cuda"], ["loss=linear_ce", "loss.backend must be"]),
+    (["loss=grpo", "loss.temperature=0", "data.format=rollouts"], ["loss=grpo", "loss.temperature must be > 0"]),
+    (["state=zero1", "state.bucket_mb=0"], ["state=zero1", "state.bucket_mb must be > 0"]),
+    (["recompute=partial"], ["unknown recompute 'partial'", "selective"]),
+    (["launcher.master_port=0"], ["launcher=local", "launcher.master_port must be a TCP port"]),
+    (["precision=fp8", "precision.scaling=e4m3"], ["precision=fp8", "precision.scaling must be one of"]),
+    (["model.n_layers=0"], ["model.family=qwen3", "model.n_layers must be >= 1"]),
+    (["data.format=parquet"], ["data.format=parquet", "unknown data 'parquet'", "rollouts"]),
+    (["data.sharding=rows"], ["data.sharding=rows", "valid: blocks, documents"]),
+])
+def test_bad_component_option_refused_before_launch(capsys, workdir, argv, needles):
+    from framework.cli import train_main
+
+    code = train_main(argv)
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert err.startswith("error apiary:") and "Traceback" not in err
+    for n in needles:
+        assert n in err, (n, err)
+    assert not (workdir / "runs").exists()
+
+
+def test_loss_refuses_data_it_does_not_train_on(capsys, workdir):
+    from components.losses.policy import GRPO, SFT
+    from framework.cli import train_main
+
+    assert GRPO.NEEDS_DATA == ("rollouts",) and "text" in SFT.NEEDS_DATA
+    code = train_main(["loss=grpo"])  # data.format=text (the default)
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2
+    assert "loss=grpo: is a policy objective: it trains on RL rollouts" in err and "data.format=rollouts" in err
+    code = train_main(["loss=sft", "loss.norm=sequence"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "with loss.norm=sequence needs the rollouts' sequence boundaries" in err
+    assert not (workdir / "runs").exists()
+
+
+def test_data_kind_supplies_the_batch_keys_the_trainer_forwards(tmp_path):
+    from framework.build import trainer_config
+    from framework.resolve import resolve
+
+    text = trainer_config(resolve("debug_moe", [f"output_dir={tmp_path / 'a'}"], for_training=False))
+    assert text.batch_keys == () and text.step_keys == ()
+    rl = trainer_config(resolve("debug_grpo", [f"output_dir={tmp_path / 'b'}"], for_training=False))
+    assert "rl_advantages" in rl.batch_keys and rl.step_keys == ("rl_num_seqs",)
+    assert type(rl.dataloader).__qualname__.startswith("RolloutDataLoader")
+
+
+def test_field_docs_and_choices_reach_train_help():
+    from components.losses.chunked import ChunkedCrossEntropy
+    from framework.hydra_cli import help_text
+
+    assert contracts.field_docs(ChunkedCrossEntropy.Options)["num_chunks"].startswith("sequence chunks per step")
+    text = help_text()
+    assert "loss.backend: auto|torch|triton|cublas|mixed|fwdgrad = 'auto'" in text
+    assert "state.offload: none|optimizer|all = 'none'" in text
+    assert "data (a key's value): text, rollouts" in text
+
+
+def test_refusal_points_at_a_skill_page_that_exists(capsys, workdir):
+    from framework.cli import train_main
+
+    for argv, page in ((["loss=grpo", "data.format=rollouts", "loss.temperature=0"], "docs/skills/rl_objectives.md"),
+                       (["state=zero1", "state.bucket_mb=0"], "docs/skills/zero1.md")):
+        assert train_main(argv) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert page in err, err
+        assert (registry.ROOT / page).is_file()
