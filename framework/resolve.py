@@ -42,10 +42,30 @@ def context(cfg, for_training: bool = True) -> contracts.Context:
         section, key = contracts.SELECT[kind]
         name = str(cfg[section][key])
         comp = registry.resolve(kind, name, where=_where(kind, name))
+        _check_members(kind, name, comp)
         ctx.components[kind] = comp
         with _as_user_error(kind, name, comp):
             ctx.options[kind] = contracts.make_options(comp, cfg[section])
     return ctx
+
+
+# Members the tools read when present (compare: NUMERICS; the planner: plan_terms) and a loss's own
+# check reads (NEEDS_DATA); a user's component may leave them out (compare then holds a switch to
+# nothing, the planner warns).
+_OPTIONAL = ("NUMERICS", "plan_terms", "NEEDS_DATA")
+
+
+def _check_members(kind: str, name: str, component) -> None:
+    """A component (a user's, typically) lacks a member the framework calls: one paragraph, not an
+    AttributeError in a worker."""
+    missing = [m for m in contracts.missing_members(kind, component) if m not in _OPTIONAL]
+    if missing:
+        source = registry.entries()[kind][name].get("source", "registry.yaml")
+        raise UserError(_where(kind, name), f"{kind} {name!r} (bound by {source}) lacks "
+                        f"{' and '.join([', '.join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)}, "
+                        f"which every {kind} provides.",
+                        "Add them as docs/architecture.md shows (the contract of each kind is in "
+                        "framework/contracts.py).")
 
 
 def _see(kind: str, name: str, component=None) -> str:

@@ -131,3 +131,24 @@ def test_refusal_points_at_a_skill_page_that_exists(capsys, workdir):
         err = " ".join(capsys.readouterr().err.split())
         assert page in err, err
         assert (registry.ROOT / page).is_file()
+
+
+def test_user_component_missing_contract_members_is_refused(capsys, workdir):
+    """A user's loss without `apply` (the trainer would fail in the worker) exits 2 before launch,
+    naming the entry, its registry file and the missing member."""
+    (workdir / "half_loss.py").write_text(
+        "from dataclasses import dataclass\n\n"
+        "class Half:\n"
+        "    @dataclass(kw_only=True)\n"
+        "    class Options:\n"
+        "        name: str = 'half'\n\n"
+        "    @staticmethod\n"
+        "    def check(options, ctx):\n"
+        "        return None\n")
+    reg = workdir / "reg.yaml"
+    reg.write_text("loss:\n  half:\n    target: half_loss:Half\n    doc: a loss without apply\n")
+    p = run_cli(["train", "recipe=debug_moe", f"registry={reg}", "loss=half"], cwd=workdir, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "loss 'half'" in p.stderr and "lacks apply" in p.stderr and str(reg) in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (workdir / "runs").exists()
