@@ -152,3 +152,19 @@ def test_user_component_missing_contract_members_is_refused(capsys, workdir):
     assert "loss 'half'" in p.stderr and "lacks apply" in p.stderr and str(reg) in p.stderr
     assert "Traceback" not in p.stderr
     assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("loss", ["linear_ce", "grpo"])
+def test_cuda_only_loss_backend_refused_on_a_machine_without_cuda(workdir, loss):
+    """loss.backend=mixed on CPU failed in the worker with Triton's "0 active drivers"; now exit 2
+    before launch, with the backends that run here."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the backend runs")
+    extra = ["data.format=rollouts"] if loss == "grpo" else []
+    p = run_cli(["train", "recipe=debug_moe", f"loss={loss}", "loss.backend=mixed", *extra], cwd=workdir, timeout=120,
+                env={"TRITON_INTERPRET": "0"})
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "loss.backend=mixed runs CUDA kernels" in p.stderr and "loss.backend=auto" in p.stderr
+    assert "Traceback" not in p.stderr and not (workdir / "runs").exists()

@@ -43,6 +43,7 @@ nothing (local tokens, ``reduction="sum"``, divide by the global valid-token cou
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -252,6 +253,7 @@ class LinearCrossEntropy:
         type(options).__post_init__(options)
         if ctx is not None:
             check_data(options.name, LinearCrossEntropy.NEEDS_DATA, ctx)
+            check_backend_here(options.backend, ctx)
 
     @staticmethod
     def apply(options: "LinearCrossEntropy.Options", tc, ctx) -> None:
@@ -269,6 +271,18 @@ class LinearCrossEntropy:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (the same cross-entropy; z_loss and label_smoothing change the objective).
     NUMERICS = {"": "dtype", "z_loss": "any", "label_smoothing": "any"}
+
+
+CUDA_BACKENDS = ("triton", "cublas", "mixed")  # Triton / cuBLAS vocabulary slices: CUDA (or the Triton interpreter)
+
+
+def check_backend_here(backend: str, ctx) -> None:
+    """A CUDA-only head backend asked for a run on this machine without a CUDA GPU (ValueError),
+    before any worker starts; a scheduler's nodes are not this machine, so only local launches."""
+    if (backend in CUDA_BACKENDS and ctx.for_training and ctx.choice("launcher") == "local"
+            and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ValueError(f"loss.backend={backend} runs CUDA kernels and this machine has no CUDA GPU; "
+                         "use loss.backend=auto (the torch path here, the fastest kernels on a GPU), torch or fwdgrad")
 
 
 def check_fwdgrad_options(logits_dtype: str, dw_accum: str, prefix: str = "loss.") -> None:

@@ -26,7 +26,7 @@ import torch
 from components.labels import IGNORE_INDEX
 from components.losses import rl
 from components.losses.fused_rl import FUSABLE, fused_policy_loss
-from components.losses.linear_ce import auto_backend
+from components.losses.linear_ce import auto_backend, check_backend_here
 from components.losses.lm_head import head_loss
 from components.losses.logprob import token_logprobs
 from components.losses.linear_ce import fused_head_plan_terms
@@ -98,6 +98,7 @@ class _Policy:
                              f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
         if ctx is None:
             return
+        check_backend_here(options.backend, ctx)
         seq_norm = getattr(options, "norm", "token") == "sequence"
         if (cls.NEEDS_DATA == ("rollouts",) or seq_norm) and ctx.choice("data") != "rollouts":
             what = ("is a policy objective: it trains on RL rollouts (old log-probs, advantages, loss masks), not "
