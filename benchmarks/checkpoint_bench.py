@@ -7,7 +7,8 @@ It builds a state of float32 tensors (--mb in all, shaped like a model plus Adam
 then per repeat: a plain ``dcp.save`` into step-N (the baseline), the same save through apiary's
 atomic save (write aside; the checksums run in a background thread: framework/integrity.py), the
 wait for those checksums and the rename (in training this overlaps the next steps), a
-``dcp.load`` of it and ``integrity.verify`` of it. ``os.sync()`` before each timed save. Prints medians and the checksum cost as a share of the save / load,
+``dcp.load`` of it and ``integrity.verify`` of it. ``os.sync()`` before each timed save. Prints
+medians and the checksum cost as a share of the save / load,
 plus the raw speed of the candidate checksums on the same bytes. Files are read back from the page
 cache as they would be right after a save; --dir puts them on another filesystem.
 """
@@ -95,7 +96,8 @@ def main() -> None:
               f"{os.cpu_count()} CPUs, checksum {integrity.ALGORITHM}, files under {root}")
         print(f"| {'phase':<34} | {'seconds':>8} | {'GB/s':>6} | {'share':>18} |")
         print(f"|{'-' * 36}|{'-' * 10}|{'-' * 8}|{'-' * 20}|")
-        line = lambda name, s, share="": print(f"| {name:<34} | {s:8.3f} | {gb / max(s, 1e-9):6.2f} | {share:>18} |")
+        def line(name, s, share=""):
+            print(f"| {name:<34} | {s:8.3f} | {gb / max(s, 1e-9):6.2f} | {share:>18} |")
         line("dcp.save (baseline)", med["save"])
         line("checksums at save (background)", med["hash_at_save"],
              f"{100 * med['hash_at_save'] / med['save']:.1f}% of the save")

@@ -29,9 +29,9 @@ OVERRIDES = ["training.seq_len=64", "training.local_batch=4", "training.steps=10
 def _one(out: str, seed: int, k: float) -> None:
     """Child process: one training with per-step gradient noise of k ulps (seed < 0: none)."""
     sys.path.insert(0, str(ROOT))
-    import framework  # noqa: F401
     import torch
 
+    import framework  # noqa: F401
     from framework import run
     from framework.build import trainer_config
     from framework.resolve import resolve

@@ -38,9 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     torch.backends.cudnn.enabled = False
-    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
     from components.losses.linear_ce import linear_cross_entropy
+    from components.losses.lm_head import fwdgrad
 
     if a.block:
         fwdgrad.KERNEL["block"] = a.block

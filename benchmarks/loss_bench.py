@@ -164,8 +164,8 @@ def _grpo_batch(labels):
 
 
 def make_grpo_fused(h, w, labels, knobs=None):
-    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
+    from components.losses.lm_head import fwdgrad
 
     old, adv, mask = _grpo_batch(labels)
     k = dict(knobs or {})
@@ -192,8 +192,8 @@ def make_grpo_unfused(h, w, labels):
 
 
 def make_fwdgrad(h, w, labels, knobs=None):
-    from components.losses.lm_head import fwdgrad
     from components.losses.linear_ce import linear_cross_entropy
+    from components.losses.lm_head import fwdgrad
 
     k = dict(knobs or {})
     fwdgrad.KERNEL.update({x: k.pop(x) for x in ("block", "num_warps", "streams") if x in k})

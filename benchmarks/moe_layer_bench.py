@@ -80,8 +80,12 @@ def _policy(name: str):
 
 def moe_config(args):
     """torchtitan MoE config with Qwen3.5's MoE structure (sizes from args)."""
-    from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_router_config,
-                                                       make_routed_experts_config)
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
     from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
     from torchtitan.models.common.linear import Linear
 
@@ -147,8 +151,6 @@ def _rel(a, b) -> float:
 
 
 def run(args) -> dict:
-    from framework import devices
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.activation_checkpoint import FullAC
@@ -156,6 +158,7 @@ def run(args) -> dict:
 
     from components.moe.auto_chunks import auto_num_chunks
     from components.moe.chunked_experts import ChunkedRoutedExperts
+    from framework import devices
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.experts % world:
@@ -183,7 +186,7 @@ def run(args) -> dict:
                 moe = build_layer(cfg, name, rank, world, mesh, device, dtype, state)
                 layer = FullAC(FullAC.Config())._wrap_block(moe) if args.recompute == "full" else moe
 
-                def step():
+                def step(x=x, gy=gy, moe=moe, layer=layer):  # bound now: the loop deletes them after
                     x.grad = None
                     for p in moe.parameters():
                         p.grad = None

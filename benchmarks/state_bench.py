@@ -72,16 +72,15 @@ def bench_model(a, attn_backend: str, moe_comm_backend: str, load_balance_coeff)
 
 
 def worker(a) -> None:
-    import framework  # noqa: F401  (device shims before torchtitan)
-    from framework import devices
-
     import logging
 
     import torch
     import torch.distributed as dist
     from torchtitan.tools.logging import init_logger
 
+    import framework  # noqa: F401  (device shims before torchtitan)
     from components.state.memory import static_bytes
+    from framework import devices
     from framework.build import trainer_config
     from framework.resolve import model_kwargs, resolve
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from framework import devices, recipes, registry  # importing framework applies the device shims
-from framework.resolve import model_kwargs
 from framework.errors import UserError, did_you_mean
+from framework.resolve import model_kwargs
 
 
 def _family_of_flavor(name: str) -> tuple[str, str]:

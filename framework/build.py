@@ -18,6 +18,7 @@ def trainer_config(r: Resolved):
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
+
     from framework.metrics import ApiaryMetrics
     from framework.trainer import ApiaryTrainer
 

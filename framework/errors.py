@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 
-
 # A rank stopped on request (preemption signal) after a checkpoint: run it again (EX_TEMPFAIL).
 EXIT_PREEMPTED = 75
 

@@ -227,5 +227,6 @@ def _first_line(e: Exception) -> str:
         msg = f"{msg}: {e.__cause__}"
     for prefix in ("Error merging override ", "Error merging "):
         msg = msg.replace(prefix, "")
-    lines = [ln.strip() for ln in msg.splitlines() if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
+    lines = [ln.strip() for ln in msg.splitlines()
+             if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
     return " ".join(lines[:3]).rstrip(".")

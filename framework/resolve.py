@@ -113,7 +113,8 @@ def model_facts(cfg, ctx: contracts.Context | None = None):
         if opts.hf_checkpoint and "hf_checkpoint" in str(e):
             raise UserError(f"model.hf_checkpoint={opts.hf_checkpoint}",
                             f"model.family={opts.family} does not load HF checkpoints.",
-                            "Drop model.hf_checkpoint, or use a family that loads them (`apiary ls` lists the families).") from None
+                            "Drop model.hf_checkpoint, or use a family that loads them "
+                            "(`apiary ls` lists the families).") from None
         raise
 
 

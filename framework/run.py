@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import warnings
-import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -55,9 +55,9 @@ def train(resolved, verbose: bool = False) -> dict | None:
         if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
             Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
     import torch  # reason: below, with torchtitan (slow to import; only workers train)
+    from torchtitan.tools.logging import init_logger  # reason: as above
 
     from framework.build import trainer_config  # reason: as above
-    from torchtitan.tools.logging import init_logger  # reason: as above
 
     init_logger()
     for msg in ("In CPU autocast", "DTensor random operators", "'set_vital' is deprecated",

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import IGN, ROOT, assert_rel, lm_head_data, read_metrics, rel_close, run_cli
 
 from components.losses.ce_zloss import ZLossCrossEntropy, ZLossCrossEntropyLoss
 from components.losses.linear_ce import linear_cross_entropy
+
+from conftest import IGN, ROOT, assert_rel, lm_head_data, read_metrics, rel_close, run_cli
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor, z: float) -> torch.Tensor:

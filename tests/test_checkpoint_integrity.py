@@ -4,14 +4,15 @@ it loads before any worker starts. A flipped byte, a truncated or a deleted file
 step, the file and checkpoint.load_step=PREVIOUS; a save killed midway is ignored."""
 
 import json
-import time
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from framework import integrity
+
+from conftest import run_cli
 
 SMALL = ["recipe=debug_moe", "training.seq_len=64", "model.n_layers=1", "checkpoint.interval=2"]
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from conftest import run_cli
 from framework.cli import train_main
 from toolkit.cli import apiary_main
+
+from conftest import run_cli
 
 
 def _err(capsys, argv):

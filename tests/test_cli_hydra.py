@@ -8,9 +8,10 @@ import textwrap
 import pytest
 import yaml
 
-from conftest import ROOT, run_cli
 from framework.cli import train_main
 from toolkit.cli import apiary_main
+
+from conftest import ROOT, run_cli
 
 TINY = ["training.seq_len=32", "model.n_layers=1", "checkpoint.enable=false", "logging.tensorboard=false"]
 

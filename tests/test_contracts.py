@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from conftest import run_cli
 from framework import contracts, registry
+
+from conftest import run_cli
 
 
 def _entries():

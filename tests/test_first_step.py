@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, run_cli
 from framework import first_step, kernel_cache
-from framework.errors import UserError
+
+from conftest import ROOT, run_cli
 
 BREAKDOWN = ("first_step_build_s", "first_step_wall_s", "first_step_compile_s", "first_step_autotune_s",
              "first_step_other_s")

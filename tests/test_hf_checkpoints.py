@@ -17,11 +17,11 @@ from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
-from conftest import run_cli  # noqa: E402
+from components.models import hf, llama3, qwen3, qwen3_5, qwen3_5_hf  # noqa: E402
 from framework.api import build_model  # noqa: E402
 from framework.errors import UserError  # noqa: E402
 
-from components.models import hf, llama3, qwen3, qwen3_5, qwen3_5_hf  # noqa: E402
+from conftest import run_cli  # noqa: E402
 
 _Q35_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                    linear_conv_kernel_dim=4)

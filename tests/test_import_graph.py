@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 COMPONENT_MAY_IMPORT = {"framework.contracts", "framework.errors", "framework.devices"}
 

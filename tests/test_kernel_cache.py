@@ -26,9 +26,8 @@ def test_configure_sets_caches_and_respects_user_exports(tmp_path):
 
 def test_autotuners_defined_before_configure_cache_to_disk(monkeypatch):
     pytest.importorskip("fla")
-    from triton.runtime.autotuner import Autotuner
-
     from fla.ops.common import chunk_delta_h  # defines autotuned kernels at import
+    from triton.runtime.autotuner import Autotuner
 
     def autotuner(obj):  # under @triton.heuristics the Autotuner is the wrapped .fn
         while obj is not None and not isinstance(obj, Autotuner):

@@ -15,12 +15,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.losses.lm_head import engine
 from components.losses.linear_ce import LinearCrossEntropy, linear_cross_entropy
-from conftest import (IGN, ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_rel, assert_same_trajectory,
-                      free_port, lm_head_data, read_metrics, rel_err, run_in_triton_interpreter, run_ranks,
-                      spawn_ranks)
+from components.losses.lm_head import engine
 
+from conftest import (
+    IGN,
+    ROOT,
+    TRAJ_LOSS_REL,
+    TRAJ_NORM_REL,
+    assert_rel,
+    assert_same_trajectory,
+    free_port,
+    lm_head_data,
+    read_metrics,
+    rel_err,
+    run_in_triton_interpreter,
+    run_ranks,
+    spawn_ranks,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,13 +17,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from components.losses.lm_head import fwdgrad
 from components.losses import policy, rl
 from components.losses.fused_rl import fused_policy_loss
 from components.losses.linear_ce import LinearCrossEntropy, linear_cross_entropy
+from components.losses.lm_head import fwdgrad
 from components.losses.logprob import token_logprobs
-from conftest import assert_rel as _close, free_port as _free_port, lm_head_data as _data
 from tests.test_linear_ce import _grads, reference
+
+from conftest import assert_rel as _close
+from conftest import free_port as _free_port
+from conftest import lm_head_data as _data
 
 ROOT = Path(__file__).resolve().parents[1]
 IGN = -100

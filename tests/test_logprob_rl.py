@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from components.data.rollouts import read_rollouts
-from components.losses.lm_head import engine
 from components.losses import rl
+from components.losses.lm_head import engine
 from components.losses.logprob import token_logprobs
+
 from conftest import IGN, lm_head_data, rel_err, run_in_triton_interpreter
-
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from framework import planner
-from toolkit.plan import parse_bytes, plan_main
 from framework.resolve import resolve
+from toolkit.plan import parse_bytes, plan_main
 
 GiB = 2**30
 QWEN = "qwen35_35b_128k"

@@ -28,7 +28,8 @@ QWEN = "qwen35_35b_128k"
 TABLE = {"constants.py"}
 # registry names that are also plain words: English in the printed text ("EP 1 all-to-all over
 # none"), the dtype of a GPU's peak (Hardware.bf16_dense_flops), the collective of a link's bandwidth
-# (Hardware.nvlink_alltoall_bw). Allowed in text and identifiers, never compared or used as a key. (and `text`, the data kind, in read_text / write_text)
+# (Hardware.nvlink_alltoall_bw), the data kind `text` (read_text / write_text). Allowed in text and
+# identifiers, never compared or used as a key.
 ENGLISH = {"none", "full", "auto", "local", "bf16", "alltoall", "text"}
 # the kinds whose components the planner asks (their options are what it must not read)
 PLANNED = ("loss", "state", "recompute", "moe_chunk", "precision")

@@ -15,10 +15,10 @@ import pytest
 from components.precision import policies
 from components.precision.policies import FP8, FP8_LAYER_TOL
 from framework import planner
-from toolkit import compare
 from framework.errors import UserError
 from framework.resolve import resolve
 from tests.conftest import run_cli
+from toolkit import compare
 
 QWEN3 = ["model.n_layers=4", "training.seq_len=16384", "parallel.cp=1", "data.name=packaged", "data.tokenizer=byte"]
 

@@ -195,8 +195,8 @@ def test_memory_preflight_off_warn_and_cpu(workdir, capsys):
 
 def test_chunked_loss_check_is_a_component_hook():
     """resolve calls each group component's check(options): the framework names no loss."""
-    from components.losses.chunked import ChunkedCrossEntropy
     import framework.resolve as resolve_mod
+    from components.losses.chunked import ChunkedCrossEntropy
 
     src = open(resolve_mod.__file__).read()
     assert "num_chunks" not in src and "chunked" not in src

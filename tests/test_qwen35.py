@@ -14,11 +14,9 @@ from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
+from components.models import qwen3_5, qwen3_5_hf  # noqa: E402
 from framework.api import build_model  # noqa: E402
 from framework.errors import UserError  # noqa: E402
-
-from components.models import qwen3_5  # noqa: E402
-from components.models import qwen3_5_hf  # noqa: E402
 
 HF_SCRIPT = textwrap.dedent("""
     import sys, torch
@@ -285,7 +283,8 @@ def test_flex_autotune_switch(tmp_path):
         assert devices.FLEX_COMPILE_OPTIONS["max_autotune"] is False
         assert devices.FLEX_COMPILE_OPTIONS["coordinate_descent_tuning"] is False
         assert devices.FLEX_COMPILE_OPTIONS["wrap_inductor_compiled_regions"] is True
-        trainer_config(resolve("qwen35_debug_moe", ["model.flex_autotune=true", f"output_dir={tmp_path}"], world_size=1, for_training=False))
+        trainer_config(resolve("qwen35_debug_moe", ["model.flex_autotune=true", f"output_dir={tmp_path}"],
+                               world_size=1, for_training=False))
         assert devices.FLEX_COMPILE_OPTIONS == FlexAttention.inductor_configs
     finally:
         FlexAttention._compiled_flex_attn = before

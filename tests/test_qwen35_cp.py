@@ -49,9 +49,9 @@ def _cp_worker(rank: int, world: int, port: int, out_dir: str, device: str = "cp
     from framework import devices
 
     devices.install()
-    import torch.distributed as dist
     from types import SimpleNamespace
 
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims

@@ -12,6 +12,7 @@ import torch
 
 from components.data import rollouts as R
 from components.losses import rl
+
 from conftest import TRAJ_LOSS_REL, assert_same_trajectory, free_port, read_metrics, run_cli, spawn_ranks
 
 SEQ_OBJECTIVES = [("grpo", dict(eps=0.2, kl_coef=0.05, norm="sequence")), ("gspo", dict(eps_low=0.02, eps_high=0.03))]

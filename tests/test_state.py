@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_same_trajectory, free_port, read_metrics,
-                      rel_close, spawn_ranks)
+from conftest import ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_same_trajectory, free_port, read_metrics, rel_close, spawn_ranks
 
 # constant LR after warm-up, so a resumed run with fewer total steps follows the same schedule
 COMMON = ["training.seq_len=64", "logging.tensorboard=false", "checkpoint.keep_latest_k=0", "lr.decay_ratio=0.0"]
@@ -107,8 +106,9 @@ def _state_worker(grank: int, plan: dict, queue) -> None:
     t0 = time.time()
     import logging
 
-    import framework  # noqa: F401  (device shims before torchtitan)
     import torch
+
+    import framework  # noqa: F401  (device shims before torchtitan)
 
     torch.set_num_threads(1)
     from torchtitan.tools.logging import init_logger

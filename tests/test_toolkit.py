@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from framework import registry
-from conftest import ROOT, _child_env
 from toolkit.compare import tolerance
+
+from conftest import ROOT, _child_env
 
 
 def _variant(**groups):

@@ -24,7 +24,6 @@ from toolkit import argparsing, compare, launch, plan, warmup
 from toolkit.show import show_hf
 
 
-
 def _ls() -> int:
     t = Table(title="recipes", show_lines=False)
     t.add_column("name")

@@ -28,13 +28,14 @@ from rich.table import Table
 from rich.text import Text
 
 from framework import planner, recipes
-from toolkit import argparsing
-from toolkit.argparsing import Parser, overrides_arg
 from framework.cli import _fail
 from framework.errors import UserError
 from framework.layout import derive
 from framework.planner import Constants, search
 from framework.resolve import resolve
+from toolkit import argparsing
+from toolkit.argparsing import Parser, overrides_arg
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -153,8 +154,8 @@ def violated(layout, facts, cfg) -> set[str]:
 
 def constraints(layout, facts, cfg) -> dict[str, str]:
     """What each dim must satisfy, with its numbers; ok / VIOLATED as framework.layout.derive says."""
-    W, dpr, dps, cp, ep, pp, tp = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp,
-                                   layout.ep, layout.pp, layout.tp)
+    W, dpr, dps, cp, pp, tp = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp,
+                               layout.pp, layout.tp)
     seq = int(cfg.training.seq_len)
     split = 2 * cp * (tp if tp > 1 else 1)
     room = W // (dpr * tp * pp)
@@ -286,7 +287,8 @@ def plan_args(ns) -> int:
         kwargs = dict(gpu_memory_bytes=opts["gpu_memory"], gpu=opts["gpu"], gpus_per_node=opts["gpus_per_node"],
                       calibration=calibration or None)
         p = planner.plan(r, **kwargs)
-        res = search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs, validate=resolve) if opts["search"] else None
+        res = (search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs, validate=resolve)
+               if opts["search"] else None)
         if opts["json"]:
             out = {"recipe": r.cfg.recipe, "world_size": gpus, **p.to_json(), "rules": r.layout.rules,
                    "constraints": constraints(r.layout, r.facts, r.cfg)}

@@ -17,8 +17,7 @@ from datasets import load_dataset
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets import text_datasets
+from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
 from components.data.local_text import LOCAL_FORMATS, PACKAGED_CORPUS, local_data_files, source_kind  # noqa: F401
 

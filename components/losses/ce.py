@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.components.loss import CrossEntropyLoss
+
 from framework.contracts import PlanTerms, Term
 
 

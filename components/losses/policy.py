@@ -26,12 +26,10 @@ import torch
 from components.labels import IGNORE_INDEX
 from components.losses import rl
 from components.losses.fused_rl import FUSABLE, fused_policy_loss
-from components.losses.linear_ce import auto_backend, check_backend_here
+from components.losses.linear_ce import auto_backend, check_backend_here, fused_head_plan_terms
 from components.losses.lm_head import head_loss
 from components.losses.logprob import token_logprobs
-from components.losses.linear_ce import fused_head_plan_terms
-from framework.contracts import PlanTerms
-from framework.contracts import check_choices
+from framework.contracts import PlanTerms, check_choices
 from framework.errors import UserError
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"

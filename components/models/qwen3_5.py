@@ -29,6 +29,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from components.models import common, hf
 from components.models.common import ExactGroupedExperts, ModelFacts, replace_config
 from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
+
 # the family's names (FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS are read through this module)
 from components.models.qwen3_5_arch import FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS, Arch  # noqa: F401
 from components.models.qwen3_5_hf import TextStateDictAdapter, arch_from_hf_config, canonical_key, save_hf

@@ -35,7 +35,8 @@ class Arch:
 
 
 _BIG = dict(head_dim=256, rotary_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248_320)
-HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")  # config.json model_type values this family reads (model.hf_checkpoint)
+# config.json model_type values this family reads (model.hf_checkpoint)
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 FLAVORS = {
     # MoE (torchtitan qwen3_5 config_registry: _35b_a3b, _122b_a10b, _397b_a17b)
     "35B-A3B": Arch(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, linear_key_heads=16, linear_value_heads=32,

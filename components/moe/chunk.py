@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from components.moe.auto_chunks import AUTO_MIN_EP  # noqa: F401  (framework/planner.py reads it from here)
 from components.moe.chunked_experts import use_chunked_experts
-from framework.errors import UserError
-from framework.contracts import PlanTerms
 from components.moe.comm import MoeOptions
+from framework.contracts import PlanTerms
+from framework.errors import UserError
 
 
 def _check_comm(where: str, comm_backend: str) -> None:

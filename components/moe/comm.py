@@ -8,8 +8,6 @@ from typing import Optional
 from framework.errors import UserError
 
 
-
-
 @dataclass(kw_only=True)
 class MoeOptions:
     """The recipe's ``moe:`` section (defaults in framework/schema.py's MoEConfig), shared by the

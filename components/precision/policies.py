@@ -29,9 +29,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.contracts import check_choices
-from framework.errors import UserError
-
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -44,7 +41,8 @@ from torchtitan.models.common.moe import GroupedExperts
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from framework import devices
-from framework.contracts import PlanTerms, Term
+from framework.contracts import PlanTerms, Term, check_choices
+from framework.errors import UserError
 
 BACKENDS = ("torchao", "te")
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import transformer_engine.pytorch as te
-from transformer_engine.common import recipe as te_recipe
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
+from transformer_engine.common import recipe as te_recipe
 
 from components.precision.fp8_targets import fp8_linear, swap_config
 

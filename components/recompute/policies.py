@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
 from framework.contracts import PlanTerms
 
 

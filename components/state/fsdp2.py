@@ -13,8 +13,7 @@ from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
 from components.state.offload import HostOptimizers
-from framework.contracts import PlanTerms, Term
-from framework.contracts import check_choices
+from framework.contracts import PlanTerms, Term, check_choices
 
 
 class FSDP2:

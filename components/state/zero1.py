@@ -48,10 +48,17 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from components.state.common import check_threads, host_threads, local, materialize_state, torch_threads, stage_params, step_params
+from components.state.common import (
+    check_threads,
+    host_threads,
+    local,
+    materialize_state,
+    stage_params,
+    step_params,
+    torch_threads,
+)
 from framework import devices
-from framework.contracts import PlanTerms, Term
-from framework.contracts import check_choices
+from framework.contracts import PlanTerms, Term, check_choices
 
 _REDUCE = ("reduce_scatter", "all_reduce")
 

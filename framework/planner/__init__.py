@@ -30,7 +30,7 @@ moe_chunk, precision) adds its terms through ``plan_terms(options, ctx) -> PlanT
 """
 
 from framework.errors import UserError
-from framework.planner.constants import GiB, HARDWARE, MiB, Constants, Hardware
+from framework.planner.constants import HARDWARE, Constants, GiB, Hardware, MiB
 from framework.planner.estimate import Plan, plan
 from framework.planner.memory import Term, layer_counts, param_split, per_token_saved
 from framework.planner.records import detect_gpu, estimate_for_run, merge_into_last_record

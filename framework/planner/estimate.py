@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from framework.contracts import Context, PlanContext, SELECT
+from framework.contracts import SELECT, Context, PlanContext
 from framework.errors import UserError
 from framework.planner import parts
-from framework.planner.constants import GiB, Constants, Hardware
+from framework.planner.constants import Constants, GiB, Hardware
 from framework.planner.memory import Shapes, Term, stage_terms
 from framework.planner.time import StepInputs, link_bw, step_time
+
 
 @dataclass
 class Plan:
@@ -139,7 +140,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     """
     c = constants_for(constants, calibration, gpus_per_node)
     hw, mem_cap = gpu_for(c, gpu, gpu_memory_bytes)
-    cfg, f, lay = resolved.cfg, resolved.facts, resolved.layout
+    cfg, lay = resolved.cfg, resolved.layout
     ch = choices(cfg, loss=loss, state=state, recompute=recompute, moe_chunk=moe_chunk)
     sh, pc = shapes_and_context(resolved, c, hw)
     warnings = list(sh.warnings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from framework.contracts import PlanTerms
-from framework.planner.constants import GiB, Constants
+from framework.planner.constants import Constants, GiB
 
 
 @dataclass

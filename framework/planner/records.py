@@ -8,7 +8,6 @@ from pathlib import Path
 from framework.planner.estimate import plan
 
 
-
 def detect_gpu() -> tuple[str | None, int | None]:
     """The local GPU's kind (H100/H200 when recognised) and total memory, or (None, None)."""
     from framework import devices  # device-shim ordering: it imports torch, which the worker's shims precede

@@ -127,8 +127,8 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
 
 def step_time(inp: StepInputs) -> StepTime:
     sh, hw = inp.sh, inp.hw
-    f, c, lay, split = sh.f, sh.c, sh.lay, sh.split
-    W, dps, cp, ep, pp, tp = lay.world_size, lay.dp_shard, lay.cp, lay.ep, lay.pp, lay.tp
+    c, lay, split = sh.c, sh.lay, sh.split
+    W, dps, cp, pp, tp = lay.world_size, lay.dp_shard, lay.cp, lay.pp, lay.tp
     tokens_step = sh.local_batch * sh.seq * lay.dp_replicate * dps * sh.grad_accum  # global tokens per optimizer step
     parts, expert_active = flops_per_token(sh)
     eff, scale = efficiencies(sh)

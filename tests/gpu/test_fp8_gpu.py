@@ -3,8 +3,8 @@ same layer in bf16 and an fp32 reference, forward and backward.
 
 FP8's tolerance (components.precision.policies.FP8_LAYER_TOL): norm-wise relative error
 ||y - y_fp32|| / ||y_fp32|| of the output and of each gradient below 0.1 (e4m3 keeps 3
-mantissa bits, e5m2 gradients 2; the rounding's rms is 2.5-5% per element). Each test also asserts the FP8 layer is further from fp32
-than bf16 is, so a layer that silently ran in bf16 fails.
+mantissa bits, e5m2 gradients 2; the rounding's rms is 2.5-5% per element). Each test also asserts
+the FP8 layer is further from fp32 than bf16 is, so a layer that silently ran in bf16 fails.
 
 Skips without CUDA, on GPUs below compute capability 8.9, without torchao (torchao tests) or
 without TransformerEngine (te tests).

@@ -30,8 +30,9 @@ torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def _setup():
-    from conftest import assert_rel, lm_head_data
     from tests.test_linear_ce import _grads, reference
+
+    from conftest import assert_rel, lm_head_data
 
     return assert_rel, lm_head_data, _grads, reference
 
@@ -134,9 +135,9 @@ def test_fused_rl_matches_unfused(name, hp, entropy_coef):
 def test_two_streams_give_the_same_numbers(objective):
     """streams=2 (chunk i's dH/dW GEMMs on a side stream, two logits buffers) runs the same
     arithmetic in the same order: bitwise-equal loss and gradients."""
-    from components.losses.lm_head import fwdgrad
     from components.losses.fused_rl import fused_policy_loss
     from components.losses.linear_ce import linear_cross_entropy
+    from components.losses.lm_head import fwdgrad
 
     _close, _data, _grads, reference = _setup()
     h, w, labels = _data(2000, 512, 50_000, torch.bfloat16, seed=5, n_ignored=100, device="cuda")

@@ -30,7 +30,6 @@ from toolkit.compare.diffs import check, differences
 from toolkit.compare.tolerance import RESHARDED_NORM, TOLERANCES, Tolerance, classify
 from toolkit.probe import clean_env
 
-
 # Keys whose values change the model's parameters: each variant gets its own seed checkpoint.
 SHAPE_KEYS = ("model.family", "model.flavor", "model.n_layers", "model.vocab_size", "model.hf_checkpoint")
 
