@@ -2,7 +2,7 @@
 
     from framework.api import build_model
     model = build_model("qwen35_debug_moe")                 # a recipe: its model section
-    model = build_model("qwen3_5:35B-A3B", n_layers=4)      # family:flavor (or a unique flavor)
+    model = build_model("FAMILY:FLAVOR", n_layers=4)        # a model family's flavor (or a unique flavor)
     model = build_model("qwen35_debug_moe", hf_checkpoint="path/to/hf")   # HF weights
     logits = model(tokens)                                  # [B, S] token ids -> [B, S, V]
 

@@ -210,7 +210,10 @@ class LaunchEnv:
 
 
 class Launcher(Component, Protocol):
-    """kind ``launcher``: how ranks start (this machine, Slurm)."""
+    """kind ``launcher``: how ranks start (this machine, Slurm). ``RUNS_HERE``: the ranks run on
+    this machine (its GPU is the one to check before launch)."""
+
+    RUNS_HERE: ClassVar[bool]
 
     def world_size(self, options: Any) -> int: ...
 

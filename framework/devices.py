@@ -147,7 +147,7 @@ def install() -> None:
 
 def linear_attention_backend() -> str:
     """Kernels for linear-attention layers (GatedDeltaNet and its causal conv): fla's Triton
-    kernels on CUDA, apiary's chunked torch implementation elsewhere
+    kernels on CUDA, apiary's chunk-wise torch implementation elsewhere
     (a model family's linear-attention layers)."""
     return "fla" if has_accelerator() else "torch"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from framework import registry
 from framework.errors import UserError
 
 GiB = 2**30
@@ -32,7 +33,7 @@ def target_gpu(cfg) -> tuple[str, int | None, str] | None:
             raise UserError(f"preflight.gpu={cfg.preflight.gpu}", f"unknown GPU kind; the planner knows {known}.",
                             "Set gpu=H100 or gpu=H200 (or preflight.memory=off to skip the check).")
         return kind, None, "preflight.gpu"
-    if cfg.launcher.name != "local":
+    if not registry.resolve("launcher", str(cfg.launcher.name)).RUNS_HERE:
         return None  # the job runs elsewhere; this machine's GPU says nothing about it
     kind, total = _local_gpu()
     if total is None:
@@ -73,7 +74,7 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) 
                      plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory), validate=None)
     except UserError:
         return []
-    rows = [row for row in res["rows"] if not row["not_in_registry"]]
+    rows = list(res["rows"])
     rows.sort(key=lambda row: (len(_changes(row, r)), -row["tokens_per_s_per_gpu"]))
     out = []
     for row in rows:

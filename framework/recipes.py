@@ -41,7 +41,7 @@ def _store() -> None:
                 e = registry.entries()[kind][name]
                 raise UserError(f"{kind}={name}", f"{e['target']} (from {e['source']}) needs an `Options` dataclass "
                                 "with a `name: str` field, its keys with their defaults.",
-                                "Copy the shape of components/losses/ce.py.") from None
+                                "docs/architecture.md shows one (the worked example).") from None
             cs.store(group=kind, name=name, node=node)
             _STORED.add((kind, name))
 

@@ -130,7 +130,6 @@ class LayoutTable:
 
     ep_by_params: list[LayoutRule] = field(default_factory=list)
     target_local_seq: int = 32768  # CP = global sequence / this, rounded up to a valid divisor
-    min_local_seq: int = 16384  # the per-GPU sequence the table aims to keep between this and target_local_seq
     pp: int = 1  # 2 is optional: peak performance, lower peak memory
     tp: int = 1  # only with a clear model or hardware reason
 

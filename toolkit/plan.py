@@ -237,11 +237,10 @@ def _print_search(console, res) -> None:
         t.add_column(col, overflow="fold")
     for row in res["rows"]:
         d = row["dims"]
-        note = f" (planned only: {', '.join(row['not_in_registry'])} not in registry.yaml)" if row["not_in_registry"] else ""
         t.add_row(str(row["rank"]), str(d["ep"]), str(d["cp"]), str(d["pp"]), str(d["tp"]), str(d["dp_shard"]),
                   row["recompute"], row["loss"], row["state"], _gib(row["total_bytes"]), row["verdict"],
                   f"{row['step_time_s']:.3f}", f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['tflops_per_gpu']:.1f}",
-                  Text(" ".join(row["overrides"]) + note))
+                  Text(" ".join(row["overrides"])))
     console.print(t)
     if c["rejected_by_resolve"]:
         console.print(f"{c['rejected_by_resolve']} fitting row(s) skipped: resolve rejected their overrides.")

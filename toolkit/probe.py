@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 from torchtitan.distributed import utils as dist_utils
 
-from framework import devices, run
+from framework import devices, registry, run
 from framework.build import trainer_config
 from framework.cli import train_main
 from framework.hydra_cli import ALIASES
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(k, None)
         r = resolve(recipe, overrides)
         if r.layout.world_size > 1 and not under_torchrun:
-            if r.cfg.launcher.name != "local":
+            if not registry.resolve("launcher", str(r.cfg.launcher.name)).RUNS_HERE:
                 _write_error(dump, f"probe skipped: it runs on this machine only (launcher {r.cfg.launcher.name})")
                 return 0
             torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")

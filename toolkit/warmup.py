@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from framework import kernel_cache, run
+from framework import kernel_cache, registry, run
 from framework.errors import UserError
 from framework.hydra_cli import ALIASES
 from framework.resolve import resolve
@@ -61,7 +61,8 @@ def warmup_overrides(words: list[str], output_dir: str) -> tuple[str | None, lis
             continue
         if k == "launcher.nproc" and val.strip() == "1":
             continue
-        if k == "launcher" and val.strip() == "local":
+        if k == "launcher" and val.strip() in registry.names("launcher") and \
+                registry.resolve("launcher", val.strip()).RUNS_HERE:
             continue
         if k.startswith("launcher"):
             raise UserError(f"apiary warmup {a}", "warmup runs one local process on one device; launcher options "

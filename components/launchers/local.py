@@ -16,6 +16,7 @@ from framework.errors import UserError
 
 
 class LocalLauncher:
+    RUNS_HERE = True  # the ranks run on this machine
     @dataclass(kw_only=True)
     class Options:
         name: str = "local"

@@ -40,6 +40,7 @@ _LAUNCH_ONLY = ("launcher", "output_dir", "checkpoint.resume", "nproc")
 
 
 class SlurmLauncher:
+    RUNS_HERE = False  # the ranks run on the cluster's nodes
     @dataclass(kw_only=True)
     class Options:
         name: str = "slurm"

@@ -279,7 +279,7 @@ CUDA_BACKENDS = ("triton", "cublas", "mixed")  # Triton / cuBLAS vocabulary slic
 def check_backend_here(backend: str, ctx) -> None:
     """A CUDA-only head backend asked for a run on this machine without a CUDA GPU (ValueError),
     before any worker starts; a scheduler's nodes are not this machine, so only local launches."""
-    if (backend in CUDA_BACKENDS and ctx.for_training and ctx.choice("launcher") == "local"
+    if (backend in CUDA_BACKENDS and ctx.for_training and ctx.components["launcher"].RUNS_HERE
             and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
         raise ValueError(f"loss.backend={backend} runs CUDA kernels and this machine has no CUDA GPU; "
                          "use loss.backend=auto (the torch path here, the fastest kernels on a GPU), torch or fwdgrad")

@@ -135,7 +135,7 @@ def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, valid
             "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(resolved.cfg.training.seq_len) // dims["cp"],
             "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
             "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
-            "overrides": ovr, "not_in_registry": [],  # every name searched is registered
+            "overrides": ovr,
         })
     counts["fit"] = len(rows)
     return {"rows": out, "counts": counts}
