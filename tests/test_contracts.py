@@ -169,3 +169,13 @@ def test_cuda_only_loss_backend_refused_on_a_machine_without_cuda(workdir, loss)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "loss.backend=mixed runs CUDA kernels" in p.stderr and "loss.backend=auto" in p.stderr
     assert "Traceback" not in p.stderr and not (workdir / "runs").exists()
+
+
+def test_a_key_nothing_reads_is_refused(capsys, workdir):
+    """layout.min_local_seq was declared but never read (silently ignored); it is gone, so setting it
+    is an unknown key (exit 2) rather than a setting without effect."""
+    from framework.cli import train_main
+
+    assert train_main(["recipe=debug_moe", "layout.min_local_seq=1000"]) == 2
+    err = capsys.readouterr().err
+    assert "layout.min_local_seq" in err and "Traceback" not in err
