@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import re
 
-from test_planner_terms import ENGLISH, _names, _strings
+from test_planner_terms import ENGLISH, _names, _strings, identifiers_naming
 
 from conftest import ROOT
 
@@ -39,11 +39,7 @@ def test_framework_strings_and_identifiers_name_no_component():
             for w in words:
                 if text not in names and re.search(rf"(?<![\w.]){re.escape(w)}(?![\w])", text):
                     found.append(f"{rel}:{node.lineno} {text[:70]!r} names {w!r}")
-        for node in ast.walk(tree):
-            ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
-                node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
-            if ident and set(ident.lower().strip("_").split("_")) & words:
-                found.append(f"{rel}:{node.lineno} identifier {ident}")
+        found += [f"{rel}:{line} identifier {ident}" for line, ident in identifiers_naming(tree, words)]
     assert not found, "\n".join(found)
 
 

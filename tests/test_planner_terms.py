@@ -77,6 +77,16 @@ def _strings(tree):
             yield node, node.value, "key" if id(node) in keyed else "text"
 
 
+def identifiers_naming(tree, words: set[str]):
+    """(line, identifier) of every name, attribute, function or class whose _-separated parts
+    include one of ``words`` (c.zero1_param_bytes, FUSED_HEAD_LOSSES-like tuples, _fp8)."""
+    for node in ast.walk(tree):
+        ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
+            node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+        if ident and set(ident.lower().strip("_").split("_")) & words:
+            yield node.lineno, ident
+
+
 def test_planner_modules_name_no_component():
     names = set().union(*_names().values())
     words = names - ENGLISH
@@ -88,11 +98,7 @@ def test_planner_modules_name_no_component():
             for w in words:
                 if re.search(rf"(?<![\w.]){re.escape(w)}(?![\w])", text) and text not in names:
                     found.append(f"{path.name}:{node.lineno} text {text[:60]!r} names {w!r}")
-        for node in ast.walk(tree):  # identifiers: c.zero1_param_bytes, FUSED_HEAD_LOSSES-like tuples, _fp8
-            ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
-                node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
-            if ident and set(ident.lower().strip("_").split("_")) & words:
-                found.append(f"{path.name}:{node.lineno} identifier {ident}")
+        found += [f"{path.name}:{line} identifier {ident}" for line, ident in identifiers_naming(tree, words)]
     assert not found, "\n".join(found)
 
 

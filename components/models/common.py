@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -231,3 +232,12 @@ def replace_config(cfg, new_cls, **changes):
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
     values.update(changes)
     return new_cls(**values)
+
+
+def family_contract(module_name: str):
+    """``(model_kwargs, check, apply)`` of a family module that needs nothing of its own beyond
+    :func:`check_model` (framework/contracts.py, kind ``model``)."""
+    def apply(options, tc, ctx) -> None:
+        apply_model(sys.modules[module_name], options, tc, ctx)
+
+    return model_kwargs, check_model, apply

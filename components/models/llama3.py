@@ -178,15 +178,4 @@ Options = common.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)
 NUMERICS = {"": "any"}
 SKILL = "models"  # docs/skills/models.md
-
-
-def model_kwargs(options, ctx) -> dict:
-    return common.model_kwargs(options, ctx)
-
-
-def check(options, ctx) -> None:
-    common.check_model(options, ctx)
-
-
-def apply(options, tc, ctx) -> None:
-    common.apply_model(sys.modules[__name__], options, tc, ctx)
+model_kwargs, check, apply = common.family_contract(__name__)
