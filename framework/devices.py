@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
+import torch._utils as tu
 
 _INSTALLED = False
 
@@ -48,8 +50,8 @@ def set_flex_autotune(enabled: bool) -> None:
     compile, inductor's default flex kernel configs). Process-wide: torchtitan keeps the
     compiled function on the FlexAttention class."""
     global FLEX_COMPILE_OPTIONS
-    from torch.nn.attention.flex_attention import flex_attention
-    from torchtitan.models.common.attention import FlexAttention
+    from torch.nn.attention.flex_attention import flex_attention  # reason: kept off `import framework` (~0.2s)
+    from torchtitan.models.common.attention import FlexAttention  # reason: device shims: torchtitan after install()
 
     options = dict(FlexAttention.inductor_configs)
     if not enabled:
@@ -99,8 +101,8 @@ def _cpu_module_shims() -> None:
 
 def uncompiled_block_masks() -> None:
     """torchtitan compiles create_block_mask; on CPU inductor spends ~30 s on it per process."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    from torchtitan.models.common import attention
+    from torch.nn.attention.flex_attention import create_block_mask  # reason: kept off `import framework` (~0.2s)
+    from torchtitan.models.common import attention  # reason: device shims: torchtitan after install()
 
     attention._compiled_create_block_mask = create_block_mask
 
@@ -118,7 +120,7 @@ def after_parallelize(model: torch.nn.Module) -> torch.nn.Module:
     """Per-model fix-ups after torchtitan's parallelize_fn (CPU: sum-reduce FSDP comms)."""
     if has_accelerator():
         return model
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # reason: CPU only, ~0.4s to import
 
     for hook in _CPU_PARALLELIZE_HOOKS:
         hook()
@@ -139,7 +141,6 @@ def install() -> None:
         return
     if any(m.startswith("torchtitan") for m in sys.modules):
         raise RuntimeError("framework.devices.install() must run before torchtitan is imported")
-    import torch._utils as tu
 
     tu._get_available_device_type = lambda: "cpu"
     _cpu_module_shims()
@@ -158,8 +159,8 @@ def prepare_context_parallel() -> None:
     eager builder."""
     if has_accelerator():
         return
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.distributed.tensor.experimental._context_parallel import _attention  # reason: CPU only, ~0.3s to import
+    from torch.nn.attention.flex_attention import create_block_mask  # reason: as above
 
     _attention._compiled_create_block_mask = create_block_mask
 
@@ -210,7 +211,6 @@ def elapsed_ms(fn) -> float:
         end.record()
         end.synchronize()
         return float(start.elapsed_time(end))
-    import time
 
     t0 = time.perf_counter()
     fn()

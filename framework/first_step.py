@@ -19,6 +19,7 @@ compile + autotune + other = wall (each clamped to be non-negative, so the parts
 
 from __future__ import annotations
 
+import sys
 import time
 
 from framework import kernel_cache
@@ -28,8 +29,6 @@ _COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
 
 def compile_seconds() -> float:
     """Seconds this process spent in Dynamo/Inductor compilation so far (0 if torch never compiled)."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return 0.0

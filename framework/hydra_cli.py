@@ -17,8 +17,22 @@ import os
 import time
 import typing
 
-from framework import contracts
+from hydra import version as hydra_version
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path, get_args_parser
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobRuntime
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from framework import contracts, recipes, registry
 from framework.errors import UserError
+from framework.resolve import resolve
+from framework.schema import RecipeConfig
 
 # Short spellings accepted on the command line, rewritten to their full keys.
 ALIASES = {"nproc": "launcher.nproc", "gpu": "preflight.gpu"}
@@ -36,8 +50,6 @@ def _refuse(msg: str):
 
 def parser() -> argparse.ArgumentParser:
     """Hydra's own argument parser, plus apiary's -v/--verbose."""
-    from hydra._internal.utils import get_args_parser
-
     p = get_args_parser()
     p.prog = "train"
     p.add_argument("-v", "--verbose", action="store_true", help="log every step (torchtitan's INFO logging)")
@@ -90,29 +102,16 @@ def unset_to_null(overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------------------ Hydra
 def hydra_for(recipe: str | None):
     """A Hydra instance whose primary config is the recipe; returns (hydra, config_name, base overrides)."""
-    from hydra import version
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.global_hydra import GlobalHydra
-
-    from framework import recipes
-
     path = recipes.recipe_path(recipe or recipes.DEFAULT_RECIPE)
     recipes._store()
     GlobalHydra.instance().clear()
-    version.setbase(None)
+    hydra_version.setbase(None)
     h = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(path.parent)))
     return h, path.stem, [f"hydra.searchpath=[file://{recipes.RECIPES_DIR}]"]
 
 
 def hydra_cfg(recipe, overrides: list[str], resolve: bool):
     """Hydra's own `hydra` section for these overrides, as Hydra's --cfg hydra prints it."""
-    from hydra._internal.hydra import Hydra
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
     h, name, base = hydra_for(recipe)
     try:
         cfg = h.compose_config(config_name=name, overrides=[*base, *sweep_dir(recipe, overrides),
@@ -142,8 +141,6 @@ def _own_logging():
 
 
 def info(recipe, overrides: list[str], what: str) -> None:
-    from hydra.core.global_hydra import GlobalHydra
-
     h, name, base = hydra_for(recipe)
     try:
         with _own_logging():
@@ -154,8 +151,6 @@ def info(recipe, overrides: list[str], what: str) -> None:
 
 def sweep_dir(recipe, overrides: list[str]) -> list[str]:
     """apiary's default sweep directory, runs/RECIPE/multirun-TIME, unless hydra.sweep.dir is given."""
-    from framework import recipes
-
     if any(o.startswith("hydra.sweep.dir=") for o in overrides):
         return []
     stem = recipes.recipe_path(recipe or recipes.DEFAULT_RECIPE).stem
@@ -164,10 +159,6 @@ def sweep_dir(recipe, overrides: list[str]) -> list[str]:
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """Hydra's BasicSweeper expansion of the command line into one override list per job."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     plain = [o for o in overrides if not o.startswith("~") and not o.startswith("hydra.")]
     unset = [o for o in overrides if o.startswith("~")]
     try:
@@ -182,12 +173,6 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
 def multirun(recipe, overrides: list[str], run_job) -> int:
     """Check every job, then sweep with Hydra's BasicSweeper and BasicLauncher (one job after another,
     each in its own directory under hydra.sweep.dir). run_job(job_overrides, output_dir) -> exit code."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.utils import JobRuntime
-
-    from framework.resolve import resolve
-
     for o in overrides:
         if o.startswith(("output_dir=", "checkpoint.resume=")):
             raise UserError(f"train -m {o}", "each job of a sweep gets its own directory under the sweep "
@@ -262,9 +247,6 @@ def _keys(cls, prefix: str = "") -> list[str]:
 
 
 def help_text() -> str:
-    from framework import recipes, registry
-    from framework.schema import RecipeConfig
-
     out = [f"usage: {SYNOPSIS}", "",
            "Train a recipe. Overrides use Hydra's grammar: key=value, group=option, +key=value to add, "
            "~key to unset an optional key (back to null: derived or off), key=A,B with -m to sweep. "

@@ -26,10 +26,16 @@ autotuned_kernels, autotune_cache_hits).
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import gc
+import getpass
 import hashlib
 import logging
 import os
+import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import MutableMapping
 
@@ -70,7 +76,7 @@ def _torch_wrote_default(key: str, env) -> bool:
     if key != "TORCHINDUCTOR_CACHE_DIR" or env is not os.environ:
         return False
     try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # reason: private torch module, may be absent
     except ImportError:
         return False
     return os.path.abspath(env[key]) == os.path.abspath(default_cache_dir())
@@ -91,9 +97,6 @@ def unusable(root: Path) -> str:
 
 def cache_dirs(env: MutableMapping[str, str] | None = None) -> dict[str, Path]:
     """The directories Triton and inductor cache into under ``env`` (their defaults when unset)."""
-    import getpass
-    import tempfile
-
     env = os.environ if env is None else env
     triton = env.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     try:
@@ -103,7 +106,7 @@ def cache_dirs(env: MutableMapping[str, str] | None = None) -> dict[str, Path]:
     inductor = env.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
     if not env.get("TORCHINDUCTOR_CACHE_DIR"):
         try:
-            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # reason: private torch module, may be absent
 
             inductor = default_cache_dir()
         except ImportError:
@@ -120,8 +123,6 @@ def _lock_path(fn_cache_key: str, name: str, tuning_key, configs) -> Path:
 @contextlib.contextmanager
 def tune_lock(path: Path):
     """Hold an exclusive flock on ``path`` (created); without a lock (warning) where it cannot be made."""
-    import fcntl
-
     f = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def _locked_check_disk_cache(original):
 def install_tune_lock() -> bool:
     """Wrap Triton's Autotuner.check_disk_cache (once) in the per-kernel file lock."""
     try:
-        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
     except ImportError:
         return False
     if not hasattr(Autotuner, "check_disk_cache"):
@@ -188,14 +189,10 @@ def _cache_existing_autotuners() -> int:
     """Triton reads TRITON_CACHE_AUTOTUNING when an autotuned kernel is defined, i.e. when its
     module is imported; resolving a recipe already imports fla's. Turn the disk cache on for the
     autotuners that exist now (those defined later read the variable)."""
-    import gc
-    import sys
-    import warnings
-
     if "triton" not in sys.modules:
         return 0
-    from triton import knobs
-    from triton.runtime.autotuner import Autotuner
+    from triton import knobs  # reason: optional dependency: triton
+    from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
 
     with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies warns
         warnings.simplefilter("ignore")
@@ -231,7 +228,7 @@ class AutotuneLog:
     def install(self) -> bool:
         """Become Triton's autotuning listener; False where Triton is absent or has no hook."""
         try:
-            from triton import knobs
+            from triton import knobs  # reason: optional dependency: triton
         except ImportError:
             return False
         if not hasattr(knobs, "autotuning") or not hasattr(knobs.autotuning, "listener"):

@@ -30,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main as torchrun
+
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
 PREEMPT_EXIT_CODE = 75
@@ -178,13 +181,11 @@ def torchrun_main(argv: list[str]) -> int:
     """``python -m framework.lifecycle torchrun ARGS``: torchrun, without the SignalException
     traceback it prints after it has relayed a stop signal to its ranks (exit 128 + signal)."""
     supervisor = os.environ.pop(SUPERVISOR_ENV, None)
-    if supervisor:  # before the slow imports: the parent may be killed meanwhile
+    if supervisor:  # the parent may be killed while this process starts
         die_with_parent(expected_parent=int(supervisor))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
 
     try:
-        main(argv)
+        torchrun(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0

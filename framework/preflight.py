@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import os
 
-from framework import registry
+import torch
+from rich.console import Console
+
+from framework import devices, planner, registry
 from framework.errors import UserError
+from framework.planner import Constants, search
 
 GiB = 2**30
 # The planner's measured error on memory, as a fraction of the estimate. Measured on one H200,
@@ -24,8 +28,6 @@ MEASURED_ERROR = 0.10
 
 def target_gpu(cfg) -> tuple[str, int | None, str] | None:
     """(kind, memory bytes or None for the kind's, where it came from), or None: no GPU to check."""
-    from framework.planner import Constants
-
     if cfg.preflight.gpu:
         kind = str(cfg.preflight.gpu).upper()
         if kind not in Constants().hardware:
@@ -43,12 +45,8 @@ def target_gpu(cfg) -> tuple[str, int | None, str] | None:
 
 def _local_gpu() -> tuple[str | None, int | None]:
     """This process's own GPU (LOCAL_RANK's under torchrun, so no rank touches another's device)."""
-    from framework import devices
-
     if not devices.has_accelerator():
         return None, None
-    import torch
-
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     name = props.name.upper()
     return ("H200" if "H200" in name else "H100" if "H100" in name else None), int(props.total_memory)
@@ -66,8 +64,6 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) 
     """Up to ``n`` override sets from the planner's search that fit with the measured error to spare,
     fewest changed settings first, then fastest; each checked by ``resolve`` (framework.resolve's,
     passed in by its caller so that preflight does not import resolve back)."""
-    from framework.planner import search
-
     ovr = [o for o in overrides if not o.startswith(("preflight.", "output_dir=", "checkpoint.resume"))]
     try:
         res = search(recipe, ovr, r.layout.world_size, r, top=10**6,
@@ -97,8 +93,6 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) 
 def check_memory(r, recipe, overrides, resolve) -> None:
     """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU;
     ``resolve`` checks the changes it suggests (framework.resolve.resolve)."""
-    from framework import planner
-
     mode = r.cfg.preflight.memory
     if mode == "off":
         return
@@ -124,8 +118,6 @@ def check_memory(r, recipe, overrides, resolve) -> None:
                         "step 1, after minutes of compiling.",
                         fix + "`apiary plan ... --search` lists more; preflight.memory=warn launches anyway.")
     if int(os.environ.get("RANK", "0")) == 0:
-        from rich.console import Console
-
         verdict = "above" if total > cap else "within " + f"{MEASURED_ERROR:.0%} of"
         Console(stderr=True, highlight=False, soft_wrap=True).print(
             f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the GPU's memory (the planner's measured "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -48,8 +49,6 @@ def _store() -> None:
 
 def use_registries(path: Path, overrides: list[str]) -> None:
     """User registry files named by the recipe (`registry: PATH`, relative to it) or `registry=PATH`."""
-    import yaml
-
     try:
         own = (yaml.safe_load(path.read_text()) or {}).get("registry")
     except (yaml.YAMLError, AttributeError):
@@ -179,8 +178,6 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
 
 def _check_yaml(path: Path, seen: set | None = None) -> None:
     """A recipe (and each recipe it extends) must parse as YAML: say file:line, not a traceback."""
-    import yaml
-
     seen = set() if seen is None else seen
     if path in seen or not path.is_file():
         return

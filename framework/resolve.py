@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework import contracts, integrity, recipes, registry
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
+from framework.preflight import check_memory
 
 
 @dataclass
@@ -296,7 +297,5 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
                  data_summary="\n".join(ctx.summary), ctx=ctx)
     if for_training:
-        from framework.preflight import check_memory  # reason: cycle resolve -> preflight -> plan_cli -> resolve
-
         check_memory(r, recipe, overrides, resolve)
     return r

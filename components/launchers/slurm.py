@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional
 
+import jinja2
+from omegaconf import OmegaConf
+
 from framework.contracts import LaunchEnv
 from framework.errors import EXIT_PREEMPTED, UserError
 
@@ -158,8 +161,6 @@ class SlurmLauncher:
     @staticmethod
     def render(opts, resolved, argv: list[str]) -> str:
         """The batch script for ``train argv`` (recipe=... and overrides) with these options."""
-        import jinja2
-
         SlurmLauncher.check_warmup(opts, resolved)
         path = template_path(opts)
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(path.parent)),
@@ -297,9 +298,6 @@ def worker_args(argv: list[str]) -> list[str]:
 
 def context(opts, resolved, argv: list[str]) -> dict:
     """Everything the template may use (documented in docs/launching.md)."""
-    from omegaconf import OmegaConf
-
-
     cfg = resolved.cfg
     out = Path(cfg.output_dir).resolve()
     venv_bin = Path(sys.executable).parent

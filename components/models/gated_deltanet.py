@@ -425,9 +425,7 @@ class ApiaryGatedDeltaNet(GatedDeltaNet):
     def _fla_cp(self, mixed, weight, sizes, g, beta, ctx: GDNContext):
         """fla's context-parallel conv and gated delta rule, one batch row at a time."""
         from fla.modules.causal_conv1d import causal_conv1d  # optional dependency: fla (CUDA kernels)
-
-        # optional dependency: fla (CUDA kernels)
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # optional dependency: fla (CUDA kernels)
 
         outs = []
         w = weight.squeeze(1)

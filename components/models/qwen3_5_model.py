@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp_to_forward
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, create_varlen_metadata_for_document
 from torchtitan.models.common.decoder import Decoder
@@ -205,17 +207,11 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
         devices.prepare_context_parallel()
         # torch shards the BlockMask with its default (head-tail) balancer when torchtitan passes
         # none; keep masks and tokens in the same order.
-        # device-shim ordering: after prepare_context_parallel
-        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
-
         _cp_options.enable_load_balance = balancer == "headtail"
         model.set_context_parallel(CPInfo(group=mesh.get_group(), world=mesh.size(),
                                           rank=mesh.get_local_rank(), layout=LOAD_BALANCERS[balancer]))
         attns = [b.attn.inner_attention for b in model.layers.values() if b.full_attn]
         if attns:
-            # device-shim ordering: after prepare_context_parallel
-            from torchtitan.distributed.context_parallel import apply_cp_to_forward
-
             apply_cp_to_forward(attns, mesh)
     if dims.tp_enabled or dims.ep_enabled:
         model.parallelize(dims)

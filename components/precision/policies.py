@@ -33,6 +33,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.components.checkpointer import base
+from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
+from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
 from torchtitan.components.quantization.utils import swap_token_dispatcher
 from torchtitan.config import CompileConfig
 from torchtitan.models.common.linear import Linear
@@ -377,8 +379,6 @@ def _torchao_linears(model_config, opts, emulate: bool):
 
 
 def _torchao_experts(model_config):
-    # optional dependency: imports torchao when installed
-    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
     for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         swap_token_dispatcher(parent, PAD_MULTIPLE)
         cls = _get_float8_grouped_experts_cls(type(ec)._owner)
@@ -388,8 +388,6 @@ def _torchao_experts(model_config):
 
 
 def _torchao_mxfp8(model_config, experts: bool):
-    # optional dependency: imports torchao when installed
-    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
     if MXFP8Linear is None:
         raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):

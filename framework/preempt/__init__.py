@@ -28,7 +28,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from framework import lifecycle
+import torch
+import torch.distributed as dist
+
+from framework import devices, lifecycle
 from framework.errors import EXIT_PREEMPTED
 
 EXIT_CODE = EXIT_PREEMPTED  # 75, EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
@@ -123,9 +126,6 @@ class Guard:
     # -- the collective decision ------------------------------------------------------
     def _agree(self) -> bool:
         """True on every rank when any rank was signalled (one small all-reduce)."""
-        import torch
-        import torch.distributed as dist  # reason: `python -m framework.preempt` arms the handlers before torch loads
-
         mine = 1 if requested() else 0
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return bool(mine)
@@ -134,7 +134,6 @@ class Guard:
         if self._group is not None:
             t = torch.tensor([mine], dtype=torch.int32)
         else:  # default group (NCCL): the flag travels as a device tensor
-            from framework import devices
 
             t = torch.tensor([mine], dtype=torch.int32, device=devices.device_type())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
@@ -239,8 +238,6 @@ def stopped(guard: Guard | None = None) -> bool:
 def exit_if_stopped(guard: Guard | None = None) -> None:
     """After the trainer is closed: exit with EXIT_CODE when it stopped for a signal."""
     if stopped(guard):
-        from framework import lifecycle
-
         lifecycle.write_status(EXIT_CODE)
         raise SystemExit(EXIT_CODE)
 
