@@ -1,5 +1,5 @@
-"""The import graph of components/, read with ``ast`` (module-level and function-level imports
-alike): no cycle, and no ``_``-prefixed module imported from outside its own package."""
+"""No ``_``-prefixed module of components/ is imported from outside its own package (imports read
+with ``ast`` at any depth). The cycle checks of components/ live in tests/test_import_graph.py."""
 
 from __future__ import annotations
 
@@ -49,66 +49,6 @@ def _target(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _graph() -> dict[str, dict[str, int]]:
-    modules = _components()
-    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
-    for m, path in modules.items():
-        for name, line in _imported(path):
-            t = _target(name, modules)
-            if t and t != m:
-                graph[m].setdefault(t, line)
-    return graph
-
-
-def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            scc = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                scc.append(w)
-                if w == v:
-                    break
-            if len(scc) > 1:
-                out.append(sorted(scc))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_graph_sees_function_level_imports():
-    """The reader counts imports inside functions (a cycle held together by one would show)."""
-    graph = _graph()
-    # components.moe.chunk imports chunked_experts at module level; losses.lm_head.engine imports
-    # its Triton kernels inside functions (optional dependency): both edges must be present.
-    assert "components.moe.chunked_experts" in graph["components.moe.chunk"]
-    assert "components.losses.lm_head.triton_kernels" in graph["components.losses.lm_head.engine"]
-
-
-def test_no_import_cycle_in_components():
-    graph = _graph()
-    cycles = _cycles(graph)
-    detail = ["  " + " <-> ".join(c) + ": " + "; ".join(
-        f"{a} -> {b} (line {graph[a][b]})" for a in c for b in graph[a] if b in c) for c in cycles]
-    assert not cycles, "import cycles in components/:\n" + "\n".join(detail)
-
-
 def test_no_private_module_imported_from_outside_its_package():
     modules = _components()
     private = {m for m in modules if m.rpartition(".")[2].startswith("_") and not m.endswith("__init__")
@@ -122,9 +62,3 @@ def test_no_private_module_imported_from_outside_its_package():
                 if t in private and t.rpartition(".")[0] != importer_pkg:
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {t}")
     assert not bad, "private modules imported from outside their package:\n" + "\n".join(sorted(set(bad)))
-
-
-def test_cycle_finder_reports_a_cycle():
-    toy = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
-    assert _cycles(toy) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b": 1}, "b": {}}) == []

@@ -148,6 +148,9 @@ def test_components_import_only_the_contract_modules_of_framework():
 
 def test_components_have_no_import_cycle():
     g = graph(("components",))
+    # the reader sees module-level edges and those inside functions (an optional dependency's)
+    assert "components.moe.chunked_experts" in g["components.moe.chunk"]
+    assert "components.losses.lm_head.triton_kernels" in g["components.losses.lm_head.engine"]
     found = cycles(g)
     assert not found, "import cycles:\n" + "\n".join(_show(g, c) for c in found)
 

@@ -213,39 +213,48 @@ def auto_backend(h: torch.Tensor, w: torch.Tensor, reduction: str, logits_dtype:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(kw_only=True)
+class EngineOptions:
+    """The fused LM-head engine's options, shared by linear_ce and the RL objectives (loss.*)."""
+
+    backend: Literal["auto", "torch", "triton", "cublas", "mixed", "fwdgrad"] = "auto"
+    """auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch"""
+    chunk_tokens: int = 4096
+    """torch and fwdgrad paths: tokens per logits chunk"""
+    chunk_vocab: int = 16384
+    """torch path: vocabulary columns per logits chunk"""
+    workspace_mb: float = 256.0
+    """recompute CUDA paths: cap on the [tokens, vocab slice] buffers"""
+    logits_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """fwdgrad: dtype of its logits chunk"""
+    dw_accum: Literal["float32", "weight"] = "float32"
+    """fwdgrad: dtype of its dW accumulator"""
+
+    def __post_init__(self):
+        check_choices(self, "loss.")
+        if self.chunk_tokens < 1 or self.chunk_vocab < 1 or self.workspace_mb <= 0:
+            raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
+
+
 class LinearCrossEntropy:
     objective_keys = ("z_loss", "label_smoothing")  # change what is optimised (apiary compare)
     NEEDS_DATA = ("text", "rollouts")
 
     @dataclass(kw_only=True)
-    class Options:
+    class Options(EngineOptions):
         name: str = "linear_ce"
         """registry name (loss=linear_ce)"""
         z_loss: float = 0.0
         """PaLM's z-loss coefficient on lse^2 (>= 0)"""
         label_smoothing: float = 0.0
         """torch's label smoothing, in [0, 1)"""
-        backend: Literal["auto", "torch", "triton", "cublas", "mixed", "fwdgrad"] = "auto"
-        """auto (fwdgrad on CUDA when it fits, else mixed; torch on CPU) | fwdgrad | mixed | cublas | triton | torch"""
-        chunk_tokens: int = 4096
-        """torch and fwdgrad paths: tokens per logits chunk"""
-        chunk_vocab: int = 16384
-        """torch path: vocabulary columns per logits chunk"""
-        workspace_mb: float = 256.0
-        """recompute CUDA paths: cap on the [tokens, vocab slice] buffers"""
-        logits_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-        """fwdgrad: dtype of its logits chunk"""
-        dw_accum: Literal["float32", "weight"] = "float32"
-        """fwdgrad: dtype of its dW accumulator"""
 
         def __post_init__(self):
-            check_choices(self, "loss.")
+            super().__post_init__()
             if not 0.0 <= self.label_smoothing < 1.0:
                 raise ValueError(f"loss.label_smoothing must be in [0, 1), got {self.label_smoothing}")
             if self.z_loss < 0:
                 raise ValueError(f"loss.z_loss must be >= 0, got {self.z_loss}")
-            if self.chunk_tokens < 1 or self.chunk_vocab < 1 or self.workspace_mb <= 0:
-                raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
 
     @staticmethod
     def check(options: "LinearCrossEntropy.Options", ctx=None) -> None:

@@ -26,46 +26,33 @@ import torch
 from components.labels import IGNORE_INDEX
 from components.losses import rl
 from components.losses.fused_rl import FUSABLE, fused_policy_loss
-from components.losses.linear_ce import auto_backend, check_backend_here, fused_head_plan_terms
+from components.losses.linear_ce import EngineOptions, auto_backend, check_backend_here, fused_head_plan_terms
 from components.losses.lm_head import head_loss
 from components.losses.logprob import token_logprobs
-from framework.contracts import PlanTerms, check_choices
+from framework.contracts import PlanTerms
 from framework.errors import UserError
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
 
 
-Backend = Literal["auto", "torch", "triton", "cublas", "mixed", "fwdgrad"]
 Norm = Literal["token", "sequence"]
 
 
 @dataclass(kw_only=True)
-class _Head:
+class _Head(EngineOptions):
+    """The LM-head engine's options (as linear_ce's) plus the policy head's own."""
+
     temperature: float = 1.0
     """divides the logits (use the sampler's temperature); > 0"""
     entropy_coef: float = 0.0
     """> 0: subtract entropy_coef x (token mean of the policy's entropy)"""
-    backend: Backend = "auto"
-    """LM-head engine, as linear_ce: auto | fwdgrad | mixed | cublas | triton | torch"""
-    chunk_tokens: int = 4096
-    """torch and fwdgrad paths: tokens per logits chunk"""
-    chunk_vocab: int = 16384
-    """torch path: vocabulary columns per logits chunk"""
-    workspace_mb: float = 256.0
-    """recompute CUDA paths: cap on the [tokens, vocab slice] buffers"""
-    logits_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """fwdgrad (fused objective): dtype of the logits chunk"""
-    dw_accum: Literal["float32", "weight"] = "float32"
-    """fwdgrad: dtype of the dW accumulator"""
 
     def __post_init__(self):
-        check_choices(self, "loss.")
+        super().__post_init__()
         if self.temperature <= 0:
             raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
         if self.entropy_coef < 0:
             raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
-        if self.chunk_tokens < 1 or self.chunk_vocab < 1 or self.workspace_mb <= 0:
-            raise ValueError("loss.chunk_tokens, loss.chunk_vocab and loss.workspace_mb must be > 0")
 
 
 _HEAD_FIELDS = {f.name for f in fields(_Head)}
