@@ -12,7 +12,7 @@ The ``auto`` rule (``auto_num_chunks`` and its constants) lives in components.mo
 
 from __future__ import annotations
 
-from components.moe.auto_chunks import AUTO_MIN_EP  # noqa: F401  (framework/planner.py reads it from here)
+from components.moe.auto_chunks import AUTO_MIN_EP
 from components.moe.chunked_experts import use_chunked_experts
 from components.moe.comm import MoeOptions
 from framework.contracts import PlanTerms

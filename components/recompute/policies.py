@@ -9,15 +9,22 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from framework.contracts import PlanTerms
 
 
-class NoRecompute:
-    @dataclass(kw_only=True)
-    class Options:
-        name: str = "none"
-        """registry name (recompute=none)"""
+class _Recompute:
+    """What every recompute policy shares: no option to check, and `apiary compare` holds a switch
+    of policy to bitwise equality (recompute reruns the same forward ops in backward)."""
+
+    NUMERICS = {"": "exact"}
 
     @staticmethod
     def check(options, ctx) -> None:
         return None
+
+
+class NoRecompute(_Recompute):
+    @dataclass(kw_only=True)
+    class Options:
+        name: str = "none"
+        """registry name (recompute=none)"""
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
@@ -29,22 +36,14 @@ class NoRecompute:
         keep = {k: 1.0 for k in ctx.plan.counts}
         return PlanTerms(notes=["no extra compute"], facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
 
-    # apiary compare: how runs differing in this component or its options are held to each other
-    # (recompute reruns the same forward ops in backward).
-    NUMERICS = {"": "exact"}
 
-
-class SelectiveRecompute:
+class SelectiveRecompute(_Recompute):
     """Save expensive op outputs (matmuls, attention, collectives); recompute the rest."""
 
     @dataclass(kw_only=True)
     class Options:
         name: str = "selective"
         """registry name (recompute=selective)"""
-
-    @staticmethod
-    def check(options, ctx) -> None:
-        return None
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
@@ -62,22 +61,14 @@ class SelectiveRecompute:
                          notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
                          facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
 
-    # apiary compare: how runs differing in this component or its options are held to each other
-    # (recompute reruns the same forward ops in backward).
-    NUMERICS = {"": "exact"}
 
-
-class FullRecompute:
+class FullRecompute(_Recompute):
     """Keep only each block's input; rerun the whole block in backward."""
 
     @dataclass(kw_only=True)
     class Options:
         name: str = "full"
         """registry name (recompute=full)"""
-
-    @staticmethod
-    def check(options, ctx) -> None:
-        return None
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
@@ -90,7 +81,3 @@ class FullRecompute:
         return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", "attention", "linear_attention")},
                          notes=["+1 forward of every block (+1/3 of block FLOPs)"],
                          facts={"keep": keep, "inputs_only": True, "forward_reruns": 1})
-
-    # apiary compare: how runs differing in this component or its options are held to each other
-    # (recompute reruns the same forward ops in backward).
-    NUMERICS = {"": "exact"}
