@@ -11,6 +11,9 @@ and recorded in that step's metrics.jsonl record.
 * ``first_step_autotune_s`` / ``first_step_autotuned_kernels``: Triton's runtime autotuning in that
   step (framework.kernel_cache.AutotuneLog), including ``first_step_autotune_wait_s``: time spent
   waiting for another process sharing the cache to finish tuning the same kernel (its lock).
+* ``first_step_autotune_from_table``: kernel/key pairs Triton tuned over a recorded table's winners
+  only (``training.autotune_configs=recorded``, framework/autotune_table.py);
+  ``first_step_autotune_slowest`` (metrics.jsonl only): the three kernels whose tuning took longest.
 * ``first_step_other_s``: the rest (first-iteration allocations, the kernels' own run time, the
   optimizer, communication).
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 
-from framework import kernel_cache
+from framework import autotune_table, kernel_cache
 
 _COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
 
@@ -43,7 +46,9 @@ class FirstStep:
     def reset(self) -> None:
         self.t_begin = self.t_step = None
         self.compile0 = self.autotune0 = self.wait0 = 0.0
-        self.tuned0 = 0
+        self.tuned0 = self.table0 = 0
+        self.by_kernel0: dict[str, float] = {}
+        self.slowest: dict[str, float] = {}
         self.done = False
 
     def begin(self) -> None:
@@ -59,12 +64,15 @@ class FirstStep:
         self.compile0 = compile_seconds()
         self.autotune0, self.tuned0 = kernel_cache.LOG.total_seconds, kernel_cache.LOG.total_tuned
         self.wait0 = kernel_cache.LOG.total_wait_seconds
+        self.by_kernel0 = dict(kernel_cache.LOG.by_kernel)
+        self.table0 = autotune_table.COUNTS.exact + autotune_table.COUNTS.union
 
     def record(self) -> dict:
         """The breakdown, once (at the first logged step after step_started); {} otherwise."""
         if self.done or self.t_step is None:
             return {}
         self.done = True
+        self.slowest = self._slowest()  # not a scalar: metrics.jsonl only (JsonlLogger), not the other loggers
         now = time.perf_counter()
         wall = now - self.t_step
         build = self.t_step - self.t_begin if self.t_begin is not None else 0.0
@@ -76,14 +84,24 @@ class FirstStep:
                 "first_step_compile_s": round(compile_s, 3), "first_step_autotune_s": round(autotune, 3),
                 "first_step_autotuned_kernels": kernel_cache.LOG.total_tuned - self.tuned0,
                 "first_step_autotune_wait_s": round(min(wait, autotune), 3),
-                "first_step_other_s": round(other, 3)}
+                "first_step_other_s": round(other, 3),
+                "first_step_autotune_from_table": autotune_table.COUNTS.exact + autotune_table.COUNTS.union - self.table0}
+
+    def _slowest(self, n: int = 3) -> dict[str, float]:
+        """The ``n`` kernels whose tuning took longest in this step (seconds, all their keys)."""
+        spent = {k: v - self.by_kernel0.get(k, 0.0) for k, v in kernel_cache.LOG.by_kernel.items()}
+        top = sorted((v, k) for k, v in spent.items() if v > 0)[::-1][:n]
+        return {k: round(v, 2) for v, k in top}
 
 
 def describe(rec: dict) -> str:
+    slowest = rec.get("first_step_autotune_slowest") or {}
     return (f"first step: {rec['first_step_wall_s']:.1f} s = compile {rec['first_step_compile_s']:.1f} s + "
             f"autotuning {rec['first_step_autotune_s']:.1f} s ({rec['first_step_autotuned_kernels']} kernels tuned, "
-            f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning) "
-            f"+ other {rec['first_step_other_s']:.1f} s; building the trainer before it took "
+            f"{rec.get('first_step_autotune_from_table', 0)} over recorded winners only, "
+            f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning"
+            + ("; longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()) if slowest else "")
+            + f") + other {rec['first_step_other_s']:.1f} s; building the trainer before it took "
             f"{rec['first_step_build_s']:.1f} s")
 
 

@@ -209,6 +209,7 @@ class AutotuneLog:
         self.seconds, self.tuned, self.cache_hits = 0.0, 0, 0
         self.total_seconds, self.total_tuned = 0.0, 0  # since the process started (never reset)
         self.total_wait_seconds = 0.0  # waiting on another process's tuning of the same kernel (tune_lock)
+        self.by_kernel: dict[str, float] = {}  # kernel name -> seconds tuning it (all keys) since the process started
 
     def __call__(self, *, fn, key, best_config, configs_timings, duration, cache_hit, **_):
         if cache_hit:
@@ -218,6 +219,8 @@ class AutotuneLog:
             self.seconds += duration or 0.0
             self.total_tuned += 1
             self.total_seconds += duration or 0.0
+            name = getattr(fn, "__name__", "kernel")
+            self.by_kernel[name] = self.by_kernel.get(name, 0.0) + (duration or 0.0)
 
     def take(self) -> dict:
         rec = {"autotune_s": round(self.seconds, 3), "autotuned_kernels": self.tuned,

@@ -45,6 +45,8 @@ class JsonlLogger(BaseLogger):
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("first_step/")},
         }
+        if "first_step_wall_s" in rec:
+            rec["first_step_autotune_slowest"] = first_step.STATE.slowest
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         style = "bold green" if self.color else ""

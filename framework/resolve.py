@@ -234,6 +234,7 @@ _CHOICES = {
     "optimizer.name": ("Adam", "AdamW"),  # torchtitan's factories that take apiary's betas / eps / weight_decay
     "lr.decay_type": ("linear", "sqrt", "cosine"),
     "preflight.memory": ("refuse", "warn", "off"),
+    "training.autotune_configs": ("recorded", "all"),
 }
 
 

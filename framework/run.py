@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from framework import contracts, devices, first_step, kernel_cache, lifecycle, preempt
+from framework import autotune_table, contracts, devices, first_step, kernel_cache, lifecycle, preempt
 
 
 def _single_process_env() -> None:
@@ -45,6 +45,7 @@ def train(resolved, verbose: bool = False) -> dict | None:
     devices.install()
     kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
+    autotune_table.install(resolved.cfg.training.autotune_configs)  # recorded: tune this GPU's known winners only
     preempt.arm()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step boundary, exit 75 (requeue)
     _single_process_env()
     rank = int(os.environ["RANK"])

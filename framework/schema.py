@@ -52,6 +52,7 @@ class TrainingConfig:
     deterministic: bool = False
     cache_autotuning: bool = True  # keep Triton's autotuning results on disk across launches
     kernel_cache: Optional[str] = None  # Triton + inductor caches under this path (None: their defaults)
+    autotune_configs: str = "recorded"  # recorded: Triton tunes this GPU's recorded winners (framework/autotune_table.py) | all
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: stop (exit 76, nothing applied) | skip the update
     max_skips: int = 5  # on_nonfinite=skip: stop (as `stop`) when more steps than this in a row are non-finite
 

@@ -53,7 +53,7 @@ def test_breakdown_parts_are_clamped_to_the_wall_time(monkeypatch):
     rec = s.record()
     assert rec == {"first_step_build_s": 10.0, "first_step_wall_s": 10.0, "first_step_compile_s": 8.0,
                    "first_step_autotune_s": 2.0, "first_step_autotuned_kernels": 1, "first_step_autotune_wait_s": 0.0,
-                   "first_step_other_s": 0.0}
+                   "first_step_other_s": 0.0, "first_step_autotune_from_table": 0}
     assert s.record() == {}
 
 

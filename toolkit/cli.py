@@ -1,7 +1,7 @@
 """The `apiary` console script: one argparse parser with a subparser per command.
 
     apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | warmup ...
-           | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT
+           | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT | autotune-table KERNEL_CACHE --out FILE
 
 Each command's k=v arguments are recipe overrides in `train`'s grammar (framework.cli, Hydra).
 """
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from framework import recipes, registry
+from framework import autotune_table, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
 from toolkit import argparsing, compare, launch, plan, warmup
@@ -89,6 +89,26 @@ def _export(run_dir: str, out: str) -> int:
     return 0
 
 
+def _autotune_table(cache: str, out: str) -> int:
+    root = Path(cache)
+    if not root.is_dir():
+        raise UserError(f"apiary autotune-table {cache}", "is not a folder.",
+                        "Give the training.kernel_cache of a run with training.autotune_configs=all.")
+    kernels = autotune_table.export(root)
+    if not kernels:
+        raise UserError(f"apiary autotune-table {cache}", "holds no Triton autotuning results (*.autotune.json).",
+                        "Run the recipe with training.autotune_configs=all training.kernel_cache=" + cache
+                        + " (training.cache_autotuning=true keeps the results) first.")
+    autotune_table.write(kernels, Path(out), source=f"apiary autotune-table {cache}")
+    t = Table(title=f"{out}: configs kept per kernel and key")
+    for c in ("kernel", "keys", "configs kept"):
+        t.add_column(c)
+    for name, keys in kernels.items():
+        t.add_row(Text(name), str(len(keys)), ", ".join(str(len(v)) for v in keys.values()))
+    console.print(t)
+    return 0
+
+
 APIARY_DESCRIPTION = """recipes, registry names, planning, A/B comparison, launching and export.
 Each command's k=v arguments are recipe overrides in `train`'s grammar; `apiary COMMAND --help`
 lists its options."""
@@ -125,6 +145,14 @@ def apiary_parser() -> argparsing.Parser:
     cpt = sub.add_parser("cp-template", help="copy a launcher's script template (then launcher.template=PATH)")
     cpt.add_argument("launcher", metavar="LAUNCHER", help="a launcher with a template (slurm)")
     cpt.add_argument("dest", metavar="PATH", help="where to write it; never overwritten")
+    at = sub.add_parser("autotune-table", help="record Triton's autotuning winners from a kernel cache as a table",
+                        description="Read the autotuning results Triton kept under KERNEL_CACHE (a run with "
+                                    "training.autotune_configs=all training.kernel_cache=KERNEL_CACHE, e.g. `apiary "
+                                    "warmup`) and write, per kernel and tuning key, the configs within 2%% of the fastest "
+                                    "(at most 2): the table training.autotune_configs=recorded reads "
+                                    "(framework/autotune_tables/ARCH.json; framework/autotune_table.py).")
+    at.add_argument("cache", metavar="KERNEL_CACHE", help="a training.kernel_cache folder or a Triton cache folder")
+    at.add_argument("--out", required=True, metavar="FILE", help="the table to write (never merged: replaced)")
     ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
@@ -167,6 +195,8 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return _cp(ns.name, ns.dest)
         if cmd == "cp-template":
             return launch.cp_template_main([ns.launcher, ns.dest])
+        if cmd == "autotune-table":
+            return _autotune_table(ns.cache, ns.out)
         return _export(ns.run_dir, ns.hf)
     except UserError as e:
         return _fail(e)
