@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 from datetime import date
 from pathlib import Path
 
@@ -193,7 +192,7 @@ def write(kernels: dict, out: Path, source: str, within: float = WITHIN, max_kee
     except ImportError:
         triton_version = None
     doc = {"arch": arch(), "device": _device_name(), "triton": triton_version, "recorded": date.today().isoformat(),
-           "host": platform.node(), "source": source, "within": within, "max_keep": max_keep, "kernels": kernels}
+           "source": source, "within": within, "max_keep": max_keep, "kernels": kernels}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     return doc

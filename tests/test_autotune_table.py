@@ -136,3 +136,22 @@ def test_an_unknown_autotune_configs_value_is_refused_before_launch(tmp_path):
     res = run_cli(["train", "recipe=debug_moe", "training.autotune_configs=fast"], cwd=tmp_path, timeout=120)
     assert res.returncode == 2 and "training.autotune_configs=fast" in res.stderr
     assert "recorded, all" in res.stderr and not (tmp_path / "runs").exists()
+
+
+def test_the_shipped_hopper_table_names_kernels_that_exist_and_parses_as_configs():
+    table = autotune_table.load("sm90")
+    assert len(table) >= 10  # recorded on one H200 (docs/skills/kernel_cache.md)
+    import importlib.util
+    import pathlib
+    import re
+
+    fla = importlib.util.find_spec("fla")
+    roots = [pathlib.Path(fla.origin).parent] if fla else []
+    roots.append(pathlib.Path(autotune_table.__file__).parents[1] / "components")
+    defined = {m for r in roots for f in r.rglob("*.py") for m in re.findall(r"^def (\w+)\(", f.read_text(), re.M)}
+    for name, keys in table.items():
+        if fla:
+            assert name in defined, f"{name} is in framework/autotune_tables/sm90.json but no kernel defines it"
+        for key, configs in keys.items():
+            assert isinstance(json.loads(key), list) and 1 <= len(configs) <= autotune_table.MAX_KEEP
+            assert all("num_warps: " in c and "num_stages: " in c for c in configs)

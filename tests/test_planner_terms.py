@@ -144,6 +144,21 @@ def test_fused_head_losses_say_so_themselves(base):
         assert "logits_fp32" not in p.memory_bytes and p.memory_bytes["loss_tile"] > 0
 
 
+def test_the_fused_heads_buffers_follow_its_options():
+    """loss.chunk_tokens, logits_dtype, dw_accum (fwdgrad) and workspace_mb (recompute paths) each
+    move the estimate by the bytes they allocate (a knob the planner ignored is a silent setting)."""
+    V, dim = 248_320, 2048  # Qwen3.5-35B-A3B's head, TP 1
+    def loss_terms(*over):
+        r = resolve(QWEN, ["model.n_layers=4", "training.seq_len=32768", "parallel.cp=1", "parallel.ep=1",
+                           "parallel.dp_shard=1", "loss=linear_ce", *over], world_size=1, for_training=False)
+        p = planner.plan(r)
+        return p.memory_bytes["loss_tile"], p.memory_bytes.get("loss_dw_accum", 0)
+    assert loss_terms() == (4096 * V * 2, V * dim * 4)
+    assert loss_terms("loss.chunk_tokens=1024", "loss.dw_accum=weight") == (1024 * V * 2, V * dim * 2)
+    assert loss_terms("loss.logits_dtype=float32") == (4096 * V * 4, V * dim * 4)
+    assert loss_terms("loss.backend=mixed", "loss.workspace_mb=512") == (512 * 2**20, 0)
+
+
 USER_LOSS = '''
 from dataclasses import dataclass
 

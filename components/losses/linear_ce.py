@@ -43,6 +43,7 @@ nothing (local tokens, ``reduction="sum"``, divide by the global valid-token cou
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -275,7 +276,7 @@ class LinearCrossEntropy:
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
         """The fused LM head: no [tokens, vocab] logits (see ``fused_head_plan_terms``)."""
-        return fused_head_plan_terms(ctx, "cross_entropy")
+        return fused_head_plan_terms(ctx, "cross_entropy", opts)
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (the same cross-entropy; z_loss and label_smoothing change the objective).
@@ -319,13 +320,35 @@ def _linear_ce_head_loss(self, h, w, labels, global_valid_tokens):
     return loss if global_valid_tokens is None else loss / global_valid_tokens
 
 
-def fused_head_plan_terms(ctx, objective: str) -> PlanTerms:
+def fused_head_plan_terms(ctx, objective: str, opts: EngineOptions | None = None) -> PlanTerms:
     """Planner terms of every loss on the fused LM-head engine (linear_ce and the policy losses):
-    one logits tile of the kernel and the fp32 gradient of the LM head's input; the loss layer
-    runs at ``loss_time_factor.linear_ce`` of its GEMM time."""
+    the buffers of the backend the options pick, and the fp32 gradient of the LM head's input; the
+    loss layer runs at ``loss_time_factor.linear_ce`` of its GEMM time.
+
+    backend auto/fwdgrad (auto runs fwdgrad on a GPU when it fits): one [chunk_tokens, V/TP] logits
+    chunk in ``logits_dtype`` and the [V/TP, dim] dW accumulator (fp32 or the weight's dtype),
+    ``fwdgrad.estimate_bytes``'s terms; the recompute CUDA paths: ``workspace_mb``; torch: one
+    [chunk_tokens, chunk_vocab] fp32 chunk."""
     c, T, dim = ctx.plan.constants, ctx.plan.tokens, ctx.facts.dim
+    opts = opts or EngineOptions()
+    cols = math.ceil(ctx.facts.vocab_size / max(1, ctx.layout.tp))
+    if opts.backend in ("auto", "fwdgrad"):
+        rows = fwdgrad.chunk_tokens_for(int(T), opts.chunk_tokens)
+        z_bytes = 4 if opts.logits_dtype == "float32" else 2
+        dw_bytes = 4 if opts.dw_accum == "float32" else 2
+        buffers = [Term("loss_tile", rows * cols, z_bytes, "loss",
+                        f"fwdgrad logits chunk: {rows:,} tokens x vocab/TP {cols:,} x {z_bytes} B ({opts.logits_dtype})"),
+                   Term("loss_dw_accum", cols * dim, dw_bytes, "loss",
+                        f"fwdgrad dW accumulator: vocab/TP {cols:,} x dim {dim} x {dw_bytes} B (dw_accum={opts.dw_accum})")]
+    elif opts.backend == "torch":
+        rows = min(int(T), opts.chunk_tokens)
+        buffers = [Term("loss_tile", rows * min(cols, opts.chunk_vocab), 4, "loss",
+                        f"torch path chunk: {rows:,} tokens x {min(cols, opts.chunk_vocab):,} columns x 4 B")]
+    else:
+        buffers = [Term("loss_tile", 1, opts.workspace_mb * 2**20, "loss",
+                        f"{opts.backend}: loss.workspace_mb={opts.workspace_mb:g}")]
     return PlanTerms(
-        memory=[Term("loss_tile", 1, c.linear_ce_tile_bytes, "loss", "one logits tile of the fused kernel"),
+        memory=[*buffers,
                 Term("loss_hidden_grad", T * dim, c.linear_ce_hidden_grad_bytes, "loss",
                      f"{T:,.0f} tokens x dim {dim} x {c.linear_ce_hidden_grad_bytes:g} B")],
         time_factor={"lm_head": float(c.loss_time_factor.get("linear_ce", c.loss_time_factor.get("ce", 1.65)))},

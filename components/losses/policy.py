@@ -106,7 +106,7 @@ class _Policy:
     @classmethod
     def plan_terms(cls, opts, ctx) -> PlanTerms:
         """On the fused LM-head engine: planned as linear_ce; the objective is the loss's own."""
-        return fused_head_plan_terms(ctx, cls.objective)
+        return fused_head_plan_terms(ctx, cls.objective, opts)
 
 
 class GRPO(_Policy):

@@ -100,8 +100,6 @@ class Constants:
                               "65,536 x 124,160 x 4 = 32.55 GB).")
     ce_grad_bytes: float = _c(4.0, "ce: fp32 gradient of the logits [tokens, vocab/TP] in backward.")
     chunked_num_chunks: int = _c(8, "chunked: chunks when the recipe's loss does not say (torchtitan default 8).")
-    linear_ce_tile_bytes: float = _c(64 * MiB, "linear_ce: one [token-tile, vocab-tile] logits tile and its "
-                                     "statistics (Cut-CE / Liger style kernels).")
     linear_ce_hidden_grad_bytes: float = _c(4.0, "linear_ce: gradient of the lm_head input [tokens, dim] "
                                             "(FACTS: Liger +0.36 GiB, Cut-CE +0.13 GiB at 32K tokens beyond "
                                             "the lm_head weight gradient).")
