@@ -8,6 +8,7 @@
 # qwen3_trunc_te  one fp8 run with precision.backend=te (dense linears only; needs transformer_engine), `train` only
 # qwen35_trunc    Qwen3.5-35B-A3B, 4 layers, 32K tokens, one GPU, bf16 vs fp8 torchao through compare
 # qwen35_bf16, qwen35_fp8  the same pair as two plain `train` runs
+# qwen35_te       the qwen35 setting in fp8 with precision.backend=te (dense linears), `train` only
 # qwen3_bf16, qwen3_fp8  the qwen3_trunc pair as two plain `train` runs (no seed checkpoint, no probe)
 # qwen3_rowwise   one fp8 run (torchao rowwise linears) of the qwen3_trunc setting, `train` only
 # smoke           the debug MoE recipe in fp8 for 5 steps (whole path: conversion, FSDP2, dispatcher)
@@ -49,6 +50,9 @@ for what in "${@:-qwen3_trunc}"; do
       python3 -m toolkit.cli compare "${QWEN35[@]}" checkpoint.model_only_last=true precision=bf16,fp8 --check \
         --timeout=600 output_dir="$OUT/fp8_qwen35_trunc" 2>&1 | tail -n 60
       show_compare "$OUT/fp8_qwen35_trunc" ;;
+    qwen35_te)
+      python3 -m framework.cli train "${QWEN35[@]}" precision=fp8 precision.backend=te precision.experts=false \
+        checkpoint.enable=false output_dir="$OUT/fp8_qwen35_te" 2>&1 | tail -n 30 ;;
     qwen35_bf16|qwen35_fp8)
       python3 -m framework.cli train "${QWEN35[@]}" precision=${what#qwen35_} checkpoint.enable=false \
         output_dir="$OUT/$what" 2>&1 | tail -n 30 ;;
