@@ -102,6 +102,17 @@ def test_missing_backend_is_a_user_error_before_launch(workdir, monkeypatch, bac
     assert "not importable" in str(e.value) and not out.exists()
 
 
+def test_te_runs_say_first_that_the_backend_is_experimental(workdir, monkeypatch):
+    """Measured on an H200: TE's step-1 loss differs from bf16's with identical weights; every te run's
+    first lines say so (the data summary rank 0 prints first)."""
+    monkeypatch.setattr(policies, "device_problem", lambda scaling: None)  # as on an H100
+    monkeypatch.setattr(policies, "backend_problem", lambda backend: None)  # as with TE installed
+    r = resolve("debug_dense", ["precision=fp8", "precision.backend=te", f"output_dir={workdir / 'run'}"])
+    assert policies.TE_NOTE in r.data_summary and "experimental" in policies.TE_NOTE
+    r = resolve("debug_dense", ["precision=fp8", f"output_dir={workdir / 'run2'}"])
+    assert policies.TE_NOTE not in r.data_summary
+
+
 def test_policies_import_no_backend():
     """policies imports neither torchao nor TransformerEngine (bf16 runs never touch them)."""
     import subprocess
