@@ -26,6 +26,8 @@ import logging
 from datetime import date
 from pathlib import Path
 
+from framework import kernel_cache
+
 TABLES = Path(__file__).parent / "autotune_tables"
 WITHIN = 0.02  # keep configs within 2% of the fastest median time ...
 MAX_KEEP = 2  # ... at most this many
@@ -109,10 +111,7 @@ def _pruned(original):
         configs = original(self, kwargs)
         if _ACTIVE is None:
             return configs
-        fn = self.fn
-        while hasattr(fn, "fn") and not hasattr(fn, "cache_key"):
-            fn = fn.fn
-        name = getattr(fn, "__name__", "")
+        name = getattr(kernel_cache.jit_function(self), "__name__", "")
         kept, how = choose(_ACTIVE.get(name), configs, tuning_key(self, kwargs))
         COUNTS.count(how)
         COUNTS.kernels[name] = len(kept)
@@ -174,13 +173,11 @@ def export(cache_dir: Path, within: float = WITHIN, max_keep: int = MAX_KEEP) ->
 
 
 def _config_name(d: dict) -> str:
-    """str(triton.Config) of a config as the cache stores it (its __dict__)."""
+    """str(triton.Config) of a config as the cache stores it (its __dict__; Triton's own reader
+    rebuilds it the same way)."""
     from triton import Config  # reason: optional dependency: triton
 
-    fields = {k: d[k] for k in ("num_warps", "num_stages", "num_ctas", "maxnreg") if k in d}
-    if "ir_override" in d:
-        fields["ir_override"] = d["ir_override"]
-    return str(Config(d.get("kwargs", {}), **fields))
+    return str(Config(**d))
 
 
 def write(kernels: dict, out: Path, source: str, within: float = WITHIN, max_keep: int = MAX_KEEP) -> dict:

@@ -143,13 +143,19 @@ def tune_lock(path: Path):
         f.close()
 
 
+def jit_function(tuner):
+    """The @triton.jit function under an autotuner (and any heuristics wrapped around it)."""
+    fn = tuner.fn
+    while hasattr(fn, "fn") and not hasattr(fn, "cache_key"):
+        fn = fn.fn
+    return fn
+
+
 def _locked_check_disk_cache(original):
     def check_disk_cache(self, tuning_key, configs, bench_fn):
         if not tuning_key or any(c.pre_hook for c in configs):  # Triton does not cache these
             return original(self, tuning_key, configs, bench_fn)
-        fn = self.fn
-        while hasattr(fn, "fn") and not hasattr(fn, "cache_key"):
-            fn = fn.fn
+        fn = jit_function(self)
         benched = []
 
         def bench():

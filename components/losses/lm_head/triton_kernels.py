@@ -84,6 +84,43 @@ def _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w,
     return acc
 
 
+@triton.jit
+def _fold_tile(m, se, tgt, ssum, sps, s, cmask, cols, lab, NEED_SUM: tl.constexpr, NEED_PS: tl.constexpr):
+    """Each row's online softmax statistics updated with one [rows, cols] tile of scaled logits ``s``
+    (``cols``: their local vocabulary columns, ``cmask``: the real ones): running max, sum of exp,
+    the label's logit and, when asked, the sum of logits and the exp-weighted sum of logits."""
+    s_valid = tl.where(cmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s_valid, axis=1))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(s_valid - m_new[:, None])
+    se = se * alpha + tl.sum(e, axis=1)
+    s_zero = tl.where(cmask[None, :], s, 0.0)
+    if NEED_PS:
+        sps = sps * alpha + tl.sum(e * s_zero, axis=1)
+    if NEED_SUM:
+        ssum += tl.sum(s_zero, axis=1)
+    tgt += tl.sum(tl.where(cols[None, :] == lab[:, None], s_zero, 0.0), axis=1)
+    return m_new, se, tgt, ssum, sps
+
+
+@triton.jit
+def _dz_tile(s, rn, rmask, cols, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr, inv_temp, NEED_B: tl.constexpr):
+    """dL/dz of one [rows, cols] tile of scaled logits ``s``: inv_temp * (a p + b p s + c [col == label] + d),
+    with the per-token coefficients a, b, c, d and lse read at rows ``rn``."""
+    lse = tl.load(lse_ptr + rn, mask=rmask, other=0.0)
+    a = tl.load(a_ptr + rn, mask=rmask, other=0.0)
+    c = tl.load(c_ptr + rn, mask=rmask, other=0.0)
+    d = tl.load(d_ptr + rn, mask=rmask, other=0.0)
+    lab = tl.load(lab_ptr + rn, mask=rmask, other=-1)
+    p = tl.exp(s - lse[:, None])
+    g = a[:, None] * p + d[:, None]
+    if NEED_B:
+        b = tl.load(b_ptr + rn, mask=rmask, other=0.0)
+        g += b[:, None] * p * s
+    g += tl.where(cols[None, :] == lab[:, None], c[:, None], 0.0)
+    return g * inv_temp
+
+
 @triton.autotune(configs=_configs("stats"), key=["K", "NB", "NEED_SUM", "NEED_PS"],
                  prune_configs_by={"early_config_prune": _prune_small})
 @triton.jit
@@ -107,19 +144,7 @@ def _stats_kernel(h_ptr, w_ptr, lab_ptr, m_ptr, se_ptr, t_ptr, ss_ptr, sps_ptr,
         rv = vt + tl.arange(0, BV)
         vmask = rv < v_end
         acc = _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w, UPCAST, PREC, BN, BV, BK)
-        s = acc * inv_temp
-        s_valid = tl.where(vmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s_valid, axis=1))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(s_valid - m_new[:, None])
-        se = se * alpha + tl.sum(e, axis=1)
-        s_zero = tl.where(vmask[None, :], s, 0.0)
-        if NEED_PS:
-            sps = sps * alpha + tl.sum(e * s_zero, axis=1)
-        if NEED_SUM:
-            ssum += tl.sum(s_zero, axis=1)
-        tgt += tl.sum(tl.where(rv[None, :] == lab[:, None], s_zero, 0.0), axis=1)
-        m = m_new
+        m, se, tgt, ssum, sps = _fold_tile(m, se, tgt, ssum, sps, acc * inv_temp, vmask, rv, lab, NEED_SUM, NEED_PS)
     out = pid_s * N + rn
     tl.store(m_ptr + out, m, mask=rmask)
     tl.store(se_ptr + out, se, mask=rmask)
@@ -155,19 +180,7 @@ def _dz_kernel(h_ptr, w_ptr, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dz_pt
     vmask = cv < V
     rv = v0 + cv
     acc = _logit_tile(h_ptr, w_ptr, rn, rmask, rv, vmask, K, stride_h, stride_w, UPCAST, PREC, BN, BV, BK)
-    s = acc * inv_temp
-    lse = tl.load(lse_ptr + rn, mask=rmask, other=0.0)
-    a = tl.load(a_ptr + rn, mask=rmask, other=0.0)
-    c = tl.load(c_ptr + rn, mask=rmask, other=0.0)
-    d = tl.load(d_ptr + rn, mask=rmask, other=0.0)
-    lab = tl.load(lab_ptr + rn, mask=rmask, other=-1)
-    p = tl.exp(s - lse[:, None])
-    g = a[:, None] * p + d[:, None]
-    if NEED_B:
-        b = tl.load(b_ptr + rn, mask=rmask, other=0.0)
-        g += b[:, None] * p * s
-    g += tl.where(rv[None, :] == lab[:, None], c[:, None], 0.0)
-    g = g * inv_temp
+    g = _dz_tile(acc * inv_temp, rn, rmask, rv, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr, inv_temp, NEED_B)
     tl.store(dz_ptr + rn[:, None] * stride_dz + cv[None, :], g.to(dz_ptr.dtype.element_ty),
              mask=rmask[:, None] & vmask[None, :])
 
@@ -201,18 +214,7 @@ def _slice_stats_kernel(z_ptr, ldz, lab_ptr, m_ptr, se_ptr, t_ptr, ss_ptr, sps_p
         cmask = cc < W
         z = tl.load(z_ptr + rn[:, None].to(tl.int64) * ldz + cc[None, :], mask=rmask[:, None] & cmask[None, :],
                     other=float("-inf"))
-        s = z * inv_temp
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(s - m_new[:, None])
-        se = se * alpha + tl.sum(e, axis=1)
-        s_zero = tl.where(cmask[None, :], s, 0.0)
-        if NEED_PS:
-            sps = sps * alpha + tl.sum(e * s_zero, axis=1)
-        if NEED_SUM:
-            ssum += tl.sum(s_zero, axis=1)
-        tgt += tl.sum(tl.where((v0 + cc)[None, :] == lab[:, None], s_zero, 0.0), axis=1)
-        m = m_new
+        m, se, tgt, ssum, sps = _fold_tile(m, se, tgt, ssum, sps, z * inv_temp, cmask, v0 + cc, lab, NEED_SUM, NEED_PS)
     tl.store(m_ptr + rn, m, mask=rmask)
     tl.store(se_ptr + rn, se, mask=rmask)
     tl.store(t_ptr + rn, tgt, mask=rmask)
@@ -231,19 +233,7 @@ def _slice_dz_kernel(z_ptr, ldz, dz_ptr, lddz, lab_ptr, lse_ptr, a_ptr, b_ptr, c
     rmask = rn < N
     mask = rmask[:, None] & (cc < W)[None, :]
     z = tl.load(z_ptr + rn[:, None].to(tl.int64) * ldz + cc[None, :], mask=mask, other=0.0)
-    s = z * inv_temp
-    lse = tl.load(lse_ptr + rn, mask=rmask, other=0.0)
-    a = tl.load(a_ptr + rn, mask=rmask, other=0.0)
-    c = tl.load(c_ptr + rn, mask=rmask, other=0.0)
-    d = tl.load(d_ptr + rn, mask=rmask, other=0.0)
-    lab = tl.load(lab_ptr + rn, mask=rmask, other=-1)
-    p = tl.exp(s - lse[:, None])
-    g = a[:, None] * p + d[:, None]
-    if NEED_B:
-        b = tl.load(b_ptr + rn, mask=rmask, other=0.0)
-        g += b[:, None] * p * s
-    g += tl.where((v0 + cc)[None, :] == lab[:, None], c[:, None], 0.0)
-    g = g * inv_temp
+    g = _dz_tile(z * inv_temp, rn, rmask, v0 + cc, lab_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, d_ptr, inv_temp, NEED_B)
     tl.store(dz_ptr + rn[:, None].to(tl.int64) * lddz + cc[None, :], g.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
