@@ -16,7 +16,7 @@ does not name, and every config a newer kernel no longer lists is ignored.
 Record a table: run the recipe once with ``training.autotune_configs=all
 training.kernel_cache=KC`` (``apiary warmup`` does), then ``apiary autotune-table KC --out FILE``;
 it reads Triton's autotuning results in the cache (TRITON_CACHE_AUTOTUNING keeps them,
-``training.cache_autotuning``). docs/skills/kernel_cache.md says how the shipped table was made.
+``training.cache_autotuning``). docs/skills/autotune_table.md says how the shipped table was made.
 """
 
 from __future__ import annotations

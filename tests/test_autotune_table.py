@@ -140,7 +140,7 @@ def test_an_unknown_autotune_configs_value_is_refused_before_launch(tmp_path):
 
 def test_the_shipped_hopper_table_names_kernels_that_exist_and_parses_as_configs():
     table = autotune_table.load("sm90")
-    assert len(table) >= 10  # recorded on one H200 (docs/skills/kernel_cache.md)
+    assert len(table) >= 10  # recorded on one H200 (docs/skills/autotune_table.md)
     import importlib.util
     import pathlib
     import re
