@@ -155,3 +155,10 @@ def test_the_shipped_hopper_table_names_kernels_that_exist_and_parses_as_configs
         for key, configs in keys.items():
             assert isinstance(json.loads(key), list) and 1 <= len(configs) <= autotune_table.MAX_KEEP
             assert all("num_warps: " in c and "num_stages: " in c for c in configs)
+
+
+def test_autotune_table_refuses_a_folder_that_is_not_there(tmp_path):
+    res = run_cli(["apiary", "autotune-table", str(tmp_path / "nope"), "--out", str(tmp_path / "t.json")],
+                  cwd=tmp_path, timeout=120)
+    assert res.returncode == 2 and "is not a folder" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "t.json").exists()
