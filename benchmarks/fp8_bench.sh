@@ -10,6 +10,9 @@
 # qwen35_bf16, qwen35_fp8  the same pair as two plain `train` runs
 # qwen35_te       the qwen35 setting in fp8 with precision.backend=te (dense linears), `train` only
 # qwen3_bf16, qwen3_fp8  the qwen3_trunc pair as two plain `train` runs (no seed checkpoint, no probe)
+# qwen3_bf16_compile, qwen3_fp8_compile    the qwen3 pair with precision.compile=true (torchtitan's
+#                 per-block compile; fp8: torchao, the fused QKV projection stays bf16)
+# qwen35_bf16_compile, qwen35_fp8_compile  the same for the qwen35 setting
 # qwen3_rowwise   one fp8 run (torchao rowwise linears) of the qwen3_trunc setting, `train` only
 # smoke           the debug MoE recipe in fp8 for 5 steps (whole path: conversion, FSDP2, dispatcher)
 set -uo pipefail
@@ -40,6 +43,14 @@ for what in "${@:-qwen3_trunc}"; do
     qwen3_bf16|qwen3_fp8)  # the pair as two plain runs (same seed, same init), no seed checkpoint or probe
       python3 -m framework.cli train "${QWEN3[@]}" precision=${what#qwen3_} checkpoint.enable=false \
         output_dir="$OUT/$what" 2>&1 | tail -n 30 ;;
+    qwen3_bf16_compile|qwen3_fp8_compile)
+      p=${what#qwen3_}; p=${p%_compile}
+      timeout ${RUN_TIMEOUT:-500} python3 -m framework.cli train "${QWEN3[@]}" precision=$p precision.compile=true \
+        checkpoint.enable=false output_dir="$OUT/$what" 2>&1 | tail -n 12 ;;
+    qwen35_bf16_compile|qwen35_fp8_compile)
+      p=${what#qwen35_}; p=${p%_compile}
+      timeout ${RUN_TIMEOUT:-500} python3 -m framework.cli train "${QWEN35[@]}" precision=$p precision.compile=true \
+        checkpoint.enable=false output_dir="$OUT/$what" 2>&1 | tail -n 12 ;;
     qwen3_rowwise)
       python3 -m framework.cli train "${QWEN3[@]}" precision=fp8 precision.scaling=rowwise checkpoint.enable=false \
         output_dir="$OUT/fp8_qwen3_rowwise" 2>&1 | tail -n 30 ;;

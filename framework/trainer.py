@@ -42,6 +42,44 @@ from torchtitan.trainer import Trainer
 from framework import first_step, integrity
 
 _GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
+_SEEDED: list = [None]  # the generators' states right after torchtitan seeded them, until the model's init
+
+
+def _rng_states() -> tuple:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _init_from_seed() -> None:
+    """The model's initial weights depend on ``training.seed`` alone: the CPU and CUDA generators'
+    states right after torchtitan's ``set_determinism`` are put back just before the model's
+    ``init_weights``, whatever ran in between. Building and parallelizing the model may draw
+    random numbers: with precision.backend=te, TransformerEngine's linears advanced the CUDA
+    generator by 288 before the initialization (measured on an H200), which gave that run other
+    initial weights than bf16 at the same seed. The first ``init_weights`` after seeding gets the
+    seeded states (with pipeline parallelism the later stages continue from there, as before)."""
+    if getattr(dist_utils.set_determinism, "_apiary", False):
+        return
+    from torchtitan.protocols.model import BaseModel
+
+    set_determinism, init_weights = dist_utils.set_determinism, BaseModel.init_weights
+
+    def seeded(*args, **kwargs):
+        out = set_determinism(*args, **kwargs)
+        _SEEDED[0] = _rng_states()
+        return out
+
+    def init_from_seed(self, **kwargs):
+        states, _SEEDED[0] = _SEEDED[0], None
+        if states is not None:
+            torch.random.set_rng_state(states[0])
+            if states[1] is not None:
+                torch.cuda.set_rng_state(states[1])
+        return init_weights(self, **kwargs)
+
+    seeded._apiary = True
+    dist_utils.set_determinism = seeded
+    BaseModel.init_weights = init_from_seed
 
 
 def _capture_grad_norm() -> None:
@@ -68,6 +106,7 @@ class ApiaryTrainer(Trainer):
         step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
 
     def __init__(self, config, **kwargs):
+        _init_from_seed()
         super().__init__(config, **kwargs)
         self._bad_loss = None
         self._skips_total = self._skips_in_row = 0

@@ -15,6 +15,12 @@ What stays bf16 under fp8, and why:
 - the MoE router (``router.gate``) and the shared expert's scalar gate: top-k selection is
   discrete, FP8 rounding flips which experts a token reaches, and the GEMM is tiny
   (dim x experts);
+- with ``precision.compile=true`` (torchao), every dense linear: only the MoE expert GEMMs run in
+  FP8. Measured on one H200 (Qwen3-30B-A3B, 4 layers, 16K; benchmarks/precision_probe.sh): under
+  torchtitan's per-block compile the weight gradient of the first FP8 dense linear of every block
+  was NaN at step 1 (the fused QKV projection; with that one in bf16, the output projection), all
+  other gradients finite; with the attention linears in bf16 and the experts in FP8 it trained 50
+  steps within 0.3% of compiled bf16's loss. Eager FP8 has no NaN;
 - norms, embeddings, attention (flex/SDPA) and GatedDeltaNet's recurrence: not GEMMs of
   weights (no FP8 kernels on this path); linears with a dimension not divisible by 16
   (FP8 tensor-core alignment), e.g. GatedDeltaNet's a/b projections.
@@ -118,7 +124,7 @@ class FP8:
         all_gather: Literal["auto", "fp8", "bf16"] = "auto"
         """FSDP2 parameter all-gather: auto | fp8 (torchao tensorwise) | bf16"""
         compile: bool = False
-        """torch.compile each transformer block (fuses the FP8 casts)"""
+        """torch.compile each transformer block (fuses the FP8 casts); torchao, MoE expert GEMMs only"""
 
         def __post_init__(self):
             if self.backend not in BACKENDS:
@@ -163,6 +169,13 @@ class FP8:
             raise ValueError(f"precision.all_gather=fp8 is an FSDP2 parameter all-gather; state="
                              f"{cfg.state.name} does not all-gather parameters per block (use state=fsdp2)")
         moe = facts is not None and getattr(facts, "num_experts", 0) > 0
+        if opts.compile and opts.backend == "torchao" and facts is not None and not (moe and opts.experts):
+            raise ValueError(
+                "precision=fp8 precision.compile=true runs FP8 for the MoE expert GEMMs only (compiled FP8 dense "
+                "linears gave NaN weight gradients on an H200, so they stay bf16), and this run has "
+                + ("precision.experts=false" if moe else "no MoE experts")
+                + ": nothing would run in FP8. Drop precision.compile (eager FP8 converts the dense linears) "
+                "or use precision=bf16 precision.compile=true")
         if moe and opts.experts:
             if opts.backend == "te":
                 raise ValueError(
@@ -180,17 +193,20 @@ class FP8:
                     f"moe.comm={cfg.moe.comm} has none in apiary; use moe.comm=alltoall or precision.experts=false")
         if ctx is not None and ctx.for_training:
             FP8.check_runtime(opts, cfg)
-            if opts.backend == "te":
-                ctx.summary.append(TE_NOTE)
+            if opts.compile:
+                ctx.summary.append("precision=fp8 precision.compile=true: FP8 for the MoE expert GEMMs only; the "
+                                   "dense linears stay bf16 (compiled, their FP8 weight gradients were NaN on an "
+                                   "H200; docs/skills/fp8.md)")
 
     @staticmethod
     def check_runtime(opts, cfg=None) -> None:
         """UserError when this machine cannot train in FP8 (resolve calls it before launch)."""
-        if opts.compile:  # measured on one H200, 2026-11-24 (docs/skills/fp8.md): grad norm NaN at step 1
-            raise UserError("precision=fp8 precision.compile=true", "torchao FP8 under torchtitan's per-block "
-                            "compile gave a NaN gradient norm at step 1 on an H200 (Qwen3-30B-A3B, 4 layers, 16K; "
-                            "bf16 with compile trains), so this combination is refused until it is fixed.",
-                            "Drop precision.compile (fp8 eager), or use precision=bf16 precision.compile=true.")
+        if opts.compile and opts.backend == "te":
+            raise UserError("precision.backend=te precision.compile=true", "TransformerEngine's linears under "
+                            "torchtitan's per-block torch.compile have not been run in apiary (compile is measured "
+                            "with torchao, whose casts it fuses).",
+                            "Drop precision.compile with precision.backend=te, or use precision.backend=torchao "
+                            "precision.compile=true.")
         launcher = getattr(getattr(cfg, "launcher", None), "name", "local") if cfg is not None else "local"
         if launcher == "local":  # a scheduler's GPUs are checked on the node (convert raises there)
             why = device_problem(opts.scaling)
@@ -215,8 +231,9 @@ class FP8:
 
             return te.convert_linears(model_config, opts.scaling)
         if opts.scaling == "mxfp8":
-            return _torchao_mxfp8(model_config, opts.experts)
-        model_config = _torchao_linears(model_config, opts, emulate)
+            return _torchao_mxfp8(model_config, opts.experts, linears=not opts.compile)
+        if not opts.compile:  # compiled: dense linears stay bf16 (module docstring)
+            model_config = _torchao_linears(model_config, opts, emulate)
         if opts.experts:
             model_config = _torchao_experts(model_config)
         return model_config
@@ -256,19 +273,22 @@ class FP8:
         # bf16 inside the blocks: the routers (dim x experts per MoE layer); norms are not GEMMs and are
         # counted with the blocks but negligible
         router = f.n_layers * f.dim * f.num_experts if f.num_experts else 0
+        compiled = bool(getattr(opts, "compile", False))
         dense = split["dense_blocks"]
-        dense_share = max(0.0, dense - router) / dense if dense else 0.0
+        # compiled torchao: the dense linears stay bf16 (module docstring)
+        dense_share = max(0.0, dense - router) / dense if dense and not compiled else 0.0
         experts = bool(f.num_experts) and bool(getattr(opts, "experts", True)) and str(opts.backend) == "torchao"
         all_gather = FP8.fp8_all_gather(opts, ctx.cfg)
         how = f"fp8 {opts.backend} {opts.scaling}"
-        over = c.fp8_cast_overhead_compiled if bool(getattr(opts, "compile", False)) else c.fp8_cast_overhead
+        over = c.fp8_cast_overhead_compiled if compiled else c.fp8_cast_overhead
         factor = 1 / c.fp8_flops_ratio + over  # an FP8 GEMM's time over its bf16 time, casts included
         share = {"dense": dense_share, "experts": 1.0 if experts else 0.0}
         conv = split["dense_blocks"] / f.n_layers / lay.tp * dense_share + \
             (split["experts"] / f.n_layers / max(lay.ep, 1) if experts else 0.0)
         note = (f"precision {how}: FP8 GEMMs for {share['dense']:.0%} of dense-block and "
                 f"{share['experts']:.0%} of expert FLOPs at bf16 time x (1/{c.fp8_flops_ratio:g} + {over:g} casts) = "
-                f"x{factor:.2f}; LM head, attention, GatedDeltaNet in bf16; FSDP all-gather "
+                f"x{factor:.2f}; LM head, attention, GatedDeltaNet" + (", dense linears (compiled)" if compiled else "")
+                + " in bf16; FSDP all-gather "
                 + ("FP8 for the converted linears" if all_gather else "bf16"))
         return PlanTerms(
             memory=[Term("fp8_weight_copies", conv, c.fp8_copy_bytes, "buffers",
@@ -324,14 +344,6 @@ def patch_checkpoint_storage_check() -> None:
     base.ModelWrapper._get_state_dict = _get_state_dict
     base.ModelWrapper._apiary_plain = True
     base._shares_storage = _shares_storage
-
-
-# Printed first (rank 0) by every run with precision.backend=te; measured on one H200, 2026-11-24
-# (docs/skills/fp8.md, docs/benchmarks.md "FP8 with TransformerEngine").
-TE_NOTE = ("precision.backend=te is experimental: on an H200 its step-1 loss differed from bf16's with "
-           "bit-identical initial weights (Qwen3-30B-A3B 4 layers: 11.80 vs 12.40) and its step-50 loss on "
-           "Qwen3.5 was 5% above bf16's; one TE linear alone matches bf16 within FP8's tolerance. "
-           "Compare against precision=bf16 before relying on it (docs/skills/fp8.md).")
 
 
 def device_problem(scaling: str) -> str | None:
@@ -397,10 +409,10 @@ def _torchao_experts(model_config):
     return model_config
 
 
-def _torchao_mxfp8(model_config, experts: bool):
+def _torchao_mxfp8(model_config, experts: bool, linears: bool = True):
     if MXFP8Linear is None:
         raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
-    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
+    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)) if linears else []:
         if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
             new = MXFP8Linear.Config(in_features=lc.in_features, out_features=lc.out_features, bias=lc.bias,
                                      param_init=lc.param_init)
