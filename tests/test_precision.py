@@ -115,6 +115,15 @@ def test_te_with_compile_is_refused_before_launch(workdir, monkeypatch):
     assert "FP8 for the MoE expert GEMMs only" in r.data_summary  # said before training starts
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_compile_of_gated_deltanet_models_is_refused(workdir, precision):
+    """torch.compile stopped inside fla's causal_conv1d at step 1 (Qwen3.5 on an H200): refused before launch."""
+    with pytest.raises(UserError) as e:
+        resolve("qwen35_debug_moe", [f"precision={precision}", "precision.compile=true", f"output_dir={workdir / 'r'}"],
+                for_training=False)
+    assert "GatedDeltaNet" in str(e.value) and "causal_conv1d" in str(e.value)
+
+
 @pytest.mark.parametrize("recipe,extra,needle", [("debug_dense", [], "no MoE experts"),
                                                  ("debug_moe", ["precision.experts=false"], "precision.experts=false")])
 def test_compiled_fp8_with_nothing_to_convert_is_refused(workdir, recipe, extra, needle):
@@ -173,7 +182,8 @@ def test_planner_fp8_gemm_time(qwen3_plans):
     # compiled: only the expert GEMMs run in FP8, the dense blocks keep bf16 time
     assert qwen3_plans["compiled"].time_s["compute_dense"] == pytest.approx(b["compute_dense"])
     assert any("dense linears (compiled) in bf16" in a for a in qwen3_plans["compiled"].assumptions)
-    assert qwen3_plans["fp8"].step_time_s < qwen3_plans["bf16"].step_time_s
+    # fitted on an H200: FP8 with its casts is slower than bf16 at these shapes (as measured)
+    assert qwen3_plans["fp8"].step_time_s > qwen3_plans["bf16"].step_time_s
     assert any("precision fp8 torchao tensorwise" in a for a in qwen3_plans["fp8"].assumptions)
 
 

@@ -86,7 +86,7 @@ class BF16:
 
     @staticmethod
     def check(options, ctx=None) -> None:
-        return None
+        check_compile(options, ctx.facts if ctx is not None else None)
 
     @staticmethod
     def apply(options, tc, ctx=None) -> None:
@@ -101,6 +101,15 @@ class BF16:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
     NUMERICS = {"": "fp8", "compile": "dtype"}
+
+
+def check_compile(opts, facts) -> None:
+    """precision.compile=true on a model torchtitan's per-block compile cannot trace: refused."""
+    if opts.compile and facts is not None and getattr(facts, "n_linear_attention_layers", 0) > 0:
+        raise ValueError(
+            f"precision.compile=true cannot compile this model's {facts.n_linear_attention_layers} GatedDeltaNet "
+            "layers: on an H200 torch.compile stopped at step 1 inside fla's causal_conv1d (torch._dynamo "
+            "Unsupported: 'Skip inlining torch.compiler.disable()d function'). Drop precision.compile for this model")
 
 
 def _apply_compile(opts, tt_config) -> None:
@@ -168,6 +177,7 @@ class FP8:
         if opts.all_gather == "fp8" and cfg is not None and cfg.state.name != "fsdp2":
             raise ValueError(f"precision.all_gather=fp8 is an FSDP2 parameter all-gather; state="
                              f"{cfg.state.name} does not all-gather parameters per block (use state=fsdp2)")
+        check_compile(opts, facts)
         moe = facts is not None and getattr(facts, "num_experts", 0) > 0
         if opts.compile and opts.backend == "torchao" and facts is not None and not (moe and opts.experts):
             raise ValueError(

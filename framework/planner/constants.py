@@ -148,11 +148,14 @@ class Constants:
     # ---- precision=fp8 ------------------------------------------------------------------------
     fp8_flops_ratio: float = _c(2.0, "FP8 over bf16 tensor-core peak on Hopper (H100/H200 SXM: 1,979 vs 989 "
                                 "TFLOP/s dense, datasheets): the FP8 GEMMs' time is the bf16 time / this.")
-    fp8_cast_overhead: float = _c(0.20, "precision=fp8 without compile: amax, scale and cast kernels of each FP8 "
-                                  "GEMM's operands (forward and backward), as a fraction of the bf16 GEMM time "
-                                  "(a guess, to be fitted from benchmarks/fp8_bench.sh).")
-    fp8_cast_overhead_compiled: float = _c(0.08, "the same with precision.compile=true (casts fused into "
-                                           "neighbouring kernels; a guess).")
+    fp8_cast_overhead: float = _c(1.29, "precision=fp8 without compile: amax, scale and cast kernels of each FP8 "
+                                  "GEMM's operands (forward and backward), as a fraction of the bf16 GEMM time. "
+                                  "Fitted on an H200 (benchmarks/fp8_experts_bench.py, 2026-11-24): torchao's FP8 "
+                                  "expert layer took 1.79x bf16's time at 1024 tokens per expert (Qwen3-30B-A3B, "
+                                  "16K); its dense linears measured more (3.72x, fp8_linear_bench.py at 16K tokens).")
+    fp8_cast_overhead_compiled: float = _c(1.09, "the same with precision.compile=true: the compiled FP8 expert "
+                                           "layer took 1.59x bf16's time on the same H200 benchmark (the casts are "
+                                           "torchao's own kernels, which compile does not fuse).")
     fp8_copy_bytes: float = _c(2.0, "precision=fp8: bytes per converted parameter of a block in compute: its FP8 "
                                "weight (1 B) and the transposed / column-scaled FP8 copy the input-gradient GEMM "
                                "uses (1 B), plus per-row or per-tensor scales (negligible).")
