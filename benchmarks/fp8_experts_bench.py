@@ -27,7 +27,7 @@ for p in (HERE, HERE.parent):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from fp8_linear_bench import split, time_it  # noqa: E402
+from fp8_linear_bench import report, split, time_it  # noqa: E402
 
 TOP_K = 8
 
@@ -89,10 +89,7 @@ def main(argv=None) -> int:
                 lines.append(f"{shape:>22s} {name:>16s} failed: {type(e).__name__}: {str(e)[:200]}")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    report(lines, a.out)
     return 0
 
 

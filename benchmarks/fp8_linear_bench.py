@@ -92,6 +92,14 @@ def split(fn) -> tuple[float, float]:
     return gemm, other
 
 
+def report(lines: list[str], out: str | None) -> None:
+    """Print the table; write it to ``out`` too when given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -127,10 +135,7 @@ def main(argv=None) -> int:
             lines.append(f"{shape:>12s} {name:>18s} {ms:8.3f} {base / ms:7.2f}x {gemm:8.3f} {other:8.3f}")
             del m
         torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    report(lines, a.out)
     return 0
 
 
