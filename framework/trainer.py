@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel.api import cp_shard
+from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -60,8 +61,6 @@ def _init_from_seed() -> None:
     seeded states (with pipeline parallelism the later stages continue from there, as before)."""
     if getattr(dist_utils.set_determinism, "_apiary", False):
         return
-    from torchtitan.protocols.model import BaseModel
-
     set_determinism, init_weights = dist_utils.set_determinism, BaseModel.init_weights
 
     def seeded(*args, **kwargs):
