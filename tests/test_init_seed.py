@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = r"""
-import json, os, sys
+import json, sys
 import torch
 from framework import devices, run
 devices.install()
