@@ -92,4 +92,8 @@ def trainer_config(r: Resolved):
     )
     for kind in contracts.APPLY_ORDER:
         ctx.components[kind].apply(ctx.options[kind], tc, ctx)
+    if cfg.publish.interval > 0:  # the weights as HF folders for a generator (framework/publish.py)
+        from framework.publish import settings as publish_settings  # reason: as above (only runs that publish)
+
+        tc.publish = publish_settings(cfg, ctx, r.facts)
     return tc

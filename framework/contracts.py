@@ -149,7 +149,14 @@ class Planned(Protocol):
 class ModelFamily(Component, Protocol):
     """kind ``model``: a family module. ``FLAVORS`` names its sizes; ``facts`` sizes a flavor
     without building it; ``apply`` puts the model spec on ``tc``; ``model_kwargs`` are the
-    ``model_config`` / ``facts`` arguments the recipe asks for."""
+    ``model_config`` / ``facts`` arguments the recipe asks for.
+
+    ``hf_writer(options, ctx)`` (optional: a family without it cannot publish weights, which
+    resolve refuses before launch when ``publish.interval > 0``): called by ``framework.build`` on
+    each rank, returns ``convert(state_dict) -> (hf_tensors, hf_config)``: a full (unsharded)
+    torchtitan state dict of this recipe's model -> HF tensor name -> tensor, and the config.json
+    dict, such that transformers' ``AutoModelForCausalLM.from_pretrained`` (and vLLM, SGLang) load
+    the folder ``framework/publish.py`` writes from them."""
 
     FLAVORS: Mapping[str, Any]
 
@@ -158,6 +165,8 @@ class ModelFamily(Component, Protocol):
     def facts(self, flavor: str, **model_kwargs: Any) -> Any: ...
 
     def model_spec(self, flavor: str, **model_kwargs: Any) -> Any: ...
+
+    def hf_writer(self, options: Any, ctx: Context) -> Any: ...
 
 
 class Loss(Component, Planned, Protocol):
@@ -199,6 +208,25 @@ class Data(Component, Protocol):
     def summary(self, options: Any, ctx: Context) -> str: ...
 
 
+@runtime_checkable
+class FollowedData(Protocol):
+    """A dataset that follows a growing folder (``data.follow``): the trainer asks, at each step's
+    start, whether the next step's rows can be formed from what is there now (every rank alike; the
+    trainer agrees on the answer over ranks, waits, and stops on a signal or a timeout), and after
+    the step for what it consumed."""
+
+    NOUN: str  # what it waits for, in the status line ("waiting for NOUN in DIR: 12 s")
+    LEDGER: str  # the file in the run folder that lists, per step, the records it trained
+
+    def ready(self) -> bool: ...  # the next step's rows can be formed now (ValueError: a malformed shard)
+
+    def waiting_note(self) -> str: ...  # what the status line adds while waiting (drops, last shard)
+
+    def step_report(self, step: int) -> dict | None: ...  # the records step ``step`` trained, once
+
+    def step_metrics(self, step: int) -> dict[str, float]: ...  # scalars for metrics.jsonl ("data/..." keys)
+
+
 @dataclass
 class LaunchEnv:
     """What the framework hands a launcher at launch (so launchers import nothing else of it)."""
@@ -218,6 +246,36 @@ class Launcher(Component, Protocol):
     def world_size(self, options: Any) -> int: ...
 
     def launch(self, options: Any, argv: list[str], run_in_process: Any, env: LaunchEnv) -> int: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch consumers: per-token model inputs that are not forward arguments
+# ---------------------------------------------------------------------------------------------
+
+BATCH_CONSUMERS_ATTR = "_apiary_batch_consumers"  # on a model part: {batch key: consumer}
+
+
+def add_batch_consumer(model: Any, key: str, consumer: Any) -> None:
+    """Register ``consumer(tensor | None)`` on a model part (a component does it on the model it
+    builds, e.g. in a wrapped ``parallelize_fn``, so the registration lives and dies with that
+    model). Before every micro-batch's forward the trainer calls it with the batch's ``key`` tensor
+    (one of the data component's ``BATCH_KEYS``: on the device, context-parallel sharded like the
+    tokens along dim 1, trailing dims kept), or with None when the batch has no such key; the
+    consumer keeps what it needs on the model's modules for that forward and its recompute."""
+    consumers = getattr(model, BATCH_CONSUMERS_ATTR, None)
+    if consumers is None:
+        consumers = {}
+        setattr(model, BATCH_CONSUMERS_ATTR, consumers)
+    consumers[key] = consumer
+
+
+def batch_consumers(model_parts: Any) -> dict[str, list]:
+    """The consumers registered on ``model_parts``: batch key -> [consumer, ...]."""
+    out: dict[str, list] = {}
+    for part in model_parts:
+        for key, consumer in (getattr(part, BATCH_CONSUMERS_ATTR, None) or {}).items():
+            out.setdefault(key, []).append(consumer)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,3 +32,7 @@ def closest(word: str, options, n: int = 3) -> list[str]:
 def did_you_mean(word: str, options) -> str:
     hits = closest(word, options)
     return f"Did you mean {' or '.join(repr(h) for h in hits)}?" if hits else ""
+
+# A followed rollout folder (data.follow) stayed empty for data.wait_timeout seconds; the last
+# complete step was checkpointed: run it again (with checkpoint.resume=true) once the generator writes.
+EXIT_DATA_TIMEOUT = 77

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from framework import devices, first_step, kernel_cache
+from framework import devices, first_step, kernel_cache, publish
 
 _console = Console(highlight=False, soft_wrap=True)
 
@@ -40,7 +40,7 @@ class JsonlLogger(BaseLogger):
             "peak_mem_bytes": devices.peak_memory_bytes(),
             "peak_mem_kind": devices.peak_memory_kind(),
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
-            **{k: v for k, v in metrics.items() if k.startswith("policy/")},
+            **{k: v for k, v in metrics.items() if k.startswith(("policy/", "data/", "publish/"))},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("first_step/")},
@@ -83,15 +83,16 @@ def supersede(path: Path, first_step: int) -> int:
         (moved if isinstance(step, int) and step >= first_step else keep).append(line)
     if not moved:
         return 0
-    with open(path.with_name(SUPERSEDED_NAME), "a") as f:
+    aside = path.with_name(f"{path.stem}.superseded.jsonl")  # metrics.jsonl: SUPERSEDED_NAME
+    with open(aside, "a") as f:
         f.write("".join(m + "\n" for m in moved))
         f.flush()
         os.fsync(f.fileno())
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
-    _console.print(f"metrics.jsonl: {len(moved)} record(s) from step {first_step} on, written before this "
-                   f"resume, moved to {SUPERSEDED_NAME}")
+    _console.print(f"{path.name}: {len(moved)} record(s) from step {first_step} on, written before this "
+                   f"resume, moved to {aside.name}")
     return len(moved)
 
 
@@ -119,7 +120,8 @@ class ApiaryMetrics(MetricsProcessor):
         if self.extra_source is not None:
             extra_metrics = {**(extra_metrics or {}), **self.extra_source()}
         extra_metrics = {**(extra_metrics or {}), **{f"kernels/{k}": v for k, v in kernel_cache.LOG.take().items()},
-                         **{f"first_step/{k}": v for k, v in first_step.STATE.record().items()}}
+                         **{f"first_step/{k}": v for k, v in first_step.STATE.record().items()},
+                         **{f"publish/{k}": v for k, v in publish.LOG.take().items()}}
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):

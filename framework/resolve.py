@@ -52,8 +52,8 @@ def context(cfg, for_training: bool = True) -> contracts.Context:
 
 # Members the tools read when present (compare: NUMERICS; the planner: plan_terms) and a loss's own
 # check reads (NEEDS_DATA); a user's component may leave them out (compare then holds a switch to
-# nothing, the planner warns).
-_OPTIONAL = ("NUMERICS", "plan_terms", "NEEDS_DATA")
+# nothing, the planner warns); a model family's hf_writer (weight publication, refused without it).
+_OPTIONAL = ("NUMERICS", "plan_terms", "NEEDS_DATA", "hf_writer")
 
 
 def _check_members(kind: str, name: str, component) -> None:
@@ -124,6 +124,28 @@ def check_components(ctx: contracts.Context) -> None:
     for kind in contracts.KINDS:
         with _as_user_error(kind, ctx.choice(kind), ctx.components[kind]):
             ctx.components[kind].check(ctx.options[kind], ctx)
+
+
+# rl.* settings that act through the loss (the policy losses): (key, set?). A loss component lists the
+# ones it acts on in ``RL_KEYS``; one set with a loss that does not act on it is refused, never ignored.
+_RL_LOSS_KEYS = (("tis_cap", lambda v: v is not None),
+                 ("mismatch_threshold", lambda v: v != 0.1))  # 0.1: framework/schema.py RLConfig's default
+
+
+def check_rl_keys(ctx: contracts.Context) -> None:
+    """``rl.tis_cap`` / ``rl.mismatch_threshold`` set with a loss whose ``RL_KEYS`` lacks them: exit 2."""
+    section = ctx.cfg.get("rl") if hasattr(ctx.cfg, "get") else None
+    if section is None:
+        return
+    name = ctx.choice("loss")
+    acts_on = getattr(ctx.components["loss"], "RL_KEYS", ())
+    for key, is_set in _RL_LOSS_KEYS:
+        value = section.get(key)
+        if is_set(value) and key not in acts_on:
+            raise UserError(f"rl.{key}={value}", f"acts through an RL policy loss; loss={name} does not use it, "
+                            "so it would be ignored.",
+                            f"Choose an RL policy loss (`apiary ls` lists the losses), or drop rl.{key}. "
+                            "See docs/skills/tis.md.")
 
 
 def world_size_from(cfg, for_training: bool = True) -> int:
@@ -208,6 +230,56 @@ def _check_writable(cfg) -> None:
                         "Choose a writable output_dir, or fix the folder's permissions.")
 
 
+PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bool) -> None:
+    """publish.* (framework/publish.py): ranges and choices always; with publish.interval > 0 a model
+    family that converts to HF (its ``hf_writer``), one pipeline stage and a writable publish.dir."""
+    p = cfg.publish
+    if p.interval < 0:
+        raise UserError(f"publish.interval={p.interval}", "must be >= 0 (steps between published weight "
+                        "versions; 0 publishes nothing).", "For example publish.interval=10.")
+    if p.keep < 1:
+        raise UserError(f"publish.keep={p.keep}", "must be >= 1 (the newest versions kept on disk; the one "
+                        "`latest` names is never deleted).", "Keep 2 or more so a generator still loading "
+                        "the previous version does not lose it: publish.keep=3.")
+    if str(p.background).lower() not in ("auto", "true", "false"):
+        raise UserError(f"publish.background={p.background}", "unknown; valid: auto, true, false.",
+                        "auto writes in a background thread once a write costs more than 10% of a step.")
+    if p.dtype is not None and str(p.dtype) not in PUBLISH_DTYPES:
+        raise UserError(f"publish.dtype={p.dtype}", f"unknown; valid: {', '.join(PUBLISH_DTYPES)} (or null: the "
+                        "trained parameters' dtype).", "Inference engines load bfloat16: publish.dtype=bfloat16.")
+    if p.interval == 0 or not for_training:
+        return
+    family = ctx.choice("model")
+    if not callable(getattr(ctx.components["model"], "hf_writer", None)):
+        raise UserError(f"publish.interval={p.interval}", f"model.family={family} has no HF exporter "
+                        "(hf_writer), so its weights cannot be published as a HuggingFace folder.",
+                        "Set publish.interval=0, or add hf_writer to the family (framework/contracts.py "
+                        "ModelFamily; docs/skills/publish.md).")
+    if layout.pp > 1:
+        raise UserError(f"publish.interval={p.interval}", f"with parallel.pp={layout.pp} each rank holds one "
+                        "pipeline stage; publication gathers the whole model on rank 0 from one stage only.",
+                        "Use parallel.pp=1 (the table's default) or publish.interval=0.")
+    where = p.dir if p.dir is not None else str(Path(cfg.output_dir) / "weights")
+    probe = Path(where).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"publish.dir={where}", f"{probe} is a file, so no folder can be made there.",
+                        "Choose another publish.dir (a new or empty folder).")
+    try:  # a temporary folder, removed at once: nothing is left behind
+        writable = os.access(probe, os.W_OK | os.X_OK)
+        if writable:
+            tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
+    except OSError:
+        writable = False
+    if not writable:
+        raise UserError(f"publish.dir={where}", f"{probe} is not writable by this user, so no weights could "
+                        "be published.", "Choose a writable publish.dir, or fix the folder's permissions.")
+
+
 # Values every recipe must keep in range: (key, test, rule, fix). Checked before anything starts.
 _RANGES = [
     ("training.steps", lambda v: v >= 1, "must be >= 1", "Set training.steps to the number of optimizer steps."),
@@ -216,7 +288,8 @@ _RANGES = [
     ("training.global_batch", lambda v: v is None or v >= 1, "must be >= 1 (or null: local x data-parallel)", ""),
     ("training.max_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this norm; 0 would zero "
      "every gradient)", "To clip nothing, set training.max_norm=inf."),
-    ("optimizer.lr", lambda v: not v <= 0, "must be > 0", "For example optimizer.lr=3e-4."),
+    ("optimizer.lr", lambda v: v >= 0 and v != float("inf"), "must be a finite number >= 0 (0: a control run "
+     "whose weights never change)", "For example optimizer.lr=3e-4."),
     ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0", ""),
     ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
     ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
@@ -287,6 +360,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
     ctx.facts, ctx.layout = facts, layout
     check_components(ctx)
+    check_rl_keys(ctx)
     grad_accum = check_batch(cfg.training, layout)
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
@@ -294,6 +368,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     if for_training:
         _check_outputs(cfg)
         _check_writable(cfg)
+    _check_publish(cfg, ctx, layout, for_training)
     OmegaConf.set_struct(cfg, True)
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
                  data_summary="\n".join(ctx.summary), ctx=ctx)

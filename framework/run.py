@@ -83,6 +83,10 @@ def train(resolved, verbose: bool = False) -> dict | None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     preempt.exit_if_stopped(guard)
+    follow_stop = getattr(trainer, "_follow_stop", None)  # follow mode stopped waiting: timeout or bad shard
+    if follow_stop is not None:
+        lifecycle.write_status(follow_stop[0])
+        raise SystemExit(follow_stop[0])
     metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
     if rank == 0 and metrics.is_file():
         _record_plan(resolved, metrics)

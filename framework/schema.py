@@ -65,6 +65,8 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | path to a HF tokenizer folder
     num_workers: int = 0
     sharding: str = "blocks"  # blocks: same global batches for any DP size | documents: split docs by rank
+    follow: bool = False  # rollouts: train on shards as a generator writes them into data.path (docs/rl.md)
+    wait_timeout: float = 3600.0  # follow: seconds with no rollouts ready before checkpoint + exit 77
 
 
 @dataclass
@@ -72,6 +74,27 @@ class MoEConfig:
     comm: str = "alltoall"  # registry.yaml kind `moe_comm`
     chunk: str = "none"  # registry.yaml kind `moe_chunk`
     load_balance_coeff: Optional[float] = 1e-3
+    routing_replay: bool = False  # route every MoE layer to the rollouts' routed_experts (docs/skills/routing_replay.md)
+
+
+@dataclass
+class RLConfig:
+    """RL-loop settings that are not an objective's hyperparameter (docs/rl.md)."""
+
+    max_lag: Optional[int] = None  # drop records whose policy_version is more than this many versions old
+    tis_cap: Optional[float] = None  # truncated importance sampling: weight tokens by min(pi_train/pi_gen, C)
+    mismatch_threshold: float = 0.1  # |logp_train - logp_gen| above this counts in policy/mismatch_frac
+
+
+@dataclass
+class PublishConfig:
+    """Weights handed to a generator as HF folders (docs/skills/publish.md)."""
+
+    interval: int = 0  # publish every N steps (and the initial weights at step 0); 0: off
+    dir: Optional[str] = None  # default OUTPUT_DIR/weights
+    keep: int = 3  # versions kept (the newest; `latest` always points at a complete one)
+    background: str = "auto"  # auto | true | false: write the folder in a background thread
+    dtype: Optional[str] = None  # bfloat16 | float16 | float32: the weights' dtype in the folder; null: as trained
 
 
 @dataclass
@@ -149,6 +172,8 @@ class RecipeConfig:
     launcher: Any = MISSING  # group `launcher`
     precision: Any = MISSING  # group `precision`: bf16 | fp8 (docs/skills/fp8.md)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr: LRConfig = field(default_factory=LRConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -28,6 +28,9 @@ divided by that rank's tokens, then the max is taken over data parallel.
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +43,18 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from framework import first_step, integrity
+from framework import contracts, first_step, integrity, metrics, preempt
+from framework.errors import EXIT_DATA_TIMEOUT
 
+WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
+WAIT_FIRST_NOTE_S = 1.0
+WAIT_POLL_S = 0.2  # follow mode: how often the folder is looked at while waiting
 _GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
 _SEEDED: list = [None]  # the generators' states right after torchtitan seeded them, until the model's init
+
+
+def dist_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _rng_states() -> tuple:
@@ -103,6 +114,8 @@ class ApiaryTrainer(Trainer):
         resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
         batch_keys: tuple = ()  # per-token batch tensors for the loss (the data component's BATCH_KEYS)
         step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
+        follow_wait_timeout: float = 0.0  # > 0: the dataloader follows a growing folder (data.follow); seconds
+        publish: object = None  # framework.publish.PublishSettings, or None (publish.interval=0)
 
     def __init__(self, config, **kwargs):
         _init_from_seed()
@@ -129,23 +142,135 @@ class ApiaryTrainer(Trainer):
         if self.checkpointer.enable:
             self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
         if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
-            self.metrics_processor.extra_source = self._policy_metrics
+            self.metrics_processor.extra_source = self._extra_metrics
+        elif isinstance(getattr(self.dataloader, "dataset", None), contracts.FollowedData):
+            self.metrics_processor.extra_source = self._extra_metrics
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
+        self._follow_source = self._follow_stop = None
+        self._ledger_started, self._waited_s, self._start_step = False, 0.0, None
+        self._publisher, self._published_initial = None, False
+        if self.config.publish is not None:
+            from framework.publish import Publisher  # reason: only runs that publish weights
+
+            self._publisher = Publisher(self.config.publish, self)
 
     def close(self) -> None:
+        if getattr(self, "_publisher", None) is not None:  # a background publication lands first
+            self._publisher.close()
         if getattr(self, "_atomic", None) is not None:  # the last saves become visible (step-N) now
             self._atomic.finish()
         super().close()
 
     def train_step(self, data_iterator):
+        if self._publisher is not None and not self._published_initial:  # the weights this run starts from
+            self._published_initial = True
+            self._publisher.publish(self, self.step - 1, initial=True)
+        if self._start_step is None:
+            self._start_step = self.step - 1  # the step this process started from (0, or the resumed one)
+        if self.config.follow_wait_timeout > 0:
+            self._wait_for_data()
         first_step.STATE.step_started()  # the first step's breakdown (framework/first_step.py)
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0
         self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None
         self._bad_loss, self._skipped_now, self._loss_was_bad = None, False, False
         _GRAD_NORM[0] = None
-        return super().train_step(data_iterator)
+        out = super().train_step(data_iterator)
+        self._after_step()
+        return out
+
+    # -- follow mode (data.follow): wait for each step's rollouts --------------------------------
+    def _followed(self):
+        ds = getattr(self.dataloader, "dataset", None)
+        return ds if isinstance(ds, contracts.FollowedData) else None
+
+    def _wait_for_data(self) -> None:
+        """Before step ``self.step``: every rank's dataset can form the step's rows (agreed over ranks).
+        While it cannot, rank 0 says so every ``WAIT_NOTE_S``; a signal (SIGTERM, SIGUSR1, Ctrl-C) or
+        ``data.wait_timeout`` seconds without the rows stop the run with the last complete step
+        checkpointed (exit 75, or 77 for the timeout); a malformed shard stops it the same way (exit 2,
+        naming file and line). Nothing of this step has run when it stops."""
+        ds = self._followed()
+        if ds is None:
+            return
+        self._follow_source = ds
+        t0 = time.monotonic()
+        last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
+        folder = getattr(ds, "dir", "data.path")
+        while True:
+            error = ""
+            try:
+                ok = ds.ready()
+            except ValueError as e:
+                ok, error = False, str(e)
+            waited = time.monotonic() - t0
+            bad, missing, stop, timed_out = self._agree([bool(error), not ok, preempt.requested(),
+                                                        waited > self.config.follow_wait_timeout])
+            if bad:
+                self._stop_following("malformed", error or "a rollout shard on another rank is malformed")
+            if not missing:
+                self._waited_s = waited
+                return
+            if stop:
+                self._stop_following("signal", "")
+            if timed_out:
+                self._stop_following("timeout", f"no {ds.NOUN} for step {self.step} in {folder} for "
+                                                 f"{waited:.0f} s (data.wait_timeout={self.config.follow_wait_timeout:g})")
+            now = time.monotonic()
+            if now - last_note >= WAIT_NOTE_S and dist_rank() == 0:
+                last_note = now
+                print(f"waiting for {ds.NOUN} in {folder}: {waited:.0f} s (step {self.step}{ds.waiting_note()})",
+                      flush=True)
+            time.sleep(WAIT_POLL_S)
+
+    def _stop_following(self, why: str, message: str) -> None:
+        """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop."""
+        from torchtitan.components.dataloader import DataloaderExhaustedError  # reason: torchtitan's loop ends on it
+
+        self.step -= 1
+        guard = getattr(self, "_apiary_preempt", None)
+        ck = self.checkpointer
+        if not ck.enable:
+            note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"
+        elif self.step == self._start_step:
+            note = f"no step trained since the start (step {self.step}); the checkpoint it started from stays"
+        elif guard is not None and guard.last_saved == self.step:
+            note = f"checkpoint step-{self.step} already written"
+        else:
+            note = (f"checkpoint step-{self.step} saved" if preempt.force_save(ck, self.step)
+                    else f"checkpoint step-{self.step} NOT saved")
+        code = {"signal": preempt.EXIT_CODE, "timeout": EXIT_DATA_TIMEOUT, "malformed": 2}[why]
+        if why == "signal" and guard is not None:
+            guard.stopped_at, guard.saved = self.step, True
+            message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
+        self._follow_stop = (code, f"apiary: {message}; {note}; the rollout position of step {self.step} is kept"
+                                   + ("; fix or remove that shard (later shards are untouched), then resume with "
+                                      f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
+                                      else "") + f". Exit code {code}.")
+        if dist_rank() == 0:
+            print(self._follow_stop[1], file=sys.stderr, flush=True)
+        raise DataloaderExhaustedError()
+
+    def _write_ledger(self) -> None:
+        """The followed stream's ledger (its LEDGER file): the records each step trained (rank 0; a
+        resume moves the re-trained steps' lines aside)."""
+        report = self._follow_source.step_report(self.step)
+        if report is None or dist_rank() != 0:
+            return
+        path = Path(self.config.dump_folder) / self._follow_source.LEDGER
+        if not self._ledger_started:
+            self._ledger_started = True
+            metrics.supersede(path, self.step)
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.step, "waited_s": round(self._waited_s, 3), **report}) + "\n")
+
+    def _after_step(self) -> None:
+        """After step ``self.step`` was applied: the rollout ledger (follow mode), then publication."""
+        if self._follow_source is not None:
+            self._write_ledger()
+        if self._publisher is not None:
+            self._publisher.maybe_publish(self, self.step)
 
     # -- the non-finite guard ----------------------------------------------------------------
     def _agree(self, flags: list) -> list[bool]:
@@ -239,7 +364,11 @@ class ApiaryTrainer(Trainer):
         if self.metrics_processor.extra_source is not None and self.loss_fn.metric_weight is not None:
             w = self.loss_fn.metric_weight.float()
             for k, v in self.loss_fn.metrics.items():
-                self._policy_sums[k] = self._policy_sums.get(k, 0.0) + v.float() * w
+                if k.endswith("_max"):  # a max over the step's micro-steps that had trained tokens (no sync)
+                    v = torch.where(w > 0, v.float(), torch.full_like(v.float(), float("-inf")))
+                    self._policy_sums[k] = v if k not in self._policy_sums else torch.maximum(self._policy_sums[k], v)
+                else:
+                    self._policy_sums[k] = self._policy_sums.get(k, 0.0) + v.float() * w
             self._policy_tokens = self._policy_tokens + w
         if self.metrics_processor.max_loss_source is not None:
             self._loss_share = self._loss_share + loss.detach().float()
@@ -247,19 +376,36 @@ class ApiaryTrainer(Trainer):
             self._global_tokens = global_valid_tokens
         return loss
 
+    def _extra_metrics(self) -> dict[str, float]:
+        """The step's extra scalars: policy metrics (a collective), and what a followed stream consumed."""
+        out = self._policy_metrics() if hasattr(self.loss_fn, "set_batch") else {}
+        if self._follow_source is not None:
+            out.update(self._follow_source.step_metrics(self.step))
+            out["data/waited_s"] = float(self._waited_s)
+        return out
+
     def _policy_metrics(self) -> dict[str, float]:
         """The policy metrics as means over the step's trained tokens: each micro-step's value
         weighed by its local trained tokens, summed over micro-steps and data/context-parallel
-        ranks (a collective: every rank calls it when a step is logged)."""
+        ranks (a collective: every rank calls it when a step is logged). A key ending in ``_max``
+        is the max over the micro-steps and ranks that had trained tokens (0 where none had)."""
         if not self._policy_sums:
             return {}
-        keys = sorted(self._policy_sums)
+        keys = sorted(k for k in self._policy_sums if not k.endswith("_max"))
+        max_keys = sorted(k for k in self._policy_sums if k.endswith("_max"))
         sums = torch.stack([torch.as_tensor(v).float() for v in (*(self._policy_sums[k] for k in keys),
                                                                  self._policy_tokens)])
+        maxes = torch.stack([torch.as_tensor(self._policy_sums[k]).float().to(sums.device) for k in max_keys]) \
+            if max_keys else None
         mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
         if mesh is not None:
             dist.all_reduce(sums, group=mesh.get_group())
-        return {f"policy/{k}": float(v / sums[-1].clamp_min(1)) for k, v in zip(keys, sums[:-1])}
+            if maxes is not None:
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        out = {f"policy/{k}": float(v / sums[-1].clamp_min(1)) for k, v in zip(keys, sums[:-1])}
+        for k, v in zip(max_keys, maxes if maxes is not None else ()):
+            out[f"policy/{k}"] = float(v) if torch.isfinite(v) else 0.0
+        return dict(sorted(out.items()))
 
     def _max_loss_over_dp(self) -> float:
         """Max over data-parallel ranks of each rank's mean loss (its CP group's shares summed)."""
@@ -276,15 +422,21 @@ class ApiaryTrainer(Trainer):
         keys = (*self.config.batch_keys, *self.config.step_keys)
         rl = {k: input_dict.pop(k) for k in keys if k in input_dict}
         inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
-        if not hasattr(self.loss_fn, "set_batch"):
+        # per-token model inputs a component registered on the model (contracts.add_batch_consumer)
+        consumers = contracts.batch_consumers(self.model_parts)
+        if not hasattr(self.loss_fn, "set_batch") and not consumers:
             return inputs, labels, extra_kwargs
         group = None
-        if rl and self.parallel_dims.cp_enabled:
+        if rl and self.parallel_dims.cp_enabled:  # seq dim 1; trailing dims ([B, T, ...]) are kept
             per_token = [k for k in self.config.batch_keys if k in rl]
             cp_mesh = self.parallel_dims.get_mesh("cp")
             sharded, _ = cp_shard(cp_mesh, tuple(rl[k] for k in per_token), None,
                                   self.config.parallelism.context_parallel_load_balancer)
             rl.update(zip(per_token, sharded))
             group = cp_mesh.get_group()
-        self.loss_fn.set_batch(rl, group)
+        for key, fns in consumers.items():  # every micro-batch: its tensor, or None (stale state is cleared)
+            for fn in fns:
+                fn(rl.get(key))
+        if hasattr(self.loss_fn, "set_batch"):
+            self.loss_fn.set_batch(rl, group)
         return inputs, labels, extra_kwargs

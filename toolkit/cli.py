@@ -2,6 +2,7 @@
 
     apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | warmup ...
            | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT | autotune-table KERNEL_CACHE --out FILE
+           | logprobs MODEL ROLLOUTS --out DIR [--step N] [--temperature T]
 
 Each command's k=v arguments are recipe overrides in `train`'s grammar (framework.cli, Hydra).
 """
@@ -20,7 +21,7 @@ from rich.text import Text
 from framework import autotune_table, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
-from toolkit import argparsing, compare, launch, plan, warmup
+from toolkit import argparsing, compare, launch, logprobs, plan, warmup
 from toolkit.show import show_hf
 
 
@@ -156,6 +157,9 @@ def apiary_parser() -> argparsing.Parser:
     ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
+    lp = sub.add_parser("logprobs", help="a reference model's token log-probs into rollouts (ref_logprobs)",
+                        description=logprobs.__doc__)
+    logprobs.add_arguments(lp)
     return p
 
 
@@ -197,6 +201,8 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return launch.cp_template_main([ns.launcher, ns.dest])
         if cmd == "autotune-table":
             return _autotune_table(ns.cache, ns.out)
+        if cmd == "logprobs":
+            return logprobs.logprobs_args(ns)
         return _export(ns.run_dir, ns.hf)
     except UserError as e:
         return _fail(e)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local, local_data_files
@@ -35,9 +36,19 @@ class DataOptions:
     """loader processes per rank: 0 (in the training process) or 1"""
     sharding: str
     """blocks: same global batches for any DP size | documents: split docs by rank"""
+    follow: bool = False
+    """rollouts: train on shards as a generator writes them into data.path, in name order (docs/rl.md)"""
+    wait_timeout: float = 3600.0
+    """follow: seconds with no rollouts ready before the trainer checkpoints and exits 77"""
 
 
 def _check_common(o: DataOptions, ctx) -> None:
+    lag = ctx.cfg.rl.max_lag
+    if lag is not None and not o.follow:
+        raise UserError(f"rl.max_lag={lag}", "drops records by their policy_version against the trainer's version, "
+                        "which only a followed rollout stream has (data.format=rollouts data.follow=true); without "
+                        "it the setting would be silently ignored.",
+                        "Add data.follow=true (a folder a generator writes shards into), or drop rl.max_lag.")
     if o.sharding not in SHARDINGS:
         raise UserError(f"data.sharding={o.sharding}", f"unknown; valid: {', '.join(SHARDINGS)}.",
                         did_you_mean(str(o.sharding), SHARDINGS))
@@ -47,6 +58,11 @@ def _check_common(o: DataOptions, ctx) -> None:
                         "every worker would produce the same batches and the run would train on repeats.",
                         "Set data.num_workers=1 to load in one background process, or 0 to load in the "
                         "training process.")
+    if ctx.cfg.moe.get("routing_replay", False) and ctx.components.get("data") is not Rollouts:
+        raise UserError("moe.routing_replay=true", f"replays the expert routing that rollout records carry "
+                        f"(routed_experts), and data.format={o.format} has none.",
+                        "Set data.format=rollouts with records that carry routed_experts "
+                        "(docs/skills/routing_replay.md), or drop moe.routing_replay.")
 
 
 def _tokenizer(o: DataOptions, tc, ctx) -> None:
@@ -71,6 +87,10 @@ class Text:
     @staticmethod
     def check(options: DataOptions, ctx) -> None:
         _check_common(options, ctx)
+        if options.follow:
+            raise UserError("data.follow=true", "follows a folder of RL rollout shards; it needs "
+                            "data.format=rollouts (text data is read as a fixed set of files).",
+                            "Add data.format=rollouts with a policy loss (loss=grpo ...), or drop data.follow.")
         if not ctx.for_training:
             return
         if options.tokenizer != "byte":
@@ -123,6 +143,44 @@ class Text:
         tc.batch_keys, tc.step_keys = Text.BATCH_KEYS, Text.STEP_KEYS
 
 
+def _check_follow(d: DataOptions, ctx) -> None:
+    """data.follow=true: a folder (made if missing) the trainer reads shards from as they appear."""
+    cfg = ctx.cfg
+    if d.path is None:
+        raise UserError("data.follow=true", "needs data.path, the folder a generator writes rollout shards into.",
+                        "Set data.path=DIR (docs/rl.md: write NAME.tmp, then rename to NAME.jsonl).")
+    p = Path(str(d.path))
+    if p.exists() and not p.is_dir():
+        raise UserError(f"data.path={p}", "is a file; with data.follow=true it names the folder a generator "
+                        "writes rollout shards into.", "Point data.path at a folder, or drop data.follow.")
+    if d.num_workers != 0:
+        raise UserError(f"data.num_workers={d.num_workers}", "with data.follow=true the rollouts are read in the "
+                        "training process (it waits for shards between steps and its position is checkpointed "
+                        "at step boundaries).", "Set data.num_workers=0.")
+    if not d.wait_timeout > 0:
+        raise UserError(f"data.wait_timeout={d.wait_timeout}", "must be a number of seconds > 0 (how long the "
+                        "trainer waits for rollouts before it checkpoints and exits 77).",
+                        "Set data.wait_timeout=3600, for example.")
+    if cfg.parallel.pp not in (None, 1):
+        raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
+                        "Set parallel.pp=1.")
+    lag = cfg.rl.max_lag
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+        raise UserError(f"rl.max_lag={lag}", "must be an integer >= 0 (versions a record may lag the trainer's).",
+                        "Set rl.max_lag=1, for example, or drop it to keep every record.")
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"data.path={p}", f"cannot be made ({e.strerror}).",
+                            "Point data.path at a folder this user can create and read.") from None
+    # the shards' records are checked as they arrive (a malformed one stops the run at its step,
+    # naming file and line, with the position of the last complete step saved)
+    ctx.shared["rollouts.with_ref"] = None
+    ctx.summary.append(f"data: rollouts followed in {p} (shards in name order; waiting up to "
+                       f"{d.wait_timeout:g} s for each step's rows)")
+
+
 class Rollouts:
     """RL rollouts (token ids, loss masks, old log-probs, advantages), packed into windows."""
 
@@ -138,6 +196,13 @@ class Rollouts:
         if not ctx.for_training:
             return
         d, cfg = options, ctx.cfg
+        if cfg.moe.get("routing_replay", False):  # an MoE model (follow mode: records checked as they come)
+            from components.moe import routing_replay  # reason: imports torchtitan
+
+            routing_replay.check_model(ctx)
+        if d.follow:
+            _check_follow(d, ctx)
+            return
         path = source(d.name, d.path)
         if path is None:
             raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged "
@@ -159,6 +224,10 @@ class Rollouts:
             raise UserError(f"data.path={path}", f"token id {top} is outside the model's vocabulary "
                             f"({ctx.facts.vocab_size}): the rollouts were tokenized for another model.")
         ctx.shared["rollouts.with_ref"] = bool(index.with_ref)  # a loss with a KL term needs them
+        if cfg.moe.get("routing_replay", False):  # records against the model's MoE layers, top-k, experts
+            from components.moe import routing_replay  # reason: imports torchtitan
+
+            routing_replay.check_records(index, ctx, path)
 
     @staticmethod
     def summary(options: DataOptions, ctx) -> str:
@@ -168,9 +237,19 @@ class Rollouts:
     def apply(options: DataOptions, tc, ctx) -> None:
         from components.data.rollout_loader import RolloutDataLoader  # reason: imports torchtitan
 
-        g = ctx.cfg.training.global_batch
+        cfg = ctx.cfg
+        g = cfg.training.global_batch
+        lag = cfg.rl.max_lag
         tc.dataloader = RolloutDataLoader.Config(path=source(options.name, options.path),
                                                  num_workers=options.num_workers,
-                                                 global_batch=g if g is not None else -1)
+                                                 global_batch=g if g is not None else -1,
+                                                 follow=bool(options.follow), max_lag=-1 if lag is None else int(lag),
+                                                 publish_interval=int(cfg.publish.interval),
+                                                 vocab_size=int(ctx.facts.vocab_size))
+        tc.follow_wait_timeout = float(options.wait_timeout) if options.follow else 0.0
         _tokenizer(options, tc, ctx)
         tc.batch_keys, tc.step_keys = Rollouts.BATCH_KEYS, Rollouts.STEP_KEYS
+        if ctx.cfg.moe.get("routing_replay", False):  # the records' routed_experts route the MoE layers
+            from components.moe import routing_replay  # reason: imports torchtitan
+
+            routing_replay.install(tc)

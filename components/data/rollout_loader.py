@@ -8,6 +8,7 @@ trained tokens of the step), and the ``rl_*`` tensors travel to the policy loss 
 takes them out before the model call and context-shards them like the labels):
 
     rl_old_logprobs, rl_advantages[, rl_ref_logprobs]   [T] float32
+    rl_routed_experts                                   [T, n_moe_layers, k] long (-1 at padding; moe.routing_replay)
     rl_sequence_ids                                     [T] long (-1 at padding)
     rl_seq_tokens                                       [T] long, |o_i| of the token's sequence
     rl_num_seqs                                         []  float, sequences with a trained token
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
+from components.data.follow import FollowRows
 from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, build_rows, pack_rows  # noqa: F401
 
 
@@ -69,6 +71,8 @@ class RolloutRows(IterableDataset, Stateful):
                       "rl_num_seqs": self._num_seqs(g // self.step_rows)}
             if "ref_logprobs" in t:
                 sample["rl_ref_logprobs"] = t["ref_logprobs"]
+            if "routed_experts" in t:
+                sample["rl_routed_experts"] = t["routed_experts"]
             yield sample, t["labels"]
 
     def state_dict(self):
@@ -85,12 +89,31 @@ class RolloutDataLoader(ParallelAwareDataloader):
     class Config(ParallelAwareDataloader.Config):
         path: str = ""
         global_batch: int = -1  # rows per optimizer step; -1: local batch x data-parallel ranks
+        follow: bool = False  # data.follow: read shards as a generator writes them (components/data/follow.py)
+        max_lag: int = -1  # rl.max_lag (follow): drop records more versions behind; -1: keep all
+        publish_interval: int = 0  # publish.interval: the trainer's version is the step it last published
+        vocab_size: int = 0  # follow: token ids checked as shards arrive
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # rollouts come tokenized
         step_rows = config.global_batch if config.global_batch > 0 else local_batch_size * dp_world_size
-        ds = RolloutRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                         local_batch=local_batch_size, global_batch=step_rows)
+        if config.follow:
+            ds = FollowRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                            local_batch=local_batch_size, global_batch=step_rows,
+                            max_lag=config.max_lag if config.max_lag >= 0 else None,
+                            publish_interval=config.publish_interval, vocab_size=config.vocab_size)
+        else:
+            ds = RolloutRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                             local_batch=local_batch_size, global_batch=step_rows)
         super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, num_workers=config.num_workers,
                          batch_size=local_batch_size, snapshot_every_n_steps=snapshot_every_n_steps)
+
+    def load_state_dict(self, state_dict) -> None:
+        """As torchtitan's; a followed stream also takes its position now (not at the first batch), so
+        the trainer's wait before the first resumed step asks about the right step."""
+        super().load_state_dict(state_dict)
+        pending = getattr(self, "next_iter_state", None)
+        if isinstance(self.dataset, FollowRows) and pending and pending.get("dataset_state") is not None:
+            self.dataset.load_state_dict(pending["dataset_state"])
+

@@ -39,7 +39,8 @@ import torch
 
 from components.labels import IGNORE_INDEX
 
-RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens")  # per token
+RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens",
+           "rl_routed_experts")  # per token (routed_experts: [T, n_moe_layers, k], model input, not shifted)
 STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
 PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
@@ -73,6 +74,8 @@ def _check(where: str, rec: dict) -> int:
     per_token = ("loss_mask", "old_logprobs", "ref_logprobs")
     if isinstance(rec["advantages"], list):
         per_token += ("advantages",)
+    if rec.get("routed_experts") is not None:
+        per_token += ("routed_experts",)
     for k in per_token:
         if rec.get(k) is not None and len(rec[k]) != n:
             raise ValueError(f"{where}: {k} has {len(rec[k])} entries, input_ids {n}")
@@ -162,6 +165,26 @@ def _convert(where: str, rec: dict) -> None:
             torch.tensor(rec[k], dtype=dtype)
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{where}: {k} holds a value that is not a number ({e})") from None
+    if rec.get("routed_experts") is not None:
+        _routed_experts(where, rec)
+
+
+def _routed_experts(where: str, rec: dict) -> torch.Tensor:
+    """The record's ``routed_experts`` as a [L, n_moe_layers, k] long tensor; ValueError naming the
+    record when it is ragged, not integer or of another length than ``input_ids``."""
+    v = rec["routed_experts"]
+    try:
+        t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{t.dtype} values, not integers")
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where}: routed_experts must be integers of shape [L, n_moe_layers, k] "
+                         f"(per token, per MoE layer, the k expert ids the generator used) ({e})") from None
+    t = t.long()
+    if t.dim() != 3 or t.shape[0] != len(rec["input_ids"]) or t.numel() == 0:
+        raise ValueError(f"{where}: routed_experts has shape {list(t.shape)}, expected "
+                         f"[{len(rec['input_ids'])}, n_moe_layers, k] (L = len(input_ids))")
+    return t
 
 
 def _located_records(path: Path):
@@ -216,9 +239,20 @@ def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int =
 
 
 def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool, pad_id: int = 0,
-               ignore_index: int = IGNORE_INDEX) -> dict:
-    """Tensors (module docstring) for ``rows``: per row, its (record index, record) in order."""
+               ignore_index: int = IGNORE_INDEX, with_routed: bool | None = None) -> dict:
+    """Tensors (module docstring) for ``rows``: per row, its (record index, record) in order.
+
+    ``routed_experts`` [B, T, n_moe_layers, k] long (-1 at padding), not shifted (the routing of
+    the token at that position as an input), when ``with_routed`` or (None) when every record of
+    ``rows`` has the field; ValueError when they differ in [n_moe_layers, k] or only some have it."""
     b = len(rows)
+    recs = [(i, rec) for row in rows for i, rec in row]
+    has = [rec.get("routed_experts") is not None for _, rec in recs]
+    if with_routed is None:
+        with_routed = bool(has) and all(has)
+        if any(has) and not with_routed:
+            raise ValueError("routed_experts present in some records but not all")
+    routed_shape = None
     out = {
         "input_ids": torch.full((b, width), pad_id, dtype=torch.long),
         "labels": torch.full((b, width), ignore_index, dtype=torch.long),
@@ -230,6 +264,10 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
     }
     if with_ref:
         out["ref_logprobs"] = torch.zeros((b, width), dtype=torch.float32)
+    if with_routed:
+        i0, r0 = recs[0]
+        routed_shape = tuple(_routed_experts(f"record {i0}", r0).shape[1:])
+        out["routed_experts"] = torch.full((b, width, *routed_shape), -1, dtype=torch.long)
     meta = []
     for r, row in enumerate(rows):
         col, row_meta = 0, []
@@ -252,6 +290,14 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
             out["advantages"][r, nx] = adv[1:] * m
             if with_ref:
                 out["ref_logprobs"][r, nx] = torch.tensor(rec["ref_logprobs"], dtype=torch.float32)[1:] * m
+            if with_routed:  # not shifted: position t's routing is that of input token t
+                if rec.get("routed_experts") is None:
+                    raise ValueError(f"record {i}: no routed_experts (the other records have them)")
+                re = _routed_experts(f"record {i}", rec)
+                if tuple(re.shape[1:]) != routed_shape:
+                    raise ValueError(f"record {i}: routed_experts is [L, {', '.join(map(str, re.shape[1:]))}], "
+                                     f"record {recs[0][0]}'s [L, {', '.join(map(str, routed_shape))}]")
+                out["routed_experts"][r, sl] = re
             row_meta.append((i, rec.get("sequence_id"), rec.get("group_id")))
             col += n
         meta.append(row_meta)

@@ -52,12 +52,16 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
                       ref_logprobs=None, *, hparams: dict | None = None, temperature: float = 1.0,
                       entropy_coef: float = 0.0, entropy_den=None, sequence_ids=None, normalizer=None,
                       seq_tokens=None, vocab_group=None, ignore_index: int = IGNORE_INDEX,
-                      logits_dtype: str = "bfloat16", dw_accum: str = "float32", chunk_tokens: int = 4096):
+                      logits_dtype: str = "bfloat16", dw_accum: str = "float32", chunk_tokens: int = 4096,
+                      mismatch_threshold: float | None = None):
     """(loss, metrics) of ``rl.objective(objective)`` on the log-probs of ``hidden @ weight^T /
     temperature`` at ``labels``, minus ``entropy_coef * sum(entropy * mask) / entropy_den`` (den
     defaults to mask.sum()), with dH, dW computed in the forward. Per-token tensors are shaped
     like ``labels`` ([B, T] or [N]); advantages per token or per row. The same numbers as
-    ``token_logprobs`` + ``rl.objective`` (tests/test_linear_ce_fwdgrad.py)."""
+    ``token_logprobs`` + ``rl.objective`` (tests/test_linear_ce_fwdgrad.py). ``hparams`` may hold
+    ``tis_cap`` (truncated importance sampling: rl.py applies it per chunk, so ``g_t`` carries the
+    weight). ``mismatch_threshold`` not None: the metrics add ``rl.mismatch_metrics`` of the
+    detached log-probs against ``old_logprobs`` (no extra pass: the [N] log-probs exist anyway)."""
     if objective not in FUSABLE:
         raise ValueError(f"loss={objective} cannot use backend=fwdgrad (fusable: {', '.join(FUSABLE)}); GSPO's "
                          "sequence ratio needs every token's log-prob before any gradient: use backend=auto")
@@ -121,6 +125,8 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
             ent_sum = (ent * m).sum()
             value = value - entropy_coef * ent_sum / den
             metrics = {**metrics, "entropy": ent_sum / m.sum().clamp_min(1)}
+        if mismatch_threshold is not None and old_logprobs is not None:
+            metrics = {**metrics, **rl.mismatch_metrics(lp, old, m, mismatch_threshold)}
     if need_dh or need_dw:
         value = fwdgrad.StoredGrads.apply(h, w, value, res)
     return value, metrics

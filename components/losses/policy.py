@@ -14,10 +14,16 @@ counted by the loader before any split) and divide by the step's sequence count 
 the loader); GSPO's sequence ratio all-reduces its per-sequence sums over the context-parallel
 group. The policy metrics (clip fractions, KL, entropy) are logged with the loss as means over the
 step's trained tokens, across micro-steps and data/context-parallel ranks.
+
+Two run-level settings under ``rl.`` act here (docs/skills/tis.md): ``rl.tis_cap=C`` (truncated
+importance sampling, passed to the objective as ``tis_cap``) and ``rl.mismatch_threshold`` (the
+``policy/mismatch_*`` metrics: the trainer's log-probs of the trained tokens against the rollouts'
+``old_logprobs``, the generator's, logged at every step; ``_max`` keys are max-reduced).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
@@ -65,6 +71,8 @@ class _Policy:
     objective = ""
     NEEDS_DATA: tuple[str, ...] = ("rollouts",)
     SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
+    # the rl.* settings this loss acts on (framework/resolve.py refuses them set with a loss that has none)
+    RL_KEYS: tuple[str, ...] = ("tis_cap", "mismatch_threshold")
 
     objective_keys: tuple[str, ...] = ()  # options that change what is optimised (apiary compare)
 
@@ -83,6 +91,7 @@ class _Policy:
                              f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
         if ctx is None:
             return
+        cls._check_rl(ctx)
         check_backend_here(options.backend, ctx)
         seq_norm = getattr(options, "norm", "token") == "sequence"
         if (cls.NEEDS_DATA == ("rollouts",) or seq_norm) and ctx.choice("data") != "rollouts":
@@ -98,15 +107,51 @@ class _Policy:
                             "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
 
     @classmethod
+    def _check_rl(cls, ctx) -> None:
+        """rl.tis_cap (> 0, finite; an objective with an importance ratio) and rl.mismatch_threshold (>= 0)."""
+        rl_cfg = _rl_settings(ctx)
+        cap, thr = rl_cfg.get("tis_cap"), rl_cfg.get("mismatch_threshold", 0.1)
+        if cap is not None:
+            if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+                raise UserError(f"rl.tis_cap={cap}", "must be a finite number > 0 (the cap C of the truncated "
+                                "importance weight min(pi_train / pi_gen, C)).",
+                                "For example rl.tis_cap=2, or drop it (~rl.tis_cap) for no correction. "
+                                "See docs/skills/tis.md.")
+            if cls.objective not in TIS_OBJECTIVES:
+                raise UserError(f"rl.tis_cap={cap}", f"loss={cls.objective} has no importance ratio to "
+                                "truncate (it trains the log-likelihood of the tokens whoever sampled them).",
+                                f"Use one of {', '.join('loss=' + o for o in TIS_OBJECTIVES)}, or drop "
+                                "rl.tis_cap. See docs/skills/tis.md.")
+        if thr is None or not (isinstance(thr, (int, float)) and thr >= 0):
+            raise UserError(f"rl.mismatch_threshold={thr}", "must be >= 0 (|logp_train - logp_gen| above it "
+                            "counts in policy/mismatch_frac).", "For example rl.mismatch_threshold=0.1. "
+                            "See docs/skills/tis.md.")
+
+    @classmethod
     def apply(cls, options, tc, ctx) -> None:
         hp = {f.name: getattr(options, f.name) for f in fields(cls.Options) if f.name not in _HEAD_FIELDS | {"name"}}
+        rl_cfg = _rl_settings(ctx)
+        if rl_cfg.get("tis_cap") is not None:
+            hp["tis_cap"] = float(rl_cfg["tis_cap"])
         head = {k: getattr(options, k) for k in _HEAD_FIELDS}
-        tc.loss = policy_loss_class().Config(objective=cls.objective, hparams=hp, **head)
+        tc.loss = policy_loss_class().Config(objective=cls.objective, hparams=hp,
+                                             mismatch_threshold=float(rl_cfg.get("mismatch_threshold", 0.1)),
+                                             **head)
 
     @classmethod
     def plan_terms(cls, opts, ctx) -> PlanTerms:
         """On the fused LM-head engine: planned as linear_ce; the objective is the loss's own."""
         return fused_head_plan_terms(ctx, cls.objective, opts)
+
+
+TIS_OBJECTIVES = ("grpo", "dapo", "gspo", "cispo", "ppo")  # the objectives with an importance ratio
+
+
+def _rl_settings(ctx) -> dict:
+    """The recipe's ``rl:`` section as a dict (empty without one, e.g. a hand-built context)."""
+    cfg = getattr(ctx, "cfg", None)
+    section = cfg.get("rl") if cfg is not None and hasattr(cfg, "get") else None
+    return dict(section) if section is not None else {}
 
 
 class GRPO(_Policy):
@@ -232,6 +277,8 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     elif global_valid_tokens is not None:
         kw["normalizer"] = global_valid_tokens.float()
     loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
+    if "rl_old_logprobs" in batch:  # the trainer's log-probs of the trained tokens against the generator's
+        metrics = {**metrics, **rl.mismatch_metrics(lp, old, mask, _threshold(cfg))}
     if with_entropy:  # entropy bonus: a token mean over the step's trained tokens, like the token-level losses
         den = global_valid_tokens.float() if global_valid_tokens is not None else mask.sum()
         ent_sum = (ent.reshape(labels.shape) * mask).sum()
@@ -241,6 +288,10 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     # weighs them by the local trained tokens over the step's micro-steps and ranks when it logs
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
+
+
+def _threshold(cfg) -> float:
+    return float(getattr(cfg, "mismatch_threshold", 0.1))
 
 
 def _use_fused(cfg, h, w) -> bool:
@@ -284,7 +335,8 @@ def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
     loss, metrics = fused_policy_loss(
         h.reshape(*labels.shape, h.shape[-1]), w, labels, cfg.objective, old, adv, mask, ref, hparams=hp,
         temperature=cfg.temperature, entropy_coef=cfg.entropy_coef, entropy_den=den, **kw,
-        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens)
+        logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens,
+        mismatch_threshold=_threshold(cfg) if "rl_old_logprobs" in batch else None)
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
 
@@ -297,7 +349,8 @@ def set_batch(self, batch: dict, seq_group=None) -> None:
 
 def policy_loss_class():
     return head_loss.subclass("PolicyLoss", policy_loss, {
-        "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0},
+        "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0,
+        "mismatch_threshold": 0.1},
         {"batch": None, "seq_group": None, "metrics": {}, "metric_weight": None, "set_batch": set_batch})
 
 

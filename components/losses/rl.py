@@ -23,6 +23,16 @@ with ``sequence_ids`` numbered the same on every member) all-reduces them, diffe
 
 Notation: r_t = exp(logp_t - logp_old_t) (per-token importance ratio), A = advantage,
 clip(x, a, b) = min(max(x, a), b), sg = stop-gradient, |o_i| = tokens of sequence i.
+
+Truncated importance sampling (TIS, Yao et al. 2025; docs/skills/tis.md): ``tis_cap=C`` weighs
+each token's policy-gradient term by ``w_t = min(exp(logp_old_t - logp_gen_t), C)`` (sg), the
+trainer's old policy over the generator's. With ``gen_logprobs`` given, logp_old are the
+``old_logprobs`` and the surrogate keeps its ratio r_t against them. Without it (apiary's rollouts
+carry one field, the generator's log-probs, as ``old_logprobs``) the records' old_logprobs ARE
+logp_gen and the trainer's old policy is the current one (lag 0): ``w_t = min(exp(sg(logp_t) -
+old_t), C)`` and the surrogate's ratio is taken against sg(logp_t) (value 1, gradient of logp_t),
+so that pi_train / pi_gen is applied once, through w_t, and not a second time through r_t.
+``mismatch_metrics`` measures how far the trainer's log-probs are from the generator's.
 """
 
 from __future__ import annotations
@@ -105,6 +115,61 @@ def _kl_k3(logprobs, ref_logprobs):
     return torch.exp(d) - d - 1
 
 
+def tis_weights(logprobs, old_logprobs, tis_cap, gen_logprobs=None, mask=None):
+    """Truncated importance sampling: (the log-probs the surrogate's ratio is taken against, the
+    per-token weight w_t (detached; None without a cap), metrics).
+
+    ``gen_logprobs`` given: ``(old_logprobs, min(exp(old - gen), C))`` (the decoupled form: trainer's
+    old policy over the generator's). Not given: ``old_logprobs`` are the generator's, so
+    ``(sg(logp), min(exp(sg(logp) - old), C))`` (the current trainer policy over the generator's: at lag 0
+    exactly the trainer-inference mismatch correction)."""
+    if tis_cap is None:
+        return old_logprobs, None, {}
+    if not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    with torch.no_grad():
+        if gen_logprobs is None:
+            old_eff = logprobs.detach()
+            log_w = old_eff - old_logprobs
+        else:
+            old_eff = old_logprobs
+            log_w = old_logprobs - gen_logprobs.to(logprobs.dtype)
+        raw = torch.exp(log_w)
+        w = torch.clamp(raw, max=float(tis_cap))
+        metrics = {}
+        if mask is not None:
+            m = _mask(mask, logprobs)
+            n = m.sum().clamp_min(1)
+            metrics = {"tis_weight_mean": (w * m).sum() / n,
+                       "tis_capped_frac": ((raw > tis_cap).to(m.dtype) * m).sum() / n}
+    return old_eff, w, metrics
+
+
+def mismatch_metrics(logprobs, gen_logprobs, loss_mask, threshold: float = 0.1) -> dict:
+    """How far the trainer's log-probs of the sampled tokens are from the generator's, over the
+    trained tokens (detached; d_t = gen_t - logp_t):
+
+        mismatch_abs_mean = mean |d|, mismatch_abs_max = max |d| (0 without tokens),
+        mismatch_kl = mean (exp(-d) - 1 + d), the k3 estimator of KL(pi_gen || pi_train) on tokens
+                      sampled from the generator (unbiased there; >= 0; = d^2 / 2 to second order),
+        mismatch_frac = fraction of tokens with |d| > threshold.
+
+    Means over this call's tokens (the trainer weighs them by tokens over micro-steps and ranks;
+    a ``_max`` key is max-reduced)."""
+    with torch.no_grad():
+        lp = logprobs.detach().double()
+        d = gen_logprobs.detach().double().reshape(lp.shape) - lp
+        m = loss_mask.reshape(lp.shape).bool()
+        n = m.sum().clamp_min(1).double()
+        a = torch.where(m, d.abs(), torch.zeros_like(d))
+        k3 = torch.where(m, torch.expm1(-d) + d, torch.zeros_like(d))
+        out = {"mismatch_abs_mean": a.sum() / n,
+               "mismatch_abs_max": a.max() if a.numel() else a.sum(),
+               "mismatch_kl": k3.sum() / n,
+               "mismatch_frac": (m & (d.abs() > threshold)).double().sum() / n}
+    return {k: v.float() for k, v in out.items()}
+
+
 def _clip_metrics(ratio, lo, hi, m):
     with torch.no_grad():
         n = m.sum().clamp_min(1)
@@ -115,22 +180,24 @@ def _clip_metrics(ratio, lo, hi, m):
 
 def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
         eps_high: float | None = None, kl_coef: float = 0.0, norm: str = "token", sequence_ids=None,
-        normalizer=None, seq_tokens=None):
+        normalizer=None, seq_tokens=None, tis_cap: float | None = None, gen_logprobs=None):
     """PPO clipped surrogate (Schulman et al. 2017), per token:
 
         L = -mean_t [ min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) ] + kl_coef * mean_t KL_t
 
     eps_high defaults to eps. KL_t is the k3 estimator exp(ref - logp) - (ref - logp) - 1, used
     only when kl_coef > 0 (needs ref_logprobs). norm="token" averages over all masked tokens of
-    the batch; "sequence" averages per sequence, then over sequences.
+    the batch; "sequence" averages per sequence, then over sequences. tis_cap / gen_logprobs:
+    the surrogate term is weighted by TIS's w_t (``tis_weights``; the KL term is not).
     """
     m = _mask(loss_mask, logprobs)
     hi = eps if eps_high is None else eps_high
     a = advantages_like(advantages, logprobs)
+    old_logprobs, tis_w, tis_m = tis_weights(logprobs, old_logprobs, tis_cap, gen_logprobs, loss_mask)
     ratio = torch.exp(logprobs - old_logprobs)
     surr = torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + hi) * a)
-    per_tok = -surr
-    metrics = _clip_metrics(ratio, 1 - eps, 1 + hi, m)
+    per_tok = -surr if tis_w is None else -(tis_w * surr)
+    metrics = {**_clip_metrics(ratio, 1 - eps, 1 + hi, m), **tis_m}
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
@@ -143,7 +210,7 @@ def ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps
 
 def grpo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps: float = 0.2,
          kl_coef: float = 0.0, norm: str = "sequence", sequence_ids=None, normalizer=None,
-         seq_tokens=None):
+         seq_tokens=None, tis_cap: float | None = None, gen_logprobs=None):
     """GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip on group-normalised advantages
     (A_i = (R_i - mean_group R) / std_group R, see ``group_advantages``) with an optional KL
     penalty to a reference policy, averaged per sequence then over the G sequences:
@@ -153,12 +220,13 @@ def grpo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     KL_t = exp(ref - logp) - (ref - logp) - 1 (k3). norm="token" gives the token-level variant.
     """
     return ppo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, eps=eps, kl_coef=kl_coef,
-               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens)
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens,
+               tis_cap=tis_cap, gen_logprobs=gen_logprobs)
 
 
 def dapo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 0.2,
          eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None,
-         seq_tokens=None):
+         seq_tokens=None, tis_cap: float | None = None, gen_logprobs=None):
     """DAPO (Yu et al. 2025): clip-higher with decoupled ranges and token-level normalisation,
     no KL term:
 
@@ -169,12 +237,13 @@ def dapo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     """
     del ref_logprobs
     return ppo(logprobs, old_logprobs, advantages, loss_mask, None, eps=eps_low, eps_high=eps_high,
-               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens)
+               norm=norm, sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens,
+               tis_cap=tis_cap, gen_logprobs=gen_logprobs)
 
 
 def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float = 3e-4,
          eps_high: float = 4e-4, sequence_ids=None, normalizer=None, seq_tokens=None,
-         seq_group=None):
+         seq_group=None, tis_cap: float | None = None, gen_logprobs=None):
     """GSPO (Zheng et al. 2025): a sequence-level importance ratio, the geometric mean of the
     token ratios over the sequence's masked tokens, clipped per sequence:
 
@@ -188,51 +257,75 @@ def gspo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, ep
     Split sequences: with ``seq_group`` the per-sequence sums are all-reduced over the group (the
     log-ratio sum differentiably), and each member's loss holds the sequence terms in proportion
     to the tokens it has, so the members' losses add up to L. ``seq_tokens`` is not needed.
+
+    tis_cap: sequence-level TIS on GSPO's geometric mean, each sequence term weighted by
+    ``min(exp(1/|o_i| sum_t log w_t), C)`` with log w_t the token log-weights of ``tis_weights``
+    (without gen_logprobs: sg(logp_t) - old_t, and s_i is taken against sg(logp), value 1).
     """
     del ref_logprobs, seq_tokens
     m = _mask(loss_mask, logprobs)
     a = advantages_like(advantages, logprobs)
     seg, n = _segments(m, sequence_ids, seq_group)
     local_tok = _segment_sum(m, seg, n)
+    raw_old = old_logprobs
+    old_logprobs, _, _ = tis_weights(logprobs, old_logprobs, tis_cap, gen_logprobs)
     log_sum = _segment_sum((logprobs - old_logprobs) * m, seg, n)
     a_sum = _segment_sum(a.detach() * m, seg, n)
     tok = local_tok
+    lw_sum = None
+    if tis_cap is not None:  # the token log-weights, summed per sequence (detached)
+        gen = raw_old if gen_logprobs is None else gen_logprobs.to(logprobs.dtype)
+        lw_sum = _segment_sum((old_logprobs.detach() - gen) * m, seg, n)
     if seq_group is not None:
         tok, a_sum = local_tok.clone(), a_sum.clone()
         dist.all_reduce(tok, group=seq_group)
         dist.all_reduce(a_sum, group=seq_group)
         log_sum = all_reduce(log_sum, group=seq_group)
+        if lw_sum is not None:
+            dist.all_reduce(lw_sum, group=seq_group)
     has = tok > 0
     s = torch.exp(log_sum / tok.clamp_min(1))
     a_seq = a_sum / tok.clamp_min(1)
     per_seq = -torch.minimum(s * a_seq, torch.clamp(s, 1 - eps_low, 1 + eps_high) * a_seq)
+    tis_m = {}
+    if lw_sum is not None:
+        raw_w = torch.exp(lw_sum / tok.clamp_min(1))
+        seq_w = torch.clamp(raw_w, max=float(tis_cap))
+        per_seq = per_seq * seq_w
+        hs = has.to(s.dtype)
+        ns = hs.sum().clamp_min(1)
+        tis_m = {"tis_weight_mean": (seq_w * hs).sum() / ns, "tis_capped_frac": ((raw_w > tis_cap) * hs).sum() / ns}
     share = local_tok / tok.clamp_min(1)  # 1 without a group
     den = has.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=s.dtype, device=s.device)
     loss = (per_seq * share * has).sum() / torch.as_tensor(den, dtype=s.dtype).clamp_min(1)
     hm = has.to(s.dtype)
-    metrics = _clip_metrics(s, 1 - eps_low, 1 + eps_high, hm)
+    metrics = {**_clip_metrics(s, 1 - eps_low, 1 + eps_high, hm), **tis_m}
     return loss, metrics
 
 
 def cispo(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *, eps_low: float | None = None,
           eps_high: float = 0.28, norm: str = "token", sequence_ids=None, normalizer=None,
-          seq_tokens=None):
+          seq_tokens=None, tis_cap: float | None = None, gen_logprobs=None):
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight, so
     every token keeps a gradient (PPO's clip zeroes the gradient of clipped tokens):
 
         L = -1 / sum_i |o_i| * sum_i sum_t sg( clip(r_t, 1 - eps_low, 1 + eps_high) ) A_t logp_t
 
     eps_low=None: no lower bound (the paper sets it large). eps_high=0.28 is this project's
-    default, not a published value: tune it. ref_logprobs is ignored.
+    default, not a published value: tune it. ref_logprobs is ignored. tis_cap / gen_logprobs: each
+    term also weighted by TIS's w_t (``tis_weights``; without gen_logprobs r_t = 1, so w_t alone).
     """
     del ref_logprobs
     m = _mask(loss_mask, logprobs)
     a = advantages_like(advantages, logprobs)
+    old_logprobs, tis_w, tis_m = tis_weights(logprobs, old_logprobs, tis_cap, gen_logprobs, loss_mask)
     ratio = torch.exp(logprobs - old_logprobs).detach()
     lo = 0.0 if eps_low is None else 1 - eps_low
     w = torch.clamp(ratio, min=lo, max=1 + eps_high)
+    if tis_w is not None:
+        w = w * tis_w
     per_tok = -(w * a * logprobs)
-    metrics = _clip_metrics(ratio, lo, 1 + eps_high, m)
+    metrics = {**_clip_metrics(ratio, lo, 1 + eps_high, m), **tis_m}
     return reduce_tokens(per_tok, m, norm, sequence_ids, normalizer, seq_tokens), metrics
 
 

@@ -371,15 +371,23 @@ def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
                         "Use the config.json saved with these weights.")
 
 
+def causal_masks(model, tokens, positions=None):
+    """The causal attention masks a torchtitan decoder whose attention needs them (flex, varlen, the
+    CPU dense-mask path) gets from the trainer, for a call outside it; None when it needs none."""
+    first = getattr(model.config, "first_attention", None)
+    if first is None or not isinstance(first.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
+        return None
+    B, L = tokens.shape[0], tokens.shape[1]
+    pos = positions if positions is not None else torch.arange(L, device=tokens.device).expand(B, L)
+    return model.get_attention_masks(pos)
+
+
 class CausalMasksByDefault:
     """Mixin for torchtitan decoders: called outside the trainer (no masks), attend causally."""
 
     def forward(self, tokens, positions=None, attention_masks=None, **kwargs):
-        if attention_masks is None and self.config.first_attention is not None:
-            if isinstance(self.config.first_attention.inner_attention, (FlexAttention.Config, VarlenAttention.Config)):
-                B, L = tokens.shape[0], tokens.shape[1]
-                pos = positions if positions is not None else torch.arange(L, device=tokens.device).expand(B, L)
-                attention_masks = self.get_attention_masks(pos)
+        if attention_masks is None:
+            attention_masks = causal_masks(self, tokens, positions)
         return super().forward(tokens, positions, attention_masks, **kwargs)
 
 
@@ -408,14 +416,54 @@ def model_class(base: type, adapter_cls: type, name: str, module: str) -> type:
 
 # --------------------------------------------------------------------------- export
 
-def save(state_dict: dict, config, adapter_cls, hf_config: dict, out_path) -> Path:
-    """A torchtitan state dict -> HF folder (config.json + model.safetensors)."""
+def to_hf_tensors(state_dict: dict, config, adapter_cls) -> dict:
+    """A torchtitan state dict (full tensors; buffers such as the routing bias are ignored by the
+    adapters) -> HF name -> contiguous CPU tensor, through the family's state-dict adapter."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in adapter_cls(config, None).to_hf(state_dict).items()}
+
+
+def write_folder(tensors: dict, hf_config: dict, out_path) -> Path:
+    """HF tensors + config dict -> folder (config.json + model.safetensors); shared by `apiary export`
+    and weight publication (framework/publish.py writes its own files around the same tensors)."""
     out = Path(out_path)
     out.mkdir(parents=True, exist_ok=True)
-    hf = {k: v.detach().to("cpu").contiguous() for k, v in adapter_cls(config, None).to_hf(state_dict).items()}
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     return out
+
+
+def save(state_dict: dict, config, adapter_cls, hf_config: dict, out_path) -> Path:
+    """A torchtitan state dict -> HF folder (config.json + model.safetensors)."""
+    return write_folder(to_hf_tensors(state_dict, config, adapter_cls), hf_config, out_path)
+
+
+@dataclass
+class HFWriter:
+    """A family's ``hf_writer(options, ctx)`` (framework/contracts.py ``ModelFamily``): called with a
+    full torchtitan state dict of the trained model, returns ``(hf_tensors, hf_config)`` that
+    transformers, vLLM and SGLang load (framework/publish.py writes them as a folder)."""
+
+    config: object  # the torchtitan model config the run builds
+    adapter_cls: type  # the family's state-dict adapter (torchtitan <-> HF names)
+    hf_config: dict  # config.json
+    warned: bool = False
+
+    def __call__(self, state_dict: dict) -> tuple[dict, dict]:
+        if not self.warned:
+            self.warned = True
+            if any(k.endswith("expert_bias_E") and bool(v.any()) for k, v in state_dict.items()):
+                logging.getLogger("apiary").warning(
+                    "publish: the MoE routing bias that moe.load_balance_coeff trains is not part of the HF "
+                    "format and is left out, so a generator loading the published weights may route some "
+                    "tokens differently; train with moe.load_balance_coeff=null for routing that matches.")
+        return to_hf_tensors(state_dict, self.config, self.adapter_cls), self.hf_config
+
+
+def hf_writer(family_mod, options, ctx) -> HFWriter:
+    """``hf_writer(options, ctx)`` of a family with ``model_config``, ``arch_from_config``,
+    ``hf_config`` and ``STATE_DICT_ADAPTER`` (qwen3, llama3)."""
+    config = family_mod.model_config(options.flavor, **family_mod.model_kwargs(options, ctx))
+    return HFWriter(config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(family_mod.arch_from_config(config)))
 
 
 def latest_step(run_dir) -> Path:
@@ -452,6 +500,9 @@ def export_run(run_dir, out_path, family_mod) -> Path:
 def warn_routing_bias(model, step_dir) -> bool:
     """HF MoE configs have no routing bias: say so when load balancing trained one (it is not exported)."""
     keys = {k: v.shape for k, v in model.state_dict().items() if k.endswith("expert_bias_E")}
+    if keys:  # a run with moe.load_balance_coeff=null saved no bias (dcp.load raises a BaseException for it)
+        saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        keys = {k: s for k, s in keys.items() if k in saved}
     if not keys:
         return False
     bias = {k: torch.empty(s, dtype=torch.float32) for k, s in keys.items()}

@@ -173,6 +173,11 @@ def _self():
     return sys.modules[__name__]
 
 
+def hf_writer(options, ctx) -> hf.HFWriter:
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    return hf.hf_writer(_self(), options, ctx)
+
+
 # -- the component contract (framework/contracts.py, kind ``model``) --------------------------
 Options = common.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)

@@ -93,6 +93,11 @@ def _self():
     return sys.modules[__name__]
 
 
+def hf_writer(options, ctx) -> hf.HFWriter:
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    return hf.hf_writer(_self(), options, ctx)
+
+
 # --------------------------------------------------------------------------- HuggingFace folders
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
 
 # the family's names (FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS are read through this module)
 from components.models.qwen3_5_arch import FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS, Arch  # noqa: F401
-from components.models.qwen3_5_hf import TextStateDictAdapter, arch_from_hf_config, canonical_key, save_hf
+from components.models.qwen3_5_hf import TextStateDictAdapter, arch_from_hf_config, canonical_key, hf_text_config, save_hf
 from components.models.qwen3_5_model import Qwen35TextModel, TextBlock, parallelize_qwen35_text
 from framework import devices
 from framework.errors import UserError
@@ -257,3 +257,11 @@ def check(options, ctx) -> None:
 
 def apply(options, tc, ctx) -> None:
     common.apply_model(sys.modules[__name__], options, tc, ctx)
+
+
+def hf_writer(options, ctx) -> hf.HFWriter:
+    """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts.py)."""
+    kw = model_kwargs(options, ctx)
+    a = arch_of(options.flavor, n_layers=kw.get("n_layers"), vocab_size=kw.get("vocab_size"),
+                hf_checkpoint=kw.get("hf_checkpoint"))
+    return hf.HFWriter(model_config(options.flavor, **kw), STATE_DICT_ADAPTER, hf_text_config(a))

@@ -17,13 +17,11 @@ Export writes text-only keys with per-expert weights.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
 from components.models import hf
@@ -174,10 +172,4 @@ def load_hf(model: torch.nn.Module, path: str) -> None:
 
 def save_hf(state_dict: dict, arch, out_path: str, model_config) -> Path:
     """A torchtitan state dict of this family -> HF text-only folder."""
-    out = Path(out_path)
-    out.mkdir(parents=True, exist_ok=True)
-    adapter = TextStateDictAdapter(model_config, None)
-    out_sd = {k: v.detach().to("cpu").contiguous() for k, v in adapter.to_hf(state_dict).items()}
-    save_file(out_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_text_config(arch), indent=2))
-    return out
+    return hf.save(state_dict, model_config, TextStateDictAdapter, hf_text_config(arch), out_path)

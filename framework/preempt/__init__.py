@@ -161,7 +161,7 @@ class Guard:
             note = f"checkpoint step-{step} already written this step"
             self.saved = True
         else:
-            self.saved = _force_save(ck, step)
+            self.saved = force_save(ck, step)
             note = f"checkpoint step-{step} saved" if self.saved else f"checkpoint step-{step} NOT saved"
         self.stopped_at = step
         name = signal.Signals(_FLAG.signum).name if _FLAG.signum else "a signal on another rank"
@@ -181,7 +181,7 @@ def _cpu_group():
         return None
 
 
-def _force_save(ck, step: int) -> bool:
+def force_save(ck, step: int) -> bool:
     """A full (resumable) checkpoint of ``step`` off the interval: same path, same async mode."""
     ck.maybe_wait_for_saving()
     interval = getattr(ck, "interval", None)

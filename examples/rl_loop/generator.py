@@ -1,0 +1,164 @@
+"""The generator side of a live GRPO loop with apiary as the trainer (docs/rl.md).
+
+It uses transformers only (no apiary import): it loads the newest weights the trainer published
+(``WEIGHTS/latest`` names a complete ``step-N`` folder), samples ``--group`` completions for each of
+``--prompts`` prompts, scores them with a rule-based reward, normalizes the rewards within each
+group (GRPO's advantages), computes the log-probs of the sampled tokens under the same weights, and
+writes one shard of records into ``OUT`` (written as ``.NAME.tmp`` and renamed, names in write
+order), each record carrying the ``policy_version`` it was sampled with.
+
+The toy task ("answer in lowercase letters"): prompts are random byte strings; the reward of a
+completion is the fraction of its tokens that are lowercase ASCII letters (byte ids 97-122 of the
+byte tokenizer). A randomly initialised tiny model starts near 26/320 and GRPO raises it.
+
+One shard per published version (on-policy, lag 0, when each shard fills one trainer step); if no
+new version appears within ``--patience`` seconds the next shard is sampled with the weights at
+hand, so a trainer that needs more rows than a shard gives never waits forever.
+
+    python examples/rl_loop/generator.py --weights RUN/weights --out ROLLOUTS --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+LOWER = range(97, 123)  # 'a'..'z' in the byte tokenizer
+
+
+def reward(completion: list[int]) -> float:
+    return sum(t in LOWER for t in completion) / max(len(completion), 1)
+
+
+def latest(weights: Path) -> Path | None:
+    try:
+        name = (weights / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return weights / name if name else None
+
+
+def load(folder: Path):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    version = json.loads((folder / "apiary_version.json").read_text())["version"]
+    return model, int(version)
+
+
+@torch.no_grad()
+def sample_group(model, prompt: list[int], group: int, new_tokens: int, temperature: float, gen) -> torch.Tensor:
+    """``group`` sampled continuations of ``prompt``: [group, len(prompt) + new_tokens] token ids
+    (plain ancestral sampling at ``temperature`` over the whole vocabulary, the distribution the
+    trainer's log-probs describe)."""
+    ids = torch.tensor([prompt] * group)
+    past = None
+    step_ids = ids
+    for _ in range(new_tokens):
+        out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+        step_ids = nxt
+    return ids
+
+
+@torch.no_grad()
+def token_logprobs(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(ids[:, t] | ids[:, :t]) for t >= 1 (0 at t = 0), one full forward, fp32."""
+    logits = model(input_ids=ids).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+
+
+def write_shard(out: Path, index: int, records: list[dict]) -> Path:
+    name = f"{index:06d}.jsonl"
+    tmp = out / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, out / name)
+    return out / name
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", type=Path, required=True, help="the trainer's publish.dir")
+    p.add_argument("--out", type=Path, required=True, help="the trainer's data.path (data.follow=true)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
+    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=0, help="stop after this many shards (0: until stopped)")
+    p.add_argument("--patience", type=float, default=5.0,
+                   help="seconds to wait for a new version before sampling another shard with the current one")
+    p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the first weights")
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(a.seed)
+    a.out.mkdir(parents=True, exist_ok=True)
+    index = len([f for f in a.out.iterdir() if f.suffix == ".jsonl" and not f.name.startswith(".")])
+    model, version, used = None, -1, None
+    t0 = time.time()
+    while a.shards == 0 or index < a.shards:
+        folder = latest(a.weights)
+        if folder is None or folder == used:
+            waited = time.time() - t0
+            if folder is None and waited > a.wait:
+                print(f"generator: no weights in {a.weights} after {waited:.0f} s", file=sys.stderr)
+                return 1
+            if folder is None or waited < a.patience:
+                time.sleep(0.05)
+                continue
+        if folder != used and folder is not None:
+            try:
+                model, version = load(folder)
+            except (OSError, ValueError, KeyError):  # pruned or replaced while read: take the next
+                time.sleep(0.05)
+                continue
+            used = folder
+        records, rewards = [], []
+        for i in range(a.prompts):
+            prompt = torch.randint(0, 256, (a.prompt_tokens,), generator=gen).tolist()
+            ids = sample_group(model, prompt, a.group, a.new_tokens, a.temperature, gen)
+            lps = token_logprobs(model, ids, a.temperature)
+            rs = [reward(row[a.prompt_tokens:].tolist()) for row in ids]
+            mean = sum(rs) / len(rs)
+            std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+            for j, row in enumerate(ids.tolist()):
+                records.append({
+                    "input_ids": row,
+                    "loss_mask": [0] * a.prompt_tokens + [1] * a.new_tokens,
+                    "old_logprobs": [0.0] * a.prompt_tokens + lps[j, a.prompt_tokens:].tolist(),
+                    "advantages": (rs[j] - mean) / (std + 1e-4),
+                    "policy_version": version,
+                    "sequence_id": f"{index:06d}-{i * a.group + j}",
+                    "group_id": f"{index:06d}-{i}",
+                    "reward": rs[j],
+                })
+            rewards += rs
+        write_shard(a.out, index, records)
+        print(f"generator: shard {index} from version {version}: mean reward {sum(rewards) / len(rewards):.3f}",
+              flush=True)
+        index += 1
+        t0 = time.time()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""`apiary logprobs MODEL ROLLOUTS --out DIR`: a reference model's token log-probabilities
+written into rollout records (``ref_logprobs``, the KL term of the policy losses).
+
+MODEL is a HuggingFace folder (config.json; the family whose ``HF_MODEL_TYPES`` holds its
+``model_type`` builds it with ``hf_checkpoint=``) or an apiary run folder (config.yaml; its latest
+complete checkpoint, or ``--step N``, loaded into the run's own model, routing bias included).
+ROLLOUTS is a rollout .jsonl / .parquet file or a folder of them (components/data/rollouts.py).
+Each record is written back as jsonl under DIR with the same relative name (``x.parquet`` ->
+``x.jsonl``), every field kept, ``ref_logprobs`` set: ``ref_logprobs[t] = log p(input_ids[t] |
+input_ids[:t])`` under ``softmax(logits / --temperature)``, ``ref_logprobs[0] = 0``. The
+log-probabilities come from the model's final hidden states and its output weight through the
+fused head (``components.losses.logprob.token_logprobs``), never [tokens, vocab] logits.
+
+One process (this machine's accelerator, else the CPU), fp32, no gradients. Records are scored in
+batches of similar length, right-padded (causal models: padding never changes a real token's
+output) up to ``--batch-tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from components.data.rollouts import _located_records, _where, rollout_files
+from components.losses.logprob import token_logprobs
+from components.models.hf import causal_masks, read_config
+from framework import devices, integrity, registry
+from framework.api import build_model
+from framework.errors import UserError
+from framework.resolve import model_kwargs
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL", help="a HuggingFace model folder, or an apiary run folder (its checkpoint)")
+    p.add_argument("rollouts", metavar="ROLLOUTS", help="a rollout .jsonl/.parquet file or a folder of them")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the scored rollouts go (jsonl, same names)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="a run folder's checkpoint step (default: its latest complete one)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="divide the logits by T (the sampler's temperature; default 1.0)")
+    p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
+                   help="padded tokens per forward (default 8192)")
+
+
+# -------------------------------------------------------------------------------- the model
+
+def _family_of(folder: Path, where: str) -> str:
+    mt = str(read_config(folder).get("model_type", ""))
+    for family in registry.names("model"):
+        if mt in getattr(registry.resolve("model", family), "HF_MODEL_TYPES", ()):
+            return family
+    raise UserError(where, f"{folder}/config.json has model_type={mt or '(none)'}, which no model family in "
+                    "registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")
+
+
+def load_model(model: str, step: int | None, device) -> tuple[torch.nn.Module, str]:
+    """(the model in eval mode, a description of what was loaded)."""
+    where = f"apiary logprobs {model}"
+    p = Path(model)
+    if (p / "config.json").is_file():
+        if step is not None:
+            raise UserError(where, "is a HuggingFace folder; --step picks a checkpoint of a run folder.",
+                            "Drop --step.")
+        family = _family_of(p, where)
+        flavor = next(iter(registry.resolve("model", family).FLAVORS))  # defaults only: config.json is the architecture
+        return build_model(f"{family}:{flavor}", hf_checkpoint=str(p), device=str(device)).eval(), f"HF folder {p}"
+    if (p / "config.yaml").is_file():
+        return _run_model(p, step, device, where)
+    raise UserError(where, "is neither a HuggingFace model folder (config.json) nor an apiary run folder "
+                    "(config.yaml)" + ("" if p.exists() else "; it does not exist") + ".",
+                    "Pass a folder written by save_pretrained (or a published weights/step-N), or runs/RECIPE/TIME.")
+
+
+def _run_model(run: Path, step: int | None, device, where: str):
+    import torch.distributed.checkpoint as dcp  # reason: only run folders read DCP checkpoints
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    steps = integrity.complete_steps(run / "checkpoint")
+    if not steps:
+        raise UserError(where, "holds no complete checkpoint (checkpoint/step-N).",
+                        "Train with checkpointing on, or pass a HuggingFace folder.")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        raise UserError(f"{where} --step {step}", f"no complete checkpoint of that step; complete: "
+                        f"{', '.join(map(str, sorted(steps)))}.", "Pick one of those steps.")
+    kw = model_kwargs(cfg)
+    kw["moe_comm_backend"] = "standard"  # one process: no expert-parallel dispatch
+    model = build_model(f"{cfg.model.family}:{cfg.model.flavor}", device=str(device), **kw)
+    step_dir = integrity.step_dirs(run / "checkpoint")[step]
+    saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    sd = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [k for k in sd if k not in saved and k not in buffers]
+    if missing:
+        raise UserError(where, f"checkpoint step {step} lacks {len(missing)} of the model's weights, e.g. "
+                        f"{', '.join(missing[:3])}.", "Was it saved by this run's model? Try another --step.")
+    sd = {k: v for k, v in sd.items() if k in saved}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(sd, strict=False)
+    return model.eval(), f"{run} checkpoint step {step}"
+
+
+# -------------------------------------------------------------------------------- scoring
+
+@torch.no_grad()
+def score(model: torch.nn.Module, sequences: list[list[int]], temperature: float = 1.0,
+          batch_tokens: int = 8192) -> list[list[float]]:
+    """Per sequence: [0.0, log p(x1 | x0), log p(x2 | x0 x1), ...] (fp32, through the fused head)."""
+    device = next(model.parameters()).device
+    weight = model.lm_head.weight
+    out: list = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    skip = model._skip_lm_head
+    model._skip_lm_head = True  # the decoder returns its final hidden states (after the last norm)
+    try:
+        i = 0
+        while i < len(order):
+            width = len(sequences[order[i]])
+            batch = [order[i]]
+            while (i + len(batch) < len(order)
+                   and (len(batch) + 1) * len(sequences[order[i + len(batch)]]) <= max(batch_tokens, width)):
+                batch.append(order[i + len(batch)])
+            width = max(len(sequences[j]) for j in batch)
+            tokens = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, j in enumerate(batch):
+                tokens[r, :len(sequences[j])] = torch.tensor(sequences[j])
+            tokens = tokens.to(device)
+            hidden = model(tokens, attention_masks=causal_masks(model, tokens))  # as the trainer builds them
+            # position t's output predicts token t + 1
+            lp, _ = token_logprobs(hidden[:, :-1].float(), weight.float(), tokens[:, 1:], temperature)
+            for r, j in enumerate(batch):
+                out[j] = [0.0] + lp[r, :len(sequences[j]) - 1].cpu().tolist()
+            i += len(batch)
+    finally:
+        model._skip_lm_head = skip
+    return out
+
+
+def _read(files: list[Path], root: Path, where: str) -> list[tuple[Path, list[tuple[str, dict]]]]:
+    """Each file's records with their file:line, checked for what scoring needs."""
+    out = []
+    for f in files:
+        recs = []
+        try:
+            for line, _, rec in _located_records(f):
+                at = _where(f, line)
+                ids = rec.get("input_ids") if isinstance(rec, dict) else None
+                if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
+                    raise UserError(f"{where} {at}", "is not a rollout record: it needs input_ids, a list of at "
+                                    "least 2 non-negative token ids (components/data/rollouts.py).",
+                                    "Point ROLLOUTS at rollout files (the generator's output).")
+                recs.append((at, rec))
+        except ValueError as e:  # a jsonl line that is not JSON, a parquet file that is not parquet
+            raise UserError(f"{where} {f}", f"cannot be read as rollouts: {e}.",
+                            "Rollouts are .jsonl (one JSON object per line) or .parquet files.") from None
+        if not recs:
+            raise UserError(f"{where} {f}", "holds no rollout records.", "Remove the empty file or fill it.")
+        out.append((f, recs))
+    return out
+
+
+def _target(f: Path, root: Path, out: Path) -> Path:
+    rel = f.relative_to(root) if root.is_dir() else Path(f.name)
+    return out / rel.with_suffix(".jsonl")
+
+
+def logprobs_args(ns) -> int:
+    return run(ns.model, ns.rollouts, ns.out, step=ns.step, temperature=ns.temperature, batch_tokens=ns.batch_tokens)
+
+
+def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, temperature: float = 1.0,
+        batch_tokens: int = 8192, echo=print) -> int:
+    where = f"apiary logprobs {model_path} {rollouts}"
+    if not temperature > 0:
+        raise UserError(f"apiary logprobs --temperature {temperature}", "must be > 0.", "Use the sampler's temperature.")
+    if batch_tokens < 1:
+        raise UserError(f"apiary logprobs --batch-tokens {batch_tokens}", "must be >= 1.", "For example 8192.")
+    root = Path(rollouts)
+    files = rollout_files(root)
+    if not files:
+        raise UserError(where, f"{rollouts} " + ("is not a .jsonl or .parquet file, or a folder holding them"
+                                                if root.exists() else "does not exist") + ".",
+                        "Pass a rollout file or a folder of them (components/data/rollouts.py).")
+    records = _read(files, root, "apiary logprobs")
+    dest = Path(out)
+    clash = [str(f) for f in files if _target(f, root, dest).absolute() == f.absolute()]
+    if clash:
+        raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.",
+                        "Write to another folder.")
+    devices.install()
+    device = torch.device(devices.device_type())
+    model, what = load_model(model_path, step, device)
+    vocab = int(model.lm_head.weight.shape[0])
+    for f, recs in records:
+        for at, rec in recs:
+            top = max(rec["input_ids"])
+            if top >= vocab:
+                raise UserError(f"apiary logprobs {at}", f"token id {top} is outside the model's vocabulary of "
+                                f"{vocab} ({what}): the rollouts were tokenized for another model.",
+                                "Score them with the model (and tokenizer) that generated them.")
+    n_tok = 0
+    for f, recs in records:
+        lps = score(model, [rec["input_ids"] for _, rec in recs], temperature, batch_tokens)
+        target = _target(f, root, dest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        with open(tmp, "w") as h:
+            for (_, rec), lp in zip(recs, lps):
+                h.write(json.dumps({**rec, "ref_logprobs": lp}) + "\n")
+                n_tok += len(lp)
+        os.replace(tmp, target)
+    n = sum(len(r) for _, r in records)
+    echo(f"ref_logprobs of {n} records ({n_tok} tokens, temperature {temperature}) from {what} -> {dest}")
+    return 0
