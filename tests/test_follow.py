@@ -281,3 +281,27 @@ def test_a_shard_named_before_the_position_is_not_trained_and_named(tmp_path, ca
     next(it), next(it)
     assert ds.step_report(2)["records"] == [f"r{i}" for i in range(6, 12)]
     assert "000000.jsonl appeared after the trainer passed its name" in capsys.readouterr().out
+
+
+def test_two_ranks_follow_the_same_stream_as_one(tmp_path):
+    """nproc=2 (data parallel over 2 CPU ranks): the same records per step as one rank, and the same
+    losses within the cross-rank tolerance (every rank reads the shards; rows are dealt in blocks)."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    for i in range(3):
+        write_shard(data, i)
+    common = [*ARGS, f"data.path={data}", "training.steps=3", "training.global_batch=2", "training.local_batch=1",
+              "data.wait_timeout=30", "checkpoint.interval=100"]
+    seed = run_cli([*common, "checkpoint.create_seed=true", f"output_dir={tmp_path / 'seed'}"], tmp_path, timeout=300)
+    assert seed.returncode == 0, seed.stderr[-2000:]
+    common.append(f"checkpoint.load_path={tmp_path / 'seed' / 'checkpoint' / 'step-0'}")  # the same initial weights
+    one = run_cli([*common, f"output_dir={tmp_path / 'one'}"], tmp_path, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    two = run_cli([*common, f"output_dir={tmp_path / 'two'}", "nproc=2"], tmp_path, timeout=300,
+                  env={"OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-3000:])
+    assert [s["records"] for s in ledger(tmp_path / "one")] == [s["records"] for s in ledger(tmp_path / "two")]
+    assert [s["records"] for s in ledger(tmp_path / "two")] == [[f"r{i}" for i in range(6 * k, 6 * k + 6)]
+                                                                for k in range(3)]
+    loss = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+            for r in ("one", "two")]
+    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(*loss)), loss
