@@ -209,25 +209,30 @@ def _check_outputs(cfg) -> None:
                             "choose another output_dir.")
 
 
-def _check_writable(cfg) -> None:
-    """output_dir (or its nearest existing parent) must be a folder this process can write."""
-    out = Path(cfg.output_dir).absolute()
-    probe = out
+def _writable_folder(path, key: str, what: str) -> None:
+    """``path`` (or its nearest existing parent) is a folder this process can write; else a UserError
+    naming ``key``. ``what`` says what could not be written. The probe (a temporary folder, removed at
+    once) leaves nothing behind: os.access alone says yes to root on a read-only mount."""
+    probe = Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        raise UserError(f"output_dir={cfg.output_dir}", f"{probe} is a file, so no folder can be made under it.",
-                        "Choose another output_dir.")
-    try:  # os.access alone says yes to root on a read-only mount
+        raise UserError(key, f"{probe} is a file, so no folder can be made there.",
+                        f"Choose another {key.split('=')[0]} (a new or empty folder).")
+    try:
         writable = os.access(probe, os.W_OK | os.X_OK)
         if writable:
             tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
     except OSError:
         writable = False
     if not writable:
-        raise UserError(f"output_dir={cfg.output_dir}", f"{probe} is not writable by this user, so the run "
-                        "could save no config, metrics or checkpoint.",
-                        "Choose a writable output_dir, or fix the folder's permissions.")
+        raise UserError(key, f"{probe} is not writable by this user, so {what}.",
+                        f"Choose a writable {key.split('=')[0]}, or fix the folder's permissions.")
+
+
+def _check_writable(cfg) -> None:
+    """output_dir (or its nearest existing parent) must be a folder this process can write."""
+    _writable_folder(cfg.output_dir, f"output_dir={cfg.output_dir}", "the run could save no config, metrics or checkpoint")
 
 
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
@@ -263,21 +268,7 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
                         "pipeline stage; publication gathers the whole model on rank 0 from one stage only.",
                         "Use parallel.pp=1 (the table's default) or publish.interval=0.")
     where = p.dir if p.dir is not None else str(Path(cfg.output_dir) / "weights")
-    probe = Path(where).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"publish.dir={where}", f"{probe} is a file, so no folder can be made there.",
-                        "Choose another publish.dir (a new or empty folder).")
-    try:  # a temporary folder, removed at once: nothing is left behind
-        writable = os.access(probe, os.W_OK | os.X_OK)
-        if writable:
-            tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
-    except OSError:
-        writable = False
-    if not writable:
-        raise UserError(f"publish.dir={where}", f"{probe} is not writable by this user, so no weights could "
-                        "be published.", "Choose a writable publish.dir, or fix the folder's permissions.")
+    _writable_folder(where, f"publish.dir={where}", "no weights could be published")
 
 
 # Values every recipe must keep in range: (key, test, rule, fix). Checked before anything starts.

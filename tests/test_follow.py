@@ -305,3 +305,19 @@ def test_two_ranks_follow_the_same_stream_as_one(tmp_path):
     loss = [[json.loads(x)["loss"] for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
             for r in ("one", "two")]
     assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(*loss)), loss
+
+
+def test_parquet_shards_are_followed_like_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    recs = [dict(RECORDS[i], sequence_id=f"p{i}") for i in range(6)]
+    tmp = tmp_path / ".000000.parquet"
+    pq.write_table(pa.Table.from_pylist(recs), tmp)
+    assert not _rows(tmp_path).ready()  # a dot-file: not yet a shard
+    tmp.rename(tmp_path / "000000.parquet")
+    ds = _rows(tmp_path)
+    assert ds.ready()
+    it = iter(ds)
+    next(it), next(it)
+    assert ds.step_report(1)["records"] == [f"p{i}" for i in range(6)]

@@ -95,6 +95,21 @@ def test_ref_logprobs_equal_transformers_log_softmax(run, tmp_path, temperature,
     print(f"temperature {temperature}: ref_logprobs vs transformers max abs diff {worst:.2e}")
 
 
+def test_field_old_logprobs_keeps_the_engines_as_gen_logprobs(run, tmp_path, capsys):
+    """--field old_logprobs (rl.tis_cap's decoupled form): the trainer-side log-probs go to old_logprobs,
+    the engine's former old_logprobs to gen_logprobs; a record that already has gen_logprobs is refused."""
+    out = tmp_path / "out"
+    assert apiary_main(["logprobs", str(run["hf"]), str(run["src"]), "--out", str(out), "--field", "old_logprobs"]) == 0
+    assert "old_logprobs of 6 records" in capsys.readouterr().out
+    for rec, orig, ref in zip(_scored(out), run["recs"], run["ref"]["1.0"]):
+        assert rec["gen_logprobs"] == orig["old_logprobs"] and "ref_logprobs" not in rec
+        assert max(abs(a - b) for a, b in zip(rec["old_logprobs"], ref)) <= LOGPROB_ATOL
+    again = tmp_path / "again"
+    assert apiary_main(["logprobs", str(run["hf"]), str(out), "--out", str(again), "--field", "old_logprobs"]) == 2
+    assert "already has gen_logprobs" in capsys.readouterr().err
+    assert not again.exists()
+
+
 def test_run_folder_scores_like_its_export(run, tmp_path):
     """The run's own model from its checkpoint == `apiary export` of that checkpoint loaded as an HF
     folder, up to the run's expert GEMMs: the tiny_moe flavor trains with torchtitan's GroupedExperts,

@@ -42,6 +42,10 @@ def add_arguments(p) -> None:
                    help="a run folder's checkpoint step (default: its latest complete one)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divide the logits by T (the sampler's temperature; default 1.0)")
+    p.add_argument("--field", default="ref_logprobs", choices=FIELDS,
+                   help="the field to fill: ref_logprobs (a reference model, for a KL term) or old_logprobs "
+                        "(the trainer's own old policy, for rl.tis_cap's decoupled form; the record's old "
+                        "old_logprobs, the engine's, move to gen_logprobs)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
                    help="padded tokens per forward (default 8192)")
 
@@ -169,13 +173,31 @@ def _target(f: Path, root: Path, out: Path) -> Path:
     return out / rel.with_suffix(".jsonl")
 
 
+FIELDS = ("ref_logprobs", "old_logprobs")
+
+
 def logprobs_args(ns) -> int:
-    return run(ns.model, ns.rollouts, ns.out, step=ns.step, temperature=ns.temperature, batch_tokens=ns.batch_tokens)
+    return run(ns.model, ns.rollouts, ns.out, step=ns.step, temperature=ns.temperature, batch_tokens=ns.batch_tokens,
+               field=ns.field)
+
+
+def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:
+    """``rec`` with ``field`` set to ``lp``; for old_logprobs the engine's numbers move to gen_logprobs
+    (refused when the record already has gen_logprobs: they would be lost)."""
+    if field == "ref_logprobs":
+        return {**rec, "ref_logprobs": lp}
+    if rec.get("gen_logprobs") is not None:
+        raise UserError(f"apiary logprobs --field old_logprobs {at}", "the record already has gen_logprobs; "
+                        "moving its old_logprobs there would lose them.",
+                        "Score rollouts that carry the engine's log-probs in old_logprobs only.")
+    return {**rec, "gen_logprobs": rec.get("old_logprobs"), "old_logprobs": lp}
 
 
 def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, temperature: float = 1.0,
-        batch_tokens: int = 8192, echo=print) -> int:
+        batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print) -> int:
     where = f"apiary logprobs {model_path} {rollouts}"
+    if field not in FIELDS:
+        raise UserError(f"apiary logprobs --field {field}", f"unknown; valid: {', '.join(FIELDS)}.")
     if not temperature > 0:
         raise UserError(f"apiary logprobs --temperature {temperature}", "must be > 0.", "Use the sampler's temperature.")
     if batch_tokens < 1:
@@ -203,17 +225,22 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
                 raise UserError(f"apiary logprobs {at}", f"token id {top} is outside the model's vocabulary of "
                                 f"{vocab} ({what}): the rollouts were tokenized for another model.",
                                 "Score them with the model (and tokenizer) that generated them.")
+    if field == "old_logprobs":  # refused before anything is written
+        for f, recs in records:
+            for at, rec in recs:
+                _filled(rec, field, [], at)
     n_tok = 0
     for f, recs in records:
         lps = score(model, [rec["input_ids"] for _, rec in recs], temperature, batch_tokens)
         target = _target(f, root, dest)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp")
+        lines = [json.dumps(_filled(rec, field, lp, at)) + "\n" for (at, rec), lp in zip(recs, lps)]
+        n_tok += sum(len(lp) for lp in lps)
         with open(tmp, "w") as h:
-            for (_, rec), lp in zip(recs, lps):
-                h.write(json.dumps({**rec, "ref_logprobs": lp}) + "\n")
-                n_tok += len(lp)
+            h.writelines(lines)
         os.replace(tmp, target)
     n = sum(len(r) for _, r in records)
-    echo(f"ref_logprobs of {n} records ({n_tok} tokens, temperature {temperature}) from {what} -> {dest}")
+    moved = " (the engine's old_logprobs kept as gen_logprobs)" if field == "old_logprobs" else ""
+    echo(f"{field} of {n} records ({n_tok} tokens, temperature {temperature}) from {what} -> {dest}{moved}")
     return 0

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from components.data.rollouts import _check, _convert, _located_records, _where, build_rows
+from components.data.rollouts import _check, _convert, _located_records, _where, build_rows, gen_presence_error
 
 SHARD_SUFFIXES = (".jsonl", ".parquet")
 
@@ -91,6 +91,7 @@ class FollowRows(IterableDataset, Stateful):
         self._reports: dict[int, dict] = {}
         self._note = ""
         self.with_ref: bool | None = None
+        self.with_gen: tuple[bool, str] | None = None  # (gen_logprobs present, the first record's file:line)
 
     # -- versions ----------------------------------------------------------------------------
     def version(self, step: int) -> int:
@@ -131,6 +132,11 @@ class FollowRows(IterableDataset, Stateful):
                 self.with_ref = with_ref
             elif with_ref != self.with_ref:
                 raise ValueError(f"{where}: ref_logprobs present in some records but not all")
+            with_gen = rec.get("gen_logprobs") is not None
+            if self.with_gen is None:
+                self.with_gen = (with_gen, where)
+            elif with_gen != self.with_gen[0]:
+                raise ValueError(gen_presence_error(where, with_gen, self.with_gen[1]))
             recs.append((line, rec))
         self._cache[f.name] = recs
         return recs
@@ -224,7 +230,8 @@ class FollowRows(IterableDataset, Stateful):
 
     # -- iteration ---------------------------------------------------------------------------
     def _sample(self, row: list) -> tuple[dict, torch.Tensor]:
-        t = build_rows([[(i, rec) for i, (_, rec) in enumerate(row)]], self.seq_len, with_ref=bool(self.with_ref))
+        t = build_rows([[(i, rec) for i, (_, rec) in enumerate(row)]], self.seq_len, with_ref=bool(self.with_ref),
+                       with_gen=bool(self.with_gen and self.with_gen[0]))
         t = {k: v[0] for k, v in t.items() if k != "meta"}
         n_seqs = float(sum(any(rec["loss_mask"][1:]) for plan_row in self._plan.rows for _, rec in plan_row))
         sample = {"input": t["input_ids"], "positions": t["positions"],
@@ -233,6 +240,8 @@ class FollowRows(IterableDataset, Stateful):
                   "rl_num_seqs": torch.tensor(n_seqs)}
         if "ref_logprobs" in t:
             sample["rl_ref_logprobs"] = t["ref_logprobs"]
+        if "gen_logprobs" in t:
+            sample["rl_gen_logprobs"] = t["gen_logprobs"]
         if "routed_experts" in t:
             sample["rl_routed_experts"] = t["routed_experts"]
         return sample, t["labels"]

@@ -7,7 +7,7 @@ model (positions restart at every packed sequence, so attention stays inside it)
 trained tokens of the step), and the ``rl_*`` tensors travel to the policy loss (the trainer
 takes them out before the model call and context-shards them like the labels):
 
-    rl_old_logprobs, rl_advantages[, rl_ref_logprobs]   [T] float32
+    rl_old_logprobs, rl_advantages[, rl_ref_logprobs][, rl_gen_logprobs]   [T] float32
     rl_routed_experts                                   [T, n_moe_layers, k] long (-1 at padding; moe.routing_replay)
     rl_sequence_ids                                     [T] long (-1 at padding)
     rl_seq_tokens                                       [T] long, |o_i| of the token's sequence
@@ -55,7 +55,7 @@ class RolloutRows(IterableDataset, Stateful):
     def row(self, i: int) -> dict:
         """Row ``i`` of the packed stream, as tensors [seq_len] (see rollouts.build_rows)."""
         t = build_rows([[(j, self.index.fetch(j)) for j in self.rows[i]]], self.seq_len,
-                       with_ref=self.index.with_ref)
+                       with_ref=self.index.with_ref, with_gen=self.index.with_gen)
         return {k: v[0] for k, v in t.items() if k != "meta"}
 
     def __iter__(self):
@@ -71,6 +71,8 @@ class RolloutRows(IterableDataset, Stateful):
                       "rl_num_seqs": self._num_seqs(g // self.step_rows)}
             if "ref_logprobs" in t:
                 sample["rl_ref_logprobs"] = t["ref_logprobs"]
+            if "gen_logprobs" in t:
+                sample["rl_gen_logprobs"] = t["gen_logprobs"]
             if "routed_experts" in t:
                 sample["rl_routed_experts"] = t["routed_experts"]
             yield sample, t["labels"]

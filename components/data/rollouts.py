@@ -8,21 +8,30 @@ One record per sampled sequence (prompt + response):
                                          any value where loss_mask is 0 (position 0 must be 0)
     advantages    float | list[float]    per sequence, or per token (L)
     ref_logprobs  list[float] (L)        optional: reference policy, for a KL term
+    gen_logprobs  list[float] (L)        optional: the inference engine's log-probs of the same tokens,
+                                         when old_logprobs are the trainer's old policy (recomputed
+                                         by the trainer's engine): truncated importance sampling then
+                                         weighs each token by min(exp(old - gen), rl.tis_cap) and the
+                                         mismatch metrics compare against gen (docs/skills/tis.md)
     sequence_id   int | str              optional: kept in ``meta``
     group_id      int | str              optional: the prompt group (GRPO), kept in ``meta``
 
 Per-token fields describe the token at the same index (``field[t]`` is about ``input_ids[t]``).
 The model's output at position t predicts token t+1, so the reader shifts them by one:
 ``labels[t] = input_ids[t+1]`` where ``loss_mask[t+1]`` (else IGNORE_INDEX, -100), and likewise loss_mask,
-old_logprobs, advantages and ref_logprobs, so that everything lines up with
+old_logprobs, advantages, ref_logprobs and gen_logprobs, so that everything lines up with
 ``token_logprobs(hidden, weight, labels)``. Output (B rows, T columns):
 
     input_ids [B, T] long (pad_id), labels [B, T] long (IGNORE_INDEX where not trained), loss_mask [B, T] bool,
-    old_logprobs / advantages / ref_logprobs [B, T] float32 (0 at padding),
+    old_logprobs / advantages / ref_logprobs / gen_logprobs [B, T] float32 (0 at padding and where
+    not trained),
     positions [B, T] long (restart at every packed sequence), sequence_ids [B, T] long (index of
     the sequence inside its row, -1 at padding), seq_tokens [B, T] long (trained tokens of the
     token's sequence, the |o_i| of sequence-level means; 0 at padding), meta: list per row of
     the records' (index, sequence_id, group_id).
+
+ref_logprobs and gen_logprobs are each in every record or in none (ValueError naming the first
+record that differs from the first one).
 
 Packing (``pack_to``): sequences are placed in order, each row filled until the next one does
 not fit (no sequence is split); without it each row holds one sequence and T is the longest.
@@ -39,8 +48,8 @@ import torch
 
 from components.labels import IGNORE_INDEX
 
-RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_sequence_ids", "rl_seq_tokens",
-           "rl_routed_experts")  # per token (routed_experts: [T, n_moe_layers, k], model input, not shifted)
+RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_gen_logprobs", "rl_sequence_ids",
+           "rl_seq_tokens", "rl_routed_experts")  # per token (routed_experts: [T, n_moe_layers, k], model input, not shifted)
 STEP_KEYS = ("rl_num_seqs",)  # per sample, not per token: not context-sharded
 PACKAGED_ROLLOUTS = Path(__file__).with_name("tiny_rollouts.jsonl")  # see make_tiny_rollouts.py
 REQUIRED = ("input_ids", "loss_mask", "old_logprobs", "advantages")
@@ -67,11 +76,11 @@ def _check(where: str, rec: dict) -> int:
     missing = [k for k in REQUIRED if k not in rec or rec[k] is None]
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}; a rollout record needs "
-                         f"{', '.join(REQUIRED)} (ref_logprobs optional)")
+                         f"{', '.join(REQUIRED)} (ref_logprobs, gen_logprobs optional)")
     n = len(rec["input_ids"])
     if n < 2:
         raise ValueError(f"{where}: input_ids needs at least 2 tokens, got {n}")
-    per_token = ("loss_mask", "old_logprobs", "ref_logprobs")
+    per_token = ("loss_mask", "old_logprobs", "ref_logprobs", "gen_logprobs")
     if isinstance(rec["advantages"], list):
         per_token += ("advantages",)
     if rec.get("routed_experts") is not None:
@@ -96,6 +105,7 @@ class RolloutIndex:
             raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
         self.loc, self.lengths, self.trained, with_ref = [], [], [], []
         self.max_token = -1
+        self.with_gen, first = False, ""  # gen_logprobs: in every record or in none (the first one decides)
         for fi, f in enumerate(self.files):
             for line, loc, rec in _located_records(f):
                 where = _where(f, line)
@@ -106,6 +116,11 @@ class RolloutIndex:
                 self.max_token = max(self.max_token, max(rec["input_ids"]))
                 self.trained.append(any(rec["loss_mask"][1:]))
                 with_ref.append(rec.get("ref_logprobs") is not None)
+                with_gen = rec.get("gen_logprobs") is not None
+                if not self.loc:
+                    self.with_gen, first = with_gen, where
+                elif with_gen != self.with_gen:
+                    raise ValueError(gen_presence_error(where, with_gen, first))
                 self.loc.append((fi, line, *loc))
         if not self.lengths:
             raise ValueError(f"{path}: no rollout records")
@@ -151,6 +166,12 @@ class RolloutIndex:
         return self._group[1].slice(b, 1).to_pylist()[0]
 
 
+def gen_presence_error(where: str, has: bool, first: str) -> str:
+    """The message for a record whose gen_logprobs presence differs from the first record's."""
+    return (f"{where}: gen_logprobs {'present' if has else 'missing'} here but {'absent' if has else 'present'} "
+            f"in {first}; gen_logprobs must be in every record or in none")
+
+
 def _where(path: Path, line: int) -> str:
     return f"{path}:{line}" if path.suffix == ".jsonl" else f"{path}[{line}]"
 
@@ -158,7 +179,8 @@ def _where(path: Path, line: int) -> str:
 def _convert(where: str, rec: dict) -> None:
     """Raise ValueError naming the field when a value would not convert as the loader converts it."""
     for k, dtype in (("input_ids", torch.long), ("loss_mask", torch.bool), ("old_logprobs", torch.float32),
-                     ("advantages", torch.float32), ("ref_logprobs", torch.float32)):
+                     ("advantages", torch.float32), ("ref_logprobs", torch.float32),
+                     ("gen_logprobs", torch.float32)):
         if rec.get(k) is None:
             continue
         try:
@@ -235,12 +257,13 @@ def read_rollouts(path: str | Path, *, pack_to: int | None = None, pad_id: int =
     rows, width = pack_rows(index.lengths, pack_to, index.where)
     width = int(math.ceil(width / pad_multiple) * pad_multiple)
     return build_rows([[(i, index.fetch(i)) for i in idxs] for idxs in rows], width, with_ref=index.with_ref,
-                      pad_id=pad_id, ignore_index=ignore_index)
+                      with_gen=index.with_gen, pad_id=pad_id, ignore_index=ignore_index)
 
 
 def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool, pad_id: int = 0,
-               ignore_index: int = IGNORE_INDEX, with_routed: bool | None = None) -> dict:
+               ignore_index: int = IGNORE_INDEX, with_routed: bool | None = None, with_gen: bool = False) -> dict:
     """Tensors (module docstring) for ``rows``: per row, its (record index, record) in order.
+    ``with_gen``: every record has ``gen_logprobs`` (output key ``gen_logprobs``, shifted like old_logprobs).
 
     ``routed_experts`` [B, T, n_moe_layers, k] long (-1 at padding), not shifted (the routing of
     the token at that position as an input), when ``with_routed`` or (None) when every record of
@@ -264,6 +287,8 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
     }
     if with_ref:
         out["ref_logprobs"] = torch.zeros((b, width), dtype=torch.float32)
+    if with_gen:
+        out["gen_logprobs"] = torch.zeros((b, width), dtype=torch.float32)
     if with_routed:
         i0, r0 = recs[0]
         routed_shape = tuple(_routed_experts(f"record {i0}", r0).shape[1:])
@@ -290,6 +315,10 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
             out["advantages"][r, nx] = adv[1:] * m
             if with_ref:
                 out["ref_logprobs"][r, nx] = torch.tensor(rec["ref_logprobs"], dtype=torch.float32)[1:] * m
+            if with_gen:
+                if rec.get("gen_logprobs") is None:
+                    raise ValueError(f"record {i}: no gen_logprobs (the other records have them)")
+                out["gen_logprobs"][r, nx] = torch.tensor(rec["gen_logprobs"], dtype=torch.float32)[1:] * m
             if with_routed:  # not shifted: position t's routing is that of input token t
                 if rec.get("routed_experts") is None:
                     raise ValueError(f"record {i}: no routed_experts (the other records have them)")

@@ -53,7 +53,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
                       entropy_coef: float = 0.0, entropy_den=None, sequence_ids=None, normalizer=None,
                       seq_tokens=None, vocab_group=None, ignore_index: int = IGNORE_INDEX,
                       logits_dtype: str = "bfloat16", dw_accum: str = "float32", chunk_tokens: int = 4096,
-                      mismatch_threshold: float | None = None):
+                      mismatch_threshold: float | None = None, gen_logprobs=None):
     """(loss, metrics) of ``rl.objective(objective)`` on the log-probs of ``hidden @ weight^T /
     temperature`` at ``labels``, minus ``entropy_coef * sum(entropy * mask) / entropy_den`` (den
     defaults to mask.sum()), with dH, dW computed in the forward. Per-token tensors are shaped
@@ -61,7 +61,10 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     ``token_logprobs`` + ``rl.objective`` (tests/test_linear_ce_fwdgrad.py). ``hparams`` may hold
     ``tis_cap`` (truncated importance sampling: rl.py applies it per chunk, so ``g_t`` carries the
     weight). ``mismatch_threshold`` not None: the metrics add ``rl.mismatch_metrics`` of the
-    detached log-probs against ``old_logprobs`` (no extra pass: the [N] log-probs exist anyway)."""
+    detached log-probs against ``old_logprobs`` (no extra pass: the [N] log-probs exist anyway).
+    ``gen_logprobs`` (shaped like ``labels``; not for sft): the inference engine's log-probs, passed to
+    the objective per chunk as old_logprobs are (the decoupled TIS form, rl.tis_weights), and the
+    mismatch metrics compare against them instead of ``old_logprobs``."""
     if objective not in FUSABLE:
         raise ValueError(f"loss={objective} cannot use backend=fwdgrad (fusable: {', '.join(FUSABLE)}); GSPO's "
                          "sequence ratio needs every token's log-prob before any gradient: use backend=auto")
@@ -81,6 +84,9 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     adv = rl.advantages_like(advantages.float(), like) if advantages is not None else like
     m = loss_mask.reshape(shape) if loss_mask is not None else torch.ones_like(like, dtype=torch.bool)
     ref = ref_logprobs.float().reshape(shape) if ref_logprobs is not None else None
+    if gen_logprobs is not None and objective == "sft":
+        raise ValueError("gen_logprobs: loss=sft has no importance ratio to weigh")
+    gen = gen_logprobs.float().reshape(shape) if gen_logprobs is not None else None
     wt = token_weights(m, norm, sequence_ids, normalizer, seq_tokens).reshape(-1)
     with_ent = entropy_coef > 0
     den = m.sum() if entropy_den is None else torch.as_tensor(entropy_den, device=dev)
@@ -88,13 +94,15 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
     g_ent_all = (-entropy_coef * m.float() / den).reshape(-1) if with_ent else None
     old_f, adv_f = old.reshape(-1), adv.reshape(-1)
     ref_f = ref.reshape(-1) if ref is not None else None
+    gen_f = gen.reshape(-1) if gen is not None else None
     valid = lab != ignore_index
 
     def coef_fn(t0, t1, lse, tgt, mean_s):
         lp = torch.where(valid[t0:t1], tgt - lse, torch.zeros_like(lse)).detach().requires_grad_(True)
         with torch.enable_grad():
+            gkw = {} if gen_f is None else {"gen_logprobs": gen_f[t0:t1]}
             val, _ = fn(lp, old_f[t0:t1], adv_f[t0:t1], wt[t0:t1], ref_f[t0:t1] if ref_f is not None else None,
-                        **hp, norm="token", normalizer=1.0)
+                        **hp, **gkw, norm="token", normalizer=1.0)
             (g_lp,) = torch.autograd.grad(val, lp)
         g_lp = torch.where(valid[t0:t1], g_lp, torch.zeros_like(g_lp))
         a, b, c = -g_lp, None, g_lp
@@ -117,7 +125,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
                           need_dw=need_dw, logits_dtype=logits_dtype, dw_accum=dw_accum, chunk_tokens=chunk_tokens)
     with torch.no_grad():
         lp = torch.where(valid, res.target - res.lse, torch.zeros_like(res.lse)).reshape(shape)
-        kw = dict(hp, norm=norm)
+        kw = dict(hp, norm=norm) if gen is None else dict(hp, norm=norm, gen_logprobs=gen)
         value, metrics = fn(lp, old, advantages.float() if advantages is not None else adv, m, ref, **kw,
                             sequence_ids=sequence_ids, normalizer=normalizer, seq_tokens=seq_tokens)
         if with_ent:
@@ -126,7 +134,7 @@ def fused_policy_loss(hidden, weight, labels, objective: str, old_logprobs, adva
             value = value - entropy_coef * ent_sum / den
             metrics = {**metrics, "entropy": ent_sum / m.sum().clamp_min(1)}
         if mismatch_threshold is not None and old_logprobs is not None:
-            metrics = {**metrics, **rl.mismatch_metrics(lp, old, m, mismatch_threshold)}
+            metrics = {**metrics, **rl.mismatch_metrics(lp, old if gen is None else gen, m, mismatch_threshold)}
     if need_dh or need_dw:
         value = fwdgrad.StoredGrads.apply(h, w, value, res)
     return value, metrics

@@ -17,8 +17,14 @@ step's trained tokens, across micro-steps and data/context-parallel ranks.
 
 Two run-level settings under ``rl.`` act here (docs/skills/tis.md): ``rl.tis_cap=C`` (truncated
 importance sampling, passed to the objective as ``tis_cap``) and ``rl.mismatch_threshold`` (the
-``policy/mismatch_*`` metrics: the trainer's log-probs of the trained tokens against the rollouts'
-``old_logprobs``, the generator's, logged at every step; ``_max`` keys are max-reduced).
+``policy/mismatch_*`` metrics: the trainer's log-probs of the trained tokens against the generator's,
+logged at every step; ``_max`` keys are max-reduced). The generator's log-probs are the rollouts'
+``gen_logprobs`` when the records carry them (batch key ``rl_gen_logprobs``; ``old_logprobs`` are
+then the trainer-side old policy, and the objective gets them as ``gen_logprobs=``: TIS weighs each
+token by min(exp(old - gen), C) and the surrogate keeps its ratio against old), else
+``old_logprobs``: the mismatch is about the inference engine's numbers, so the metrics compare
+against the engine's whichever field holds them. Records with ``gen_logprobs`` and no
+``rl.tis_cap`` are accepted: the objective then ignores them (no weight) and only the metrics use them.
 """
 
 from __future__ import annotations
@@ -276,9 +282,12 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
             kw["seq_tokens"] = batch["rl_seq_tokens"]
     elif global_valid_tokens is not None:
         kw["normalizer"] = global_valid_tokens.float()
+    gen = _gen(batch)
+    if gen is not None and cfg.objective in TIS_OBJECTIVES:
+        kw["gen_logprobs"] = gen
     loss, metrics = rl.objective(cfg.objective)(lp, old, adv, mask, ref, **hp, **kw)
     if "rl_old_logprobs" in batch:  # the trainer's log-probs of the trained tokens against the generator's
-        metrics = {**metrics, **rl.mismatch_metrics(lp, old, mask, _threshold(cfg))}
+        metrics = {**metrics, **rl.mismatch_metrics(lp, old if gen is None else gen, mask, _threshold(cfg))}
     if with_entropy:  # entropy bonus: a token mean over the step's trained tokens, like the token-level losses
         den = global_valid_tokens.float() if global_valid_tokens is not None else mask.sum()
         ent_sum = (ent.reshape(labels.shape) * mask).sum()
@@ -288,6 +297,12 @@ def policy_loss(self, h, w, labels, global_valid_tokens):
     # weighs them by the local trained tokens over the step's micro-steps and ranks when it logs
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
+
+
+def _gen(batch: dict):
+    """The inference engine's log-probs when the rollouts carry ``gen_logprobs`` (else None)."""
+    gen = batch.get("rl_gen_logprobs")
+    return gen.float() if gen is not None else None
 
 
 def _threshold(cfg) -> float:
@@ -336,7 +351,8 @@ def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
         h.reshape(*labels.shape, h.shape[-1]), w, labels, cfg.objective, old, adv, mask, ref, hparams=hp,
         temperature=cfg.temperature, entropy_coef=cfg.entropy_coef, entropy_den=den, **kw,
         logits_dtype=cfg.logits_dtype, dw_accum=cfg.dw_accum, chunk_tokens=cfg.chunk_tokens,
-        mismatch_threshold=_threshold(cfg) if "rl_old_logprobs" in batch else None)
+        mismatch_threshold=_threshold(cfg) if "rl_old_logprobs" in batch else None,
+        gen_logprobs=_gen(batch) if cfg.objective in TIS_OBJECTIVES else None)
     self.metrics, self.metric_weight = metrics, mask.sum().detach()
     return loss
 
