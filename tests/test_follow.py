@@ -283,6 +283,7 @@ def test_a_shard_named_before_the_position_is_not_trained_and_named(tmp_path, ca
     assert "000000.jsonl appeared after the trainer passed its name" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # about 50 s: a seed checkpoint and two runs; the dealing itself: test_two_ranks_deal_the_same_rows_as_one
 def test_two_ranks_follow_the_same_stream_as_one(tmp_path):
     """nproc=2 (data parallel over 2 CPU ranks): the same records per step as one rank, and the same
     losses within the cross-rank tolerance (every rank reads the shards; rows are dealt in blocks)."""

@@ -16,6 +16,9 @@ new version appears within ``--patience`` seconds the next shard is sampled with
 hand, so a trainer that needs more rows than a shard gives never waits forever.
 
     python examples/rl_loop/generator.py --weights RUN/weights --out ROLLOUTS --seed 0
+
+``--routing`` also writes each token's ``routed_experts`` (the experts every MoE layer chose in the
+forward that computed ``old_logprobs``), for a trainer with ``moe.routing_replay=true``.
 """
 
 from __future__ import annotations
@@ -72,12 +75,31 @@ def sample_group(model, prompt: list[int], group: int, new_tokens: int, temperat
     return ids
 
 
+def routers(model) -> list:
+    """The MoE routers in forward order (transformers' qwen3_moe: each sparse block's ``gate``, whose
+    forward returns (logits, weights, top-k expert ids))."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
 @torch.no_grad()
-def token_logprobs(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(ids[:, t] | ids[:, :t]) for t >= 1 (0 at t = 0), one full forward, fp32."""
-    logits = model(input_ids=ids).logits.float() / temperature
+def token_logprobs(model, ids: torch.Tensor, temperature: float, routing: bool = False):
+    """log p(ids[:, t] | ids[:, :t]) for t >= 1 (0 at t = 0), one full forward, fp32; with ``routing``
+    also the experts each MoE layer routed each token to in that forward: [B, L, n_moe_layers, k]."""
+    seen, hooks = [], []
+    if routing:
+        hooks = [r.register_forward_hook(lambda mod, args, out: seen.append(out[2])) for r in routers(model)]
+    try:
+        logits = model(input_ids=ids).logits.float() / temperature
+    finally:
+        for h in hooks:
+            h.remove()
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+    lp = torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+    if not routing:
+        return lp, None
+    if not seen:
+        raise SystemExit("generator: --routing needs an MoE model with top-k routers (qwen3_moe)")
+    return lp, torch.stack([s.reshape(*ids.shape, -1) for s in seen], dim=2)
 
 
 def write_shard(out: Path, index: int, records: list[dict]) -> Path:
@@ -106,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--patience", type=float, default=5.0,
                    help="seconds to wait for a new version before sampling another shard with the current one")
     p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the first weights")
+    p.add_argument("--routing", action="store_true",
+                   help="write routed_experts (the experts each MoE layer chose per token) for moe.routing_replay")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     torch.manual_seed(a.seed)
@@ -136,7 +160,7 @@ def main(argv=None) -> int:
         for i in range(a.prompts):
             prompt = torch.randint(0, 256, (a.prompt_tokens,), generator=gen).tolist()
             ids = sample_group(model, prompt, a.group, a.new_tokens, a.temperature, gen)
-            lps = token_logprobs(model, ids, a.temperature)
+            lps, routed = token_logprobs(model, ids, a.temperature, a.routing)
             rs = [reward(row[a.prompt_tokens:].tolist()) for row in ids]
             mean = sum(rs) / len(rs)
             std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
@@ -150,6 +174,7 @@ def main(argv=None) -> int:
                     "sequence_id": f"{index:06d}-{i * a.group + j}",
                     "group_id": f"{index:06d}-{i}",
                     "reward": rs[j],
+                    **({"routed_experts": routed[j].tolist()} if routed is not None else {}),
                 })
             rewards += rs
         write_shard(a.out, index, records)
