@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from components.data.rollouts import _check, _convert, _located_records, _where, build_rows, gen_presence_error
+from components.data.rollouts import _check, _convert, _located_records, _where, build_rows, gen_presence_error, trainer_sample
 
 SHARD_SUFFIXES = (".jsonl", ".parquet")
 
@@ -234,17 +234,7 @@ class FollowRows(IterableDataset, Stateful):
                        with_gen=bool(self.with_gen and self.with_gen[0]))
         t = {k: v[0] for k, v in t.items() if k != "meta"}
         n_seqs = float(sum(any(rec["loss_mask"][1:]) for plan_row in self._plan.rows for _, rec in plan_row))
-        sample = {"input": t["input_ids"], "positions": t["positions"],
-                  "rl_old_logprobs": t["old_logprobs"], "rl_advantages": t["advantages"],
-                  "rl_sequence_ids": t["sequence_ids"], "rl_seq_tokens": t["seq_tokens"],
-                  "rl_num_seqs": torch.tensor(n_seqs)}
-        if "ref_logprobs" in t:
-            sample["rl_ref_logprobs"] = t["ref_logprobs"]
-        if "gen_logprobs" in t:
-            sample["rl_gen_logprobs"] = t["gen_logprobs"]
-        if "routed_experts" in t:
-            sample["rl_routed_experts"] = t["routed_experts"]
-        return sample, t["labels"]
+        return trainer_sample(t, n_seqs)
 
     def _mine(self, g: int) -> bool:
         return (g // self.block) % self.world == self.rank

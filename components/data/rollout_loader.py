@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from components.data.follow import FollowRows
-from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, build_rows, pack_rows  # noqa: F401
+from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, build_rows, pack_rows, trainer_sample  # noqa: F401
 
 
 class RolloutRows(IterableDataset, Stateful):
@@ -65,17 +65,7 @@ class RolloutRows(IterableDataset, Stateful):
             if (g // self.block) % self.world != self.rank:
                 continue
             t = self.row(g % self.n)
-            sample = {"input": t["input_ids"], "positions": t["positions"],
-                      "rl_old_logprobs": t["old_logprobs"], "rl_advantages": t["advantages"],
-                      "rl_sequence_ids": t["sequence_ids"], "rl_seq_tokens": t["seq_tokens"],
-                      "rl_num_seqs": self._num_seqs(g // self.step_rows)}
-            if "ref_logprobs" in t:
-                sample["rl_ref_logprobs"] = t["ref_logprobs"]
-            if "gen_logprobs" in t:
-                sample["rl_gen_logprobs"] = t["gen_logprobs"]
-            if "routed_experts" in t:
-                sample["rl_routed_experts"] = t["routed_experts"]
-            yield sample, t["labels"]
+            yield trainer_sample(t, self._num_seqs(g // self.step_rows))
 
     def state_dict(self):
         return {"row": self._g}

@@ -336,3 +336,18 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
         1, seg, out["loss_mask"].long())
     out["seq_tokens"] = torch.where(out["sequence_ids"] >= 0, counts.gather(1, seg), 0)
     return out
+
+
+def trainer_sample(t: dict, num_seqs) -> tuple[dict, torch.Tensor]:
+    """One row of ``build_rows`` (its tensors [T]) as the trainer's sample: ``input``/``positions``
+    for the model, the ``rl_*`` tensors for the policy loss (optional fields when present), labels;
+    ``num_seqs``: the step's sequences with a trained token (all ranks)."""
+    sample = {"input": t["input_ids"], "positions": t["positions"],
+              "rl_old_logprobs": t["old_logprobs"], "rl_advantages": t["advantages"],
+              "rl_sequence_ids": t["sequence_ids"], "rl_seq_tokens": t["seq_tokens"],
+              "rl_num_seqs": torch.as_tensor(num_seqs, dtype=torch.float32)}
+    for field in ("ref_logprobs", "gen_logprobs", "routed_experts"):
+        if field in t:
+            sample[f"rl_{field}"] = t[field]
+    return sample, t["labels"]
+
