@@ -80,6 +80,29 @@ def spawn_ranks(fn, nprocs: int, *args, join: bool = True):
 # ------------------------------------------------------------------ data and closeness
 
 
+def policy_head_batch(seed=0, old_noise=0.3, gen_noise=None, b=2, t=9, h=8, v=23):
+    """A small policy-loss batch: hidden [b, t, h], head weight [v, h], labels (IGN where masked), the
+    trained-token mask, the head's log-probs at temperature 0.9, old log-probs = those + old_noise x
+    N(0, 1) on trained tokens, gen log-probs = old + gen_noise x N(0, 1) (None without gen_noise), and
+    per-row advantages."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g)
+    w = torch.randn(v, h, generator=g) / 2
+    labels = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    mask[:, 0] = True
+    labels[~mask] = IGN
+    with torch.no_grad():
+        lp = torch.log_softmax(hidden @ w.T / 0.9, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    old = torch.where(mask, lp + old_noise * torch.randn(b, t, generator=g), torch.zeros_like(lp))
+    gen = None
+    if gen_noise is not None:
+        gen = torch.where(mask, old + gen_noise * torch.randn(b, t, generator=g), torch.zeros_like(lp))
+    return hidden, w, labels, mask, lp, old, gen, torch.randn(b, generator=g)
+
+
 def lm_head_data(n, hd, v, dtype, seed=0, n_ignored=3, scale=1.0, device="cpu"):
     """Hidden states [n, hd], an lm_head weight [v, hd] scaled for O(1) logits, and labels with
     the last vocabulary row as one target and ``n_ignored`` ignored positions."""

@@ -17,7 +17,7 @@ from components.data.rollout_loader import RolloutRows
 from components.data.rollouts import RL_KEYS, read_rollouts
 from components.losses import rl
 
-from conftest import ROOT, read_metrics, run_cli
+from conftest import ROOT, policy_head_batch, read_metrics, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,25 +101,10 @@ def test_mixed_presence_is_refused_naming_file_and_line(tmp_path):
 # ------------------------------------------------------------------ the policy loss
 
 
-def _rl_batch(seed=0, b=2, t=9, h=8, v=23):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, t, h, generator=g)
-    w = torch.randn(v, h, generator=g) / 2
-    labels = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.rand(b, t, generator=g) > 0.3
-    mask[:, 0] = True
-    labels[~mask] = IGN
-    with torch.no_grad():
-        lp = torch.log_softmax(hidden @ w.T / 0.9, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-    old = torch.where(mask, lp + 0.2 * torch.randn(b, t, generator=g), torch.zeros_like(lp))
-    gen = torch.where(mask, old + 0.4 * torch.randn(b, t, generator=g), torch.zeros_like(lp))
-    return hidden, w, labels, mask, old, gen, torch.randn(b, generator=g)
-
-
 def _policy(backend, objective="grpo", hp=None):
     from components.losses import policy
 
-    hidden, w, labels, mask, old, gen, adv = _rl_batch()
+    hidden, w, labels, mask, _, old, gen, adv = policy_head_batch(old_noise=0.2, gen_noise=0.4)
     hp = hp or dict(eps=0.2, kl_coef=0.0, norm="token", tis_cap=1.1)
     batch = {"rl_old_logprobs": old, "rl_advantages": adv, "rl_gen_logprobs": gen}
     cfg = SimpleNamespace(objective=objective, hparams=dict(hp), temperature=0.9, entropy_coef=0.0, backend=backend,

@@ -16,7 +16,7 @@ import torch
 from components.losses import rl
 from components.losses.fused_rl import fused_policy_loss
 
-from conftest import read_metrics, run_cli
+from conftest import policy_head_batch, read_metrics, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,27 +186,13 @@ def test_mismatch_metrics_by_hand():
     assert all(v.item() == 0.0 for v in empty.values())
 
 
-def _rl_batch(seed=0, b=2, t=9, h=8, v=23):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, t, h, generator=g)
-    w = torch.randn(v, h, generator=g) / 2
-    labels = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.rand(b, t, generator=g) > 0.3
-    mask[:, 0] = True
-    labels[~mask] = IGN
-    with torch.no_grad():
-        lp = torch.log_softmax(hidden @ w.T / 0.9, -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-    old = torch.where(mask, lp + 0.3 * torch.randn(b, t, generator=g), torch.zeros_like(lp))
-    return hidden, w, labels, mask, lp, old, torch.randn(b, generator=g)
-
-
 @pytest.mark.parametrize("backend", ["torch", "fwdgrad"])
 def test_policy_loss_logs_the_mismatch_of_the_log_probs_it_trains_on(backend):
     """The trainer's PolicyLoss (unfused and fused paths): policy/mismatch_* of the trained tokens'
     log-probs against the rollouts' old_logprobs, by hand; tis_cap passes through hparams."""
     from components.losses import policy
 
-    hidden, w, labels, mask, lp, old, adv = _rl_batch()
+    hidden, w, labels, mask, lp, old, _, adv = policy_head_batch()
     batch = {"rl_old_logprobs": old, "rl_advantages": adv}
     cfg = SimpleNamespace(objective="dapo", hparams=dict(eps_low=0.2, eps_high=0.28, norm="token", tis_cap=1.2),
                           temperature=0.9, entropy_coef=0.0, backend=backend, chunk_tokens=5, chunk_vocab=16384,
@@ -228,7 +214,7 @@ def test_policy_loss_logs_the_mismatch_of_the_log_probs_it_trains_on(backend):
 def test_fused_path_metrics_and_gradients_equal_the_unfused_with_tis():
     from components.losses.logprob import token_logprobs
 
-    hidden, w, labels, mask, _, old, adv = _rl_batch(seed=1)
+    hidden, w, labels, mask, _, old, _, adv = policy_head_batch(seed=1)
     hp = dict(eps=0.2, norm="token", tis_cap=1.15)
     out = []
     for fused in (False, True):

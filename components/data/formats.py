@@ -144,7 +144,8 @@ class Text:
 
 
 def _check_follow(d: DataOptions, ctx) -> None:
-    """data.follow=true: a folder (made if missing) the trainer reads shards from as they appear."""
+    """data.follow=true: the folder the trainer reads shards from as they appear (the generator makes it;
+    nothing is created here, so a refused launch leaves nothing behind)."""
     cfg = ctx.cfg
     if d.path is None:
         raise UserError("data.follow=true", "needs data.path, the folder a generator writes rollout shards into.",
@@ -168,12 +169,6 @@ def _check_follow(d: DataOptions, ctx) -> None:
     if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
         raise UserError(f"rl.max_lag={lag}", "must be an integer >= 0 (versions a record may lag the trainer's).",
                         "Set rl.max_lag=1, for example, or drop it to keep every record.")
-    if int(os.environ.get("RANK", "0")) == 0:
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"data.path={p}", f"cannot be made ({e.strerror}).",
-                            "Point data.path at a folder this user can create and read.") from None
     # the shards' records are checked as they arrive (a malformed one stops the run at its step,
     # naming file and line, with the position of the last complete step saved)
     ctx.shared["rollouts.with_ref"] = None
