@@ -6,8 +6,39 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from framework import contracts
+from framework import contracts, devices, resume
+from framework.errors import UserError
 from framework.resolve import Resolved, context
+
+
+def _held_schedule_config(base):
+    """torchtitan's schedule config whose steps past ``total_steps`` keep the final rate (torchtitan's
+    own formula would go on decaying below it, to negative rates): lr.total_steps < training.steps
+    extends a run on the schedule it was trained with (framework/resume.py)."""
+
+    class HeldSchedule(base):
+        __slots__ = ()
+
+        def build(self, *, optimizers, training_steps):
+            container = base.build(self, optimizers=optimizers, training_steps=training_steps)
+            total = self.total_steps if self.total_steps is not None else training_steps
+            for sch in container.schedulers:
+                sch.lr_lambdas = [(lambda s, f=f: f(min(s, total))) for f in sch.lr_lambdas]
+
+            def sync_rates():
+                for sch in container.schedulers:
+                    for group, rate in zip(sch.optimizer.param_groups, sch.get_last_lr()):
+                        group["lr"] = rate
+
+            # torchtitan's scheduler load recomputes the resumed step's rate, but the optimizer's load
+            # (after it) puts back the rate the checkpoint saved (the old schedule's, the old
+            # optimizer.lr's): the first resumed step would log one rate and use another. After
+            # either load, the optimizer's groups get the schedule's rate.
+            for obj in (container, optimizers):
+                obj.load_state_dict = (lambda sd, load=obj.load_state_dict: (load(sd), sync_rates())[0])
+            return container
+
+    return HeldSchedule
 
 
 def trainer_config(r: Resolved):
@@ -33,8 +64,8 @@ def trainer_config(r: Resolved):
         pattern=r".*", optimizer_name=o.name,
         optimizer_kwargs={"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay},
     )])
-    lr = LRSchedulersContainer.Config(
-        warmup_steps=min(cfg.lr.warmup_steps, max(cfg.training.steps - 1, 0)),
+    lr = _held_schedule_config(LRSchedulersContainer.Config)(
+        warmup_steps=resume.warmup_steps(cfg), total_steps=resume.horizon(cfg),
         decay_ratio=cfg.lr.decay_ratio, decay_type=cfg.lr.decay_type, min_lr_factor=cfg.lr.min_lr_factor,
     )
     if cfg.logging.wandb:
@@ -87,11 +118,21 @@ def trainer_config(r: Resolved):
         max_skips=cfg.training.max_skips,
         resume_hint=f"`train recipe={cfg.recipe} output_dir={out} checkpoint.resume=true`",
         compile=CompileConfig(enable=False),
-        comm=CommConfig(),
+        # torchtitan's NCCL flight recorder dumps to comm_traces/ on a timeout; gloo (CPU) has none to dump
+        comm=CommConfig() if devices.has_accelerator() else CommConfig(trace_buf_size=0),
         debug=DebugConfig(seed=cfg.training.seed, deterministic=cfg.training.deterministic),
     )
     for kind in contracts.APPLY_ORDER:
         ctx.components[kind].apply(ctx.options[kind], tc, ctx)
+    if cfg.validation.interval > 0:  # validation loss on the data component's held-out text
+        from framework.validation import validator_config  # reason: as above
+
+        if tc.validation_dataloader is None:
+            raise UserError(f"validation.interval={cfg.validation.interval}", f"data.format={cfg.data.format} sets "
+                            "no held-out loader (its apply leaves tc.validation_dataloader unset).",
+                            "Drop the validation.* keys for this data component.")
+        tc.validator = validator_config(tc.validation_dataloader, cfg.validation.interval, cfg.validation.steps,
+                                        cfg.training.steps)
     if cfg.publish.interval > 0:  # the weights as HF folders for a generator (framework/publish.py)
         from framework.publish import settings as publish_settings  # reason: as above (only runs that publish)
 

@@ -121,13 +121,12 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
         return _fail(e)
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
+    dims = " · ".join(f"{k} {v}" for k, v in r.layout.dims.items())
     console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
-                  f"({r.facts.n_params / 1e6:,.1f}M params), dims {r.layout.dims}, output {r.cfg.output_dir}"))
+                  f"({r.facts.n_params / 1e6:,.1f}M params) · {dims} · output {r.cfg.output_dir}"))
 
-    def in_process():
-        last = run.train(r, verbose=verbose)
-        if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
+    def in_process():  # rank 0 of run.train prints the run's summary (under torchrun too)
+        run.train(r, verbose=verbose)
         return 0
 
     try:

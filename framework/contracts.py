@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
+import linecache
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -40,12 +42,13 @@ from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
-KINDS = ("model", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
-APPLY_ORDER = ("model", "precision", "moe_chunk", "data", "loss", "recompute", "state")
+KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
+APPLY_ORDER = ("model", "adapter", "precision", "moe_chunk", "data", "loss", "recompute", "state")
 # Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
 # Group kinds (``loss=NAME``) keep their options in their own section; the others share a
 # framework section (``model.family``, ``moe.comm``, ``data.format``).
-SELECT = {"model": ("model", "family"), "precision": ("precision", "name"), "moe_comm": ("moe", "comm"),
+SELECT = {"model": ("model", "family"), "adapter": ("adapter", "name"), "precision": ("precision", "name"),
+          "moe_comm": ("moe", "comm"),
           "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
           "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name")}
 GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
@@ -141,7 +144,7 @@ class Component(Protocol):
 
 class Planned(Protocol):
     """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_chunk,
-    precision). The model's share comes from its ``facts``; data, moe_comm and launchers add none."""
+    precision, adapter). The model's share comes from its ``facts``; data, moe_comm and launchers add none."""
 
     def plan_terms(self, options: Any, ctx: Context) -> PlanTerms: ...
 
@@ -191,6 +194,13 @@ class MoeComm(Component, Protocol):
 
 class MoeChunk(Component, Planned, Protocol):
     """kind ``moe_chunk``: edits the model spec's routed experts (overlap schedule)."""
+
+
+class Adapter(Component, Planned, Protocol):
+    """kind ``adapter``: converts the model spec before it is built (adapters on a frozen base) and
+    its checkpoint; its ``plan_terms`` may replace the state backend's static terms by name
+    (``facts["replace"]``), scale its buffers and traffic (``facts["buffer_scale"]``,
+    ``facts["comm_scale"]``) and the optimizer step (``facts["trainable_fraction"]``)."""
 
 
 class Precision(Component, Planned, Protocol):
@@ -311,7 +321,7 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         try:
-            src = textwrap.dedent(inspect.getsource(klass))
+            src = textwrap.dedent(_class_source(klass))
         except (OSError, TypeError):
             continue
         lines = src.splitlines()
@@ -324,6 +334,36 @@ def field_docs(cls: type) -> dict[str, str]:
             elif "#" in lines[stmt.end_lineno - 1]:
                 docs[stmt.target.id] = lines[stmt.end_lineno - 1].split("#", 1)[1].strip()
     return docs
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_in(path: str) -> tuple[list[str], dict[str, ast.ClassDef]]:
+    """A source file's lines and its classes by qualified name, parsed once per file (`train --help`
+    reads the docs of some 40 classes in a dozen files; inspect.getsource parses the file for each)."""
+    lines = linecache.getlines(path)
+    out: dict[str, ast.ClassDef] = {}
+
+    def walk(body, prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(prefix + node.name, node)
+                walk(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                walk(node.body, f"{prefix}{node.name}.<locals>.")
+
+    walk(ast.parse("".join(lines)).body, "")
+    return lines, out
+
+
+def _class_source(klass: type) -> str:
+    """``inspect.getsource(klass)`` from the class statement on, through a per-file cache."""
+    path = inspect.getsourcefile(klass)
+    if path is not None:
+        lines, classes = _classes_in(path)
+        node = classes.get(klass.__qualname__)
+        if node is not None:
+            return "".join(lines[node.lineno - 1: node.end_lineno])
+    return inspect.getsource(klass)
 
 
 def schema_of(options_cls: type) -> type:
@@ -357,7 +397,7 @@ def make_options(component: Any, node: Any) -> Any:
 
 
 PROTOCOLS: dict[str, type] = {
-    "model": ModelFamily, "loss": Loss, "recompute": Recompute, "state": State, "moe_comm": MoeComm,
+    "model": ModelFamily, "adapter": Adapter, "loss": Loss, "recompute": Recompute, "state": State, "moe_comm": MoeComm,
     "moe_chunk": MoeChunk, "precision": Precision, "data": Data, "launcher": Launcher,
 }
 

@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -85,6 +86,43 @@ def peak_memory_kind() -> str:
     return "cuda_max_memory_reserved" if has_accelerator() else "cpu_max_rss"
 
 
+# Dense BF16 tensor-core peak per GPU (FLOP/s, without sparsity) from the vendors' data sheets,
+# matched in this order against the device name (the NVL and PCIe boards before the SXM default,
+# GB200 before B200).
+_PEAK_BF16_FLOPS = (
+    (("H200", "NVL"), 835e12), (("H200",), 989e12),
+    (("H100", "PCIE"), 756e12), (("H100", "NVL"), 835e12), (("H100",), 989e12),
+    (("A100",), 312e12),
+    (("GB200",), 2.5e15), (("B200",), 2.25e15),
+)
+
+
+def peak_flops(name: str | None = None) -> float | None:
+    """Dense BF16 peak FLOP/s of one device (``name``: default this process's GPU) for MFU, or None
+    where no peak is known: the CPU, and GPUs outside the table (no MFU is better than one against
+    a guessed peak)."""
+    if name is None:
+        if not has_accelerator():
+            return None
+        name = device_name()
+    upper = name.upper()
+    for needles, flops in _PEAK_BF16_FLOPS:
+        if all(n in upper for n in needles):
+            return flops
+    return None
+
+
+# Third-party warnings that say nothing about an apiary run (each an exact message at its source):
+# fla warns on import that Triton has no GPU to run on; apiary's CPU path uses its torch kernels.
+QUIET_WARNINGS = ("Triton is not supported on current platform",)
+
+
+def quiet_warnings() -> None:
+    """Ignore QUIET_WARNINGS (by message; every other warning still shows)."""
+    for msg in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=msg)
+
+
 def _cpu_module_shims() -> None:
     cpu = torch.cpu
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -141,7 +179,7 @@ def install() -> None:
         return
     if any(m.startswith("torchtitan") for m in sys.modules):
         raise RuntimeError("framework.devices.install() must run before torchtitan is imported")
-
+    quiet_warnings()  # before torchtitan's import, which imports fla for Qwen3.5
     tu._get_available_device_type = lambda: "cpu"
     _cpu_module_shims()
 

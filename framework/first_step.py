@@ -95,13 +95,23 @@ class FirstStep:
 
 
 def describe(rec: dict) -> str:
-    slowest = rec.get("first_step_autotune_slowest") or {}
-    return (f"first step: {rec['first_step_wall_s']:.1f} s = compile {rec['first_step_compile_s']:.1f} s + "
-            f"autotuning {rec['first_step_autotune_s']:.1f} s ({rec['first_step_autotuned_kernels']} kernels tuned, "
-            f"{rec.get('first_step_autotune_from_table', 0)} over recorded winners only, "
-            f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning"
-            + ("; longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()) if slowest else "")
-            + f") + other {rec['first_step_other_s']:.1f} s; building the trainer before it took "
+    """The console's first-step line: only the parts that took time (on apiary's CPU path nothing is
+    compiled or tuned, so it says the step's time and the build's)."""
+    parts = []
+    if rec.get("first_step_compile_s"):
+        parts.append(f"compile {rec['first_step_compile_s']:.1f} s")
+    if rec.get("first_step_autotune_s") or rec.get("first_step_autotuned_kernels"):
+        slowest = rec.get("first_step_autotune_slowest") or {}
+        detail = [f"{rec.get('first_step_autotuned_kernels', 0)} kernels tuned"]
+        if rec.get("first_step_autotune_from_table"):
+            detail.append(f"{rec['first_step_autotune_from_table']} over recorded winners only")
+        if rec.get("first_step_autotune_wait_s"):
+            detail.append(f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning")
+        if slowest:
+            detail.append("longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()))
+        parts.append(f"autotuning {rec['first_step_autotune_s']:.1f} s ({'; '.join(detail)})")
+    split = (" = " + " + ".join(parts + [f"other {rec['first_step_other_s']:.1f} s"])) if parts else ""
+    return (f"first step: {rec['first_step_wall_s']:.1f} s{split}; building the trainer before it took "
             f"{rec['first_step_build_s']:.1f} s")
 
 

@@ -31,8 +31,6 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch.distributed as dist
-
 from framework import lifecycle
 from framework.errors import UserError
 
@@ -199,6 +197,8 @@ def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
 # -- the atomic save -----------------------------------------------------------------------
 def _cpu_group():
     """A gloo group for the barriers (the default group when it is gloo)."""
+    import torch.distributed as dist  # reason: start-up time (the CLI reads manifests without torch)
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if "gloo" in str(dist.get_backend()):
@@ -286,6 +286,8 @@ class AtomicSaves:
 
     def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0):
         self.ck, self.before_save, self.wait_s = checkpointer, before_save, wait_s
+        import torch.distributed as dist  # reason: start-up time (the CLI reads manifests without torch)
+
         self.group = _cpu_group()
         self.rank = dist.get_rank() if self.group is not None else 0
         self.world = dist.get_world_size() if self.group is not None else 1
@@ -298,6 +300,8 @@ class AtomicSaves:
 
     def _barrier(self) -> None:
         if self.group is not None:
+            import torch.distributed as dist  # reason: start-up time (the CLI reads manifests without torch)
+
             dist.barrier(group=self.group)
 
     def poll(self, wait: bool = False) -> None:

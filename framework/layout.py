@@ -39,6 +39,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def params_text(n: float) -> str:
+    """A parameter count for people: 35.1B, 0.3M (a tiny model is not "0.0B")."""
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
 def ep_from_table(table, n_params: float) -> int:
     for rule in table.ep_by_params:
         if n_params <= float(rule.max_params):
@@ -120,13 +125,13 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
         want = ep_from_table(table, facts.n_params)
         if want <= ep_space and ep_space % want == 0 and facts.num_experts % want == 0:
             ep = want
-            rules["ep"] = f"table: {facts.n_params / 1e9:.1f}B total params -> EP {want}"
+            rules["ep"] = f"table: {params_text(facts.n_params)} total params -> EP {want}"
         elif want > ep_space:
             ep = max(d for d in _divisors(ep_space) if facts.num_experts % d == 0)
-            rules["ep"] = (f"table wants EP {want} ({facts.n_params / 1e9:.1f}B params); only "
+            rules["ep"] = (f"table wants EP {want} ({params_text(facts.n_params)} params); only "
                            f"{ep_space} ranks in dp_shard x cp x tp -> EP {ep}")
         else:
-            raise UserError(where, f"the table's EP {want} (for {facts.n_params / 1e9:.1f}B parameters) does not "
+            raise UserError(where, f"the table's EP {want} (for {params_text(facts.n_params)} parameters) does not "
                             f"divide dp_shard x cp x tp = {ep_space} or the {facts.num_experts} experts.",
                             "Use a GPU count that is a multiple of it, or set parallel.ep explicitly.")
     ep = int(ep)

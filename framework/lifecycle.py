@@ -30,9 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.run import main as torchrun
-
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
 PREEMPT_EXIT_CODE = 75
@@ -183,6 +180,9 @@ def torchrun_main(argv: list[str]) -> int:
     supervisor = os.environ.pop(SUPERVISOR_ENV, None)
     if supervisor:  # the parent may be killed while this process starts
         die_with_parent(expected_parent=int(supervisor))
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # reason: start-up time (torch)
+    from torch.distributed.run import main as torchrun  # reason: start-up time (torch)
 
     try:
         torchrun(argv)

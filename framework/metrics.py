@@ -1,10 +1,12 @@
-"""Run outputs: metrics.jsonl (one object per logged step) and a rich console line per step,
-added to torchtitan's metric loggers (TensorBoard / W&B stay torchtitan's)."""
+"""Run outputs: metrics.jsonl (one object per logged step) and the console (a line per logged step
+and, in a terminal, a live progress line: framework/progress.py), added to torchtitan's metric
+loggers (TensorBoard / W&B stay torchtitan's). Every field: docs/skills/progress.md."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,19 +14,45 @@ import torch
 from rich.console import Console
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 
-from framework import devices, first_step, kernel_cache, publish
+from framework import devices, first_step, kernel_cache, progress, publish
 
 _console = Console(highlight=False, soft_wrap=True)
 
 
 class JsonlLogger(BaseLogger):
-    def __init__(self, path: str, world_size: int, total_steps: int, color: bool):
+    def _log_validation(self, metrics: dict, step: int) -> None:
+        """val_loss (and its throughput) joins the step's record: one record per step stays true."""
+        fields = {"val_loss": metrics["validation_metrics/loss"],
+                  "val_tokens_per_s": metrics["validation_metrics/throughput(tps)"] * self.world_size}
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            start = data.rstrip(b"\n").rfind(b"\n") + 1  # the last record's first byte
+            rec = json.loads(data[start:])
+            if rec.get("step") != step:  # no record of this step (logging.log_freq > 1): one of its own
+                start, rec = len(data), {"step": step}
+            rec.update(fields)
+            f.seek(start)
+            f.truncate()
+            f.write((json.dumps(rec) + "\n").encode())
+        self.progress.log_validation({"step": step, **fields})
+
+    def __init__(self, path: str, world_size: int, total_steps: int, color: bool, t_start: float | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.world_size, self.total_steps, self.color = world_size, total_steps, color
         self._first = True
+        self.t_start = time.perf_counter() if t_start is None else t_start  # framework.run.train's start
+        self.pending_tokens: int | None = None  # set by ApiaryMetrics.log: tokens since the previous record
+        self.device, self.peak_flops = devices.device_name(), devices.peak_flops()
+        self.progress = progress.Progress(total_steps, color=color, t_start=self.t_start)
+
+    def close(self) -> None:
+        self.progress.close()
 
     def log(self, metrics: dict, step: int) -> None:
+        if "validation_metrics/loss" in metrics:  # torchtitan's validator, after the step's own record
+            self._log_validation(metrics, step)
+            return
         if self._first:  # a resumed run re-trains the steps after its checkpoint: one record per step
             self._first = False
             supersede(self.path, step)
@@ -35,8 +63,13 @@ class JsonlLogger(BaseLogger):
             "grad_norm": metrics["grad_norm"],
             "tokens_per_s": metrics["throughput(tps)"] * self.world_size,
             "tokens_per_s_per_gpu": metrics["throughput(tps)"],
-            "tflops_per_gpu": metrics["tflops"],
+            "tokens": self.pending_tokens,
+            "tflops_per_gpu": metrics["tflops"] if devices.has_accelerator() else None,  # no GPU: no claim
+            "mfu_pct": metrics.get("mfu(%)"),  # against peak_tflops_per_gpu; None where no peak is known
+            "peak_tflops_per_gpu": self.peak_flops / 1e12 if self.peak_flops else None,
+            "device": self.device,
             "step_time_s": metrics["time_metrics/end_to_end(s)"],
+            "elapsed_s": round(time.perf_counter() - self.t_start, 3),
             "peak_mem_bytes": devices.peak_memory_bytes(),
             "peak_mem_kind": devices.peak_memory_kind(),
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
@@ -47,18 +80,12 @@ class JsonlLogger(BaseLogger):
         }
         if "first_step_wall_s" in rec:
             rec["first_step_autotune_slowest"] = first_step.STATE.slowest
+        self.pending_tokens = None
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        style = "bold green" if self.color else ""
-        _console.print(
-            f"[{style}]step {step:>5}/{self.total_steps}[/{style}]" if style else f"step {step:>5}/{self.total_steps}",
-            f"loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
-            f"{rec['tokens_per_s']:,.0f} tok/s  {rec['tflops_per_gpu']:.2f} TFLOPs/GPU  "
-            f"peak {rec['peak_mem_bytes'] / 2**30:.2f} GiB  {rec['step_time_s']:.3f} s/step"
-            + _autotune_note(rec),
-        )
+        self.progress.log(rec)
         if "first_step_wall_s" in rec:
-            _console.print(first_step.describe(rec), markup=False)
+            self.progress.note(first_step.describe(rec))
 
 
 SUPERSEDED_NAME = "metrics.superseded.jsonl"
@@ -96,13 +123,6 @@ def supersede(path: Path, first_step: int) -> int:
     return len(moved)
 
 
-def _autotune_note(rec: dict) -> str:
-    if not rec.get("autotuned_kernels") and not rec.get("autotune_cache_hits"):
-        return ""
-    return (f"  (autotuning {rec['autotune_s']:.1f} s: {rec['autotuned_kernels']} kernels tuned, "
-            f"{rec['autotune_cache_hits']} from the disk cache)")
-
-
 class ApiaryMetrics(MetricsProcessor):
     """torchtitan's MetricsProcessor plus metrics.jsonl and the console line (rank 0)."""
 
@@ -113,8 +133,23 @@ class ApiaryMetrics(MetricsProcessor):
 
     extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
     max_loss_source = None  # callable -> max loss over data parallel, replacing torchtitan's (under CP)
+    _jsonl = None  # rank 0's JsonlLogger
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        # MFU against this device's real peak (framework.devices.peak_flops), not torchtitan's A100
+        # fallback; no known peak (the CPU, an unlisted GPU): no MFU, through torchtitan's own switch
+        # for quantized runs (whose MFU against the BF16 peak it already leaves out)
+        peak = devices.peak_flops()
+        if peak is None:
+            self.has_quantization = True
+        else:
+            self.gpu_peak_flops = peak
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self._jsonl is not None:  # tokens of every data-parallel rank since the last record
+            pd = self.parallel_dims
+            self._jsonl.pending_tokens = int(self.ntokens_since_last_log * pd.world_size // pd.non_data_parallel_size)
         if self.max_loss_source is not None:  # a collective: every rank calls log
             global_max_loss = self.max_loss_source()
         if self.extra_source is not None:
@@ -131,6 +166,7 @@ class ApiaryMetrics(MetricsProcessor):
         container = inner if isinstance(inner, LoggerContainer) else LoggerContainer()
         if container is not inner:
             container.add_logger(inner)
-        container.add_logger(JsonlLogger(config.jsonl_path, parallel_dims.world_size, config.total_steps,
-                                         not config.disable_color_printing))
+        self._jsonl = JsonlLogger(config.jsonl_path, parallel_dims.world_size, config.total_steps,
+                                  not config.disable_color_printing, t_start=first_step.STATE.t_begin)
+        container.add_logger(self._jsonl)
         return container

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 
-import torch
 from rich.console import Console
 
-from framework import devices, planner, registry
+from framework import planner, registry
 from framework.errors import UserError
 from framework.planner import Constants, search
 
@@ -45,6 +44,10 @@ def target_gpu(cfg) -> tuple[str, int | None, str] | None:
 
 def _local_gpu() -> tuple[str | None, int | None]:
     """This process's own GPU (LOCAL_RANK's under torchrun, so no rank touches another's device)."""
+    import torch  # reason: start-up time (only a launch checks the GPU's memory)
+
+    from framework import devices  # reason: as above (it imports torch)
+
     if not devices.has_accelerator():
         return None, None
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

@@ -161,6 +161,29 @@ def _shards(tensors: dict) -> list[dict]:
     return groups
 
 
+def add_hf_extras(folder: Path, hf_config: dict, tokenizer_dir: str | None) -> list[str]:
+    """What a loader reads beside the weights: the tokenizer files of ``tokenizer_dir`` (an HF
+    tokenizer folder) and generation_config.json (the folder's own, else one from config.json's
+    token ids); every file readable as the umask allows (safetensors writes 0600). The names copied."""
+    folder = Path(folder)
+    copied = []
+    if tokenizer_dir is not None:
+        for f in (*TOKENIZER_FILES, "generation_config.json"):
+            if (Path(tokenizer_dir) / f).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / f, folder / f)
+                copied.append(f)
+    if not (folder / "generation_config.json").is_file():
+        gen = {"_from_model_config": True}
+        gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config})
+        _write_json(folder / "generation_config.json", gen)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+    return copied
+
+
 def write_version(directory, version: int, tensors: dict, hf_config: dict, *, run: str = "",
                   tokenizer_dir: str | None = None) -> Path:
     """Write one version as ``DIR/step-V`` (aside, fsync'ed, renamed) and point ``DIR/latest`` at it."""
@@ -183,14 +206,7 @@ def write_version(directory, version: int, tensors: dict, hf_config: dict, *, ru
             total += sum(v.numel() * v.element_size() for v in g.values())
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(tmp / "config.json", hf_config)
-    if tokenizer_dir is not None:
-        for f in (*TOKENIZER_FILES, "generation_config.json"):
-            if (Path(tokenizer_dir) / f).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / f, tmp / f)
-    if not (tmp / "generation_config.json").is_file():
-        gen = {"_from_model_config": True}
-        gen.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config})
-        _write_json(tmp / "generation_config.json", gen)
+    add_hf_extras(tmp, hf_config, tokenizer_dir)
     _write_json(tmp / VERSION_FILE, {"version": version, "step": version, "run": run})
     for f in tmp.iterdir():
         _fsync_file(f)

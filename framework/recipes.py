@@ -149,6 +149,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
                             "part of apiary reads a key it does not declare, so the setting would be ignored.",
                             (f"{hint} Set it without '+'." if hint else
                              "Run `train recipe=X --cfg job` to list the keys."))
+        if ov.is_add() and key in known:  # Hydra's rule: '+' adds a key that is not there
+            raise UserError(f"override {raw}", f"'+' adds a key, and recipe {recipe} already has {key!r}.",
+                            f"Set it without '+': {raw[1:]} (or '++' to add-or-override).")
         if ov.is_add() or ov.is_force_add():
             continue
         if key not in known:

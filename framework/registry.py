@@ -77,6 +77,8 @@ def _merge(out: dict, path: Path, where: str) -> None:
                                 f"{out[kind][name]['source']}; a user registry adds names, it does not replace them.",
                                 "Choose another name.")
             out[kind][name] = {"target": e["target"], "doc": str(e.get("doc", "")), "source": str(path)}
+            if e.get("skill"):  # the user's page: a markdown file, relative to their registry file
+                out[kind][name]["skill"] = str(e["skill"])
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))  # the user's modules beside their registry file
     _USED.append(path)
@@ -88,6 +90,16 @@ def names(kind: str) -> list[str]:
 
 def doc(kind: str, name: str) -> str:
     return entries()[kind][name]["doc"]
+
+
+def skill_page(kind: str, name: str) -> Path:
+    """The page that explains kind/name: docs/skills/<skill or name>.md for registry.yaml's names
+    (``skill:`` where several names share a page, e.g. grpo -> rl_objectives); a user entry's
+    ``skill:`` is a file relative to its registry file. The path may not exist (a user's name)."""
+    e = entries()[kind][name]
+    if e.get("source", "registry.yaml") != "registry.yaml":
+        return Path(e["source"]).parent / e.get("skill", f"{name}.md")
+    return ROOT / "docs" / "skills" / f"{e.get('skill') or name}.md"
 
 
 def check(kind: str, name: str, where: str | None = None) -> None:

@@ -9,12 +9,12 @@ import contextlib
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import contracts, integrity, recipes, registry
+from framework import contracts, integrity, recipes, registry, resume
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
 from framework.preflight import check_memory
@@ -27,6 +27,7 @@ class Resolved:
     layout: Layout
     grad_accum: int
     data_summary: str = ""  # what the run trains on (printed first by rank 0)
+    resume_lines: list = field(default_factory=list)  # a resume: the step it loads, what changed (printed next)
     ctx: contracts.Context | None = None  # the components' context (check ran with it; build applies with it)
 
     @property
@@ -179,7 +180,7 @@ def _any_step_dir(run_dir: Path) -> bool:
     return bool(integrity.step_dirs(Path(run_dir) / "checkpoint"))
 
 
-def _check_outputs(cfg) -> None:
+def _check_outputs(cfg) -> int | None:
     """Resume only from an intact checkpoint; never silently reuse or overwrite one."""
     ck = cfg.checkpoint
     if ck.resume:
@@ -193,6 +194,7 @@ def _check_outputs(cfg) -> None:
         if step >= cfg.training.steps:
             raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {step} of "
                             f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
+        return step
     else:
         if ck.load_step is not None:
             raise UserError(f"checkpoint.load_step={ck.load_step}", "picks the step a resume loads; this run "
@@ -285,9 +287,13 @@ _RANGES = [
     ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
     ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
     ("optimizer.eps", lambda v: v > 0, "must be > 0", ""),
+    ("moe.load_balance_coeff", lambda v: v is None or v > 0, "must be > 0 (the step of the MoE routing bias that "
+     "balances the experts' load)", "To turn the balancing off, set moe.load_balance_coeff=null."),
     ("lr.warmup_steps", lambda v: v >= 0, "must be >= 0", "Set 0 for no warm-up."),
     ("lr.decay_ratio", lambda v: v is None or 0 <= v <= 1, "must be in [0, 1] (or null)", ""),
     ("lr.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]", ""),
+    ("lr.total_steps", lambda v: v is None or v >= 1, "must be >= 1 (the steps the schedule spans) or null "
+     "(training.steps)", ""),
     ("checkpoint.interval", lambda v: v >= 1, "must be >= 1 (steps between saves)",
      "To save no checkpoints, set checkpoint.enable=false."),
     ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 keeps all)", ""),
@@ -356,13 +362,16 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
         cfg.parallel[dim] = value
+    resume_lines, step = [], None
     if for_training:
-        _check_outputs(cfg)
+        step = _check_outputs(cfg)
         _check_writable(cfg)
     _check_publish(cfg, ctx, layout, for_training)
     OmegaConf.set_struct(cfg, True)
+    if for_training and step is not None:  # what this resume loads and what changed since the last launch
+        resume_lines = resume.check(cfg, Path(cfg.output_dir), step).lines(cfg.output_dir)
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
-                 data_summary="\n".join(ctx.summary), ctx=ctx)
+                 data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
     if for_training:
         check_memory(r, recipe, overrides, resolve)
     return r

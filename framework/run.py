@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import warnings
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from framework import autotune_table, contracts, devices, first_step, kernel_cache, lifecycle, preempt
+from framework import autotune_table, contracts, first_step, integrity, kernel_cache, lifecycle, preempt, resume, summary
 
 
 def _single_process_env() -> None:
@@ -35,13 +36,50 @@ def launch_env(resolved) -> contracts.LaunchEnv:
 def write_run_files(resolved) -> None:
     out = Path(resolved.cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved.cfg))
+    # the first launch's config is config.yaml; a resume's goes beside it (framework/resume.py)
+    name = resume.config_path_for_launch(out) if resolved.cfg.checkpoint.resume else out / resume.FIRST
+    name.write_text(OmegaConf.to_yaml(resolved.cfg))
     (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules},
                                                 indent=2))
 
 
-def train(resolved, verbose: bool = False) -> dict | None:
-    """Train; returns the last metrics record on rank 0."""
+# torchtitan's log lines that say nothing about an apiary run (dropped unless `train -v`): it runs
+# lspci to name the GPU, falls back to an A100's peak for its MFU (apiary's is framework.devices'),
+# and looks for an HF index in the run folder that a run saving DCP checkpoints never has
+QUIET_LOG_LINES = ("Error running lspci", "Peak flops undefined for", "model.safetensors.index.json not found at")
+# ... and its note that it sets an environment variable, when the value stays the same or replaces
+# torchrun's own default (TORCH_NCCL_ASYNC_ERROR_HANDLING=1 -> 3, docs/launching.md); a value a user
+# exported that it overrides is still shown
+_ENV_OVERRIDE = re.compile(r"ENV\[(\w+)\] = (.*) will be overridden to (.*) based on job config$")
+_TORCHRUN_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+
+
+class _QuietLogLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith(QUIET_LOG_LINES):
+            return False
+        m = _ENV_OVERRIDE.match(msg)
+        return not (m and (m.group(2) == m.group(3) or (m.group(1), m.group(2)) in _TORCHRUN_DEFAULTS))
+
+
+_QUIET = _QuietLogLines()
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Drop QUIET_LOG_LINES on torchtitan's logger (the root logger); every other record still shows."""
+    root = logging.getLogger()
+    if verbose:
+        root.removeFilter(_QUIET)
+    elif _QUIET not in root.filters:
+        root.addFilter(_QUIET)
+
+
+def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
+    """Train; returns the last metrics record on rank 0, which prints the end-of-run summary and
+    writes summary.json (``report=False``: neither, for a run whose folder is thrown away)."""
+    from framework import devices  # reason: start-up time (imports torch; `train --help` and --cfg need none)
+
     devices.install()
     kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
@@ -52,6 +90,8 @@ def train(resolved, verbose: bool = False) -> dict | None:
     if rank == 0:
         if getattr(resolved, "data_summary", ""):
             print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
+        for line in getattr(resolved, "resume_lines", ()):  # which checkpoint was verified and is loaded
+            print(line, flush=True)
         write_run_files(resolved)
         if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
             Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
@@ -62,14 +102,19 @@ def train(resolved, verbose: bool = False) -> dict | None:
 
     init_logger()
     for msg in ("In CPU autocast", "DTensor random operators", "'set_vital' is deprecated",
-                "initial_load_model_only=True has no effect"):
+                "initial_load_model_only=True has no effect",
+                "To get the last learning rate computed by the scheduler",  # torchtitan's resume recomputes it
+                "DTensor manual_seed() may not have complete support on cpu"):  # CPU ranks: seeded as on GPU
         warnings.filterwarnings("ignore", message=msg)
     logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    quiet_third_party(verbose)
     if not devices.has_accelerator():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     tc = trainer_config(resolved)
     trainer = guard = None
+    report = report and rank == 0 and not resolved.cfg.checkpoint.create_seed
     first_step.STATE.begin()  # metrics.jsonl's first record: first_step_build_s and the step's breakdown
+    ended = nonfinite = False  # every rank ended the loop together (not a crash)
     try:
         trainer = tc.build()
         guard = preempt.install(trainer)
@@ -77,35 +122,72 @@ def train(resolved, verbose: bool = False) -> dict | None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
+        ended = True
+    except integrity.NonFiniteStop:
+        nonfinite = True
+        raise
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close()  # the live progress line ends here
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    preempt.exit_if_stopped(guard)
+        # torchtitan's flight-recorder folder (GPU) when no rank dumped into it; kept after a crash,
+        # where a rank may still dump there
+        if rank == 0 and (ended or nonfinite):
+            _drop_empty(Path(resolved.cfg.output_dir) / "comm_traces")
+        if nonfinite and report:  # the step is the one that was not applied
+            _report(resolved, "on a non-finite loss or gradient norm", integrity.EXIT_NONFINITE, trainer.step - 1)
+    if preempt.stopped(guard):
+        if report:
+            _report(resolved, "by a signal", preempt.EXIT_CODE, guard.stopped_at)
+        preempt.exit_if_stopped(guard)
     follow_stop = getattr(trainer, "_follow_stop", None)  # follow mode stopped waiting: timeout or bad shard
     if follow_stop is not None:
+        if report:
+            why = {preempt.EXIT_CODE: "by a signal while waiting for rollouts",
+                   2: "on a malformed rollout shard"}.get(follow_stop[0], "waiting for rollouts (data.wait_timeout)")
+            _report(resolved, why, follow_stop[0], trainer.step)
         lifecycle.write_status(follow_stop[0])
         raise SystemExit(follow_stop[0])
     metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
     if rank == 0 and metrics.is_file():
         _record_plan(resolved, metrics)
+        if report:
+            _report(resolved)
         lines = metrics.read_text().splitlines()
         return json.loads(lines[-1]) if lines else None
     return None
 
 
+def _drop_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only when empty
+    except OSError:
+        pass
+
+
+def _report(resolved, stop: str | None = None, exit_code: int = 0, step: int | None = None) -> None:
+    """Rank 0, once training ended: the summary on the console and as summary.json."""
+    try:
+        s = summary.summarize(resolved.cfg.output_dir, stop=stop, exit_code=exit_code, stopped_at=step)
+        summary.write(s)
+        summary.render(s, color=bool(resolved.cfg.logging.color))
+    except Exception as e:  # a summary must never fail a finished run
+        logging.getLogger(__name__).warning("apiary: run summary skipped: %s", e)
+
+
 def _record_plan(resolved, metrics: Path) -> None:
     """Write the planner's per-GPU estimate next to the measured peak (last record) and print both."""
+    from framework import devices  # reason: start-up time (imports torch)
     from framework.planner import estimate_for_run, merge_into_last_record  # reason: planner is heavy; after the run
 
+    if not devices.has_accelerator():  # the estimate is for GPU memory; CPU RSS is not comparable: none recorded
+        return
     try:
         est = estimate_for_run(resolved)
         merge_into_last_record(metrics, est)
     except Exception as e:  # an estimate must never fail a finished run
         logging.getLogger(__name__).warning("apiary: planner estimate skipped: %s", e)
-        return
-    if not devices.has_accelerator():  # the estimate is for GPU memory; CPU RSS is not comparable
         return
     last = json.loads(metrics.read_text().splitlines()[-1])
     Console(highlight=False, soft_wrap=True).print(

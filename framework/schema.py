@@ -108,11 +108,20 @@ class OptimizerConfig:
 
 
 @dataclass
+class ValidationConfig:
+    interval: int = 0  # validate every N steps (and at the first and last step); 0: no validation
+    steps: int = 1  # batches per validation pass (training.local_batch x seq_len tokens per rank each)
+    path: Optional[str] = None  # held-out text (a file or folder, as data.path); or
+    fraction: float = 0.0  # hold out the last fraction of the training text's documents (0 < f <= 0.5)
+
+
+@dataclass
 class LRConfig:
     warmup_steps: int = 2
     decay_ratio: Optional[float] = None  # None: decay over all steps after warm-up
     decay_type: str = "linear"  # linear | sqrt | cosine
     min_lr_factor: float = 0.0
+    total_steps: Optional[int] = None  # the schedule's length; null: training.steps (later steps keep its final rate)
 
 
 @dataclass
@@ -171,11 +180,13 @@ class RecipeConfig:
     recompute: Any = MISSING  # group `recompute`
     launcher: Any = MISSING  # group `launcher`
     precision: Any = MISSING  # group `precision`: bf16 | fp8 (docs/skills/fp8.md)
+    adapter: Any = MISSING  # group `adapter`: none | lora (docs/skills/lora.md)
     moe: MoEConfig = field(default_factory=MoEConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr: LRConfig = field(default_factory=LRConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     layout: LayoutTable = field(default_factory=LayoutTable)

@@ -116,6 +116,7 @@ class ApiaryTrainer(Trainer):
         step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
         follow_wait_timeout: float = 0.0  # > 0: the dataloader follows a growing folder (data.follow); seconds
         publish: object = None  # framework.publish.PublishSettings, or None (publish.interval=0)
+        validation_dataloader: object = None  # the data component's held-out loader config (validation.*)
 
     def __init__(self, config, **kwargs):
         _init_from_seed()

@@ -8,12 +8,14 @@ difference is asserted to be exactly 0.
 
 import json
 import re
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from toolkit import compare
+from toolkit import plot as plots
 from toolkit.compare import TOLERANCES, classify, compare_main
 
 TINY = ["training.steps=4", "training.seq_len=64", "logging.tensorboard=false"]
@@ -62,13 +64,16 @@ def test_identical_pair_is_bitwise_equal(identical):
     assert "| recompute=selective | recompute=full |" in md.replace("| metric ", "")
 
 
-def test_deliberate_change_fails_check_and_crash_is_reported(identical, capsys):
+def test_deliberate_change_fails_check_and_crash_is_reported(identical, capsys, monkeypatch):
     """lr 3e-3 vs 3e-2 from the same seed: same step 1, then apart; --check fails naming the
     variant, metric, difference and tolerance. lr=1e30 crashes at step 2 (the trainer stops on a
-    non-finite loss): reported with its log tail, the other variants unaffected."""
+    non-finite loss): reported with its log tail, the other variants unaffected. compare.png holds
+    the runs' own curves and their differences; the piped report has no markup and whole tables."""
     _, out, _ = identical
     seed = out / "seed" / "checkpoint" / "step-0"
     dest = out.parent / "lr"
+    drawn = []  # what compare.png holds, read back from its figure (toolkit.plot.draw returns it)
+    monkeypatch.setattr(plots, "draw", lambda *a, _draw=plots.draw, **k: drawn.append(_draw(*a, **k)) or drawn[-1])
     rc = compare_main(["optimizer.lr=3e-3,3e-2,1e30", *TINY, f"checkpoint.load_path={seed}",
                        f"output_dir={dest}", "--check", "--no-probe", "--jobs=2", "--json"])
     text = capsys.readouterr()
@@ -90,6 +95,45 @@ def test_deliberate_change_fails_check_and_crash_is_reported(identical, capsys):
     assert "check failed" in text.err and "optimizer.lr=0.03: loss curve" in text.err
     assert "is not finite" in text.err  # the crash's log tail is shown
     assert re.search(r"optimizer.lr=1e\+?30: crashed", (dest / "compare.md").read_text().replace("## ", ""))
+    _assert_piped_report(text.err, [v["label"] for v in res["variants"]])
+    _assert_compare_png(dest, res, drawn)
+
+
+def _assert_piped_report(err: str, labels: list[str]):
+    """Piped (not a terminal): status words plain, no markup; each table as wide as it needs."""
+    assert "[green]" not in err and "[/" not in err and "\x1b[" not in err, err
+    assert re.search(rf"compare {re.escape(labels[0])}: ok in [0-9.]+ s \(exit 0", err), err
+    assert re.search(rf"compare {re.escape(labels[2])}: crashed in [0-9.]+ s \(exit 76", err), err
+    assert "\u2026" not in err  # no cell cut with an ellipsis
+    # the loss-by-step table: step, each variant, and a rel diff per variant after the baseline, on one line
+    head = re.compile(r"step +┃ +" + r" +┃ +".join([re.escape(labels[0])] + [re.escape(x) + r" +┃ +rel diff"
+                                                                            for x in labels[1:]]) + " +┃")
+    assert head.search(err), err
+    assert re.search(r"┃ metric +┃ +" + r" +┃ +".join(map(re.escape, labels)) + " +┃", err), err
+    assert max(map(len, err.splitlines())) > 80  # wider than the 80 columns rich assumes for a pipe
+
+
+def _assert_compare_png(dest: Path, res: dict, drawn: list[dict]):
+    png = (dest / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert struct.unpack(">II", png[16:24]) == (1200, 800)
+    assert res["plot"] == "compare.png" and "](compare.png)" in (dest / "compare.md").read_text()
+    (d,) = drawn
+    runs = []
+    for v in res["variants"]:  # each variant's own metrics.jsonl, read here
+        recs = [json.loads(ln) for ln in (Path(v["dir"]) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        runs.append({r["step"]: r for r in recs})
+        assert recs and [r["step"] for r in recs] == v["steps"]
+    labels = [v["label"] + ("" if v["status"] == "ok" else f" ({v['status']})") for v in res["variants"]]
+    for key, title in (("loss", "loss"), ("grad_norm", "grad norm")):
+        for lab, recs in zip(labels, runs):
+            assert d[title][lab] == (sorted(recs), [recs[s][key] for s in sorted(recs)]), (title, lab)
+        diffs = {lab.split(" (identical")[0]: xy for lab, xy in d[f"{title} - baseline"].items()}
+        assert list(diffs) == labels[1:]
+        for lab, recs in zip(labels[1:], runs[1:]):
+            steps = sorted(set(recs) & set(runs[0]))
+            assert diffs[lab] == (steps, [recs[s][key] - runs[0][s][key] for s in steps]), (title, lab)
+    assert d["loss - baseline"][labels[1]][1][0] == 0.0 and d["loss - baseline"][labels[1]][1][-1] != 0.0
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -43,6 +43,10 @@ SPECS = {
         vocab_size=290, hidden_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=10, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
         rope_theta=2e4, tie_word_embeddings=True, max_position_embeddings=512)),
+    "qwen3_moe_yarn": dict(cls="qwen3_moe", load="qwen3:30B-A3B-yarn", config=dict(
+        vocab_size=310, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64))),
     "llama_tied_scaled": dict(cls="llama", load="llama3:debugmodel", config=dict(
         vocab_size=350, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
         head_dim=8, intermediate_size=100, tie_word_embeddings=True, max_position_embeddings=512,
@@ -110,7 +114,8 @@ def _export(model, family, out):
     return hf.save(model.state_dict(), model.config, family.STATE_DICT_ADAPTER, family.hf_config(arch), out)
 
 
-@pytest.mark.parametrize("name", ["qwen3_dense_tied", "qwen3_moe", "llama_tied_scaled", "qwen35_dense_tied"])
+@pytest.mark.parametrize("name", ["qwen3_dense_tied", "qwen3_moe", "qwen3_moe_yarn", "llama_tied_scaled",
+                                  "qwen35_dense_tied"])
 def test_export_then_reimport_is_exact(hf_dirs, name, tmp_path):
     spec, d = SPECS[name], hf_dirs / name
     family = FAMILY[spec["cls"]]
@@ -215,6 +220,38 @@ def test_export_of_a_flavor_run_reimports_exactly(workdir, monkeypatch, capsys):
     sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
     dcp.load(sd, checkpoint_id=str(workdir / "run" / "checkpoint" / "step-1"), no_dist=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_export_writes_a_loadable_readable_folder_and_never_into_a_full_one(workdir, monkeypatch, capsys):
+    """`apiary export`: files readable as the umask allows (safetensors alone writes 0600), a
+    generation_config.json, the tokenizer said; a second export into the same folder exits 2 and
+    leaves the first untouched."""
+    import os
+
+    from framework import publish
+    from toolkit.cli import apiary_main
+
+    code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
+                             "output_dir=run"], workdir, monkeypatch, capsys)
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert apiary_main(["export", "run", "--hf", "exported"]) == 0
+    assert "no tokenizer files: the run used the byte-level tokenizer" in capsys.readouterr().out
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert (workdir / "exported" / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    before = (workdir / "exported" / "config.json").read_text()
+    assert apiary_main(["export", "run", "--hf", "exported"]) == 2
+    assert "is not an empty folder" in " ".join(capsys.readouterr().err.split())
+    assert (workdir / "exported" / "config.json").read_text() == before
+    tok = workdir / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    dest = workdir / "with_tok"
+    dest.mkdir()
+    assert publish.add_hf_extras(dest, {"eos_token_id": 3}, str(tok)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((dest / "generation_config.json").read_text())["eos_token_id"] == 3
 
 
 # ---------------------------------------------------------------- bad folders: exit 2, nothing written
@@ -382,7 +419,9 @@ def test_seq_len_beyond_the_checkpoints_rope_length_exits_2(hf_dirs, workdir, mo
 
 
 @pytest.mark.parametrize("family,change,needle", [
-    (qwen3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0)), "rope type 'yarn'"),
+    (qwen3, dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e6, factor=4.0)), "rope type 'dynamic'"),
+    (qwen3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, mscale=1.0, mscale_all_dim=1.0)),
+     "yarn RoPE with mscale"),
     (qwen3, dict(attention_bias=True), "attention_bias=true"),
     (qwen3, dict(use_sliding_window=True), "use_sliding_window=true"),
     (qwen3, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[0]),

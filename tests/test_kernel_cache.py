@@ -63,7 +63,7 @@ def test_autotune_log_becomes_tritons_listener(monkeypatch):
 
 
 def test_console_line_names_autotuning_only_when_some_happened():
-    from framework.metrics import _autotune_note
+    from framework.progress import autotune_note as _autotune_note
 
     assert _autotune_note({"autotune_s": 0.0, "autotuned_kernels": 0, "autotune_cache_hits": 0}) == ""
     note = _autotune_note({"autotune_s": 212.34, "autotuned_kernels": 14, "autotune_cache_hits": 3})

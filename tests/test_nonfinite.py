@@ -54,6 +54,10 @@ def test_diverging_run_stops_before_the_update_and_saves_no_poison(workdir, tmp_
     assert f"apiary: step {stop}: " in err and "is not finite" in err
     assert "no update was applied" in err and f"Last good checkpoint: step-{stop - 1}" in err
     assert "lower optimizer.lr" in err and "training.on_nonfinite=skip" in err and "checkpoint.resume=true" in err
+    # rank 0's short summary: the step reached and the checkpoint (framework/summary.py)
+    assert (f"stopped on a non-finite loss or gradient norm after step {stop - 1} of 6 (exit code 76); "
+            f"checkpoint: run/checkpoint/step-{stop - 1}") in p.stdout
+    assert json.loads((workdir / "run" / "summary.json").read_text())["status"] == "stopped"
     records = _metrics(workdir / "run")
     assert [r["step"] for r in records] == list(range(1, stop))  # the stopped step is not logged
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in records)

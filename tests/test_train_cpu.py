@@ -25,6 +25,21 @@ def test_default_trains_and_resumes(workdir):
     assert (run / "checkpoint" / "step-10" / ".metadata").is_file()
     assert (run / "checkpoint" / "step-20" / ".metadata").is_file()
     assert "step    20/20" in p.stdout
+    # piped, the console tells the story plainly: one line per step with elapsed and ETA, the summary,
+    # no control codes and none of torchtitan's CPU noise (tests/test_progress.py: the terminal)
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 20 and all(" elapsed " in ln and " ETA " in ln for ln in steps)
+    assert "\x1b" not in p.stdout and "run summary" in p.stdout
+    for noise in ("lspci", "fallback to A100", "safetensors.index.json", "0 kernels tuned", "{'dp_replicate'",
+                  "TFLOPs/GPU", "done: step"):
+        assert noise not in p.stdout + p.stderr, noise
+    assert not (run / "comm_traces").exists()  # nothing traced on CPU: no empty folder
+    assert not [k for k in m[-1] if k.startswith("plan_")]  # no GPU estimate next to a CPU's RSS
+    summary = json.loads((run / "summary.json").read_text())
+    last_ck = run.relative_to(workdir) / "checkpoint" / "step-20"  # output_dir as the run was given it
+    assert summary["step"] == 20 and summary["checkpoint"] == str(last_ck)
+    assert summary["tokens"] == sum(r["tokens"] for r in m) and summary["loss_last"] == m[-1]["loss"]
+    assert f"checkpoint    {last_ck}" in p.stdout
 
     # resume from step 10 of a copy: the next loss must be the uninterrupted run's step 11
     copy = workdir / "resumed"
@@ -48,6 +63,7 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
     assert p1.returncode == 0, p1.stderr[-3000:]
     p2 = run_cli(["train", *steps, seed, "nproc=2", "output_dir=two"], cwd=workdir)
     assert p2.returncode == 0, p2.stderr[-3000:]
+    assert p2.stdout.count("run summary") == 1 and "steps         5/5" in p2.stdout  # rank 0 of torchrun, once
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
     assert lay["dp_shard"] == 2 and lay["ep"] == 2
     one, two = read_metrics(workdir / "one"), read_metrics(workdir / "two")

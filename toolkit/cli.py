@@ -2,13 +2,14 @@
 
     apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | warmup ...
            | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT | autotune-table KERNEL_CACHE --out FILE
-           | logprobs MODEL ROLLOUTS --out DIR [--step N] [--temperature T]
+           | logprobs MODEL ROLLOUTS --out DIR [--step N] [--temperature T] | plot RUN [RUN ...] [--out FILE]
 
 Each command's k=v arguments are recipe overrides in `train`'s grammar (framework.cli, Hydra).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -22,7 +23,6 @@ from framework import autotune_table, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
-from toolkit.show import show_hf
 
 
 def _ls() -> int:
@@ -45,6 +45,8 @@ def _ls() -> int:
 
 def _show(name: str) -> int:
     if (Path(name) / "config.json").is_file():  # a HuggingFace model folder
+        from toolkit.show import show_hf  # reason: start-up time (it resolves a recipe: torch, torchtitan)
+
         return show_hf(name, console)
     if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
         console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
@@ -53,9 +55,10 @@ def _show(name: str) -> int:
         if name in names:
             e = names[name]
             console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
-            skill = registry.ROOT / "docs" / "skills" / f"{name}.md"
+            skill = registry.skill_page(kind, name)
             if skill.is_file():
-                console.print(f"  skill page: {skill}", markup=False)
+                shown = skill.relative_to(registry.ROOT) if skill.is_relative_to(registry.ROOT) else skill
+                console.print(f"  skill page: {shown}", markup=False)
             return 0
     known = recipes.recipe_names() + [n for ns in registry.entries().values() for n in ns]
     raise UserError(f"apiary show {name}", "no recipe or registry name called that.",
@@ -76,7 +79,7 @@ def _cp(name: str, dest: str) -> int:
     return 0
 
 
-def _export(run_dir: str, out: str) -> int:
+def _export(run_dir: str, out: str, merged: bool = False) -> int:
     cfg_path = Path(run_dir) / "config.yaml"
     if not cfg_path.is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
@@ -86,7 +89,33 @@ def _export(run_dir: str, out: str) -> int:
     if not hasattr(mod, "export_hf"):
         raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
                         "Export exists for qwen3_5.")
-    console.print(f"exported {run_dir} -> {mod.export_hf(run_dir, out)}", markup=False)
+    adapter = str(OmegaConf.select(OmegaConf.load(cfg_path), "adapter.name", default="none") or "none")
+    if merged and adapter == "none":
+        raise UserError(f"apiary export {run_dir} --merged", "folds adapters into their base, and this run trained "
+                        "every weight without adapters (adapter=none).", "Drop --merged: the export is the full model.")
+    dest = Path(out)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
+                        "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
+    what = ""
+    if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
+        folder, what = registry.resolve("adapter", adapter).export_hf(run_dir, out, mod, merged=merged)
+        if not (Path(folder) / "config.json").is_file():
+            console.print(f"exported {run_dir} -> {folder} ({what})", markup=False)
+            return 0
+        what = f"{what}; "
+    else:
+        folder = Path(mod.export_hf(run_dir, out))
+    from framework import publish  # reason: the tokenizer files and generation_config.json beside the weights
+
+    cfg = OmegaConf.load(cfg_path)
+    tok = str(cfg.data.tokenizer)
+    tok_dir = tok if Path(tok).is_dir() else None
+    copied = publish.add_hf_extras(folder, json.loads((folder / "config.json").read_text()), tok_dir)
+    byte = "no tokenizer files: the run used the byte-level tokenizer (ids 0-255 are UTF-8 bytes, then BOS and EOS)"
+    note = (f"tokenizer files from {tok}: {', '.join(copied)}" if copied else byte if tok == "byte"
+            else f"no tokenizer files found in data.tokenizer={tok}")
+    console.print(f"exported {run_dir} -> {folder} ({what}{note})", markup=False)
     return 0
 
 
@@ -157,9 +186,17 @@ def apiary_parser() -> argparsing.Parser:
     ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
+    ex.add_argument("--merged", action="store_true",
+                    help="an adapter run (adapter=lora): the base with the adapters folded in, instead of PEFT's "
+                         "adapter folder (docs/skills/lora.md)")
     lp = sub.add_parser("logprobs", help="a reference model's token log-probs into rollouts (ref_logprobs)",
                         description=logprobs.__doc__)
     logprobs.add_arguments(lp)
+    from toolkit import plot  # reason: start-up time (its matplotlib loads inside plot.run only)
+
+    pl = sub.add_parser("plot", help="one PNG of runs' metrics over steps (loss, grad norm, tokens/s, memory)",
+                        description=plot.__doc__)
+    plot.add_arguments(pl)
     return p
 
 
@@ -203,7 +240,11 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return _autotune_table(ns.cache, ns.out)
         if cmd == "logprobs":
             return logprobs.logprobs_args(ns)
-        return _export(ns.run_dir, ns.hf)
+        if cmd == "plot":
+            from toolkit import plot  # reason: start-up time (matplotlib, inside plot.run)
+
+            return plot.run(ns)
+        return _export(ns.run_dir, ns.hf, ns.merged)
     except UserError as e:
         return _fail(e)
 

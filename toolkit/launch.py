@@ -217,10 +217,8 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
         err_console.print("dry run: nothing started.")
         return 0
 
-    def in_process():
-        last = run.train(r, verbose="verbose" in flags)
-        if last:
-            console.print(f"done: step {last['step']} loss {last['loss']:.4f} -> {r.cfg.output_dir}", markup=False)
+    def in_process():  # rank 0 of run.train prints the run's summary
+        run.train(r, verbose="verbose" in flags)
         return 0
 
     return int(cls.launch(opts, argv_w, in_process, run.launch_env(r)))

@@ -21,17 +21,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import OmegaConf
 
 from components.data.rollouts import _located_records, _where, rollout_files
-from components.losses.logprob import token_logprobs
-from components.models.hf import causal_masks, read_config
-from framework import devices, integrity, registry
-from framework.api import build_model
+from framework import integrity, registry
 from framework.errors import UserError
 from framework.resolve import model_kwargs
+
+if TYPE_CHECKING:  # annotations only: torch and the model load when a model is scored (start-up time)
+    import torch
 
 
 def add_arguments(p) -> None:
@@ -53,6 +53,8 @@ def add_arguments(p) -> None:
 # -------------------------------------------------------------------------------- the model
 
 def _family_of(folder: Path, where: str) -> str:
+    from components.models.hf import read_config  # reason: start-up time (torch, torchtitan)
+
     mt = str(read_config(folder).get("model_type", ""))
     for family in registry.names("model"):
         if mt in getattr(registry.resolve("model", family), "HF_MODEL_TYPES", ()):
@@ -63,6 +65,8 @@ def _family_of(folder: Path, where: str) -> str:
 
 def load_model(model: str, step: int | None, device) -> tuple[torch.nn.Module, str]:
     """(the model in eval mode, a description of what was loaded)."""
+    from framework.api import build_model  # reason: start-up time (torch)
+
     where = f"apiary logprobs {model}"
     p = Path(model)
     if (p / "config.json").is_file():
@@ -81,6 +85,8 @@ def load_model(model: str, step: int | None, device) -> tuple[torch.nn.Module, s
 
 def _run_model(run: Path, step: int | None, device, where: str):
     import torch.distributed.checkpoint as dcp  # reason: only run folders read DCP checkpoints
+
+    from framework.api import build_model  # reason: start-up time (torch)
 
     cfg = OmegaConf.load(run / "config.yaml")
     steps = integrity.complete_steps(run / "checkpoint")
@@ -111,10 +117,21 @@ def _run_model(run: Path, step: int | None, device, where: str):
 
 # -------------------------------------------------------------------------------- scoring
 
-@torch.no_grad()
 def score(model: torch.nn.Module, sequences: list[list[int]], temperature: float = 1.0,
           batch_tokens: int = 8192) -> list[list[float]]:
     """Per sequence: [0.0, log p(x1 | x0), log p(x2 | x0 x1), ...] (fp32, through the fused head)."""
+    import torch  # reason: start-up time (`apiary --help` builds this command's parser without torch)
+
+    with torch.no_grad():
+        return _score(model, sequences, temperature, batch_tokens)
+
+
+def _score(model, sequences: list[list[int]], temperature: float, batch_tokens: int) -> list[list[float]]:
+    import torch  # reason: start-up time (`apiary --help` builds this command's parser without torch)
+
+    from components.losses.logprob import token_logprobs  # reason: start-up time (torch)
+    from components.models.hf import causal_masks  # reason: start-up time (torch, torchtitan)
+
     device = next(model.parameters()).device
     weight = model.lm_head.weight
     out: list = [None] * len(sequences)
@@ -214,6 +231,10 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
     if clash:
         raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.",
                         "Write to another folder.")
+    import torch  # reason: start-up time (the checks above need no torch)
+
+    from framework import devices  # reason: start-up time (torch)
+
     devices.install()
     device = torch.device(devices.device_type())
     model, what = load_model(model_path, step, device)

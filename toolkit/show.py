@@ -48,13 +48,22 @@ def show_hf(path: str, console) -> int:
     family, mt = family_for(p)
     recipe, gpus = plan_recipe(family)
     overrides = [f"model.hf_checkpoint={p}"]
-    note = ""
-    try:
-        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
-    except UserError as e:  # the table's EP may not divide a small checkpoint's experts
-        note = f" (parallel.ep=1: {e.reason.split(':')[0]})"
-        overrides.append("parallel.ep=1")
-        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+    notes = []
+    rope = read_config(p).get("max_position_embeddings")
+    for _ in range(3):  # the recipe's layout, adapted to what a small checkpoint cannot take
+        try:
+            r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+            break
+        except UserError as e:
+            if e.where.startswith("training.seq_len") and rope and "training.seq_len" not in str(overrides):
+                overrides.append(f"training.seq_len={int(rope)}")  # beyond the folder's RoPE length
+                notes.append(f"training.seq_len={int(rope)}: the folder's max_position_embeddings")
+            elif "parallel.ep=1" not in overrides:  # the table's EP may not divide a small checkpoint's experts
+                overrides.append("parallel.ep=1")
+                notes.append(f"parallel.ep=1: {e.reason.split(':')[0]}")
+            else:
+                raise
+    note = f" ({'; '.join(notes)})" if notes else ""
     f = r.facts
     console.print(f"[bold]{p}[/bold]: model_type {mt} -> model.family={family}", highlight=False)
     console.print(f"architecture: {f.source.split(': ', 1)[1]}", markup=False)

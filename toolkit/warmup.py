@@ -107,7 +107,8 @@ def warmup_args(ns) -> int:
             console.print(f"warmup: {n}", markup=False)
         kernel_cache.configure(r.cfg.training.kernel_cache, r.cfg.training.cache_autotuning)  # run.train's too
         before = {name: files for name, _, files, _, _ in cache_summary(kernel_cache.cache_dirs())}
-        run.train(r, verbose=ns.verbose)  # sets the cache variables, as every launcher's workers do
+        # sets the cache variables, as every launcher's workers do; no summary (its run folder is temporary)
+        run.train(r, verbose=ns.verbose, report=False)
         console.print(f"warmup: {r.cfg.recipe} trained {STEPS} steps at seq_len {r.cfg.training.seq_len}; "
                       "kernel cache:", markup=False)
         for name, d, files, size, tuned in cache_summary(kernel_cache.cache_dirs()):

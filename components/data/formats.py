@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, inspect_local, local_data_files
+from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, held_out_count, inspect_local, local_data_files
 from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, pack_rows, rollout_files, source
 from framework.errors import UserError, did_you_mean
 
@@ -87,6 +87,7 @@ class Text:
     @staticmethod
     def check(options: DataOptions, ctx) -> None:
         _check_common(options, ctx)
+        _check_validation_keys(options, ctx)
         if options.follow:
             raise UserError("data.follow=true", "follows a folder of RL rollout shards; it needs "
                             "data.format=rollouts (text data is read as a fixed set of files).",
@@ -101,6 +102,9 @@ class Text:
             raise UserError("data.tokenizer=byte", f"needs a vocabulary of at least 258; the model has "
                             f"{ctx.facts.vocab_size}.", "Set model.vocab_size=320.")
         line = Text.summary(options, ctx)
+        if line:
+            ctx.summary.append(line)
+        line = _validation_summary(options, ctx)
         if line:
             ctx.summary.append(line)
 
@@ -137,10 +141,69 @@ class Text:
     def apply(options: DataOptions, tc, ctx) -> None:
         from components.data import text  # reason: imports datasets and torchtitan (slow; only to train)
 
-        tc.dataloader = text.PackedTextDataLoader.Config(dataset=text.register(options.name, options.path),
-                                                         num_workers=options.num_workers, sharding=options.sharding)
+        v = ctx.cfg.validation
+        part = "train" if v.interval > 0 and v.path is None else "all"  # validation.fraction: hold out the last documents
+        tc.dataloader = text.PackedTextDataLoader.Config(
+            dataset=text.register(options.name, options.path, part, v.fraction),
+            num_workers=options.num_workers, sharding=options.sharding)
+        if v.interval > 0:  # the held-out text's loader; the framework runs validation (framework/validation.py)
+            held = (text.register("local", v.path) if v.path is not None
+                    else text.register(options.name, options.path, "validation", v.fraction))
+            tc.validation_dataloader = text.PackedTextDataLoader.Config(dataset=held, sharding=options.sharding)
         _tokenizer(options, tc, ctx)
         tc.batch_keys, tc.step_keys = Text.BATCH_KEYS, Text.STEP_KEYS
+
+
+def _check_validation_keys(d: DataOptions, ctx) -> None:
+    """validation.*: every key takes effect or is refused (text data only; formats.Rollouts refuses it)."""
+    v = ctx.cfg.validation
+    if v.interval < 0 or v.steps < 1:
+        bad = f"validation.interval={v.interval}" if v.interval < 0 else f"validation.steps={v.steps}"
+        raise UserError(bad, "validation.interval must be >= 0 (0: no validation) and validation.steps >= 1 (batches "
+                        "per validation pass).", "For example validation.interval=50 validation.steps=4.")
+    if not 0 <= v.fraction <= 0.5:
+        raise UserError(f"validation.fraction={v.fraction}", "must be in (0, 0.5]: the share of the training text's "
+                        "last documents held out for validation.", "For example validation.fraction=0.05.")
+    source = v.path is not None or v.fraction > 0
+    if v.interval == 0 and source:
+        key = f"validation.path={v.path}" if v.path is not None else f"validation.fraction={v.fraction}"
+        raise UserError(key, "names held-out text, but validation.interval is 0, so no validation would run.",
+                        "Add validation.interval=N (validate every N steps), or drop it.")
+    if v.interval > 0 and not source:
+        raise UserError(f"validation.interval={v.interval}", "needs held-out text: validation.path (files, as "
+                        "data.path) or validation.fraction (the last share of the training text's documents).",
+                        "For example validation.fraction=0.05.")
+    if v.path is not None and v.fraction > 0:
+        raise UserError(f"validation.path={v.path} with validation.fraction={v.fraction}", "both name the held-out "
+                        "text; apiary will not guess which one you meant.", "Keep one of them.")
+    if v.fraction > 0 and d.path is None and d.name not in ("packaged", "", "tiny"):
+        raise UserError(f"validation.fraction={v.fraction}", f"holds out documents of a local source; {d.name} is "
+                        "streamed from the hub (its size is unknown before it is read).",
+                        "Give held-out files with validation.path=PATH instead.")
+
+
+def _validation_summary(d: DataOptions, ctx) -> str:
+    """Before launch: the held-out text parses and leaves documents to train on; its line."""
+    v = ctx.cfg.validation
+    if v.interval == 0:
+        return ""
+    when = f"at step 1, every {v.interval} steps and at the last; {v.steps} batch(es) per pass"
+    if int(os.environ.get("RANK", "0")) != 0:
+        return ""
+    if v.path is not None:
+        try:
+            held = inspect_local(str(v.path))
+        except ValueError as e:
+            raise UserError(f"validation.path={v.path}", f"{e}.", "Point it at held-out text in data.path's formats "
+                            "(jsonl/json with a string 'text', UTF-8 txt, parquet with a 'text' column).") from None
+        return f"validation: {held.describe('local', d.tokenizer)}, {when}"
+    path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
+    n = inspect_local(path).documents  # parsed already by the data line (errors named there)
+    k = held_out_count(n, v.fraction)
+    if n - k < 1:
+        raise UserError(f"validation.fraction={v.fraction}", f"holds out {k} of the {n} documents of {path}, leaving "
+                        "none to train on.", "Use a smaller fraction, more documents, or validation.path=PATH.")
+    return f"validation: the last {k:,} of {n:,} documents of {path} (never trained on), {when}"
 
 
 def _check_follow(d: DataOptions, ctx) -> None:
@@ -191,6 +254,11 @@ class Rollouts:
         if not ctx.for_training:
             return
         d, cfg = options, ctx.cfg
+        v = cfg.validation
+        if v.interval or v.path is not None or v.fraction:
+            raise UserError("validation.*", "validation computes the language-model loss on held-out text; this run "
+                            "trains a policy on rollouts (data.format=rollouts), where it has no meaning.",
+                            "Drop the validation.* keys (policy metrics are in metrics.jsonl as policy/*).")
         if cfg.moe.get("routing_replay", False):  # an MoE model (follow mode: records checked as they come)
             from components.moe import routing_replay  # reason: imports torchtitan
 

@@ -6,6 +6,7 @@ launcher checks data without importing torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,11 @@ def source_kind(name: str, path: str | None) -> str:
     if name == "local":
         raise ValueError("data.name=local needs data.path")
     return "hub"
+
+
+def held_out_count(documents: int, fraction: float) -> int:
+    """How many of a source's last documents validation.fraction holds out (at least one)."""
+    return max(1, math.ceil(documents * fraction))
 
 
 def local_data_files(path: str) -> list[str]:

@@ -43,10 +43,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from components.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are made (start-up time)
+    import torch
 
 RL_KEYS = ("rl_old_logprobs", "rl_advantages", "rl_ref_logprobs", "rl_gen_logprobs", "rl_sequence_ids",
            "rl_seq_tokens", "rl_routed_experts")  # per token (routed_experts: [T, n_moe_layers, k], model input, not shifted)
@@ -178,6 +180,8 @@ def _where(path: Path, line: int) -> str:
 
 def _convert(where: str, rec: dict) -> None:
     """Raise ValueError naming the field when a value would not convert as the loader converts it."""
+    import torch  # reason: start-up time (the CLI's checks read records without torch)
+
     for k, dtype in (("input_ids", torch.long), ("loss_mask", torch.bool), ("old_logprobs", torch.float32),
                      ("advantages", torch.float32), ("ref_logprobs", torch.float32),
                      ("gen_logprobs", torch.float32)):
@@ -194,6 +198,8 @@ def _convert(where: str, rec: dict) -> None:
 def _routed_experts(where: str, rec: dict) -> torch.Tensor:
     """The record's ``routed_experts`` as a [L, n_moe_layers, k] long tensor; ValueError naming the
     record when it is ragged, not integer or of another length than ``input_ids``."""
+    import torch  # reason: start-up time (the CLI's checks read records without torch)
+
     v = rec["routed_experts"]
     try:
         t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
@@ -268,6 +274,8 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
     ``routed_experts`` [B, T, n_moe_layers, k] long (-1 at padding), not shifted (the routing of
     the token at that position as an input), when ``with_routed`` or (None) when every record of
     ``rows`` has the field; ValueError when they differ in [n_moe_layers, k] or only some have it."""
+    import torch  # reason: start-up time (the CLI's checks read records without torch)
+
     b = len(rows)
     recs = [(i, rec) for row in rows for i, rec in row]
     has = [rec.get("routed_experts") is not None for _, rec in recs]
@@ -342,6 +350,8 @@ def trainer_sample(t: dict, num_seqs) -> tuple[dict, torch.Tensor]:
     """One row of ``build_rows`` (its tensors [T]) as the trainer's sample: ``input``/``positions``
     for the model, the ``rl_*`` tensors for the policy loss (optional fields when present), labels;
     ``num_seqs``: the step's sequences with a trained token (all ranks)."""
+    import torch  # reason: start-up time (the CLI's checks read records without torch)
+
     sample = {"input": t["input_ids"], "positions": t["positions"],
               "rl_old_logprobs": t["old_logprobs"], "rl_advantages": t["advantages"],
               "rl_sequence_ids": t["sequence_ids"], "rl_seq_tokens": t["seq_tokens"],

@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
-from components.data.local_text import LOCAL_FORMATS, PACKAGED_CORPUS, local_data_files, source_kind  # noqa: F401
+from components.data.local_text import LOCAL_FORMATS, PACKAGED_CORPUS, held_out_count, local_data_files, source_kind  # noqa: F401
 
 
 def _text_of(sample: dict) -> str:
@@ -34,8 +34,18 @@ def _load_local(path: str) -> "object":
     return load_dataset(kinds.pop(), data_files=files, split="train")
 
 
-def register(name: str, path: str | None) -> str:
-    """Register a dataset under ``name`` with torchtitan's text loader; return the name to use."""
+def _load_part(path: str, part: str, fraction: float) -> "object":
+    """A local source's documents before (``train``) or from (``validation``) its held-out last ones."""
+    ds = _load_local(path)
+    n = len(ds)
+    k = held_out_count(n, fraction)
+    return ds.select(range(n - k)) if part == "train" else ds.select(range(n - k, n))
+
+
+def register(name: str, path: str | None, part: str = "all", fraction: float = 0.0) -> str:
+    """Register a dataset under ``name`` with torchtitan's text loader; return the name to use.
+    ``part`` = train | validation: a local source split in two by ``fraction`` (its last documents are
+    the validation set, never trained on)."""
     kind = source_kind(name, path)
     if kind == "packaged":
         key, loc, loader = "apiary_packaged", str(PACKAGED_CORPUS), _load_local
@@ -44,6 +54,10 @@ def register(name: str, path: str | None) -> str:
     else:  # a HuggingFace hub dataset name, streamed
         key, loc = f"apiary_hf_{name.replace('/', '_')}", name
         loader = partial(load_dataset, split="train", streaming=True)
+    if part != "all":
+        if kind == "hub":
+            raise ValueError("a held-out split needs a local source")  # refused before launch (formats.py)
+        key, loader = f"{key}_{part}_{fraction}", partial(_load_part, part=part, fraction=fraction)
     text_datasets.DATASETS[key] = DatasetConfig(path=loc, loader=loader, sample_processor=_text_of)
     return key
 

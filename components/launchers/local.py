@@ -73,6 +73,7 @@ class LocalLauncher:
                f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",
                "-m", env.train_module, "train", *argv]
         child_env = dict(os.environ)
+        child_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its banner about it
         return env.supervise(cmd, child_env, nproc=opts.nproc)
 
     # apiary compare: how runs differing in this component or its options are held to each other

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional
 
-import jinja2
 from omegaconf import OmegaConf
 
 from framework.contracts import LaunchEnv
@@ -161,6 +160,8 @@ class SlurmLauncher:
     @staticmethod
     def render(opts, resolved, argv: list[str]) -> str:
         """The batch script for ``train argv`` (recipe=... and overrides) with these options."""
+        import jinja2  # reason: start-up time (only rendering a script needs it)
+
         SlurmLauncher.check_warmup(opts, resolved)
         path = template_path(opts)
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(path.parent)),

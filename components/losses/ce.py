@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtitan.components.loss import CrossEntropyLoss
-
 from framework.contracts import PlanTerms, Term
 
 
@@ -31,6 +29,8 @@ class CrossEntropy:
 
     @staticmethod
     def apply(options: "CrossEntropy.Options", tc, ctx) -> None:
+        from torchtitan.components.loss import CrossEntropyLoss  # reason: start-up time (torchtitan)
+
         tc.loss = CrossEntropyLoss.Config(global_vocab_size=ctx.facts.vocab_size)
 
     @staticmethod

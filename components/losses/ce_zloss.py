@@ -8,37 +8,53 @@ line of registry.yaml, with docs/skills/ce_zloss.md and the paired test tests/te
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import spmd_types as spmd
-import torch
-from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+from functools import cache
 
 from components.losses.ce import check_data, logits_plan_terms
 from framework.contracts import PlanTerms
 
 
-class ZLossCrossEntropyLoss(CrossEntropyLoss):
-    """torchtitan's cross-entropy (sum over tokens, divided by the global valid-token count) plus
-    ``z_loss`` x the same normalised sum of ``logsumexp(logits)^2`` over the valid tokens."""
+@cache
+def loss_class():
+    """The torchtitan loss class ``ZLossCrossEntropyLoss``, built on first use (it subclasses
+    torchtitan's, so importing this module, as `train --help` does, loads no torchtitan)."""
+    import spmd_types as spmd  # reason: start-up time (torch)
+    import torch  # reason: start-up time
+    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # reason: start-up time (torchtitan)
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(CrossEntropyLoss.Config):
-        z_loss: float = 1e-4
+    class ZLossCrossEntropyLoss(CrossEntropyLoss):
+        """torchtitan's cross-entropy (sum over tokens, divided by the global valid-token count) plus
+        ``z_loss`` x the same normalised sum of ``logsumexp(logits)^2`` over the valid tokens."""
 
-    def __init__(self, config: Config, *, compile_config=None):
-        super().__init__(config, compile_config=compile_config)
-        self.z_loss = config.z_loss
+        @dataclass(kw_only=True, slots=True)
+        class Config(CrossEntropyLoss.Config):
+            z_loss: float = 1e-4
 
-    def __call__(self, pred, labels, global_valid_tokens=None, **kwargs):
-        loss, extra = super().__call__(pred, labels, global_valid_tokens, **kwargs)
-        if self.z_loss > 0:
-            with spmd.no_typecheck():  # a partial sum over data/context shards, as torchtitan's CE
-                lse = torch.logsumexp(pred.float(), dim=-1)
-                z = torch.where(labels != IGNORE_INDEX, lse.square(), 0.0).sum()
-                if global_valid_tokens is not None:
-                    z = z / global_valid_tokens
-                loss = loss + self.z_loss * z
-        return loss, extra
+        def __init__(self, config: Config, *, compile_config=None):
+            super().__init__(config, compile_config=compile_config)
+            self.z_loss = config.z_loss
+
+        def __call__(self, pred, labels, global_valid_tokens=None, **kwargs):
+            loss, extra = super().__call__(pred, labels, global_valid_tokens, **kwargs)
+            if self.z_loss > 0:
+                with spmd.no_typecheck():  # a partial sum over data/context shards, as torchtitan's CE
+                    lse = torch.logsumexp(pred.float(), dim=-1)
+                    z = torch.where(labels != IGNORE_INDEX, lse.square(), 0.0).sum()
+                    if global_valid_tokens is not None:
+                        z = z / global_valid_tokens
+                    loss = loss + self.z_loss * z
+            return loss, extra
+
+    ZLossCrossEntropyLoss.__qualname__ = "ZLossCrossEntropyLoss"  # found by name (pickle): __getattr__ below
+    ZLossCrossEntropyLoss.Config.__qualname__ = "ZLossCrossEntropyLoss.Config"
+    return ZLossCrossEntropyLoss
+
+
+def __getattr__(name: str):
+    """``ZLossCrossEntropyLoss`` reads as a module attribute (``from ... import ZLossCrossEntropyLoss``)."""
+    if name == "ZLossCrossEntropyLoss":
+        return loss_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ZLossCrossEntropy:
@@ -66,7 +82,7 @@ class ZLossCrossEntropy:
 
     @staticmethod
     def apply(options: "ZLossCrossEntropy.Options", tc, ctx) -> None:
-        tc.loss = ZLossCrossEntropyLoss.Config(global_vocab_size=ctx.facts.vocab_size, z_loss=options.z_loss)
+        tc.loss = loss_class().Config(global_vocab_size=ctx.facts.vocab_size, z_loss=options.z_loss)
 
     @staticmethod
     def plan_terms(options, ctx) -> PlanTerms:

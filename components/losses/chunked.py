@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-
 from components.losses.ce import check_data, logits_plan_terms
 from framework.contracts import PlanTerms
 
@@ -35,6 +33,8 @@ class ChunkedCrossEntropy:
 
     @staticmethod
     def apply(options: "ChunkedCrossEntropy.Options", tc, ctx) -> None:
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # reason: start-up time
+
         tc.loss = ChunkedLossWrapper.Config(
             num_chunks=options.num_chunks,
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=ctx.facts.vocab_size),

@@ -33,14 +33,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
-import torch
-
 from components.labels import IGNORE_INDEX
-from components.losses import rl
-from components.losses.fused_rl import FUSABLE, fused_policy_loss
-from components.losses.linear_ce import EngineOptions, auto_backend, check_backend_here, fused_head_plan_terms
-from components.losses.lm_head import head_loss
-from components.losses.logprob import token_logprobs
+from components.losses.linear_ce import EngineOptions, check_backend_here, fused_head_plan_terms
 from framework.contracts import PlanTerms
 from framework.errors import UserError
 
@@ -91,10 +85,13 @@ class _Policy:
     def check(cls, options, ctx=None) -> None:
         """Before launch (ValueError / UserError): option values, and the data this objective trains on."""
         type(options).__post_init__(options)
-        if options.backend == "fwdgrad" and cls.objective not in FUSABLE:
-            raise ValueError(f"loss={cls.objective} cannot use loss.backend=fwdgrad: its sequence-level ratio needs "
-                             "every token's log-prob before any gradient exists (fused objectives: "
-                             f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
+        if options.backend == "fwdgrad":
+            from components.losses.fused_rl import FUSABLE  # reason: start-up time (torch); only fwdgrad asks
+
+            if cls.objective not in FUSABLE:
+                raise ValueError(f"loss={cls.objective} cannot use loss.backend=fwdgrad: its sequence-level ratio "
+                                 "needs every token's log-prob before any gradient exists (fused objectives: "
+                                 f"{', '.join(FUSABLE)}); use loss.backend=auto (the recompute path)")
         if ctx is None:
             return
         cls._check_rl(ctx)
@@ -251,6 +248,11 @@ class SFT(_Policy):
 
 def policy_loss(self, h, w, labels, global_valid_tokens):
     """Policy objective on fused token log-probs; normalised over the whole optimizer step."""
+    import torch  # reason: start-up time (`train --help` reads the Options without torch)
+
+    from components.losses import rl  # reason: start-up time (torch)
+    from components.losses.logprob import token_logprobs  # reason: start-up time (torch)
+
     cfg = self.config
     batch = self.batch or {}
     hp = dict(cfg.hparams)
@@ -312,6 +314,9 @@ def _threshold(cfg) -> float:
 def _use_fused(cfg, h, w) -> bool:
     """backend fwdgrad, or auto where linear_ce's auto would pick it (CUDA, a gradient wanted, the
     buffers fit), for the objectives that fuse (not GSPO)."""
+    from components.losses.fused_rl import FUSABLE  # reason: start-up time (torch)
+    from components.losses.linear_ce import auto_backend  # reason: start-up time (torch)
+
     if cfg.objective not in FUSABLE:
         return False
     if cfg.backend == "fwdgrad":
@@ -322,6 +327,8 @@ def _use_fused(cfg, h, w) -> bool:
 
 
 def _batch_args(cfg, batch, labels, hp):
+    import torch  # reason: start-up time (`train --help` reads the Options without torch)
+
     mask = labels != IGNORE_INDEX
     zeros = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     old = batch.get("rl_old_logprobs", zeros).float()
@@ -336,6 +343,8 @@ def _batch_args(cfg, batch, labels, hp):
 
 def _fused(self, h, w, labels, global_valid_tokens, batch, hp):
     """The same objective with the gradient computed in the forward (components/losses/fused_rl.py)."""
+    from components.losses.fused_rl import fused_policy_loss  # reason: start-up time (torch)
+
     cfg = self.config
     mask, old, adv, ref = _batch_args(cfg, batch, labels, hp)
     kw = {"sequence_ids": batch.get("rl_sequence_ids")}
@@ -364,6 +373,8 @@ def set_batch(self, batch: dict, seq_group=None) -> None:
 
 
 def policy_loss_class():
+    from components.losses.lm_head import head_loss  # reason: start-up time (torch, torchtitan)
+
     return head_loss.subclass("PolicyLoss", policy_loss, {
         "objective": "grpo", "hparams": {}, "temperature": 1.0, "entropy_coef": 0.0,
         "mismatch_threshold": 0.1},

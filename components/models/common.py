@@ -60,16 +60,29 @@ def model_kwargs(options, ctx) -> dict:
 
 
 def check_model(options, ctx) -> None:
-    """What every family refuses before launch: a sequence longer than the model's RoPE length."""
-    if not ctx.for_training or ctx.facts is None:
+    """What every family refuses before launch: a sequence longer than the model's RoPE length (with
+    RoPE scaling, the scaled length). A property of the config, so print-only commands (--cfg job,
+    plan, show) refuse it too: what they accept, a launch accepts."""
+    if ctx.facts is None:
         return
     limit = getattr(ctx.facts, "max_seq_len", 0)
     seq = ctx.cfg.training.seq_len
     if limit and seq > limit:
         src = (f"max_position_embeddings of {options.hf_checkpoint}" if options.hf_checkpoint
                else f"model.flavor={options.flavor}")
-        raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).",
-                        f"Use training.seq_len <= {limit}.")
+        family = ctx.components.get("model") if getattr(ctx, "components", None) else None
+        longer = [f for f, n in getattr(family, "LONG_CONTEXT_FLAVORS", {}).items()
+                  if f.startswith(f"{options.flavor}-") and n >= seq] if not options.hf_checkpoint else []
+        fix = f"Use training.seq_len <= {limit}"
+        if longer:
+            fix += (f", or model.flavor={longer[0]} (RoPE scaling to {family.LONG_CONTEXT_FLAVORS[longer[0]]}; "
+                    "docs/skills/models.md).")
+        elif options.hf_checkpoint:
+            fix += (", or a folder whose config.json scales its RoPE (qwen3: rope_type yarn, llama3: llama3; "
+                    "docs/skills/models.md).")
+        else:
+            fix += "."
+        raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).", fix)
 
 
 def apply_model(family, options, tc, ctx) -> None:

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
+from components.adapters.targets import is_adapter_param
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -321,7 +322,7 @@ def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
     ``canonical(key)`` renames a checkpoint key or drops it (None).
     """
     index = {k: v[0] for k, v in weight_index(path).items()}
-    params = {_clean(n): p for n, p in model.named_parameters()}
+    params = {_clean(n): p for n, p in model.named_parameters() if not is_adapter_param(n)}  # adapters: not in HF
     n_layers = len(model.layers)
     groups = defaultdict(list)
     for key in index:

@@ -1,12 +1,15 @@
 """Qwen3 family (dense and MoE) on torchtitan's Qwen3 model, plus CPU-sized flavors.
 
-Flavors: torchtitan's (0.6B ... 32B, 30B-A3B, 235B-A22B, debugmodel, debugmodel_moe) and
+Flavors: torchtitan's (0.6B ... 32B, 30B-A3B, 235B-A22B, debugmodel, debugmodel_moe),
+``30B-A3B-yarn`` / ``235B-A22B-yarn`` (the same weights with the YaRN RoPE scaling the Qwen3 model
+cards publish for long context: factor 4 over 32768 positions, RoPE length 131072) and
 ``tiny_moe`` / ``tiny_dense``: a few hundred thousand parameters, byte vocabulary, for
 CPU tests and the embedded default recipe.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -20,6 +23,68 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models import common, hf
 from components.models.common import ExactGroupedExperts, replace_config
+
+
+class YaRNRoPE(CosSinRoPE):
+    """torchtitan's cos/sin RoPE with YaRN frequencies (``scaling="yarn"``, torchtitan's own formula)
+    and YaRN's attention factor m folded into the cache: cos and sin times m, so q.k is scaled by
+    m^2, as transformers' Qwen3 applies it. torchtitan's rope is a pure rotation that leaves m to
+    the attention, and its Qwen3 attention does not apply it; this class does. The cache is a
+    non-persistent buffer: checkpoints are the same as with CosSinRoPE."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        attention_factor: float | None = None
+        """cos/sin multiplier m; None: 0.1 ln(rope_factor) + 1 (YaRN's default, transformers' too)"""
+
+    def _precompute_cache(self):
+        return super()._precompute_cache() * yarn_attention_factor(self.config)
+
+
+def yarn_attention_factor(rope) -> float:
+    """YaRN's m of a rope config (1.0 without YaRN scaling)."""
+    if getattr(rope, "scaling", "none") != "yarn":
+        return 1.0
+    m = getattr(rope, "attention_factor", None)
+    if m is not None:
+        return float(m)
+    return 0.1 * math.log(rope.rope_factor) + 1.0 if rope.rope_factor > 1.0 else 1.0
+
+
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN RoPE scaling as a HF config.json's ``rope_parameters`` states it (``rope_type: yarn``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        """The RoPE length it extends to: original positions x factor."""
+        return int(self.original_max_position_embeddings * self.factor)
+
+    def rope(self, dim: int, theta: float, max_seq_len: int) -> YaRNRoPE.Config:
+        return YaRNRoPE.Config(dim=dim, theta=theta, max_seq_len=max(max_seq_len, self.max_seq_len), scaling="yarn",
+                               rope_factor=self.factor, original_seq_len=self.original_max_position_embeddings,
+                               beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+                               attention_factor=self.attention_factor)
+
+
+# The Qwen3 model cards' long-context setting (config.json of Qwen3-30B-A3B and Qwen3-235B-A22B:
+# max_position_embeddings 40960; their cards add rope_scaling yarn, factor 4.0, original 32768 -> 131072)
+QWEN3_YARN = YaRN(factor=4.0, original_max_position_embeddings=32768)
+
+
+def with_yarn(config, yarn: YaRN):
+    """Every attention layer's RoPE replaced by ``yarn`` over the same head dim and theta."""
+    for layer in config.layers:
+        r = layer.attention.rope
+        layer.attention.rope = yarn.rope(r.dim, r.theta, r.max_seq_len)
+    return config
 
 
 def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard") -> Qwen3Model.Config:
@@ -48,8 +113,13 @@ FLAVORS = {
     **tt_qwen3.qwen3_configs,
     "tiny_moe": lambda attn_backend, moe_comm_backend="standard": _tiny(True, attn_backend, moe_comm_backend),
     "tiny_dense": lambda attn_backend: _tiny(False, attn_backend),
+    **{f"{base}-yarn": (lambda base: lambda attn_backend, moe_comm_backend="standard": with_yarn(
+        tt_qwen3.qwen3_configs[base](attn_backend=attn_backend, moe_comm_backend=moe_comm_backend), QWEN3_YARN))(base)
+       for base in ("30B-A3B", "235B-A22B")},
 }
-MOE_FLAVORS = {"debugmodel_moe", "30B-A3B", "235B-A22B", "tiny_moe"}
+MOE_FLAVORS = {"debugmodel_moe", "30B-A3B", "235B-A22B", "30B-A3B-yarn", "235B-A22B-yarn", "tiny_moe"}
+# flavors with RoPE scaling -> their RoPE length (common.check_model names them when a sequence is too long)
+LONG_CONTEXT_FLAVORS = {"30B-A3B-yarn": QWEN3_YARN.max_seq_len, "235B-A22B-yarn": QWEN3_YARN.max_seq_len}
 
 
 def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
@@ -116,9 +186,10 @@ class Arch:
     moe_hidden_dim: int = 0
     route_norm: bool = True  # HF norm_topk_prob
     rope_theta: float = 1_000_000.0
-    max_seq_len: int = 40960
+    max_seq_len: int = 40960  # RoPE length: max_position_embeddings (with YaRN at least original x factor)
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    yarn: YaRN | None = None  # rope_type yarn (None: default RoPE)
 
 
 STATE_DICT_ADAPTER = Qwen3StateDictAdapter
@@ -130,8 +201,12 @@ def arch_from_hf(path) -> Arch:
     hf.check_family(c, path, "qwen3")
     dim, n, heads, vocab = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     rope = hf.rope_params(c)
-    if rope.get("rope_type", "default") not in ("default", None):
-        hf.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)")
+    yarn = None
+    if rope.get("rope_type") == "yarn":
+        yarn = _yarn_of(rope, c, path)
+    elif rope.get("rope_type", "default") not in ("default", None):
+        hf.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)", "apiary's qwen3 reads default and "
+                  "yarn RoPE.")
     if c.get("attention_bias"):
         hf.refuse(path, "attention_bias=true")
     if c.get("use_sliding_window"):
@@ -149,14 +224,31 @@ def arch_from_hf(path) -> Arch:
         num_experts=experts, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
         moe_hidden_dim=hf.need(c, path, "moe_intermediate_size")[0] if moe else 0,
         route_norm=bool(c.get("norm_topk_prob", True)), rope_theta=float(rope.get("rope_theta", 10000.0)),
-        max_seq_len=c.get("max_position_embeddings", 40960), norm_eps=c.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        max_seq_len=max(c.get("max_position_embeddings", 40960), yarn.max_seq_len if yarn else 0),
+        norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)), yarn=yarn)
+
+
+def _yarn_of(rope: dict, c: dict, path) -> YaRN:
+    """rope_parameters of rope_type yarn, read as transformers reads them (original positions default
+    to max_position_embeddings); DeepSeek's mscale / mscale_all_dim variant is refused."""
+    for k in ("mscale", "mscale_all_dim"):
+        if rope.get(k):
+            hf.refuse(path, f"yarn RoPE with {k} (DeepSeek's attention-factor variant)")
+    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
+        hf.refuse(path, f"yarn RoPE with factor {rope.get('factor')!r}", "Set rope_parameters.factor to a number >= 1.")
+    original = c.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or c.get("max_position_embeddings", 40960)
+    af = rope.get("attention_factor")
+    return YaRN(factor=float(rope["factor"]), original_max_position_embeddings=int(original),
+                beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)), attention_factor=None if af is None else float(af))
 
 
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
                  hf_checkpoint: str | None = None) -> HFQwen3Model.Config:
     """Arch -> torchtitan Qwen3 config (separate q/k/v projections, the HF layout)."""
-    rope = CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta)
+    rope = (a.yarn.rope(a.head_dim, a.rope_theta, a.max_seq_len) if a.yarn else
+            CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta))
     shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                   attn_backend=attn_backend, rope=rope, fuse_qkv=False)
     if a.num_experts:
@@ -193,6 +285,13 @@ def hf_config(a: Arch) -> dict:
              rms_norm_eps=a.norm_eps, hidden_act="silu", max_position_embeddings=a.max_seq_len,
              tie_word_embeddings=a.tie_embeddings, attention_bias=False,
              rope_parameters=dict(rope_type="default", rope_theta=a.rope_theta))
+    if a.yarn:  # max_position_embeddings is then the extended length (transformers' convention)
+        y = a.yarn
+        d["rope_parameters"].update(rope_type="yarn", factor=y.factor,
+                                    original_max_position_embeddings=y.original_max_position_embeddings,
+                                    beta_fast=y.beta_fast, beta_slow=y.beta_slow, truncate=y.truncate)
+        if y.attention_factor is not None:
+            d["rope_parameters"]["attention_factor"] = y.attention_factor
     if a.num_experts:
         d.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=a.num_experts,
                  num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_hidden_dim, norm_topk_prob=a.route_norm,
@@ -220,7 +319,14 @@ def arch_from_config(config) -> Arch:
                 moe_hidden_dim=moes[0].routed_experts.inner_experts.hidden_dim if moes else 0,
                 route_norm=moes[0].router.route_norm if moes else True, rope_theta=attn.rope.theta,
                 max_seq_len=attn.rope.max_seq_len, norm_eps=norm.eps,
-                tie_embeddings=bool(config.enable_weight_tying))
+                tie_embeddings=bool(config.enable_weight_tying), yarn=_yarn_of_rope(attn.rope))
+
+
+def _yarn_of_rope(r) -> YaRN | None:
+    if getattr(r, "scaling", "none") != "yarn":
+        return None
+    return YaRN(factor=r.rope_factor, original_max_position_embeddings=r.original_seq_len, beta_fast=r.beta_fast,
+                beta_slow=r.beta_slow, truncate=r.truncate, attention_factor=getattr(r, "attention_factor", None))
 
 
 # -- the component contract (framework/contracts.py, kind ``model``) --------------------------

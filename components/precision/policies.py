@@ -26,7 +26,8 @@ What stays bf16 under fp8, and why:
   (FP8 tensor-core alignment), e.g. GatedDeltaNet's a/b projections.
 
 This module imports neither torchao nor TransformerEngine at import time (optional dependencies):
-they are imported only when ``precision=fp8`` asks for them.
+they are imported only when ``precision=fp8`` asks for them; torch and torchtitan are imported by the
+functions that convert or check a model (`train --help` and `--cfg job` read the Options without them).
 """
 
 from __future__ import annotations
@@ -35,20 +36,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torchtitan.components.checkpointer import base
-from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
-from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls
-from torchtitan.components.quantization.utils import swap_token_dispatcher
-from torchtitan.config import CompileConfig
-from torchtitan.models.common.linear import Linear
-from torchtitan.models.common.moe import GroupedExperts
-
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
-from framework import devices
 from framework.contracts import PlanTerms, Term, check_choices
 from framework.errors import UserError
 
@@ -114,6 +103,8 @@ def check_compile(opts, facts) -> None:
 
 def _apply_compile(opts, tt_config) -> None:
     if opts.compile:
+        from torchtitan.config import CompileConfig  # reason: start-up time (torchtitan)
+
         tt_config.compile = CompileConfig(enable=True, components=["model"])
 
 
@@ -315,6 +306,8 @@ class FP8:
 def _storage_owner(t):
     """The plain tensor holding ``t``'s data: through DTensor and torchao's wrapper subclasses
     (WeightWithDynamicFloat8CastTensor, the FP8 experts' weight wrapper)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # reason: start-up time (torch)
+
     while is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         t = getattr(t, attrs[0])
@@ -328,6 +321,8 @@ def _shares_storage(a, b) -> bool:
 def plain_tensor(v):
     """``v`` with torchao's wrapper subclass taken off (DTensors keep their mesh and placements),
     sharing its storage: what a checkpoint stores and loads into."""
+    from torch.distributed.tensor import DTensor  # reason: start-up time (torch)
+
     if isinstance(v, DTensor):
         inner = _storage_owner(v._local_tensor)
         if inner is v._local_tensor:
@@ -345,6 +340,8 @@ def patch_checkpoint_storage_check() -> None:
     save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
     tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
     the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back."""
+    from torchtitan.components.checkpointer import base  # reason: start-up time (torchtitan)
+
     if getattr(base.ModelWrapper, "_apiary_plain", False):
         return
 
@@ -358,6 +355,10 @@ def patch_checkpoint_storage_check() -> None:
 
 def device_problem(scaling: str) -> str | None:
     """Why this machine's GPU cannot run ``scaling`` FP8 GEMMs, or None."""
+    import torch  # reason: start-up time (torch)
+
+    from framework import devices  # reason: as above (it imports torch)
+
     need = MIN_CAPABILITY[scaling]
     if not devices.has_accelerator():
         return ("FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability >= "
@@ -399,6 +400,8 @@ def torchao_linear_config(scaling: str, fp8_all_gather: bool, emulate: bool = Fa
 
 
 def _torchao_linears(model_config, opts, emulate: bool):
+    from torchtitan.models.common.linear import Linear  # reason: start-up time (torchtitan)
+
     from components.precision.torchao_linear import ApiaryFloat8Linear  # optional dependency: torchao
 
     ao = torchao_linear_config(opts.scaling, FP8.fp8_all_gather(opts), emulate)
@@ -411,6 +414,10 @@ def _torchao_linears(model_config, opts, emulate: bool):
 
 
 def _torchao_experts(model_config):
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls  # reason: start-up time
+    from torchtitan.components.quantization.utils import swap_token_dispatcher  # reason: start-up time (torchtitan)
+    from torchtitan.models.common.moe import GroupedExperts  # reason: start-up time (torchtitan)
+
     for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         swap_token_dispatcher(parent, PAD_MULTIPLE)
         cls = _get_float8_grouped_experts_cls(type(ec)._owner)
@@ -420,6 +427,11 @@ def _torchao_experts(model_config):
 
 
 def _torchao_mxfp8(model_config, experts: bool, linears: bool = True):
+    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls  # reason: start-up
+    from torchtitan.components.quantization.utils import swap_token_dispatcher  # reason: start-up time (torchtitan)
+    from torchtitan.models.common.linear import Linear  # reason: start-up time (torchtitan)
+    from torchtitan.models.common.moe import GroupedExperts  # reason: start-up time (torchtitan)
+
     if MXFP8Linear is None:
         raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
     for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)) if linears else []:

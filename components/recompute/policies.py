@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-
 from framework.contracts import PlanTerms
 
 
@@ -47,6 +45,8 @@ class SelectiveRecompute(_Recompute):
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC  # reason: start-up time
+
         tc.activation_checkpoint = SelectiveAC.Config()
 
     @staticmethod
@@ -72,6 +72,8 @@ class FullRecompute(_Recompute):
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
+        from torchtitan.distributed.activation_checkpoint import FullAC  # reason: start-up time
+
         tc.activation_checkpoint = FullAC.Config()
 
     @staticmethod

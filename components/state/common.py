@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-import torch
-from torch.distributed.tensor import DTensor
-
 
 def local(t):
     """The local shard of a DTensor, or the tensor itself."""
+    from torch.distributed.tensor import DTensor  # reason: start-up time (the state Options load without torch)
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -18,6 +17,8 @@ def materialize_state(optimizers) -> None:
     """Create Adam's lazily-built state with one zero-gradient, zero-lr step (as torchtitan's
     init_optim_state does), without disturbing gradients the parameters already hold.
     DCP needs the state tensors to exist before it can save or load into them."""
+    import torch  # reason: start-up time (the state Options load without torch)
+
     for opt in optimizers:
         if opt.state or not any(g["params"] for g in opt.param_groups):
             continue
@@ -62,6 +63,8 @@ def host_threads(requested: int = 0) -> int:
 @contextmanager
 def torch_threads(n: int | None):
     """Run the block with ``n`` intra-op CPU threads (None: as they are), then restore the count."""
+    import torch  # reason: start-up time (the state Options load without torch)
+
     old = torch.get_num_threads()
     n = old if n is None else n
     if n != old:

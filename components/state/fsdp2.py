@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
-from components.state.offload import HostOptimizers
 from framework.contracts import PlanTerms, Term, check_choices
 
 
@@ -43,6 +42,8 @@ class FSDP2:
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
         if opts.offload == "optimizer":
+            from components.state.offload import HostOptimizers  # reason: start-up time (torch, torchtitan)
+
             o = tt_config.optimizer
             tt_config.optimizer = HostOptimizers.Config(
                 param_groups=list(o.param_groups),

@@ -19,8 +19,8 @@ pipeline bubble, plus the optimizer step.
 
 Every number the estimate uses lives in ``Constants`` with its reason; a calibration dict
 (dotted keys, e.g. ``{"eff_expert": 0.35, "hardware.H100.ib_bw": 40e9}``) overrides any of them.
-The constants are engineering estimates: they have not yet been compared with measured GPU
-peaks (``estimate_for_run`` writes the estimate next to the measured peak so they can be).
+The memory estimate has been compared with measured GPU peaks (docs/benchmarks.md; each GPU run's
+``estimate_for_run`` writes the estimate next to its measured peak, ``plan_error_fraction``).
 
 The package knows no component: each chosen component (registry kinds loss, state, recompute,
 moe_chunk, precision) adds its terms through ``plan_terms(options, ctx) -> PlanTerms``

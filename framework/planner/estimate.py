@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from framework.contracts import SELECT, Context, PlanContext
+from framework.contracts import SELECT, Context, PlanContext, PlanTerms
 from framework.errors import UserError
 from framework.planner import parts
 from framework.planner.constants import Constants, GiB, Hardware
@@ -105,7 +105,29 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
     asked.names["precision"], asked.terms["precision"] = parts.ask("precision", prec_name, ctx, warnings)
     asked.names["recompute"], asked.terms["recompute"] = parts.ask("recompute", ch["recompute"], ctx, warnings)
     asked.terms["moe_chunk"] = parts.ask("moe_chunk", ch["moe_chunk"], ctx, warnings)[1]
+    adapter_name = str(getattr(resolved.cfg.get("adapter"), "name", parts.defaults()["adapter"]))
+    asked.names["adapter"], asked.terms["adapter"] = parts.ask("adapter", adapter_name, ctx, warnings)
     return asked
+
+
+def with_adapter(state: PlanTerms, adapter: PlanTerms | None) -> PlanTerms:
+    """The state backend's terms under an adapter (kind ``adapter``): its static terms named in the
+    adapter's ``facts["replace"]`` replaced (a frozen base has no gradient or optimizer state), its
+    buffers scaled by ``facts["buffer_scale"]`` and its traffic by ``facts["comm_scale"]``, the
+    adapter's own memory terms added."""
+    if adapter is None or not (adapter.memory or adapter.facts.get("replace")):
+        return state
+    repl = adapter.facts.get("replace", {})
+    scale = adapter.facts.get("buffer_scale", {})
+    memory = []
+    for t in state.memory:
+        if t.name in repl:
+            t = repl[t.name]
+        elif t.name in scale:
+            t = replace(t, count=t.count * scale[t.name], how=f"{t.how} x {scale[t.name]:.3g} (adapters' share)")
+        memory.append(t)
+    comm = {k: v * adapter.facts.get("comm_scale", {}).get(k, 1.0) for k, v in state.facts.get("comm", {}).items()}
+    return replace(state, memory=memory + list(adapter.memory), facts={**state.facts, "comm": comm})
 
 
 def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: list[str]):
@@ -117,8 +139,11 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
     for stage, (first, is_last, in_flight) in specs.items():
         spc = replace(pc, first=first, last=is_last, earlier={"precision": asked.terms["precision"]})
         ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=spc)
-        state = parts.ask("state", asked.names["state"], ctx, warnings)[1]
+        state = with_adapter(parts.ask("state", asked.names["state"], ctx, warnings)[1], asked.terms.get("adapter"))
         loss = parts.ask("loss", asked.names["loss"], ctx, warnings)[1] if is_last else None
+        drop = set(asked.terms["adapter"].facts.get("drop_loss_terms", ())) if asked.terms.get("adapter") else set()
+        if loss is not None and drop:  # e.g. a frozen LM head: the fused head allocates no dW accumulator
+            loss = replace(loss, memory=[t for t in loss.memory if t.name not in drop])
         stages[stage] = stage_terms(sh, state=state, recompute=asked.names["recompute"],
                                     rec=asked.terms["recompute"], chunking=asked.terms["moe_chunk"],
                                     precision=asked.terms["precision"], loss=loss, in_flight=in_flight)
@@ -155,7 +180,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
 
     st = step_time(StepInputs(sh=sh, hw=hw, names={**ch, "recompute": rc}, recompute=asked.terms["recompute"],
                               loss=last["loss"], state=last["state"], chunking=asked.terms["moe_chunk"],
-                              precision=asked.terms["precision"]))
+                              precision=asked.terms["precision"], adapter=asked.terms.get("adapter")))
     step = sum(st.time_s.values())
     W, dpr, dps, cp, ep, pp, tp = lay.world_size, lay.dp_replicate, lay.dp_shard, lay.cp, lay.ep, lay.pp, lay.tp
     assumptions = [
@@ -165,13 +190,18 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"{hw.ib_alltoall_bw / 1e9:.0f} GB/s per GPU; {c.gpus_per_node} GPUs per node",
         f"local tokens {sh.T:,.0f} per microbatch (micro batch {sh.mb} x seq {sh.seq} / cp {cp}), {sh.Tt:,.0f} per rank "
         f"after TP {tp}; peak stage: {stage}",
-        f"state {ch['state']}, recompute {rc}, loss {ch['loss']}, moe.chunk {ch['moe_chunk']}",
+        f"state {ch['state']}, recompute {rc}, loss {ch['loss']}, moe.chunk {ch['moe_chunk']}"
+        + (f", adapter {asked.names['adapter']}" if asked.names["adapter"] != parts.defaults()["adapter"] else ""),
+        *(asked.terms["adapter"].notes if "adapter" in asked.terms else []),
         *st.assumptions,
         f"reserve: fragmentation {c.fragmentation_fraction:.0%} of allocated, CUDA context + NCCL "
         f"{(c.cuda_context_bytes + c.nccl_bytes) / GiB:.1f} GiB; verdict 'tight' under "
         f"{c.tight_fraction:.0%} headroom",
-        "memory constants are engineering estimates not yet compared with measured GPU peaks; the compute "
-        "efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to apiary runs",
+        "memory: compared with measured peaks on one H200 (torch max reserved): within 1-5% on the default "
+        "settings at 32K-128K, larger without activation recompute, with the optimizer offloaded and for many "
+        "short RL sequences; the preflight allows 10% (docs/benchmarks.md, docs/skills/preflight.md); step time: "
+        "the compute efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to "
+        "apiary runs",
     ]
     return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
                 memory_bytes=memory, total_bytes=total, gpu_memory_bytes=mem_cap, fits=verdict != "OOM",
@@ -179,5 +209,6 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 tflops_per_gpu=st.model_flops_gpu / step / 1e12 if step else 0.0,
                 tokens_per_s_per_gpu=st.tokens_step / W / step if step else 0.0, assumptions=assumptions,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
+                                                        "adapter": asked.names["adapter"],
                                                         "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},
                 warnings=warnings)

@@ -24,6 +24,7 @@ class StepInputs:
     state: PlanTerms
     chunking: PlanTerms
     precision: PlanTerms
+    adapter: PlanTerms | None = None  # kind adapter: factors of the compute parts, the trained fraction
 
 
 @dataclass
@@ -82,6 +83,7 @@ def compute_times(inp: StepInputs, parts: dict[str, float], eff: dict[str, float
     for k, fl in parts.items():
         t = fl * per_gpu_tokens * (1 + extra.get(k, 0.0)) / (inp.hw.bf16_dense_flops * eff[k])
         t *= inp.precision.time_factor.get(k, 1.0)
+        t *= inp.adapter.time_factor.get(k, 1.0) if inp.adapter is not None else 1.0
         out[f"compute_{k}"] = t * inp.loss.time_factor.get(k, 1.0)
     return out
 
@@ -144,7 +146,8 @@ def step_time(inp: StepInputs) -> StepTime:
     dense_stage = (split["dense_blocks"] + split["emb"] + split["head"]) / pp
     exp_stage = split["experts"] / pp
     static_local = (dense_stage + exp_stage) / (dps * cp * tp) * (c.master_bytes + c.adam_bytes + 4)
-    time_s["optimizer"] = c.optimizer_passes * static_local / hw.hbm_bw
+    trained = inp.adapter.facts.get("trainable_fraction", 1.0) if inp.adapter is not None else 1.0
+    time_s["optimizer"] = c.optimizer_passes * static_local * trained / hw.hbm_bw
     return StepTime(time_s, model_flops_gpu, tokens_step,
                     assumptions(inp, parts, expert_active, eff, scale, overlap, tokens_step))
 

@@ -28,10 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
-
-from framework import devices, lifecycle
+from framework import lifecycle
 from framework.errors import EXIT_PREEMPTED
 
 EXIT_CODE = EXIT_PREEMPTED  # 75, EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
@@ -126,6 +123,11 @@ class Guard:
     # -- the collective decision ------------------------------------------------------
     def _agree(self) -> bool:
         """True on every rank when any rank was signalled (one small all-reduce)."""
+        import torch  # reason: start-up time (`train` arms the handlers before torch loads)
+        import torch.distributed as dist  # reason: as above
+
+        from framework import devices  # reason: as above (it imports torch)
+
         mine = 1 if requested() else 0
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return bool(mine)

@@ -25,7 +25,8 @@ validated before anything runs (exit 2 on a user error). Then:
 
 Outputs (DIR: `output_dir=`, default runs/compare/<recipe>-<key>-<timestamp>):
 compare.json (everything, also on stdout with --json), compare.md (the tables and the exact
-command), seed/, and per variant its run directory (metrics.jsonl, config.yaml, ...),
+command), compare.png (loss and grad norm by step, and each variant minus the baseline),
+seed/, and per variant its run directory (metrics.jsonl, config.yaml, ...),
 probe/ (probe.json, grads.pt, logits.pt) and worker.log. The variants' own checkpoints are
 deleted after their run unless --keep-checkpoints.
 

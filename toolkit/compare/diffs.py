@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from toolkit.compare.tolerance import Tolerance
 
 
@@ -30,6 +28,8 @@ def _curve(a: list, b: list) -> tuple[float | None, float | None]:
 
 def _tensor_diffs(a_path: Path, b_path: Path) -> dict:
     """Max |a-b| and norm-wise relative difference of two logits tensors."""
+    import torch  # reason: start-up time (`apiary --help` imports this package)
+
     a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
     if a.shape != b.shape:
         return {"note": f"logits shapes differ: {list(a.shape)} vs {list(b.shape)}"}
@@ -41,6 +41,8 @@ def _tensor_diffs(a_path: Path, b_path: Path) -> dict:
 
 
 def _grad_diffs(a_path: Path, b_path: Path) -> dict:
+    import torch  # reason: start-up time (`apiary --help` imports this package)
+
     a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
     common = [k for k in b if k in a]
     out = {"n_params": len(common), "only_baseline": sorted(set(b) - set(a))[:10],

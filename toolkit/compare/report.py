@@ -1,14 +1,16 @@
-"""apiary compare's report: the side-by-side tables (rich) and compare.md.
+"""apiary compare's report: the side-by-side tables (rich), compare.md and compare.png.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from toolkit import plot as plots
 from toolkit.compare.diffs import rel_diff
 from toolkit.compare.tolerance import TOLERANCES
 
@@ -104,25 +106,37 @@ def _heading(result: dict) -> str:
             f"{result['kind_reason']}")
 
 
+def print_table(console: Console, table: Table) -> None:
+    """A terminal gets the table at its width (long cells fold onto more lines, never cut). Piped or
+    redirected output has no width to fit: the table is printed as wide as its widest row needs, so
+    every column and header stays whole (rich would otherwise cut it at 80 columns)."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    need = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+    Console(file=console.file, width=max(need, console.width), color_system=console.color_system,
+            highlight=False, soft_wrap=True).print(table)
+
+
 def print_report(result: dict, console: Console) -> None:
     rs = result["variants"]
     console.print(_heading(result), markup=False)
     t = Table(title="loss by step (rel diff: vs the baseline)")
-    t.add_column("step", justify="right")
+    t.add_column("step", justify="right", overflow="fold")
     for i, r in enumerate(rs):
-        t.add_column(r["label"], justify="right")
+        t.add_column(r["label"], justify="right", overflow="fold")
         if i:
-            t.add_column("rel diff", justify="right")
+            t.add_column("rel diff", justify="right", overflow="fold")
     for row in _step_rows(rs):
         t.add_row(*map(Text, row))
-    console.print(t)
+    print_table(console, t)
     t = Table(title="summary")
-    t.add_column("metric")
+    t.add_column("metric", overflow="fold")
     for r in rs:
-        t.add_column(r["label"], justify="right")
+        t.add_column(r["label"], justify="right", overflow="fold")
     for row in _summary_rows(result):
         t.add_row(*map(Text, row))
-    console.print(t)
+    print_table(console, t)
     for r in rs:
         notes = [r.get("diff", {}).get(k) for k in ("logits_note", "grads_note")]
         notes += [n for n in (r.get("probe") or {}).get("notes", []) if not any(n in (m or "") for m in notes)]
@@ -144,13 +158,16 @@ def print_report(result: dict, console: Console) -> None:
             console.print(f"  {f['message']}", markup=False)
     elif c["enabled"]:
         console.print(Text.assemble(("check passed", "green"), f": every variant within {result['tolerance']['kind']}."))
-    console.print(f"report: {result['compare_dir']}/compare.md, compare.json", markup=False)
+    console.print(f"report: {result['compare_dir']}/compare.md, compare.json"
+                  + (f", {result['plot']}" if result.get("plot") else ""), markup=False)
 
 
 def markdown(result: dict) -> str:
     rs = result["variants"]
     lines = [f"# apiary compare: {result['key']} = {', '.join(result['values'])}", "",
              "```", result["command"], "```", "", _heading(result), ""]
+    if result.get("plot"):
+        lines += [f"![loss and grad norm by step, and each variant minus the baseline]({result['plot']})", ""]
     head = ["step"] + [x for i, r in enumerate(rs) for x in ([r["label"]] + (["rel diff"] if i else []))]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in _step_rows(rs, limit=10**9)]
@@ -172,4 +189,47 @@ def markdown(result: dict) -> str:
               "Runs: " + ", ".join(f"`{r['dir']}`" for r in rs), ""]
     return "\n".join(lines)
 
+
+# --------------------------------------------------------------------------- compare.png
+def _minus(a: dict, b: dict) -> tuple[list[int], list[float]]:
+    """a - b at the steps both logged (NaN where either value is missing or not finite)."""
+    bs = dict(zip(*b))
+    xs = [x for x in a[0] if x in bs]
+    av = dict(zip(*a))
+    return xs, [av[x] - bs[x] if math.isfinite(av[x]) and math.isfinite(bs[x]) else math.nan for x in xs]
+
+
+def plot(result: dict, path: Path) -> dict:
+    """compare.png: every variant's loss and grad norm by step (from its metrics.jsonl, as in
+    compare.json) and each variant minus the baseline; returns what was drawn (toolkit.plot.draw)."""
+    rs = result["variants"]
+    base = f"baseline ({rs[0]['label']})"
+    panels = [{"title": "loss", "ylabel": "loss (per token)", "lines": []},
+              {"title": "grad norm", "ylabel": "grad norm (L2, before clipping)", "lines": [], "legend": False},
+              {"title": "loss - baseline", "ylabel": "loss difference (variant - baseline)", "lines": [], "zero": base},
+              {"title": "grad norm - baseline", "ylabel": "grad norm difference (variant - baseline)", "lines": [],
+               "zero": base}]
+    curves = []
+    for i, r in enumerate(rs):
+        label = r["label"] + ("" if r["status"] == "ok" else f" ({r['status']})")
+        recs = [{"step": s, "loss": lo, "grad_norm": g} for s, lo, g in zip(r["steps"], r["loss"], r["grad_norm"])]
+        own = {k: plots.series(recs, k) for k in ("loss", "grad_norm")}
+        curves.append(own)
+        for panel, key in ((0, "loss"), (1, "grad_norm")):
+            panels[panel]["lines"].append({"label": label, "x": own[key][0], "y": own[key][1], "color": i,
+                                           "width": 3.0 if i == 0 else 1.4})  # the baseline shows under equal runs
+        if i == 0:
+            continue
+        for panel, key in ((2, "loss"), (3, "grad_norm")):
+            x, y = _minus(own[key], curves[0][key])
+            n = len(x)
+            same = f" (identical at {'the' if n == 1 else 'all'} {n} common step{'s' if n > 1 else ''})"
+            panels[panel]["lines"].append({"label": label + (same if n and all(v == 0 for v in y) else ""),
+                                           "x": x, "y": y, "color": i})
+    for panel in panels[2:]:
+        panel["empty"] = "no step logged by both"
+    values = ", ".join(result["values"])
+    title = (f"apiary compare {result['key']}: {values} (baseline {result['values'][0]}) on {result['recipe']}, "
+             f"tolerance {result['tolerance']['kind']}")
+    return plots.draw(panels, path, title)
 

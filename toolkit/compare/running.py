@@ -21,14 +21,12 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import devices
 from framework.errors import UserError
 from framework.recipes import DEFAULT_RECIPE, recipe_path
 from framework.resolve import resolve
 from toolkit.compare.args import Options, quote_override, slug
 from toolkit.compare.diffs import check, differences
 from toolkit.compare.tolerance import RESHARDED_NORM, TOLERANCES, Tolerance, classify
-from toolkit.probe import clean_env
 
 # Keys whose values change the model's parameters: each variant gets its own seed checkpoint.
 SHAPE_KEYS = ("model.family", "model.flavor", "model.n_layers", "model.vocab_size", "model.hf_checkpoint")
@@ -117,6 +115,8 @@ def plan(o: Options) -> Plan:
                 raise UserError(f"seed checkpoint for {v.label}: {e.where}", e.reason, e.suggestion) from None
             seed_runs.append((sdir, sov))
         v.seed = str(seed_runs[-1][0] / "checkpoint" / "step-0")
+    from framework import devices  # reason: start-up time (torch; `apiary --help` imports this package)
+
     kind, why = classify(o.key, variants, devices.has_accelerator())
     if o.check and kind == "any" and not o.tol:
         # --check claims the variants are equivalent: hold a deliberate change to rounding level.
@@ -138,6 +138,8 @@ def plan(o: Options) -> Plan:
 # --------------------------------------------------------------------------- running
 def _run(cmd: list[str], log: Path, timeout: float | None) -> tuple[int, float, bool]:
     """Run ``cmd`` with its output in ``log``; returns (exit code, seconds, timed out)."""
+    from toolkit.probe import clean_env  # reason: start-up time (torch, torchtitan)
+
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(clean_env(), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
@@ -242,9 +244,8 @@ def _run_variant(p: Plan, v: Variant) -> dict:
         res["probe"] = {"error": "the probe wrote no probe.json"}
     if not p.opts.keep_checkpoints:
         shutil.rmtree(vdir / "checkpoint", ignore_errors=True)
-    word = {"ok": "[green]ok[/green]", "crashed": "[bold red]crashed[/bold red]",
-            "timeout": "[bold red]timed out[/bold red]"}[status]
-    err_console.print(Text.assemble(("compare", "bold"), f" {v.label}: {word} in {secs:.1f} s (exit {rc}, log {log})"))
+    word = {"ok": ("ok", "green"), "crashed": ("crashed", "bold red"), "timeout": ("timed out", "bold red")}[status]
+    err_console.print(Text.assemble(("compare", "bold"), f" {v.label}: ", word, f" in {secs:.1f} s (exit {rc}, log {log})"))
     return res
 
 

@@ -6,4 +6,5 @@
 * ``fwdgrad``: the gradient-in-forward schedule (backend fwdgrad);
 * ``triton_fwdgrad``: its Triton row kernels; ``knobs``: their launch knobs;
 * ``head_loss``: the trainer side (a torchtitan ChunkedLossWrapper whose loss owns lm_head).
+* ``linear_ce_fn``: ``linear_cross_entropy`` and its autograd Functions (loss=linear_ce's function).
 """

@@ -1,0 +1,308 @@
+"""The end-of-run summary: what a run did, computed from its folder alone (metrics.jsonl, the
+newest config, the checkpoint folders), printed by rank 0 when training ends and written as
+``summary.json`` beside metrics.jsonl. A run stopped by a signal, a non-finite loss or its rollout
+stream gets the short form: the step reached, the checkpoint, and how to resume.
+
+The numbers (docs/skills/progress.md):
+
+* wall time: the last logged record's ``elapsed_s`` of each launch (from the start of
+  ``framework.run.train``, building the trainer included, to that step), summed over the launches
+  of the folder (a resume starts a new launch, whose first record carries ``first_step_wall_s``);
+* tokens: the sum of the records' ``tokens`` (every data-parallel rank's);
+* mean tok/s: tokens over time of each launch after its first logged step (the first step compiles
+  and warms up), so ``sum(tokens[1:]) / (elapsed_s[-1] - elapsed_s[0])`` per launch;
+* TFLOPs/GPU and MFU: the same intervals' time-weighted means of ``tflops_per_gpu`` and ``mfu_pct``,
+  or the reason there are none (no GPU; no known peak for the device; quantized GEMMs);
+* peak memory: the largest ``peak_mem_bytes``, labelled by ``peak_mem_kind``;
+* loss: the first, last and lowest (finite) training loss, and the last ``val_loss``;
+* checkpoint: the last complete ``checkpoint/step-N`` (framework/integrity.py), or none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.text import Text
+
+from framework import integrity, recipes, registry, resume
+from framework.progress import duration, make_console, memory_label
+
+SUMMARY_NAME = "summary.json"
+_LAUNCH_CONFIG = re.compile(r"config\.resume-(\d+)\.yaml$")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records (a line cut short by a crash is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                out.append(rec)
+    return out
+
+
+def _config(run_dir: Path):
+    """The newest launch's resolved config (config.resume-K.yaml, else config.yaml), or None."""
+    launches = sorted(((int(m.group(1)), p) for p in run_dir.glob("config.resume-*.yaml")
+                       if (m := _LAUNCH_CONFIG.search(p.name))), key=lambda kp: kp[0])
+    path = launches[-1][1] if launches else run_dir / "config.yaml"
+    return OmegaConf.load(path) if path.is_file() else None
+
+
+def _launches(train: list[dict]) -> list[list[dict]]:
+    """The records split by launch: each process's first record carries the first step's breakdown
+    (``first_step_wall_s``, framework/first_step.py), and its ``elapsed_s`` starts again."""
+    out: list[list[dict]] = []
+    prev = None
+    for r in train:
+        el = r.get("elapsed_s")
+        if not out or "first_step_wall_s" in r or (_finite(el) and _finite(prev) and el < prev):
+            out.append([])
+        out[-1].append(r)
+        prev = el
+    return out
+
+
+def _steady(launches: list[list[dict]]):
+    """(tokens, seconds, intervals) after each launch's first record; intervals: (record, seconds)."""
+    tokens, seconds, intervals = 0, 0.0, []
+    for seg in launches:
+        for a, b in zip(seg, seg[1:]):
+            if not (_finite(a.get("elapsed_s")) and _finite(b.get("elapsed_s"))):
+                return None, None, []
+            dt = b["elapsed_s"] - a["elapsed_s"]
+            seconds += dt
+            intervals.append((b, dt))
+            tokens = tokens + b["tokens"] if _finite(b.get("tokens")) and tokens is not None else None
+    return tokens, seconds, intervals
+
+
+def _weighted(intervals, key: str) -> float | None:
+    vals = [(r.get(key), dt) for r, dt in intervals]
+    if not vals or not all(_finite(v) for v, _ in vals):
+        return None
+    total = sum(dt for _, dt in vals)
+    return sum(v * dt for v, dt in vals) / total if total > 0 else None
+
+
+def _quote(s) -> str:
+    return shlex.quote(str(s))
+
+
+# keys a resume command sets itself, or that follow from the recipe
+_NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description")
+
+
+def _value(v) -> str:
+    """A config value in Hydra's override grammar."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_value(x)}" for k, x in v.items()) + "}"
+    s = str(v)
+    return s if re.fullmatch(r"[\w./:@+-]+", s) else "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def run_overrides(cfg) -> list[str] | None:
+    """The overrides that make the run's recipe give its config again (a resume must repeat what its
+    checkpoint depends on, framework/resume.py): each component group whose option differs
+    (``loss=chunked``), then every key that differs from that composition (``+key`` where the
+    recipe has none); layout dims the recipe leaves unset are derived again. None when the recipe
+    cannot be composed any more (moved or edited into an error)."""
+    try:
+        extra = [f"registry={cfg.registry}"] if cfg.get("registry") else []
+        base = recipes.load(cfg.recipe, extra)
+        groups = [f"{g}={cfg[g].name}" for g in registry.GROUP_KINDS
+                  if g in cfg and g in base and cfg[g].name != base[g].name]
+        if groups:
+            base = recipes.load(cfg.recipe, extra + groups)
+        old, new = resume.leaves(base), resume.leaves(cfg)
+    except Exception:  # noqa: BLE001  (a UserError, Hydra's or OmegaConf's: the summary still prints)
+        return None
+    out = extra + groups
+    for key, v in new.items():
+        if key in _NOT_REPEATED or key == "registry" or (key in old and old[key] == v):
+            continue
+        if key.startswith("parallel.") and key in old and old[key] is None:  # derived from the world size again
+            continue
+        out.append(f"{'' if key in old else '+'}{key}={_value(v)}")
+    return out
+
+
+def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None) -> dict:
+    """The summary of ``run_dir`` as a JSON-able dict. ``stop``: why training stopped early (None: it
+    ran to its last step), with the ``exit_code`` it exits with and the step it stopped after."""
+    run_dir = Path(run_dir)
+    cfg = _config(run_dir)
+    records = read_records(run_dir)
+    train = [r for r in records if "loss" in r]
+    vals = [r for r in records if _finite(r.get("val_loss"))]
+    launches = _launches(train)
+    last = train[-1] if train else {}
+    total_steps = int(cfg.training.steps) if cfg is not None else None
+    step = stopped_at if stopped_at is not None else last.get("step")
+
+    tokens_all = [r.get("tokens") for r in train]
+    tokens = int(sum(tokens_all)) if tokens_all and all(_finite(t) for t in tokens_all) else None
+    steady_tokens, steady_s, intervals = _steady(launches)
+    tok_s = steady_tokens / steady_s if steady_tokens is not None and steady_s else None
+    walls = [seg[-1].get("elapsed_s") for seg in launches]
+    wall = sum(walls) if walls and all(_finite(w) for w in walls) else None
+
+    device = last.get("device")
+    peak_tflops = last.get("peak_tflops_per_gpu")
+    on_gpu = device not in (None, "cpu")
+    tflops = _weighted(intervals, "tflops_per_gpu") if on_gpu else None
+    mfu = _weighted(intervals, "mfu_pct") if on_gpu and peak_tflops else None
+    if not on_gpu:
+        why = f"no known peak for {device or 'this device'}"
+    elif not peak_tflops:
+        why = f"no known peak for {device}"
+    elif not intervals:
+        why = "one logged step: the first step (compile, warm-up) is left out"
+    else:
+        why = "quantized GEMMs (FP8): no comparable BF16 peak"
+
+    peaks = [r["peak_mem_bytes"] for r in train if _finite(r.get("peak_mem_bytes"))]
+    finite = [r for r in train if _finite(r.get("loss"))]
+    best = min(finite, key=lambda r: r["loss"]) if finite else None
+
+    steps = integrity.complete_steps(run_dir / "checkpoint")
+    checkpoint = str(run_dir / "checkpoint" / f"step-{steps[-1]}") if steps else None
+
+    recipe = cfg.recipe if cfg is not None else "RECIPE"
+    out = str(run_dir)
+    commands = {}
+    if checkpoint is not None:
+        overrides = run_overrides(cfg) if cfg is not None else None
+        to = total_steps
+        if stop is None and total_steps is not None:  # it finished: train on, the schedule stretched over the
+            to = 2 * total_steps                      # new steps (a resume asks for that choice, framework/resume.py)
+            if overrides is not None and "lr" in cfg and "total_steps" in cfg.lr:
+                overrides = [o for o in overrides if not o.startswith("lr.total_steps=")] + [f"lr.total_steps={to}"]
+        commands["resume"] = (f"train recipe={_quote(recipe)} output_dir={_quote(out)} checkpoint.resume=true "
+                              f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides or ())
+                              + (" (and this run's overrides)" if overrides is None else ""))
+        commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
+    if records:
+        commands["plot"] = f"apiary plot {_quote(out)}"
+    if (run_dir / "tb").is_dir():
+        commands["tensorboard"] = f"tensorboard --logdir {_quote(str(run_dir / 'tb'))}"
+
+    return {
+        "run_dir": out,
+        "recipe": recipe if cfg is not None else None,
+        "status": "completed" if stop is None else "stopped",
+        "stop": stop,
+        "exit_code": exit_code,
+        "step": step,
+        "total_steps": total_steps,
+        "launches": len(launches),
+        "wall_time_s": round(wall, 3) if wall is not None else None,
+        "tokens": tokens,
+        "tokens_per_s_mean": round(tok_s, 3) if tok_s is not None else None,
+        "tokens_per_s_mean_excludes": "the first logged step of each launch (compile, warm-up)",
+        "tokens_per_s_missing_because": None if tok_s is not None else (
+            "one logged step" if not intervals else "records without tokens (an older apiary's)"),
+        "device": device,
+        "tflops_per_gpu_mean": round(tflops, 3) if tflops is not None else None,
+        "mfu_pct_mean": round(mfu, 3) if mfu is not None else None,
+        "peak_tflops_per_gpu": peak_tflops,
+        "mfu_missing_because": None if mfu is not None else why,
+        "peak_mem_bytes": max(peaks) if peaks else None,
+        "peak_mem_kind": last.get("peak_mem_kind"),
+        "peak_mem_label": memory_label(last.get("peak_mem_kind"), long=True) if peaks else None,
+        "loss_first": train[0]["loss"] if train else None,
+        "loss_last": last.get("loss"),
+        "loss_best": best["loss"] if best else None,
+        "loss_best_step": best["step"] if best else None,
+        "val_loss_last": vals[-1]["val_loss"] if vals else None,
+        "val_loss_step": vals[-1]["step"] if vals else None,
+        "checkpoint": checkpoint,
+        "next": commands,
+    }
+
+
+def write(summary: dict) -> Path:
+    path = Path(summary["run_dir"]) / SUMMARY_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _fmt(x, spec: str, none: str = "n/a") -> str:
+    return format(x, spec) if _finite(x) else none
+
+
+def lines(s: dict) -> list[tuple[str, str]]:
+    """(label, text) rows of the full summary."""
+    rows = []
+    of = f"/{s['total_steps']}" if s["total_steps"] is not None else ""
+    rows.append(("steps", f"{s['step']}{of}" + (f" ({s['launches']} launches)" if s["launches"] > 1 else "")))
+    if s["wall_time_s"] is not None:
+        rows.append(("wall time", f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s, trainer build to last step)"))
+    if s["tokens"] is not None:
+        rows.append(("tokens", f"{s['tokens']:,}"))
+    rows.append(("tok/s (mean)", f"{s['tokens_per_s_mean']:,.0f} (first step left out: compile, warm-up)"
+                 if s["tokens_per_s_mean"] is not None else f"n/a ({s['tokens_per_s_missing_because']})"))
+    if s["device"] not in (None, "cpu"):
+        rows.append(("TFLOPs/GPU", _fmt(s["tflops_per_gpu_mean"], ",.1f")))
+    peak = f" of {s['peak_tflops_per_gpu']:,.0f} peak ({s['device']})" if s["peak_tflops_per_gpu"] else ""
+    rows.append(("MFU", f"{s['mfu_pct_mean']:.1f}%{peak}" if s["mfu_pct_mean"] is not None
+                 else f"n/a ({s['mfu_missing_because']})"))
+    if s["peak_mem_bytes"] is not None:
+        rows.append(("peak memory", f"{s['peak_mem_bytes'] / 2**30:.2f} GiB ({s['peak_mem_label']})"))
+    if s["loss_first"] is not None:
+        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} · "
+                             f"best {_fmt(s['loss_best'], '.4f')}"
+                             + (f" (step {s['loss_best_step']})" if s["loss_best_step"] is not None else "")))
+    if s["val_loss_last"] is not None:
+        rows.append(("val_loss", f"{s['val_loss_last']:.4f} (step {s['val_loss_step']})"))
+    rows.append(("checkpoint", s["checkpoint"] or "none saved"))
+    return rows
+
+
+def render(s: dict, console: Console | None = None, color: bool = True) -> None:
+    """Print the summary: the full one, or the short one for a run that stopped early (``console``:
+    default stdout's, plain text when it is not a terminal)."""
+    console = console or make_console()
+    bold = "bold" if color else ""
+    if s["status"] != "completed":
+        of = f" of {s['total_steps']}" if s["total_steps"] is not None else ""
+        console.print(Text.assemble(("stopped", bold), f" {s['stop']} after step {s['step']}{of} "
+                                    f"(exit code {s['exit_code']}); checkpoint: {s['checkpoint'] or 'none saved'}"),
+                      soft_wrap=True)
+        if "resume" in s["next"]:
+            after = " after a change (above)" if s["exit_code"] == integrity.EXIT_NONFINITE else ""
+            console.print(Text(f"  resume{after}: {s['next']['resume']}"), soft_wrap=True)
+        return
+    console.print(Text.assemble(("run summary", bold), f"  {s['recipe'] or ''} -> {s['run_dir']}"), soft_wrap=True)
+    width = max(len(k) for k in ("tensorboard", *(k for k, _ in lines(s))))
+    for label, text in lines(s):
+        console.print(Text(f"  {label:<{width}}  {text}"), soft_wrap=True)
+    if s["next"]:
+        console.print(Text("next", style=bold), soft_wrap=True)
+        for key, cmd in s["next"].items():
+            console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)

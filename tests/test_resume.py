@@ -1,0 +1,168 @@
+"""What a resume may change (framework/resume.py): the learning-rate schedule against torchtitan's
+own, every schema key classified, refusals that name the key and both values, and one real run
+extended past its end (the schedule continues as chosen; the first config is never overwritten)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework import resume
+from framework.schema import RecipeConfig
+from tests.conftest import read_metrics, run_cli
+
+SMALL = ["recipe=debug_moe", "logging.tensorboard=false", "training.local_batch=2", "training.seq_len=128",
+         "checkpoint.interval=3"]
+
+
+def _torchtitan_lrs(steps: int, total, warmup: int, decay_ratio, decay_type: str, min_lr_factor: float) -> list:
+    """The rates torchtitan's scheduler (built through apiary's build) gives training steps 1..steps."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from framework.build import _held_schedule_config
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    cfg = _held_schedule_config(LRSchedulersContainer.Config)(
+        warmup_steps=warmup, total_steps=total, decay_ratio=decay_ratio, decay_type=decay_type,
+        min_lr_factor=min_lr_factor)
+    sched = cfg.build(optimizers=[opt], training_steps=steps)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])  # the rate this step's update uses
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("total,warmup,decay_ratio,decay_type,min_lr", [
+    (10, 2, None, "linear", 0.0), (10, 3, 0.5, "cosine", 0.1), (7, 0, None, "sqrt", 0.0),
+    (6, 2, None, "linear", 0.0),  # 4 steps past the horizon: the final rate is held (torchtitan's goes negative)
+    (5, 1, 0.4, "cosine", 0.25),
+])
+def test_schedule_factor_matches_the_built_scheduler(total, warmup, decay_ratio, decay_type, min_lr):
+    steps = 10
+    got = [resume.schedule_factor(s, total, warmup, decay_ratio, decay_type, min_lr) for s in range(1, steps + 1)]
+    want = _torchtitan_lrs(steps, total, warmup, decay_ratio, decay_type, min_lr)
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert min(want) >= 0.0
+
+
+def test_every_schema_key_is_classified():
+    from framework import recipes
+
+    keys = {k for r in ("debug_moe", "debug_grpo", "debug_grpo_live") for k in resume.leaves(recipes.load(r, []))}
+    unclassified = [k for k in keys if resume.classify(k) is None]
+    assert not unclassified, f"classify these in framework/resume.py FIXED or FREE: {unclassified}"
+    assert resume.classify("loss.name") == "fixed" and resume.classify("loss.clip_eps") == "free"
+    assert resume.classify("model.n_layers") == "fixed" and resume.classify("model.attn_backend") == "free"
+
+
+def _saved(tmp_path, **changes):
+    cfg = OmegaConf.structured(RecipeConfig)
+    cfg.recipe, cfg.training.steps = "debug_moe", 20
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    new = cfg.copy()
+    for k, v in changes.items():
+        OmegaConf.update(new, k, v)
+    return new
+
+
+def test_a_fixed_change_is_refused_naming_the_key_and_both_values(tmp_path):
+    new = _saved(tmp_path, **{"training.seed": 7, "model.n_layers": 3, "logging.log_freq": 5})
+    with pytest.raises(Exception) as e:
+        resume.check(new, tmp_path, 10)
+    msg = str(e.value)
+    assert "training.seed: 42 then, 7 now" in msg and "model.n_layers: null then, 3 now" in msg, msg
+    assert "log_freq" not in msg  # a free key is not among the refused
+    assert f"checkpoint.load_path={tmp_path}/checkpoint/step-10" in msg
+
+
+def test_free_changes_are_listed_and_an_unchanged_schedule_needs_no_choice(tmp_path):
+    new = _saved(tmp_path, **{"logging.log_freq": 5, "checkpoint.interval": 4})
+    lines = resume.check(new, tmp_path, 10).lines(tmp_path)
+    assert lines[0].startswith(f"resume: {tmp_path}/checkpoint/step-10 verified") and "from step 11" in lines[0]
+    assert "checkpoint.interval 10 -> 4" in lines[1] and "logging.log_freq 1 -> 5" in lines[1]
+
+
+def test_more_steps_on_a_decaying_schedule_asks_for_a_choice(tmp_path):
+    new = _saved(tmp_path, **{"training.steps": 30})
+    with pytest.raises(Exception) as e:
+        resume.check(new, tmp_path, 20)
+    msg = " ".join(str(e.value).split())
+    assert "lr.total_steps=30 stretches" in msg and "lr.total_steps=20 keeps" in msg, msg
+    assert "which trains nothing" in msg  # the default schedule decays to 0
+    # a constant rate after warm-up: the next step's rate is the same under both horizons
+    (tmp_path / "config.yaml").unlink()
+    new = _saved(tmp_path, **{"training.steps": 30, "lr.min_lr_factor": 1.0})
+    OmegaConf.update(new, "lr.min_lr_factor", 1.0)
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    saved.lr.min_lr_factor = 1.0
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert "spans 30 steps" in resume.check(new, tmp_path, 20).lines(tmp_path)[-1]
+
+
+def test_launch_configs_are_numbered_and_the_first_is_kept(tmp_path):
+    assert resume.config_path_for_launch(tmp_path).name == "config.yaml"
+    (tmp_path / "config.yaml").write_text("a: 1\n")
+    assert resume.config_path_for_launch(tmp_path).name == "config.resume-1.yaml"
+    (tmp_path / "config.resume-1.yaml").write_text("a: 2\n")
+    assert resume.config_path_for_launch(tmp_path).name == "config.resume-2.yaml"
+    assert [p.name for p in resume.launch_configs(tmp_path)] == ["config.yaml", "config.resume-1.yaml"]
+
+
+def test_extending_a_finished_run(tmp_path):
+    """6 steps, then `training.steps=9`: refused with the choices (nothing written); a changed
+    seed refused; `lr.total_steps=9` trains steps 7-9 at the rates the stretched schedule gives,
+    says which checkpoint it loaded, and keeps the first config."""
+    run = tmp_path / "run"
+    p = run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run}"], cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = (run / "config.yaml").read_text()
+    p = run_cli(["train", *SMALL, "training.steps=9", f"output_dir={run}", "checkpoint.resume=true"],
+                cwd=tmp_path, timeout=300)
+    err = " ".join(p.stderr.split())
+    assert p.returncode == 2 and "lr.total_steps=9 stretches" in err and "Traceback" not in p.stderr, err
+    p = run_cli(["train", *SMALL, "training.steps=9", f"output_dir={run}", "checkpoint.resume=true",
+                 "lr.total_steps=9", "training.seed=1"], cwd=tmp_path, timeout=300)
+    assert p.returncode == 2 and "training.seed: 42 then, 1 now" in " ".join(p.stderr.split())
+    assert sorted(x.name for x in run.glob("config*.yaml")) == ["config.yaml"]
+    p = run_cli(["train", *SMALL, "training.steps=9", f"output_dir={run}", "checkpoint.resume=true",
+                 "lr.total_steps=9"], cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resume: {run}/checkpoint/step-6 verified against its manifest" in p.stdout
+    assert "training.steps 6 -> 9" in p.stdout and "spans 9 steps (it spanned 6)" in p.stdout
+    assert (run / "config.yaml").read_text() == first
+    launch2 = OmegaConf.load(run / "config.resume-1.yaml")
+    assert launch2.training.steps == 9 and launch2.lr.total_steps == 9
+    recs = read_metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, 10))
+    cfg1, cfg2 = (OmegaConf.to_container(OmegaConf.load(run / n)) for n in ("config.yaml", "config.resume-1.yaml"))
+    assert [r["lr"] for r in recs[:6]] == pytest.approx([resume.lr_at(cfg1, s) for s in range(1, 7)], rel=1e-12)
+    assert [r["lr"] for r in recs[6:]] == pytest.approx([resume.lr_at(cfg2, s) for s in range(7, 10)], rel=1e-12)
+    assert recs[6]["lr"] > recs[5]["lr"]  # the stretch the user chose: the rate rises at step 7
+    assert json.loads((run / "layout.json").read_text())["dims"]["dp_shard"] == 1
+    # a rate changed on resume is the rate the first resumed step uses (torchtitan's optimizer load
+    # would put back the saved one for that step): with optimizer.lr=0 the weights stay as saved
+    p = run_cli(["train", *SMALL, "training.steps=12", f"output_dir={run}", "checkpoint.resume=true",
+                 "lr.total_steps=12", "optimizer.lr=0", "moe.load_balance_coeff=null"], cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "optimizer.lr 0.003 -> 0.0" in p.stdout and (run / "config.resume-2.yaml").is_file()
+    assert [r["lr"] for r in read_metrics(run)[9:]] == [0.0, 0.0, 0.0]
+    at9, at12 = _weights(run / "checkpoint" / "step-9"), _weights(run / "checkpoint" / "step-12")
+    assert at9.keys() == at12.keys() and all(torch.equal(at9[k], at12[k]) for k in at9)
+
+
+def _weights(step_dir) -> dict:
+    """The model's parameters in a DCP step folder (not the MoE routing bias: a buffer)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(v.size) for k, v in md.items()
+          if not k.startswith(("optimizer", "lr_scheduler", "dataloader", "train_state")) and "expert_bias" not in k
+          and hasattr(v, "size")}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    return sd

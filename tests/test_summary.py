@@ -1,0 +1,145 @@
+"""The end-of-run summary (framework/summary.py) on synthetic run folders: every number derived
+from the records by hand, the labels, the checkpoint it names, the next commands, summary.json,
+and the short form of a stopped run. (A real training's summary: tests/test_train_cpu.py and
+tests/test_progress.py's terminal run.)"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from framework import recipes, summary
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _run(tmp_path, records, steps=4, checkpoints=(), incomplete=(), tb=True, extra_configs=(), overrides=None):
+    """A run folder; ``overrides``: its config.yaml is debug_moe's real one with them (else a stub)."""
+    d = tmp_path / "run"
+    d.mkdir(parents=True)
+    if overrides is None:
+        (d / "config.yaml").write_text(f"recipe: debug_moe\ntraining:\n  steps: {steps}\n")
+    else:
+        OmegaConf.save(recipes.load("debug_moe", [f"training.steps={steps}", f"output_dir={d}", *overrides]),
+                       d / "config.yaml")
+    for name, text in extra_configs:
+        (d / name).write_text(text)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for n in checkpoints:
+        (d / "checkpoint" / f"step-{n}").mkdir(parents=True)
+        (d / "checkpoint" / f"step-{n}" / "manifest.json").write_text("{}")
+    for n in incomplete:  # a save cut short: no manifest, no .metadata
+        (d / "checkpoint" / f"step-{n}").mkdir(parents=True)
+    if tb:
+        (d / "tb").mkdir()
+    return d
+
+
+def _rec(step, loss, elapsed, tokens=1000, tflops=400.0, mfu=40.0, device=H100, peak=989.0, mem=10 * 2**30,
+         kind="cuda_max_memory_reserved"):
+    return {"step": step, "loss": loss, "grad_norm": 1.0, "tokens_per_s": 1.0, "tokens": tokens,
+            "tflops_per_gpu": tflops, "mfu_pct": mfu, "peak_tflops_per_gpu": peak, "device": device,
+            "step_time_s": 1.0, "elapsed_s": elapsed, "peak_mem_bytes": mem, "peak_mem_kind": kind}
+
+
+def _text(s) -> str:
+    buf = io.StringIO()
+    summary.render(s, Console(file=buf, width=100, color_system=None), color=False)
+    return buf.getvalue()
+
+
+def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
+    recs = [_rec(1, 6.0, 30.0, tokens=1000, tflops=100.0, mfu=10.0, mem=9 * 2**30),  # compile step: left out
+            _rec(2, 5.0, 32.0, tokens=1000, tflops=400.0, mfu=40.0),
+            _rec(3, 4.5, 38.0, tokens=3000, tflops=300.0, mfu=30.0, mem=12 * 2**30),
+            {"step": 3, "val_loss": 4.9, "val_tokens_per_s": 10.0},  # a validation record of its own
+            _rec(4, 4.7, 40.0, tokens=1000, tflops=500.0, mfu=50.0)]
+    d = _run(tmp_path, recs, steps=4, checkpoints=(2, 4), incomplete=(6,),
+             overrides=["loss=chunked", "loss.num_chunks=4", "launcher.nproc=2", "training.seq_len=64"])
+    s = summary.summarize(d)
+    assert s["status"] == "completed" and s["step"] == 4 and s["total_steps"] == 4 and s["launches"] == 1
+    assert s["tokens"] == 6000 and s["wall_time_s"] == 40.0
+    # after the first record: 5000 tokens in 40 - 30 = 10 s; intervals of 2, 6 and 2 s weigh the means
+    assert s["tokens_per_s_mean"] == pytest.approx(500.0)
+    assert s["tflops_per_gpu_mean"] == pytest.approx((400 * 2 + 300 * 6 + 500 * 2) / 10)
+    assert s["mfu_pct_mean"] == pytest.approx((40 * 2 + 30 * 6 + 50 * 2) / 10)
+    assert s["mfu_missing_because"] is None and s["peak_tflops_per_gpu"] == 989.0
+    assert s["peak_mem_bytes"] == 12 * 2**30 and s["peak_mem_label"] == "torch max reserved on rank 0's GPU"
+    assert (s["loss_first"], s["loss_last"], s["loss_best"], s["loss_best_step"]) == (6.0, 4.7, 4.5, 3)
+    assert (s["val_loss_last"], s["val_loss_step"]) == (4.9, 3)
+    assert s["checkpoint"] == str(d / "checkpoint" / "step-4")  # step-6 is incomplete
+    # a finished run trains on, its schedule stretched over the new steps, repeating the run's overrides (a
+    # resume refuses another model, data or schedule: framework/resume.py)
+    assert s["next"] == {
+        "resume": f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=8 loss=chunked "
+                  "training.seq_len=64 loss.num_chunks=4 launcher.nproc=2 lr.total_steps=8",
+        "export": f"apiary export {d} --hf {d / 'hf'}",
+        "plot": f"apiary plot {d}",
+        "tensorboard": f"tensorboard --logdir {d / 'tb'}",
+    }
+    assert json.loads(summary.write(s).read_text()) == s and (d / "summary.json").is_file()
+    text = _text(s)
+    for line in ("steps         4/4", "tokens        6,000", "tok/s (mean)  500 (first step left out",
+                 "TFLOPs/GPU    360.0", f"MFU           36.0% of 989 peak ({H100})",
+                 "peak memory   12.00 GiB (torch max reserved on rank 0's GPU)",
+                 "loss          first 6.0000 · last 4.7000 · best 4.5000 (step 3)", "val_loss      4.9000 (step 3)",
+                 f"checkpoint    {d / 'checkpoint' / 'step-4'}", f"resume        {s['next']['resume']}"):
+        assert line in text, (line, text)
+
+
+def test_cpu_run_claims_no_tflops_or_mfu(tmp_path):
+    recs = [_rec(n, 6.0 - n, 2.0 * n, tflops=None, mfu=None, device="cpu", peak=None, mem=2**30, kind="cpu_max_rss")
+            for n in (1, 2, 3)]
+    s = summary.summarize(_run(tmp_path, recs, steps=3, checkpoints=(3,), tb=False))
+    assert s["tflops_per_gpu_mean"] is None and s["mfu_pct_mean"] is None
+    assert s["mfu_missing_because"] == "no known peak for cpu"
+    assert s["peak_mem_label"] == "max RSS of rank 0's process" and "tensorboard" not in s["next"]
+    text = _text(s)
+    assert "MFU           n/a (no known peak for cpu)" in text and "TFLOPs" not in text
+    assert "peak memory   1.00 GiB (max RSS of rank 0's process)" in text
+
+
+def test_unknown_gpu_has_no_mfu_and_a_resumed_run_counts_two_launches(tmp_path):
+    gpu = "NVIDIA L4"
+    first = [{**_rec(1, 6.0, 10.0, device=gpu, peak=None, mfu=None), "first_step_wall_s": 5.0},
+             _rec(2, 5.0, 12.0, tokens=500, device=gpu, peak=None, mfu=None)]
+    # the resume re-trains from step 3 in a new process: its first record has the first step's breakdown
+    # (and its elapsed_s starts again, here from a slower build than the whole first launch)
+    second = [{**_rec(3, 4.0, 20.0, tokens=800, device=gpu, peak=None, mfu=None), "first_step_wall_s": 5.0},
+              _rec(4, 3.0, 21.0, tokens=700, device=gpu, peak=None, mfu=None)]
+    d = _run(tmp_path, first + second, steps=4, checkpoints=(4,),
+             extra_configs=[("config.resume-1.yaml", "recipe: my.yaml\ntraining:\n  steps: 4\n")])
+    s = summary.summarize(d)
+    assert s["launches"] == 2 and s["wall_time_s"] == 12.0 + 21.0 and s["tokens"] == 1000 + 500 + 800 + 700
+    assert s["tokens_per_s_mean"] == pytest.approx((500 + 700) / (2.0 + 1.0))  # each launch's first step left out
+    assert s["mfu_pct_mean"] is None and s["mfu_missing_because"] == f"no known peak for {gpu}"
+    assert s["tflops_per_gpu_mean"] == pytest.approx(400.0)
+    assert s["recipe"] == "my.yaml"  # the newest launch's config
+    assert "steps         4/4 (2 launches)" in _text(s)
+
+
+def test_stopped_run_gets_the_short_summary(tmp_path):
+    recs = [_rec(n, 6.0 - n, float(n)) for n in (1, 2, 3)]
+    d = _run(tmp_path, recs, steps=10, checkpoints=(2, 3), overrides=[])
+    s = summary.summarize(d, stop="by a signal", exit_code=75, stopped_at=3)
+    assert s["status"] == "stopped" and s["step"] == 3
+    assert s["next"]["resume"] == f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=10"
+    text = _text(s).splitlines()
+    assert text == [f"stopped by a signal after step 3 of 10 (exit code 75); checkpoint: {d / 'checkpoint' / 'step-3'}",
+                    f"  resume: {s['next']['resume']}"]
+
+
+def test_run_without_checkpoint_or_records(tmp_path):
+    d = _run(tmp_path, [], steps=5, tb=False)
+    s = summary.summarize(d, stop="on a non-finite loss or gradient norm", exit_code=76, stopped_at=0)
+    assert s["checkpoint"] is None and s["next"] == {} and s["tokens"] is None
+    assert _text(s).splitlines() == ["stopped on a non-finite loss or gradient norm after step 0 of 5 (exit code 76); "
+                                     "checkpoint: none saved"]
+    done = summary.summarize(_run(tmp_path / "b", [_rec(1, 5.0, 3.0)], steps=1, tb=False))
+    text = _text(done)
+    assert "checkpoint    none saved" in text and "tok/s (mean)  n/a (one logged step)" in text
+    assert "resume" not in text and done["mfu_missing_because"].startswith("one logged step")
