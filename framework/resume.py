@@ -42,7 +42,7 @@ FIXED = (
     "parallel.cp_load_balancer", "parallel.pp_schedule", "parallel.pp_microbatch_size",
     "training.seq_len", "training.local_batch", "training.global_batch", "training.dtype", "training.seed",
     "data.format", "data.name", "data.path", "data.tokenizer", "data.sharding", "data.follow",
-    "loss.name", "state.name", "precision.name", "moe.routing_replay",
+    "loss.name", "precision.name", "moe.routing_replay",
     "optimizer.name", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay",
     "lr.warmup_steps", "lr.decay_ratio", "lr.decay_type", "lr.min_lr_factor",
     "adapter.name", "adapter.rank", "adapter.alpha", "adapter.targets", "adapter.init", "adapter.dtype",
@@ -53,7 +53,7 @@ FREE = (
     "validation", "publish", "rl", "recompute", "model.attn_backend", "model.flex_autotune", "parallel.gpus",
     "training.steps", "training.max_norm", "training.deterministic", "training.cache_autotuning",
     "training.kernel_cache", "training.autotune_configs", "training.on_nonfinite", "training.max_skips",
-    "data.num_workers", "data.wait_timeout", "loss", "state.reshard_after_forward", "state.offload",
+    "data.num_workers", "data.wait_timeout", "loss", "state", "state.reshard_after_forward", "state.offload",
     "state.offload_threads", "precision", "moe.comm", "moe.chunk", "moe.load_balance_coeff",
     "checkpoint", "lr.total_steps", "adapter.dropout", "optimizer.lr",
 )

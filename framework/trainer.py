@@ -53,6 +53,14 @@ _GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_no
 _SEEDED: list = [None]  # the generators' states right after torchtitan seeded them, until the model's init
 
 
+def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
+    """Where a stopped run goes on from: its last complete step, or the start when it saved none."""
+    if not integrity.complete_steps(checkpoint_dir):
+        return "No step was checkpointed before this one, so there is nothing to resume: run it again from the start"
+    return (f"Last good checkpoint: {integrity.last_good(checkpoint_dir)}. Resume from it with "
+            f"{resume_hint or 'checkpoint.resume=true'}")
+
+
 def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -316,15 +324,15 @@ class ApiaryTrainer(Trainer):
         if self.config.on_nonfinite == "skip":
             why = (f"more than training.max_skips={self.config.max_skips} steps in a row were non-finite, "
                    f"{self._skips_total} skipped in all")
-            tries = "lower optimizer.lr, add lr.warmup_steps or lower training.max_norm"
+            tries = "lower optimizer.lr or training.max_norm (a resume may change both)"
         else:
             why = "training.on_nonfinite=stop"
-            tries = ("lower optimizer.lr, add lr.warmup_steps or lower training.max_norm; or set "
+            tries = ("lower optimizer.lr or training.max_norm (a resume may change both); or set "
                      "training.on_nonfinite=skip to skip such steps (training.max_skips in a row)")
         raise integrity.NonFiniteStop(
             f"apiary: step {self.step}: {what} is not finite (grad norm {norm_s}); no update was applied and "
-            f"nothing was saved from this step ({why}). Last good checkpoint: {integrity.last_good(ck)}. "
-            f"Resume from it with {self.config.resume_hint or 'checkpoint.resume=true'} after a change: {tries}. "
+            f"nothing was saved from this step ({why}). {_restart_hint(ck, self.config.resume_hint)} after a "
+            f"change: {tries}. "
             f"Exit code {integrity.EXIT_NONFINITE}.")
 
     def _check_state_finite(self) -> None:
@@ -351,9 +359,8 @@ class ApiaryTrainer(Trainer):
             ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
             raise integrity.NonFiniteStop(
                 f"apiary: step {self.step}: the model or optimizer state holds NaN or Inf values; the checkpoint "
-                f"of this step was not written. Last good checkpoint: {integrity.last_good(ck)}. Resume from it "
-                f"with {self.config.resume_hint or 'checkpoint.resume=true'} after lowering optimizer.lr or "
-                f"training.max_norm. Exit code {integrity.EXIT_NONFINITE}.")
+                f"of this step was not written. {_restart_hint(ck, self.config.resume_hint)} after lowering "
+                f"optimizer.lr or training.max_norm. Exit code {integrity.EXIT_NONFINITE}.")
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,

@@ -50,8 +50,9 @@ def test_saves_are_complete_folders_with_a_manifest(trained):
 
 
 def _resume(run_dir, *extra):
-    return run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run_dir}", "checkpoint.resume=true",
-                    *extra], cwd=run_dir.parent)
+    """Two steps more than the 4 it was trained for, the schedule stretched over them (lr.total_steps)."""
+    return run_cli(["train", *SMALL, "training.steps=6", "lr.total_steps=6", f"output_dir={run_dir}",
+                    "checkpoint.resume=true", *extra], cwd=run_dir.parent)
 
 
 def _resolve_error(run_dir, *extra) -> str:

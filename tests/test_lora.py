@@ -323,6 +323,33 @@ PEFT_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
+    """`apiary logprobs BASE ROLLOUTS --adapter PEFT_DIR` (peft merges the adapters into the base)
+    gives the log-probs of the merged export, and differs from the base's: the reference and the
+    policy from one base plus one adapter folder."""
+    from components.data.rollouts import PACKAGED_ROLLOUTS
+    from toolkit.cli import apiary_main
+
+    work, base = runs["work"], runs["base"]
+    peft_dir, merged = work / "lp_peft", work / "lp_merged"
+    if not peft_dir.exists():
+        assert apiary_main(["export", str(work / "lora"), "--hf", str(peft_dir)]) == 0
+        assert apiary_main(["export", str(work / "lora"), "--hf", str(merged), "--merged"]) == 0
+    rollouts = work / "lp_rollouts.jsonl"
+    rollouts.write_text("\n".join(PACKAGED_ROLLOUTS.read_text().splitlines()[:3]) + "\n")
+    outs = {}
+    for name, argv in (("adapter", [str(base), str(rollouts), "--adapter", str(peft_dir)]),
+                       ("merged", [str(merged), str(rollouts)]), ("base", [str(base), str(rollouts)])):
+        assert apiary_main(["logprobs", *argv, "--out", str(work / f"lp_{name}")]) == 0
+        outs[name] = [json.loads(x)["ref_logprobs"] for x in (work / f"lp_{name}" / rollouts.name).read_text().splitlines()]
+    flat = {k: torch.tensor([x for r in v for x in r]) for k, v in outs.items()}
+    assert (flat["adapter"] - flat["merged"]).abs().max() < 1e-4
+    assert (flat["adapter"] - flat["base"]).abs().max() > 1e-3
+    assert apiary_main(["logprobs", str(work / "lora"), str(rollouts), "--adapter", str(peft_dir), "--out",
+                        str(work / "lp_bad")]) == 2
+    assert "applies to a HuggingFace folder of the base" in " ".join(capsys.readouterr().err.split())
+
+
 def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
     from toolkit.cli import apiary_main
 

@@ -77,6 +77,12 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
             tmp.rename(dst)
         while not dst.is_dir():
             time.sleep(0.1)
+    if job.get("skip_dataloader_state"):
+        # a user's resume refuses another data-parallel layout (its data position is kept per rank:
+        # framework/resume.py); this job loads the model and optimizer only, to check they reshard
+        from framework import resume
+
+        resume.check = lambda cfg, run_dir, step: resume.ResumePlan(step=step, saved_from=Path(run_dir) / "config.yaml")
     r = resolve("debug_moe", [*COMMON, *job["overrides"], f"output_dir={job['out']}", f"launcher.nproc={world}"])
     if rank == 0 and job["kind"] != "seed":
         run.write_run_files(r)

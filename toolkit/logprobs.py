@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
                    help="the field to fill: ref_logprobs (a reference model, for a KL term) or old_logprobs "
                         "(the trainer's own old policy, for rl.tis_cap's decoupled form; the record's old "
                         "old_logprobs, the engine's, move to gen_logprobs)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (apiary export of a LoRA run) applied to MODEL, a HuggingFace "
+                        "folder of its base (merged by peft; needs transformers and peft)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
                    help="padded tokens per forward (default 8192)")
 
@@ -195,7 +198,36 @@ FIELDS = ("ref_logprobs", "old_logprobs")
 
 def logprobs_args(ns) -> int:
     return run(ns.model, ns.rollouts, ns.out, step=ns.step, temperature=ns.temperature, batch_tokens=ns.batch_tokens,
-               field=ns.field)
+               field=ns.field, adapter=ns.adapter)
+
+
+def merge_adapter(base: str, adapter: str, dest: Path) -> Path:
+    """An HF folder of ``base`` with the PEFT adapter folder ``adapter`` merged into its weights (by peft
+    itself: the same merge a PEFT user gets), written to ``dest``."""
+    where = f"apiary logprobs {base} --adapter {adapter}"
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise UserError(where, f"{adapter} is not a PEFT adapter folder (no adapter_config.json).",
+                        "Pass the folder `apiary export RUN --hf OUT` wrote for a LoRA run.")
+    if not (Path(base) / "config.json").is_file():
+        raise UserError(where, "--adapter applies to a HuggingFace folder of the base (config.json).",
+                        "Pass the base model's folder as MODEL, or score the merged export (--merged) instead.")
+    try:
+        import transformers  # reason: optional dependencies, only for --adapter
+        from peft import PeftModel  # reason: as above
+    except ImportError as e:
+        raise UserError(where, f"needs transformers and peft ({e.name} is not installed).",
+                        "pip install transformers peft, or score the merged export (apiary export RUN --hf OUT "
+                        "--merged).") from None
+    import torch  # reason: start-up time
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    try:
+        merged = PeftModel.from_pretrained(hf, adapter).merge_and_unload()
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(where, f"peft could not apply {adapter} to {base}: {str(e).splitlines()[0][:300]}.",
+                        "Is the adapter one of a run on this base?") from None
+    merged.save_pretrained(dest)
+    return dest
 
 
 def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:
@@ -211,7 +243,7 @@ def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:
 
 
 def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, temperature: float = 1.0,
-        batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print) -> int:
+        batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print, adapter: str | None = None) -> int:
     where = f"apiary logprobs {model_path} {rollouts}"
     if field not in FIELDS:
         raise UserError(f"apiary logprobs --field {field}", f"unknown; valid: {', '.join(FIELDS)}.")
@@ -237,7 +269,14 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
 
     devices.install()
     device = torch.device(devices.device_type())
-    model, what = load_model(model_path, step, device)
+    if adapter is not None:  # the base with the adapters merged, scored as any HF folder
+        import tempfile  # reason: only with --adapter
+
+        with tempfile.TemporaryDirectory(prefix="apiary-merged-") as tmp:
+            model, what = load_model(str(merge_adapter(model_path, adapter, Path(tmp))), None, device)
+        what = f"HF folder {model_path} with the adapter {adapter}"
+    else:
+        model, what = load_model(model_path, step, device)
     vocab = int(model.lm_head.weight.shape[0])
     for f, recs in records:
         for at, rec in recs:
