@@ -35,7 +35,8 @@ def _held_schedule_config(base):
             # optimizer.lr's): the first resumed step would log one rate and use another. After
             # either load, the optimizer's groups get the schedule's rate.
             for obj in (container, optimizers):
-                obj.load_state_dict = (lambda sd, load=obj.load_state_dict: (load(sd), sync_rates())[0])
+                if hasattr(obj, "load_state_dict"):  # torchtitan's containers (a plain list in unit tests)
+                    obj.load_state_dict = (lambda sd, load=obj.load_state_dict: (load(sd), sync_rates())[0])
             return container
 
     return HeldSchedule

@@ -94,7 +94,7 @@ def doc(kind: str, name: str) -> str:
 
 def skill_page(kind: str, name: str) -> Path:
     """The page that explains kind/name: docs/skills/<skill or name>.md for registry.yaml's names
-    (``skill:`` where several names share a page, e.g. grpo -> rl_objectives); a user entry's
+    (``skill:`` where several names share a page, e.g. the policy losses' one page); a user entry's
     ``skill:`` is a file relative to its registry file. The path may not exist (a user's name)."""
     e = entries()[kind][name]
     if e.get("source", "registry.yaml") != "registry.yaml":

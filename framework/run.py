@@ -144,8 +144,9 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     follow_stop = getattr(trainer, "_follow_stop", None)  # follow mode stopped waiting: timeout or bad shard
     if follow_stop is not None:
         if report:
-            why = {preempt.EXIT_CODE: "by a signal while waiting for rollouts",
-                   2: "on a malformed rollout shard"}.get(follow_stop[0], "waiting for rollouts (data.wait_timeout)")
+            why = {preempt.EXIT_CODE: "by a signal while waiting for data",
+                   2: "on a malformed shard of the followed data"}.get(follow_stop[0],
+                                                                      "waiting for data (data.wait_timeout)")
             _report(resolved, why, follow_stop[0], trainer.step)
         lifecycle.write_status(follow_stop[0])
         raise SystemExit(follow_stop[0])

@@ -127,7 +127,7 @@ def _value(v) -> str:
 def run_overrides(cfg) -> list[str] | None:
     """The overrides that make the run's recipe give its config again (a resume must repeat what its
     checkpoint depends on, framework/resume.py): each component group whose option differs
-    (``loss=chunked``), then every key that differs from that composition (``+key`` where the
+    (``loss=NAME``), then every key that differs from that composition (``+key`` where the
     recipe has none); layout dims the recipe leaves unset are derived again. None when the recipe
     cannot be composed any more (moved or edited into an error)."""
     try:

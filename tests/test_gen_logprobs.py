@@ -119,8 +119,9 @@ def _policy(backend, objective="grpo", hp=None):
 
 
 def test_loss_with_gen_logprobs_is_rl_objective_by_hand():
-    """Unfused path: rl.grpo(..., tis_cap, gen_logprobs) on the same log-probs (bit for bit), the
-    mismatch metrics against gen_logprobs; the fused path equals it."""
+    """Unfused path: rl.grpo(..., tis_cap, gen_logprobs) on the same log-probs (to fp32 rounding: the
+    component sums the tokens' terms in chunks, the reference in one reduction), the mismatch
+    metrics against gen_logprobs; the fused path equals it."""
     from components.losses.logprob import token_logprobs
 
     loss, metrics, dh, dw, (hidden, w, labels, mask, old, gen, adv, hp) = _policy("torch")
@@ -130,13 +131,13 @@ def test_loss_with_gen_logprobs_is_rl_objective_by_hand():
     lp = lp.reshape(labels.shape)
     ref, ref_m = rl.grpo(lp, old, adv, mask, **hp, gen_logprobs=gen, normalizer=mask.sum().float())
     ref.backward()
-    assert loss.item() == ref.item()
-    assert torch.allclose(dh, hh.grad, rtol=1e-6, atol=1e-9) and torch.allclose(dw, ww.grad, rtol=1e-6, atol=1e-9)
-    assert metrics["tis_weight_mean"].item() == ref_m["tis_weight_mean"].item()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(dh, hh.grad, rtol=1e-5, atol=1e-7) and torch.allclose(dw, ww.grad, rtol=1e-5, atol=1e-7)
+    assert metrics["tis_weight_mean"].item() == pytest.approx(ref_m["tis_weight_mean"].item(), rel=1e-6)
     assert 0 < metrics["tis_capped_frac"].item() < 1
     want = rl.mismatch_metrics(lp, gen, mask, 0.1)
     for k, v in want.items():
-        assert metrics[k].item() == v.item(), k
+        assert metrics[k].item() == pytest.approx(v.item(), rel=1e-6), k
     assert want["mismatch_abs_mean"].item() != rl.mismatch_metrics(lp, old, mask, 0.1)["mismatch_abs_mean"].item()
     # without gen_logprobs the objective is another one (the on-the-fly form)
     other, _ = rl.grpo(lp.detach(), old, adv, mask, **hp, normalizer=mask.sum().float())

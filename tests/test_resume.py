@@ -50,6 +50,37 @@ def test_schedule_factor_matches_the_built_scheduler(total, warmup, decay_ratio,
     assert min(want) >= 0.0
 
 
+def test_the_first_resumed_step_uses_the_rate_it_logs():
+    """torchtitan loads the scheduler (which recomputes the rate) before the optimizer (whose saved
+    groups carry the old rate): after both, the groups hold the schedule's rate for the new settings."""
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from framework.build import _held_schedule_config
+
+    class Box(list):  # the optimizer container's load (torchtitan's: all optimizers from one dict)
+        def load_state_dict(self, sd):
+            self[0].load_state_dict(sd)
+
+    def build(lr):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        box = Box([opt])
+        cfg = _held_schedule_config(LRSchedulersContainer.Config)(warmup_steps=2, total_steps=10, decay_ratio=None,
+                                                                  decay_type="linear", min_lr_factor=0.0)
+        return opt, box, cfg.build(optimizers=box, training_steps=10)
+
+    opt, box, sched = build(1.0)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    opt2, box2, sched2 = build(0.5)  # optimizer.lr changed on resume
+    sched2.load_state_dict(saved_sched)
+    box2.load_state_dict(saved_opt)  # torchtitan's order: the optimizer after the scheduler
+    want = 0.5 * resume.schedule_factor(4, 10, 2, None, "linear", 0.0)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(want) and sched2.schedulers[0].get_last_lr()[0] == pytest.approx(want)
+    assert saved_opt["param_groups"][0]["lr"] == pytest.approx(2 * want)  # what the optimizer's load put back
+
+
 def test_every_schema_key_is_classified():
     from framework import recipes
 
