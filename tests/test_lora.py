@@ -348,6 +348,19 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
     assert apiary_main(["logprobs", str(work / "lora"), str(rollouts), "--adapter", str(peft_dir), "--out",
                         str(work / "lp_bad")]) == 2
     assert "applies to a HuggingFace folder of the base" in " ".join(capsys.readouterr().err.split())
+    # an adapter folder on another base (same shapes, other weights): refused, naming the file
+    other = work / "lp_other_base"
+    shutil.copytree(base, other)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(other / "model.safetensors"))
+    first = sorted(sd)[0]
+    sd[first] = sd[first] + 1.0
+    save_file(sd, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert apiary_main(["logprobs", str(other), str(rollouts), "--adapter", str(peft_dir), "--out",
+                        str(work / "lp_bad2")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "holds adapters trained on another base" in err and "model.safetensors" in err, err
 
 
 def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):

@@ -211,6 +211,9 @@ def merge_adapter(base: str, adapter: str, dest: Path) -> Path:
     if not (Path(base) / "config.json").is_file():
         raise UserError(where, "--adapter applies to a HuggingFace folder of the base (config.json).",
                         "Pass the base model's folder as MODEL, or score the merged export (--merged) instead.")
+    from components.adapters.export import check_exported_base  # reason: only with --adapter
+
+    check_exported_base(adapter, base, where)
     try:
         import transformers  # reason: optional dependencies, only for --adapter
         from peft import PeftModel  # reason: as above

@@ -48,6 +48,29 @@ def _where(run_dir) -> str:
     return f"apiary export {run_dir}"
 
 
+EXPORTED_BASE = "apiary_base.json"  # beside a PEFT export: the HF base it was trained on, with checksums
+
+
+def check_exported_base(adapter_dir, base_dir, where: str) -> None:
+    """An exported adapter folder applies to the HF base it was trained on: the files its
+    ``apiary_base.json`` fingerprints must be those of ``base_dir`` (UserError naming the first that
+    differs). A folder without the file (another tool's adapter) is not checked."""
+    from components.adapters.base import _files  # reason: the same fingerprint a resume checks
+
+    f = Path(adapter_dir) / EXPORTED_BASE
+    if not f.is_file():
+        return
+    saved = json.loads(f.read_text())["base"]["files"]
+    have = _files(Path(base_dir), [n for n in saved if (Path(base_dir) / n).is_file()], None)
+    for name, old in sorted(saved.items()):
+        new = have.get(name)
+        if new is None or new["hash"] != old["hash"] or new["size"] != old["size"]:
+            raise UserError(where, f"{adapter_dir} holds adapters trained on another base: {Path(base_dir) / name} "
+                            + ("is missing" if new is None else f"has checksum {new['hash']}, the adapters' base had "
+                               f"{old['hash']}") + f" (recorded in {f.name}).",
+                            f"Pass the base it was trained on ({json.loads(f.read_text())['base']['path']}).")
+
+
 def _run(run_dir):
     run = Path(run_dir)
     cfg = OmegaConf.load(run / "config.yaml")
@@ -270,6 +293,8 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps(body, indent=2))
+    if pointer["kind"] == "hf":  # the base's fingerprint: `apiary logprobs BASE --adapter OUT` checks it
+        (out / EXPORTED_BASE).write_text(json.dumps({"base": pointer}, indent=2))
     if layers and float(cfg.adapter.dropout) > 0:
         note += f"; lora_dropout written 0 (PEFT's expert adapters take none; training used {cfg.adapter.dropout})"
     return out, (f"PEFT LoRA adapter (rank {r}, alpha {alpha:g}) for {base_path}: {len(sources)} modules"

@@ -48,6 +48,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.module import Module
 
 from components.adapters.targets import is_adapter_param, linear_target
+from components.precision.fp8_targets import swap_config  # the config swap fp8 uses too
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -308,16 +309,6 @@ def _fields(cfg) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 
-def _put(root, parent, attr, new):
-    if parent is None:
-        return new
-    if isinstance(parent, list):
-        parent[attr] = new
-    else:
-        setattr(parent, attr, new)
-    return root
-
-
 def _spec(base: LoRASpec, fqn: str, **changes) -> LoRASpec:
     return dataclasses.replace(base, seed=(base.seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 62), **changes)
 
@@ -351,7 +342,7 @@ def convert(model_config, spec: LoRASpec, targets) -> tuple:
         if type(cfg) is QKVLinear.Config:
             new = SplitQKVLinear.Config(head_dim=cfg.head_dim, wq=cfg.wq, wkv=cfg.wkv,
                                         wk=dataclasses.replace(cfg.wkv), wv=dataclasses.replace(cfg.wkv))
-            model_config = _put(model_config, parent, attr, new)
+            model_config = swap_config(model_config, parent, attr, new)
     fused = {fqn: cfg for fqn, cfg, _, _ in model_config.traverse(FusedQKVLinear.Config)}
     adapted = set()
     for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
@@ -373,12 +364,12 @@ def convert(model_config, spec: LoRASpec, targets) -> tuple:
         else:
             continue
         cls = lora_linear_class(cfg._owner)
-        model_config = _put(model_config, parent, attr, cls.Config(**_fields(cfg), lora=mod_spec))
+        model_config = swap_config(model_config, parent, attr, cls.Config(**_fields(cfg), lora=mod_spec))
         adapted.add(fqn)
     if "experts" in targets:
         for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
             cls = lora_experts_class(cfg._owner)
-            model_config = _put(model_config, parent, attr, cls.Config(**_fields(cfg), lora=_spec(spec, fqn)))
+            model_config = swap_config(model_config, parent, attr, cls.Config(**_fields(cfg), lora=_spec(spec, fqn)))
             found["experts"] = found.get("experts", 0) + 1
             adapted.add(fqn)
     return _freeze_others(model_config, adapted), found
@@ -392,7 +383,7 @@ def _freeze_others(model_config, adapted: set):
     for fqn, cfg, parent, attr in reversed(configs):
         if fqn in adapted or getattr(cfg, "lora", None) is not None:
             continue
-        root = _put(root, parent, attr, _make_frozen_config(cfg))
+        root = swap_config(root, parent, attr, _make_frozen_config(cfg))
     return root
 
 
