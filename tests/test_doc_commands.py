@@ -217,8 +217,8 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "train recipe=debug_moe training.steps=20 checkpoint.enable=false publish.interval=2 publish.background=true":
         CFG,
     # docs/skills/resume.md: the pair the run_folders fixture runs as written
-    "train training.steps=20": RUN,
-    "train checkpoint.resume=true training.steps=30 lr.total_steps=30": RUN,
+    "train training.steps=8": RUN,
+    "train checkpoint.resume=true training.steps=12 lr.total_steps=12": RUN,
     # docs/skills/rl_objectives.md, routing_replay.md, tis.md, validation.md
     "train recipe=debug_grpo": CFG,
     "train recipe=qwen35_35b_128k loss=grpo loss.kl_coef=0.04 loss.temperature=1.0 data.format=rollouts "
@@ -234,7 +234,7 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
         Run(subs={"ROLLOUTS_WITH_GEN": "{rollouts}"}, add=("--cfg", "job")),
     "train validation.fraction=0.05 validation.interval=10 validation.steps=4": CFG,
 }
-FIXTURE_COMMANDS = ("train training.steps=20", "train checkpoint.resume=true training.steps=30 lr.total_steps=30")
+FIXTURE_COMMANDS = ("train training.steps=8", "train checkpoint.resume=true training.steps=12 lr.total_steps=12")
 
 
 # ------------------------------------------------------------------------ extraction
@@ -375,8 +375,8 @@ def _own_environment():
 
 @pytest.fixture(scope="module")
 def run_folders(tmp_path_factory):
-    """docs/skills/resume.md's pair, run as written in one folder: a finished debug_moe run of 20
-    steps resumed to 30 ({run}); {run2} is a copy (commands comparing two runs)."""
+    """docs/skills/resume.md's pair, run as written in one folder: a finished debug_moe run of 8
+    steps resumed to 12 ({run}); {run2} is a copy (commands comparing two runs)."""
     from framework.cli import train_main
 
     d = tmp_path_factory.mktemp("doc_runs")
@@ -498,7 +498,7 @@ def test_doc_command_runs(text, request, workdir, monkeypatch):
 def test_resume_pages_pair_runs_as_written(text, run_folders):
     assert run_folders["codes"][text] == 0
     steps = [json.loads(line)["step"] for line in (run_folders["run"] / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 31))  # 20 steps, then 10 more on the resumed run
+    assert steps == list(range(1, 13))  # 8 steps, then 4 more on the resumed run
 
 
 # ------------------------------------------------------------------------ docs that point somewhere
