@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,105 +15,20 @@ from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models.dense_mask_attention import DenseMaskAttention
+
+# the torch-free half (families' contract modules import it directly)
+from components.models.family import (  # noqa: F401
+    ModelFacts,
+    ModelOptions,
+    apply_model,
+    check_model,
+    family_contract,
+    model_kwargs,
+)
 from components.moe import gloo_alltoall
 from framework import devices
-from framework.errors import UserError
 
 devices.on_cpu_parallelize(gloo_alltoall.install)  # CPU: torchtitan's EP all-to-all through gloo
-
-
-@dataclass(kw_only=True)
-class ModelOptions:
-    """The recipe's ``model:`` section as every family reads it (defaults: framework/schema.py's
-    ModelConfig)."""
-
-    family: str
-    """registry kind model: the family module"""
-    flavor: str
-    """a key of the family's FLAVORS"""
-    n_layers: Optional[int]
-    """truncate/extend the layer stack (None: the flavor's)"""
-    vocab_size: Optional[int]
-    """override the flavor's vocabulary"""
-    attn_backend: str
-    """torchtitan attention backend"""
-    flex_autotune: bool
-    """inductor max-autotune + coordinate descent for flex attention (false: faster compile)"""
-    hf_checkpoint: Optional[str]
-    """a HuggingFace folder whose architecture and weights the model loads"""
-
-    def __post_init__(self):
-        if self.n_layers is not None and self.n_layers < 1:
-            raise ValueError(f"model.n_layers must be >= 1, got {self.n_layers}")
-
-
-def model_kwargs(options, ctx) -> dict:
-    """The family's ``model_config`` / ``facts`` arguments this recipe asks for."""
-    kw = dict(attn_backend=options.attn_backend, moe_comm_backend=ctx.components["moe_comm"].torchtitan_backend,
-              n_layers=options.n_layers, vocab_size=options.vocab_size,
-              load_balance_coeff=ctx.cfg.moe.load_balance_coeff)
-    if options.hf_checkpoint:
-        kw["hf_checkpoint"] = options.hf_checkpoint
-    return kw
-
-
-def check_model(options, ctx) -> None:
-    """What every family refuses before launch: a sequence longer than the model's RoPE length (with
-    RoPE scaling, the scaled length). A property of the config, so print-only commands (--cfg job,
-    plan, show) refuse it too: what they accept, a launch accepts."""
-    if ctx.facts is None:
-        return
-    limit = getattr(ctx.facts, "max_seq_len", 0)
-    seq = ctx.cfg.training.seq_len
-    if limit and seq > limit:
-        src = (f"max_position_embeddings of {options.hf_checkpoint}" if options.hf_checkpoint
-               else f"model.flavor={options.flavor}")
-        family = ctx.components.get("model") if getattr(ctx, "components", None) else None
-        longer = [f for f, n in getattr(family, "LONG_CONTEXT_FLAVORS", {}).items()
-                  if f.startswith(f"{options.flavor}-") and n >= seq] if not options.hf_checkpoint else []
-        fix = f"Use training.seq_len <= {limit}"
-        if longer:
-            fix += (f", or model.flavor={longer[0]} (RoPE scaling to {family.LONG_CONTEXT_FLAVORS[longer[0]]}; "
-                    "docs/skills/models.md).")
-        elif options.hf_checkpoint:
-            fix += (", or a folder whose config.json scales its RoPE (qwen3: rope_type yarn, llama3: llama3; "
-                    "docs/skills/models.md).")
-        else:
-            fix += "."
-        raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).", fix)
-
-
-def apply_model(family, options, tc, ctx) -> None:
-    """Put a fresh model spec of ``family`` (a family module) on the trainer config."""
-    devices.set_flex_autotune(bool(options.flex_autotune))
-    tc.model_spec = family.model_spec(options.flavor, **model_kwargs(options, ctx))
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the framework needs to know about an architecture, without building it."""
-
-    family: str
-    flavor: str
-    n_layers: int
-    dim: int
-    vocab_size: int
-    n_params: int  # total parameters
-    n_active_params: int  # parameters touched per token (top-k experts + dense parts)
-    n_expert_params: int  # routed-expert parameters (sharded over EP)
-    num_experts: int  # 0 for dense models
-    top_k: int
-    moe_hidden_dim: int
-    ffn_hidden_dim: int  # dense MLP hidden size (0 when every layer is MoE)
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_attention_layers: int  # full softmax-attention layers
-    n_linear_attention_layers: int = 0  # GatedDeltaNet-style layers
-    linear_attn: dict | None = None  # per-family shapes of the linear-attention layers
-    shared_expert_hidden_dim: int = 0
-    source: str = ""  # where the architecture came from when not the flavor (an HF folder)
-    max_seq_len: int = 0  # RoPE length of the attention layers (0: unknown / no limit)
 
 
 def resize_layers(config, n_layers: int | None):
@@ -247,10 +160,3 @@ def replace_config(cfg, new_cls, **changes):
     return new_cls(**values)
 
 
-def family_contract(module_name: str):
-    """``(model_kwargs, check, apply)`` of a family module that needs nothing of its own beyond
-    :func:`check_model` (framework/contracts.py, kind ``model``)."""
-    def apply(options, tc, ctx) -> None:
-        apply_model(sys.modules[module_name], options, tc, ctx)
-
-    return model_kwargs, check_model, apply

@@ -13,7 +13,6 @@ The ``auto`` rule (``auto_num_chunks`` and its constants) lives in components.mo
 from __future__ import annotations
 
 from components.moe.auto_chunks import AUTO_MIN_EP
-from components.moe.chunked_experts import use_chunked_experts
 from components.moe.comm import MoeOptions
 from framework.contracts import PlanTerms
 from framework.errors import UserError
@@ -70,6 +69,7 @@ class Chunked:
 
     def convert(self, model_config) -> None:
         """Edit the model config's routed experts (before it is built)."""
+        from components.moe.chunked_experts import use_chunked_experts  # reason: torchtitan, at build only
 
         use_chunked_experts(model_config, self.num_chunks)
 
@@ -100,6 +100,7 @@ class AutoChunk:
 
     @staticmethod
     def convert(model_config) -> None:
+        from components.moe.chunked_experts import use_chunked_experts  # reason: torchtitan, at build only
 
         use_chunked_experts(model_config, None)
 

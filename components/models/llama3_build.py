@@ -1,0 +1,144 @@
+"""Llama 3 family, the torchtitan side: model configs and spec, HF folders and export
+(components/models/llama3.py is the family's contract module and imports this on first use)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from torchtitan.models import llama3 as tt_llama3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+
+from components.models import common, hf
+from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
+from components.models.llama3 import Arch, hf_config  # noqa: F401
+
+TT_FLAVORS = tt_llama3.llama3_configs  # flavor -> torchtitan config builder (llama3.FLAVORS: their Arch)
+
+
+def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
+                 n_layers: int | None = None, vocab_size: int | None = None,
+                 load_balance_coeff: float | None = 1e-3, hf_checkpoint: str | None = None):
+    """The flavor's config, or with ``hf_checkpoint`` the folder's architecture (flavor: defaults only)."""
+    if hf_checkpoint:
+        a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
+        config = build_config(a, attn_backend=attn_backend, hf_checkpoint=hf_checkpoint)
+        hf.check_weights(hf_checkpoint, config, _self(), a.n_layers)
+        return common.use_device_attention(config)
+    config = TT_FLAVORS[flavor](attn_backend=attn_backend)
+    config = common.resize_layers(config, n_layers)
+    config = common.set_vocab(config, vocab_size)
+    config = common.set_load_balance(config, load_balance_coeff)
+    return common.use_device_attention(config)
+
+
+def model_spec(flavor: str, **kwargs) -> ModelSpec:
+    spec = tt_llama3.model_registry("debugmodel")
+    spec.flavor = flavor
+    spec.model = model_config(flavor, **kwargs)
+    return common.wrap_parallelize(spec)
+
+
+# --------------------------------------------------------------------------- HuggingFace folders
+
+STATE_DICT_ADAPTER = Llama3StateDictAdapter
+HFLlama3Model = hf.model_class(Llama3Model, STATE_DICT_ADAPTER, "HFLlama3Model", __name__)
+
+
+def arch_from_hf(path) -> Arch:
+    c = hf.read_config(path)
+    hf.check_family(c, path, "llama3")
+    dim, n, heads, vocab, ffn = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "vocab_size", "intermediate_size")
+    rope = hf.rope_params(c)
+    kind = rope.get("rope_type") or "default"
+    if kind not in ("default", "llama3"):
+        hf.refuse(path, f"rope type {kind!r}", "apiary's llama3 reads default and llama3 RoPE.")
+    for k in ("attention_bias", "mlp_bias"):
+        if c.get(k):
+            hf.refuse(path, f"{k}=true")
+    if c.get("hidden_act", "silu") != "silu":
+        hf.refuse(path, f"hidden_act={c['hidden_act']}")
+    scaled = {}
+    if kind == "llama3":
+        scaled = dict(rope_scaling="llama", scaling_factor=float(rope.get("factor", 8.0)),
+                      low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                      high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                      original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+    return Arch(dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+                head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab, ffn_hidden_dim=ffn,
+                rope_theta=float(rope.get("rope_theta", 10000.0)), max_seq_len=c.get("max_position_embeddings", 8192),
+                norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                **scaled)
+
+
+def build_config(a: Arch, *, attn_backend: str = "flex", hf_checkpoint: str | None = None) -> HFLlama3Model.Config:
+    """Arch -> torchtitan Llama 3 config (separate q/k/v projections, the HF layout)."""
+    rope = ComplexRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta, scaling=a.rope_scaling,
+                              scaling_factor=a.scaling_factor, low_freq_factor=a.low_freq_factor,
+                              high_freq_factor=a.high_freq_factor,
+                              original_max_position_embeddings=a.original_max_position_embeddings)
+    norm = dict(param_init=tt_llama3._NORM_INIT, eps=a.norm_eps)
+    layers = [Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=a.dim, **norm),
+        ffn_norm=RMSNorm.Config(normalized_shape=a.dim, **norm),
+        attention=make_gqa_config(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                  wqkv_param_init=tt_llama3._LINEAR_INIT, wo_param_init=tt_llama3._depth_init(i),
+                                  inner_attention=get_attention_config(attn_backend), fuse_qkv=False, rope=rope),
+        feed_forward=make_ffn_config(dim=a.dim, hidden_dim=a.ffn_hidden_dim, w1_param_init=tt_llama3._LINEAR_INIT,
+                                     w2w3_param_init=tt_llama3._depth_init(i)),
+    ) for i in range(a.n_layers)]
+    return HFLlama3Model.Config(
+        dim=a.dim, vocab_size=a.vocab_size, enable_weight_tying=a.tie_embeddings,
+        tok_embeddings=Embedding.Config(num_embeddings=a.vocab_size, embedding_dim=a.dim,
+                                        param_init=tt_llama3._EMBEDDING_SKIP_INIT if a.tie_embeddings
+                                        else tt_llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=a.dim, **norm),
+        lm_head=Linear.Config(in_features=a.dim, out_features=a.vocab_size,
+                              param_init=tt_llama3._output_linear_init(a.dim)),
+        layers=layers, hf_checkpoint=hf_checkpoint)
+
+
+def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
+    if not hf_checkpoint:
+        return None
+    return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
+
+
+def arch_from_config(config) -> Arch:
+    """The Arch of a torchtitan Llama 3 config (a flavor's or an HF folder's), for export."""
+    attn = config.layers[0].attention
+    r = attn.rope
+    return Arch(dim=config.dim, n_layers=len(config.layers), n_heads=attn.n_heads,
+                n_kv_heads=attn.n_kv_heads or attn.n_heads, head_dim=attn.head_dim or config.dim // attn.n_heads,
+                vocab_size=config.vocab_size, ffn_hidden_dim=config.layers[0].feed_forward.w1.out_features,
+                rope_theta=r.theta, rope_scaling=r.scaling, scaling_factor=r.scaling_factor,
+                low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                original_max_position_embeddings=r.original_max_position_embeddings, max_seq_len=r.max_seq_len,
+                norm_eps=config.norm.eps, tie_embeddings=bool(config.enable_weight_tying))
+
+
+def export_hf(run_dir: str, out_path: str):
+    """`apiary export RUN_DIR --hf OUT` for this family."""
+    return hf.export_run(run_dir, out_path, _self())
+
+
+def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
+    """The facts of an HF folder's model (its weights checked against the config on the way)."""
+    config = model_config(flavor, **kwargs)
+    f = common.facts_from_config("llama3", flavor, config)
+    return replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
+                                         hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
+
+
+def _self():
+    return sys.modules[__name__]
+
+
+def hf_writer(options, ctx) -> hf.HFWriter:
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    return hf.hf_writer(_self(), options, ctx)

@@ -1,0 +1,255 @@
+"""Qwen3 family, the torchtitan side: model configs and spec, YaRN RoPE, HF folders and export
+(components/models/qwen3.py is the family's contract module and imports this on first use).
+
+Flavors: torchtitan's (0.6B ... 32B, 30B-A3B, 235B-A22B, debugmodel, debugmodel_moe),
+``30B-A3B-yarn`` / ``235B-A22B-yarn`` (the same weights with the YaRN RoPE scaling the Qwen3 model
+cards publish for long context: factor 4 over 32768 positions, RoPE length 131072) and
+``tiny_moe`` / ``tiny_dense``: a few hundred thousand parameters, byte vocabulary, for
+CPU tests and the embedded default recipe.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, replace
+
+from torchtitan.models import qwen3 as tt_qwen3
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+
+from components.models import common, hf
+from components.models.common import ExactGroupedExperts, replace_config
+from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
+from components.models.qwen3 import MOE_FLAVORS, QWEN3_YARN, Arch, YaRN, hf_config  # noqa: F401
+
+
+class YaRNRoPE(CosSinRoPE):
+    """torchtitan's cos/sin RoPE with YaRN frequencies (``scaling="yarn"``, torchtitan's own formula)
+    and YaRN's attention factor m folded into the cache: cos and sin times m, so q.k is scaled by
+    m^2, as transformers' Qwen3 applies it. torchtitan's rope is a pure rotation that leaves m to
+    the attention, and its Qwen3 attention does not apply it; this class does. The cache is a
+    non-persistent buffer: checkpoints are the same as with CosSinRoPE."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        attention_factor: float | None = None
+        """cos/sin multiplier m; None: 0.1 ln(rope_factor) + 1 (YaRN's default, transformers' too)"""
+
+    def _precompute_cache(self):
+        return super()._precompute_cache() * yarn_attention_factor(self.config)
+
+
+def yarn_attention_factor(rope) -> float:
+    """YaRN's m of a rope config (1.0 without YaRN scaling)."""
+    if getattr(rope, "scaling", "none") != "yarn":
+        return 1.0
+    m = getattr(rope, "attention_factor", None)
+    if m is not None:
+        return float(m)
+    return 0.1 * math.log(rope.rope_factor) + 1.0 if rope.rope_factor > 1.0 else 1.0
+
+
+def with_yarn(config, yarn: YaRN):
+    """Every attention layer's RoPE replaced by ``yarn`` over the same head dim and theta."""
+    for layer in config.layers:
+        r = layer.attention.rope
+        layer.attention.rope = yarn.rope(r.dim, r.theta, r.max_seq_len)
+    return config
+
+
+def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard") -> Qwen3Model.Config:
+    dim, head_dim, vocab, n_layers = 64, 16, 320, 2
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1_000_000.0)
+    shared = dict(n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
+                  attn_backend=attn_backend, rope=rope, fuse_qkv=True)
+    if moe:
+        layers = tt_qwen3._build_qwen3_moe_layers(
+            moe_hidden_dim=64, num_experts=8, top_k=2, moe_comm_backend=moe_comm_backend, **shared)
+    else:
+        layers = tt_qwen3._build_qwen3_layers(hidden_dim=192, **shared)
+    return Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=tt_qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=tt_qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt_qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+
+
+TT_FLAVORS = {  # flavor -> torchtitan config builder (qwen3.FLAVORS holds the same flavors' Arch)
+    **tt_qwen3.qwen3_configs,
+    "tiny_moe": lambda attn_backend, moe_comm_backend="standard": _tiny(True, attn_backend, moe_comm_backend),
+    "tiny_dense": lambda attn_backend: _tiny(False, attn_backend),
+    **{f"{base}-yarn": (lambda base: lambda attn_backend, moe_comm_backend="standard": with_yarn(
+        tt_qwen3.qwen3_configs[base](attn_backend=attn_backend, moe_comm_backend=moe_comm_backend), QWEN3_YARN))(base)
+       for base in ("30B-A3B", "235B-A22B")},
+}
+
+
+def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
+                 n_layers: int | None = None, vocab_size: int | None = None,
+                 load_balance_coeff: float | None = 1e-3, hf_checkpoint: str | None = None):
+    """The flavor's config, or with ``hf_checkpoint`` the folder's architecture (flavor: defaults only)."""
+    if hf_checkpoint:
+        a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
+        config = build_config(a, attn_backend=attn_backend, moe_comm_backend=moe_comm_backend,
+                              hf_checkpoint=hf_checkpoint)
+        hf.check_weights(hf_checkpoint, config, _self(), a.n_layers)
+        config = common.set_load_balance(config, load_balance_coeff)
+        return common.use_device_attention(config)
+    kwargs = {"attn_backend": attn_backend}
+    if flavor in MOE_FLAVORS:
+        kwargs["moe_comm_backend"] = moe_comm_backend
+    config = TT_FLAVORS[flavor](**kwargs)
+    config = common.resize_layers(config, n_layers)
+    config = common.set_vocab(config, vocab_size)
+    config = common.set_load_balance(config, load_balance_coeff)
+    return common.use_device_attention(config)
+
+
+def model_spec(flavor: str, **kwargs) -> ModelSpec:
+    spec = tt_qwen3.model_registry("0.6B")  # reuse torchtitan's callables for the family
+    spec.flavor = flavor
+    spec.model = model_config(flavor, **kwargs)
+    return common.wrap_parallelize(spec)
+
+
+def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
+    """The facts of an HF folder's model (its weights checked against the config on the way)."""
+    config = model_config(flavor, **kwargs)
+    f = common.facts_from_config("qwen3", flavor, config)
+    return replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
+                                         hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
+
+
+def _self():
+    return sys.modules[__name__]
+
+
+def hf_writer(options, ctx) -> hf.HFWriter:
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    return hf.hf_writer(_self(), options, ctx)
+
+
+# --------------------------------------------------------------------------- HuggingFace folders
+
+STATE_DICT_ADAPTER = Qwen3StateDictAdapter
+HFQwen3Model = hf.model_class(Qwen3Model, STATE_DICT_ADAPTER, "HFQwen3Model", __name__)
+
+
+def arch_from_hf(path) -> Arch:
+    c = hf.read_config(path)
+    hf.check_family(c, path, "qwen3")
+    dim, n, heads, vocab = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    rope = hf.rope_params(c)
+    yarn = None
+    if rope.get("rope_type") == "yarn":
+        yarn = _yarn_of(rope, c, path)
+    elif rope.get("rope_type", "default") not in ("default", None):
+        hf.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)", "apiary's qwen3 reads default and "
+                  "yarn RoPE.")
+    if c.get("attention_bias"):
+        hf.refuse(path, "attention_bias=true")
+    if c.get("use_sliding_window"):
+        hf.refuse(path, "use_sliding_window=true")
+    if c.get("hidden_act", "silu") != "silu":
+        hf.refuse(path, f"hidden_act={c['hidden_act']}")
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers 5 saves the latter
+    moe = bool(experts)
+    if moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        hf.refuse(path, "dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+    return Arch(
+        dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab,
+        ffn_hidden_dim=0 if moe else hf.need(c, path, "intermediate_size")[0],
+        num_experts=experts, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=hf.need(c, path, "moe_intermediate_size")[0] if moe else 0,
+        route_norm=bool(c.get("norm_topk_prob", True)), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_seq_len=max(c.get("max_position_embeddings", 40960), yarn.max_seq_len if yarn else 0),
+        norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)), yarn=yarn)
+
+
+def _yarn_of(rope: dict, c: dict, path) -> YaRN:
+    """rope_parameters of rope_type yarn, read as transformers reads them (original positions default
+    to max_position_embeddings); DeepSeek's mscale / mscale_all_dim variant is refused."""
+    for k in ("mscale", "mscale_all_dim"):
+        if rope.get(k):
+            hf.refuse(path, f"yarn RoPE with {k} (DeepSeek's attention-factor variant)")
+    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
+        hf.refuse(path, f"yarn RoPE with factor {rope.get('factor')!r}", "Set rope_parameters.factor to a number >= 1.")
+    original = c.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or c.get("max_position_embeddings", 40960)
+    af = rope.get("attention_factor")
+    return YaRN(factor=float(rope["factor"]), original_max_position_embeddings=int(original),
+                beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)), attention_factor=None if af is None else float(af))
+
+
+def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
+                 hf_checkpoint: str | None = None) -> HFQwen3Model.Config:
+    """Arch -> torchtitan Qwen3 config (separate q/k/v projections, the HF layout)."""
+    rope = (a.yarn.rope(a.head_dim, a.rope_theta, a.max_seq_len) if a.yarn else
+            CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta))
+    shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                  attn_backend=attn_backend, rope=rope, fuse_qkv=False)
+    if a.num_experts:
+        layers = tt_qwen3._build_qwen3_moe_layers(moe_hidden_dim=a.moe_hidden_dim, num_experts=a.num_experts,
+                                                  top_k=a.top_k, moe_comm_backend=moe_comm_backend, **shared)
+    else:
+        layers = tt_qwen3._build_qwen3_layers(hidden_dim=a.ffn_hidden_dim, **shared)
+    config = HFQwen3Model.Config(
+        vocab_size=a.vocab_size, dim=a.dim, norm=tt_qwen3._qwen3_norm(a.dim), enable_weight_tying=a.tie_embeddings,
+        tok_embeddings=Embedding.Config(num_embeddings=a.vocab_size, embedding_dim=a.dim,
+                                        param_init=tt_qwen3._EMBEDDING_SKIP_INIT if a.tie_embeddings
+                                        else tt_qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=a.dim, out_features=a.vocab_size, param_init=tt_qwen3._LINEAR_INIT),
+        layers=layers, hf_checkpoint=hf_checkpoint)
+    for _, norm, _, _ in config.traverse(RMSNorm.Config):
+        norm.eps = a.norm_eps
+    for _, moe, _, _ in config.traverse(MoE.Config):
+        moe.router.route_norm = a.route_norm
+        moe.routed_experts.inner_experts = replace_config(moe.routed_experts.inner_experts,
+                                                          ExactGroupedExperts.Config)
+    return config
+
+
+def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
+    """The architecture of an HF folder with the user's explicit overrides (None without one)."""
+    if not hf_checkpoint:
+        return None
+    return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
+
+
+def export_hf(run_dir: str, out_path: str):
+    """`apiary export RUN_DIR --hf OUT` for this family."""
+    return hf.export_run(run_dir, out_path, _self())
+
+
+def arch_from_config(config) -> Arch:
+    """The Arch of a torchtitan Qwen3 config (a flavor's or an HF folder's), for export."""
+    attn = config.layers[0].attention
+    moes = [m for _, m, _, _ in config.traverse(MoE.Config)]
+    ff = config.layers[0].feed_forward
+    norm = [n for _, n, _, _ in config.traverse(RMSNorm.Config)][0]
+    return Arch(dim=config.dim, n_layers=len(config.layers), n_heads=attn.n_heads,
+                n_kv_heads=attn.n_kv_heads or attn.n_heads, head_dim=attn.head_dim or config.dim // attn.n_heads,
+                vocab_size=config.vocab_size, ffn_hidden_dim=ff.w1.out_features if ff is not None else 0,
+                num_experts=moes[0].num_experts if moes else 0, top_k=moes[0].router.top_k if moes else 0,
+                moe_hidden_dim=moes[0].routed_experts.inner_experts.hidden_dim if moes else 0,
+                route_norm=moes[0].router.route_norm if moes else True, rope_theta=attn.rope.theta,
+                max_seq_len=attn.rope.max_seq_len, norm_eps=norm.eps,
+                tie_embeddings=bool(config.enable_weight_tying), yarn=_yarn_of_rope(attn.rope))
+
+
+def _yarn_of_rope(r) -> YaRN | None:
+    if getattr(r, "scaling", "none") != "yarn":
+        return None
+    return YaRN(factor=r.rope_factor, original_max_position_embeddings=r.original_seq_len, beta_fast=r.beta_fast,
+                beta_slow=r.beta_slow, truncate=r.truncate, attention_factor=getattr(r, "attention_factor", None))
