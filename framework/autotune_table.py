@@ -26,7 +26,7 @@ import logging
 from datetime import date
 from pathlib import Path
 
-from framework import kernel_cache
+from framework import compat, kernel_cache
 
 TABLES = Path(__file__).parent / "autotune_tables"
 WITHIN = 0.02  # keep configs within 2% of the fastest median time ...
@@ -38,16 +38,13 @@ class Counts:
     """What the table did in this process (first step's line and metrics: autotune_pruned)."""
 
     def __init__(self):
-        self.exact = self.union = self.untouched = 0
-        self.kernels: dict[str, int] = {}  # kernel name -> configs kept at its last lookup
+        self.exact = self.union = 0  # lookups answered by the table: the key's own winners, or the union
 
     def count(self, how: str) -> None:
         if how == "exact":
             self.exact += 1
         elif how == "union":
             self.union += 1
-        else:
-            self.untouched += 1
 
 
 COUNTS = Counts()
@@ -114,10 +111,8 @@ def _pruned(original):
         name = getattr(kernel_cache.jit_function(self), "__name__", "")
         kept, how = choose(_ACTIVE.get(name), configs, tuning_key(self, kwargs))
         COUNTS.count(how)
-        COUNTS.kernels[name] = len(kept)
         return kept
 
-    prune_configs.apiary_table = True
     return prune_configs
 
 
@@ -134,12 +129,8 @@ def install(mode: str, table: dict | None = None) -> int:
     if not table:
         _ACTIVE = None
         return 0
-    try:
-        from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
-    except ImportError:
+    if not compat.prune_autotune_configs(_pruned):
         return 0
-    if not getattr(Autotuner.prune_configs, "apiary_table", False):
-        Autotuner.prune_configs = _pruned(Autotuner.prune_configs)
     _ACTIVE = table
     return len(table)
 

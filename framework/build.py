@@ -8,7 +8,7 @@ from pathlib import Path
 
 from framework import contracts, devices, resume
 from framework.errors import UserError
-from framework.resolve import Resolved, context
+from framework.resolve import Resolved
 
 
 def _held_schedule_config(base):
@@ -42,6 +42,13 @@ def _held_schedule_config(base):
     return HeldSchedule
 
 
+def initial_load_path(cfg) -> str | None:
+    """checkpoint.load_path as torchtitan's checkpointer takes it: absolute (it refuses a relative path;
+    one given relative is the working folder's, as every other path of the recipe)."""
+    path = cfg.checkpoint.load_path
+    return str(Path(path).absolute()) if path is not None else None
+
+
 def trainer_config(r: Resolved):
     """torchtitan's Trainer.Config: the framework's common part, then each component's
     ``apply(options, tc, ctx)`` in ``contracts.APPLY_ORDER``."""
@@ -55,9 +62,7 @@ def trainer_config(r: Resolved):
 
     cfg, lay = r.cfg, r.layout
     out = Path(cfg.output_dir)
-    ctx = r.ctx
-    if ctx is None:  # a Resolved built by hand (the planner's search): components chosen now
-        ctx = context(cfg, for_training=False)
+    ctx = r.ctx  # resolve() built it and ran every component's check with it
     ctx.cfg, ctx.facts, ctx.layout = cfg, r.facts, lay
 
     o = cfg.optimizer
@@ -110,7 +115,7 @@ def trainer_config(r: Resolved):
             interval=cfg.checkpoint.interval,
             keep_latest_k=cfg.checkpoint.keep_latest_k,
             last_save_model_only=cfg.checkpoint.model_only_last,
-            initial_load_path=cfg.checkpoint.load_path,
+            initial_load_path=initial_load_path(cfg),
             initial_load_model_only=cfg.checkpoint.load_path is not None,
             create_seed_checkpoint=cfg.checkpoint.create_seed,
             load_step=cfg.checkpoint.load_step if cfg.checkpoint.load_step is not None else -1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -103,6 +104,15 @@ def train_main(argv: list[str] | None = None) -> int:
             return _fail(e)
         try:
             run.train(r, verbose=args.verbose)
+        except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor): every rank
+            lifecycle.write_status(e.exit_code)  # sees it; rank 0 says it once, the parent exits with the code
+            if os.environ.get("RANK", "0") == "0":
+                return _fail(e)
+            # the others give rank 0 time to reach the same check and say it (torchrun ends them once it
+            # exits; without the preemption handler a SIGTERM ends them quietly)
+            preempt.disarm()
+            time.sleep(10)
+            return e.exit_code
         finally:
             if lock is not None:
                 lock.release()
@@ -126,7 +136,10 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
                   f"({r.facts.n_params / 1e6:,.1f}M params) · {dims} · output {r.cfg.output_dir}"))
 
     def in_process():  # rank 0 of run.train prints the run's summary (under torchrun too)
-        run.train(r, verbose=verbose)
+        try:
+            run.train(r, verbose=verbose)
+        except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
+            return _fail(e)
         return 0
 
     try:

@@ -70,6 +70,9 @@ class Context:
     summary: list = field(default_factory=list)  # lines rank 0 prints first (what the run trains on)
     shared: dict = field(default_factory=dict)  # facts one component's check leaves for another's
     plan: Any = None  # a PlanContext while the planner asks plan_terms, else None
+    # kind -> what resolve chose for a component that plans by memory budget (PlanTerms
+    # ``facts["candidates"]``, e.g. recompute=auto): the chosen candidate's facts and the reason
+    derived: dict = field(default_factory=dict)
 
     def choice(self, kind: str) -> str:
         """The name chosen for ``kind`` (the value of its key in the recipe)."""
@@ -104,7 +107,11 @@ class PlanTerms:
     notes: list[str] = field(default_factory=list)  # printed as assumptions
     # kind-specific numbers the planner reads: loss "objective" (--search varies the loss among
     # those with the recipe's objective), "summary"; recompute "keep" (layer kind -> fraction of
-    # saved activations kept), "inputs_only", "forward_reruns"; state "comm" {name: seconds},
+    # saved activations kept), "inputs_only", "forward_reruns", or "blocks" (mixer kind -> blocks of
+    # that kind on the stage that are "kept" whole, "partial" (keep "keep" of each kind) or
+    # "recomputed" (the block input only)) and "candidates" (PlanTerms, in increasing memory: the
+    # planner takes the last that fits the GPU less facts["margin"], the first when none does);
+    # state "comm" {name: seconds},
     # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap"; precision its FP8 shares
     facts: dict[str, Any] = field(default_factory=dict)
 
@@ -128,6 +135,7 @@ class PlanContext:
     last: bool = True  # the stage holds the LM head (and the loss)
     earlier: dict = field(default_factory=dict)  # kind -> PlanTerms of the kinds planned before this one
     link_bw: Any = None  # link_bw(group, stride) -> bytes/s of a collective over group ranks stride apart
+    saved: dict = field(default_factory=dict)  # activation elements one token saves per layer kind (no recompute)
 
 
 @runtime_checkable

@@ -1,10 +1,12 @@
-"""Every device shim lives here; nothing else in apiary branches on the device type.
+"""The device shims, and the device questions the rest of apiary asks (``has_accelerator``,
+``device_type``, ``backend``, memory and timing).
 
 torchtitan 0.3.0 assumes an accelerator: it picks "cuda" when none is present, reads
 memory statistics from the device module and captures CUDA graphs by default. On a
 machine without CUDA, ``install()`` points torchtitan at the CPU before it is imported,
 gives ``torch.cpu`` the handful of calls torchtitan makes, and makes FSDP2's
-reduce-scatter use plain sums (gloo refuses ReduceOp.PREMUL_SUM).
+reduce-scatter use plain sums (gloo refuses ReduceOp.PREMUL_SUM). The patches of torch's and
+torchtitan's internals these shims need are framework/compat.py's.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import resource
 import sys
 import time
 import warnings
-from types import SimpleNamespace
 
 import torch
-import torch._utils as tu
+
+from framework import compat
 
 _INSTALLED = False
 
@@ -51,7 +53,6 @@ def set_flex_autotune(enabled: bool) -> None:
     compile, inductor's default flex kernel configs). Process-wide: torchtitan keeps the
     compiled function on the FlexAttention class."""
     global FLEX_COMPILE_OPTIONS
-    from torch.nn.attention.flex_attention import flex_attention  # reason: kept off `import framework` (~0.2s)
     from torchtitan.models.common.attention import FlexAttention  # reason: device shims: torchtitan after install()
 
     options = dict(FlexAttention.inductor_configs)
@@ -62,7 +63,7 @@ def set_flex_autotune(enabled: bool) -> None:
         return
     if options == FLEX_COMPILE_OPTIONS:
         return
-    FlexAttention._compiled_flex_attn = torch.compile(flex_attention, options=options)
+    compat.compile_flex_attention(options)
     FLEX_COMPILE_OPTIONS = options
 
 
@@ -123,26 +124,9 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=msg)
 
 
-def _cpu_module_shims() -> None:
-    cpu = torch.cpu
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu.current_device = lambda: 0  # torchtitan stores it as an int index
-    cpu.get_device_name = lambda *a, **k: "cpu"
-    cpu.get_device_properties = lambda *a, **k: SimpleNamespace(total_memory=total, name="cpu")
-    cpu.reset_peak_memory_stats = lambda *a, **k: None
-    cpu.empty_cache = lambda *a, **k: None
-    cpu.memory_stats = lambda *a, **k: {}
-    cpu.max_memory_reserved = lambda *a, **k: 0
-    cpu.manual_seed = lambda seed: torch.manual_seed(seed)
-    cpu.manual_seed_all = lambda seed: torch.manual_seed(seed)
-
-
 def uncompiled_block_masks() -> None:
     """torchtitan compiles create_block_mask; on CPU inductor spends ~30 s on it per process."""
-    from torch.nn.attention.flex_attention import create_block_mask  # reason: kept off `import framework` (~0.2s)
-    from torchtitan.models.common import attention  # reason: device shims: torchtitan after install()
-
-    attention._compiled_create_block_mask = create_block_mask
+    compat.eager_block_masks()
 
 
 _CPU_PARALLELIZE_HOOKS: list = []  # component shims run after parallelize on CPU (gloo)
@@ -180,8 +164,8 @@ def install() -> None:
     if any(m.startswith("torchtitan") for m in sys.modules):
         raise RuntimeError("framework.devices.install() must run before torchtitan is imported")
     quiet_warnings()  # before torchtitan's import, which imports fla for Qwen3.5
-    tu._get_available_device_type = lambda: "cpu"
-    _cpu_module_shims()
+    compat.report_cpu_device_type()
+    compat.patch_torch_cpu_module()
 
 
 def linear_attention_backend() -> str:
@@ -197,10 +181,7 @@ def prepare_context_parallel() -> None:
     eager builder."""
     if has_accelerator():
         return
-    from torch.distributed.tensor.experimental._context_parallel import _attention  # reason: CPU only, ~0.3s to import
-    from torch.nn.attention.flex_attention import create_block_mask  # reason: as above
-
-    _attention._compiled_create_block_mask = create_block_mask
+    compat.eager_cp_block_masks()
 
 
 # ---- timing and memory for benchmarks (added with moe_chunk; CPU returns None where untracked) ----

@@ -18,9 +18,6 @@ import time
 import typing
 
 from hydra import version as hydra_version
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_config_search_path, get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -29,7 +26,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from framework import contracts, recipes, registry
+from framework import compat, contracts, recipes, registry
 from framework.errors import UserError
 from framework.resolve import resolve
 from framework.schema import RecipeConfig
@@ -50,7 +47,7 @@ def _refuse(msg: str):
 
 def parser() -> argparse.ArgumentParser:
     """Hydra's own argument parser, plus apiary's -v/--verbose."""
-    p = get_args_parser()
+    p = compat.hydra_args_parser()
     p.prog = "train"
     p.add_argument("-v", "--verbose", action="store_true", help="log every step (torchtitan's INFO logging)")
     p.error = _refuse  # argparse would exit with its own usage; apiary's errors are one paragraph
@@ -59,12 +56,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """argv -> Namespace(recipe, overrides, and Hydra's flags). `nproc=N` becomes launcher.nproc=N."""
-    recipe, rest = None, []
-    for a in argv:
-        if a.startswith("recipe="):
-            recipe = a.split("=", 1)[1]
-        else:
-            rest.append(a)
+    recipe, rest = recipes.split_recipe(argv)
     args, extra = parser().parse_known_args(rest)
     flags = [a for a in extra if a.startswith("-")]
     if flags:
@@ -106,7 +98,7 @@ def hydra_for(recipe: str | None):
     recipes._store()
     GlobalHydra.instance().clear()
     hydra_version.setbase(None)
-    h = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(path.parent)))
+    h = compat.hydra_for_config_dir(str(path.parent), task_name="train")
     return h, path.stem, [f"hydra.searchpath=[file://{recipes.RECIPES_DIR}]"]
 
 
@@ -119,7 +111,7 @@ def hydra_cfg(recipe, overrides: list[str], resolve: bool):
                                run_mode=RunMode.RUN, with_log_configuration=False)
         HydraConfig.instance().set_config(cfg)
         OmegaConf.set_readonly(cfg.hydra, None)
-        out = Hydra.get_sanitized_hydra_cfg(cfg)
+        out = compat.hydra_sanitized_cfg(cfg)
         if resolve:
             OmegaConf.resolve(out)
         return out
@@ -163,8 +155,9 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     unset = [o for o in overrides if o.startswith("~")]
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
-        batches = BasicSweeper.split_arguments(parsed, None)
+        batches = compat.hydra_split_sweep(parsed)
     except HydraException as e:
+        recipes.check_ascii(plain, "train -m")
         raise UserError("train -m", f"cannot expand the sweep: {e}".rstrip(".") + ".",
                         "Sweep with key=A,B (or range(a,b)); every other override takes one value.") from None
     return [[*job, *unset] for batch in batches for job in batch]

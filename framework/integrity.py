@@ -32,12 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from framework import lifecycle
-from framework.errors import UserError
+from framework.errors import EXIT_NONFINITE, UserError
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial-"  # no "step-" in it: torchtitan's re.search(r"step-(\d+)") must not see it
 STEP_RE = re.compile(r"step-(\d+)")
-EXIT_NONFINITE = 76  # training stopped on NaN/Inf: nothing applied, nothing non-finite saved
 VERIFIED_ENV = "APIARY_CHECKPOINT_VERIFIED"  # set by the launching process for its workers
 _CHUNK = 8 << 20
 
@@ -153,19 +152,62 @@ def verify(step_dir: Path, threads: int | None = None) -> tuple[str, str] | None
     return None
 
 
-def corrupt_error(step_dir: Path, problem: tuple[str, str], previous: int | None, where: str):
+# how to go on from an earlier step ({n}; {step_dir}: the refused one), per command
+RESUME_PICK = ("Resume from the previous complete step with checkpoint.load_step={n} (it is verified the same way), "
+               "or move {step_dir} aside")
+
+
+def corrupt_error(step_dir: Path, problem: tuple[str, str], previous: int | None, where: str,
+                  pick: str = RESUME_PICK, fresh: str = "start a fresh run"):
     step_dir = Path(step_dir)
     n = STEP_RE.fullmatch(step_dir.name).group(1)
-    fix = (f"Resume from the previous complete step with checkpoint.load_step={previous} (it is verified the "
-           f"same way), or move {step_dir} aside." if previous is not None
-           else f"No earlier complete step exists: move {step_dir} aside and start a fresh run.")
+    fix = (f"{pick.format(n=previous, step_dir=step_dir)}." if previous is not None
+           else f"No earlier complete step exists: move {step_dir} aside and {fresh}.")
     return UserError(where, f"checkpoint step {n} is corrupt: {step_dir / problem[0]} {problem[1]}; "
                             "loading it could train on damaged weights.", fix)
 
 
-def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
+def unverifiable_error(step_dir: Path, previous: int | None, where: str, pick: str = RESUME_PICK,
+                       override: str = "checkpoint.verify=false") -> UserError:
+    """A complete step folder without a manifest: apiary writes one into every step it saves, so a step
+    without one lost it afterwards (or was written before manifests existed); nothing proves it intact.
+    ``previous``: the latest earlier step that has a manifest (None: none)."""
+    step_dir = Path(step_dir)
+    fix = (f"{pick.format(n=previous, step_dir=step_dir)}; or, if you know {step_dir.name} is intact, load it "
+           f"unverified with {override}." if previous is not None else
+           f"No earlier step has a manifest either; if you know {step_dir.name} is intact, load it unverified "
+           f"with {override}.")
+    return UserError(where, f"checkpoint {step_dir} has no {MANIFEST}, so it cannot be verified: every step "
+                     "apiary saves gets one as it completes, and a step without one lost it afterwards (or was "
+                     "written by a version before manifests); loading it could use damaged weights unnoticed.", fix)
+
+
+def latest_with_manifest(checkpoint_dir: Path, before: int) -> int | None:
+    """The latest complete step below ``before`` that has a manifest (None: none)."""
+    ok = [n for n, p in step_dirs(checkpoint_dir).items() if n < before and (p / MANIFEST).is_file()]
+    return ok[-1] if ok else None
+
+
+def check_step(step_dir: Path, where: str, *, unverified_ok: bool = False, pick: str = RESUME_PICK,
+               override: str = "checkpoint.verify=false", fresh: str = "start a fresh run") -> None:
+    """A step about to be read (resume, export, log-probs) matches its manifest; UserError (exit 2)
+    naming the step and the way out when it does not, or when it has none (unless ``unverified_ok``)."""
+    step_dir = Path(step_dir)
+    n = int(STEP_RE.fullmatch(step_dir.name).group(1))
+    if not (step_dir / MANIFEST).is_file():
+        if unverified_ok:
+            return
+        raise unverifiable_error(step_dir, latest_with_manifest(step_dir.parent, n), where, pick, override)
+    problem = verify(step_dir)
+    if problem is not None:
+        earlier = [s for s in complete_steps(step_dir.parent) if s < n]
+        raise corrupt_error(step_dir, problem, earlier[-1] if earlier else None, where, pick, fresh)
+
+
+def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manifest: bool = True) -> int:
     """The step a resume of ``run_dir`` will load (``load_step`` or the latest complete one),
-    verified against its manifest; raises UserError (exit 2) when it is missing or corrupt."""
+    verified against its manifest; raises UserError (exit 2) when it is missing or corrupt, or
+    has no manifest to verify against (unless ``verify_manifest`` is False: checkpoint.verify=false)."""
     ck = Path(run_dir) / "checkpoint"
     dirs = step_dirs(ck)
     steps = [n for n, p in dirs.items() if is_complete(p)]
@@ -186,10 +228,7 @@ def check_resume(run_dir: Path, load_step: int | None, where: str) -> int:
     key = str(step_dir.resolve())
     # under torchrun without apiary's launcher, global rank 0 checks for all (its exit 2 ends the others)
     if os.environ.get(VERIFIED_ENV) != key and os.environ.get("RANK", "0") == "0":
-        problem = verify(step_dir)
-        if problem is not None:
-            earlier = [s for s in steps if s < step]
-            raise corrupt_error(step_dir, problem, earlier[-1] if earlier else None, where)
+        check_step(step_dir, where, unverified_ok=not verify_manifest)
         os.environ[VERIFIED_ENV] = key  # the workers this process starts need not hash it again
     return step
 

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import getpass
 import hashlib
 import logging
 import os
-import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import MutableMapping
+
+from framework import compat
 
 
 def configure(kernel_cache: str | None, cache_autotuning: bool,
@@ -61,7 +60,7 @@ def configure(kernel_cache: str | None, cache_autotuning: bool,
     added = {k: v for k, v in wanted.items() if k not in env or _torch_wrote_default(k, env)}
     env.update(added)
     if env is os.environ and env.get("TRITON_CACHE_AUTOTUNING") == "1":
-        _cache_existing_autotuners()
+        compat.cache_existing_autotuners()  # those defined later read the variable themselves
         install_tune_lock()
     return added
 
@@ -174,38 +173,12 @@ def _locked_check_disk_cache(original):
                 bench_fn()
                 return False
 
-    check_disk_cache.apiary_tune_lock = True
     return check_disk_cache
 
 
 def install_tune_lock() -> bool:
     """Wrap Triton's Autotuner.check_disk_cache (once) in the per-kernel file lock."""
-    try:
-        from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
-    except ImportError:
-        return False
-    if not hasattr(Autotuner, "check_disk_cache"):
-        return False
-    if not getattr(Autotuner.check_disk_cache, "apiary_tune_lock", False):
-        Autotuner.check_disk_cache = _locked_check_disk_cache(Autotuner.check_disk_cache)
-    return True
-
-
-def _cache_existing_autotuners() -> int:
-    """Triton reads TRITON_CACHE_AUTOTUNING when an autotuned kernel is defined, i.e. when its
-    module is imported; resolving a recipe already imports fla's. Turn the disk cache on for the
-    autotuners that exist now (those defined later read the variable)."""
-    if "triton" not in sys.modules:
-        return 0
-    from triton import knobs  # reason: optional dependency: triton
-    from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
-
-    with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies warns
-        warnings.simplefilter("ignore")
-        tuners = [o for o in gc.get_objects() if isinstance(o, Autotuner)]
-    for t in tuners:
-        t.cache_results = not knobs.runtime.interpret  # as Triton's own constructor decides
-    return len(tuners)
+    return compat.lock_autotune_disk_cache(_locked_check_disk_cache)
 
 
 class AutotuneLog:
@@ -236,14 +209,7 @@ class AutotuneLog:
 
     def install(self) -> bool:
         """Become Triton's autotuning listener; False where Triton is absent or has no hook."""
-        try:
-            from triton import knobs  # reason: optional dependency: triton
-        except ImportError:
-            return False
-        if not hasattr(knobs, "autotuning") or not hasattr(knobs.autotuning, "listener"):
-            return False
-        knobs.autotuning.listener = self
-        return True
+        return compat.set_autotuning_listener(self)
 
 
 LOG = AutotuneLog()

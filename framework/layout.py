@@ -66,6 +66,8 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
         return v
 
     dp_rep = int(parallel.dp_replicate)
+    if dp_rep < 1:
+        raise UserError(f"parallel.dp_replicate={dp_rep}", "parallel degrees must be >= 1 (1: no replicated copies).")
     tp = given("tp")
     if tp is None:
         tp, rules["tp"] = int(table.tp), f"table: TP {table.tp} unless the model or hardware needs it"

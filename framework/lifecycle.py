@@ -30,10 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from framework.errors import EXIT_PREEMPTED, EXIT_STOP_NOW
+
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
-PREEMPT_EXIT_CODE = 75
-STOP_NOW_EXIT_CODE = 130
+PREEMPT_EXIT_CODE = EXIT_PREEMPTED
+STOP_NOW_EXIT_CODE = EXIT_STOP_NOW
 KILL_AFTER_S = 10.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
@@ -182,12 +184,18 @@ def torchrun_main(argv: list[str]) -> int:
         die_with_parent(expected_parent=int(supervisor))
 
     from torch.distributed.elastic.multiprocessing.api import SignalException  # reason: start-up time (torch)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # reason: as above
     from torch.distributed.run import main as torchrun  # reason: start-up time (torch)
 
     try:
         torchrun(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except ChildFailedError as e:  # ranks that refused a user error (exit 2) said why in one paragraph:
+        codes = {f.exitcode for f in e.failures.values()}  # no torchrun traceback of their error files after it
+        if 2 in codes and all(c == 2 or c < 0 for c in codes):  # (< 0: a rank torchrun then stopped by signal)
+            return 2
+        raise
     return 0
 
 

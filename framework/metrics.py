@@ -146,7 +146,25 @@ class ApiaryMetrics(MetricsProcessor):
         else:
             self.gpu_peak_flops = peak
 
+    _last_logged: int | None = None  # the step this process logged last
+
+    def should_log(self, step: int) -> bool:
+        """torchtitan's steps (the first, every logging.log_freq) and the last: the summary, the plot and
+        a resume's records end at the step the run reached, whatever log_freq."""
+        return super().should_log(step) or step == self.config.total_steps
+
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        last, self._last_logged = self._last_logged, step
+        freq = self.config.log_freq
+        if last is None or step != self.config.total_steps or step - last in (0, freq):
+            return self._log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        self.config.log_freq = step - last  # the last step, off the log_freq grid: torchtitan divides the
+        try:  # time since the previous record by log_freq to get step_time_s
+            return self._log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        finally:
+            self.config.log_freq = freq
+
+    def _log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if self._jsonl is not None:  # tokens of every data-parallel rank since the last record
             pd = self.parallel_dims
             self._jsonl.pending_tokens = int(self.ntokens_since_last_log * pd.world_size // pd.non_data_parallel_size)

@@ -4,8 +4,10 @@
 measured error stops the launch (exit 2) naming the largest memory terms and the cheapest changes
 that fit (from the planner's search); an estimate within that error of the memory is a warning.
 ``warn`` only warns; ``off`` skips the check. The GPU is ``preflight.gpu`` (``gpu=H200`` on the
-command line) when set, else the local accelerator, else there is nothing to check (a CPU run has
-no GPU memory to run out of).
+command line) when set, else the local accelerator. A CPU run on this machine (local launcher, no
+accelerator, no ``preflight.gpu``) is checked against the host's available memory instead: every
+rank's planned terms (activations at the run's dtype, no CUDA reserve) plus one process's fixed
+resident size, times the ranks, against MemAvailable (and a cgroup limit, when one is set).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ GiB = 2**30
 # 2026-11-24 (../shared/FACTS.md, qwen35_35b_128k 4 layers, one GPU): planned 93.8 GiB vs 97-103
 # GiB measured peak at 32K (up to 9.8% low), 108.6 vs 112.1 GiB at 64K (3.2% low).
 MEASURED_ERROR = 0.10
+# One CPU rank's resident size beyond the planner's terms: the interpreter with torch, torchtitan and
+# datasets loaded, the model's build. Measured with debug_moe on the 2-core CI box (2026-11-27):
+# max RSS 1.04 GiB at local_batch=32 and 1.42 GiB at 128, where the CPU estimate (activations at 4
+# bytes, no CUDA reserve) is about 0.1 and 0.5 GiB: about 0.9 GiB on top, the same at both sizes.
+CPU_PROCESS_BYTES = int(0.9 * GiB)
 
 
 def target_gpu(cfg) -> tuple[str, int | None, str] | None:
@@ -93,6 +100,47 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) 
     return out
 
 
+def _budget_target(r, for_training: bool) -> tuple[str, int | None, str] | None:
+    """The GPU a budget-planned component chooses for: ``preflight.gpu``; under torchrun this
+    rank's own GPU (whichever launcher started the job); for a launch from here the target of the
+    memory preflight; a print-only command (--cfg job) asks no GPU (no torch)."""
+    if r.cfg.preflight.gpu:
+        return target_gpu(r.cfg)
+    if not for_training:
+        return None
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        kind, total = _local_gpu()
+        return (kind or ("H200" if total > 100 * GiB else "H100"), total, "this rank's GPU") if total else None
+    return target_gpu(r.cfg)
+
+
+def choose_by_budget(r, for_training: bool) -> None:
+    """Components whose plan terms list candidates by memory (recompute=auto) choose one now, from
+    the planner's estimate on the run's GPU (its option ``budget_gib`` instead when set); the choice
+    goes to ``r.ctx.derived[kind]`` for their ``apply``, to the run's first lines and layout.json.
+    No GPU known: nothing is chosen (the component's fallback: full recompute)."""
+    from framework.planner import parts  # reason: the planner is only asked when a component plans by budget
+
+    comp, opts = r.ctx.components["recompute"], r.ctx.options["recompute"]
+    budget = getattr(opts, "budget_gib", None)
+    if not parts.plans_by_budget(comp):
+        return
+    target = ("H200" if budget > 100 else "H100", int(budget * GiB), "recompute.budget_gib") if budget else \
+        _budget_target(r, for_training)
+    if target is None:
+        r.ctx.derived["recompute"] = {"blocks": None, "reason": "no GPU known here, so every block is recomputed "
+                                      "(set gpu=H100 or gpu=H200, or recompute.budget_gib, to choose per block)"}
+    else:
+        kind, memory, source = target
+        p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
+        r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
+                                      "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
+    blocks = r.ctx.derived["recompute"]["blocks"]
+    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how}" for how, n in v.items() if n)
+                     for m, v in blocks.items()) if blocks else "every block recomputed"
+    r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
+
+
 def check_memory(r, recipe, overrides, resolve) -> None:
     """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU;
     ``resolve`` checks the changes it suggests (framework.resolve.resolve)."""
@@ -101,6 +149,8 @@ def check_memory(r, recipe, overrides, resolve) -> None:
         return
     target = target_gpu(r.cfg)
     if target is None:
+        if not r.cfg.preflight.gpu and registry.resolve("launcher", str(r.cfg.launcher.name)).RUNS_HERE:
+            check_host_memory(r, recipe, overrides, resolve)  # no accelerator here: the ranks run on the CPU
         return
     kind, memory, source = target
     p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
@@ -126,3 +176,118 @@ def check_memory(r, recipe, overrides, resolve) -> None:
             f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the GPU's memory (the planner's measured "
             f"error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory. `apiary plan` shows the terms.",
             markup=True)
+
+
+# ----------------------------------------------------------------------------- CPU runs: host memory
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        for line in open(path):
+            k, _, v = line.partition(" ")
+            if k == key and v.strip().isdigit():
+                return int(v)
+    except OSError:
+        pass
+    return 0
+
+
+def host_memory_available() -> tuple[int, str] | None:
+    """(bytes this machine can still give, where that came from), or None where unknown: the kernel's
+    MemAvailable (/proc/meminfo), lowered to a cgroup's limit less its usage (page cache it can drop
+    counted as free) when the process runs under one (a container, a Slurm job)."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail, source = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            import psutil  # reason: optional; only where /proc/meminfo is missing (not Linux)
+        except ImportError:
+            return None
+        avail, source = int(psutil.virtual_memory().available), "psutil.virtual_memory().available"
+    for limit_f, usage_f, stat_f, cache_key in (
+            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+             "inactive_file"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+             "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file")):
+        limit, usage = _read_int(limit_f), _read_int(usage_f)
+        if limit is not None and usage is not None and limit < 2**60:  # a real limit, not "max"
+            free = max(0, limit - usage + _stat_value(stat_f, cache_key))
+            if free < avail:
+                avail, source = free, f"the cgroup limit {limit / GiB:,.1f} GiB less its usage ({limit_f})"
+            break
+    return avail, source
+
+
+def cpu_estimate(r) -> tuple[int, int, object]:
+    """(host bytes for all ranks, bytes per rank, the plan): the planner's terms with activations at
+    the run's dtype and no CUDA context/NCCL reserve, plus ``CPU_PROCESS_BYTES`` per rank; every rank of
+    the local launcher runs on this machine."""
+    act = 4.0 if str(r.cfg.training.dtype) == "float32" else 2.0
+    p = planner.plan(r, calibration={"act_bytes": act, "cuda_context_bytes": 0.0, "nccl_bytes": 0.0})
+    per_rank = p.total_bytes + CPU_PROCESS_BYTES
+    return per_rank * r.layout.world_size, per_rank, p
+
+
+def _batch_that_fits(r, recipe, overrides, resolve, avail: int) -> str:
+    """``training.local_batch=N (X GiB)``: the largest local batch (halving from the run's) whose
+    estimate fits with the measured error to spare, checked by ``resolve``; "" when none does."""
+    lb = int(r.cfg.training.local_batch)
+    ovr = [o for o in overrides if not o.startswith(("training.local_batch=", "output_dir=", "checkpoint.resume"))]
+    while lb > 1:
+        lb //= 2
+        try:
+            cand = resolve(recipe, ovr + [f"training.local_batch={lb}"], world_size=r.layout.world_size,
+                           for_training=False)
+        except UserError:
+            continue
+        total = cpu_estimate(cand)[0]
+        if total * (1 + MEASURED_ERROR) <= avail:
+            return f"training.local_batch={lb} ({total / GiB:,.1f} GiB)"
+    return ""
+
+
+def check_host_memory(r, recipe, overrides, resolve) -> None:
+    """A CPU run on this machine: the estimate for all its ranks against the host's available memory,
+    with ``preflight.memory``'s rules and the planner's measured error, as for a GPU. Checked by the
+    launching process only (the ranks it starts would see each other's memory as taken)."""
+    if "RANK" in os.environ:
+        return
+    have = host_memory_available()
+    if have is None:
+        return
+    avail, source = have
+    total, per_rank, p = cpu_estimate(r)
+    if total <= avail * (1 - MEASURED_ERROR):
+        return
+    n = r.layout.world_size
+    terms = sorted(p.terms, key=lambda t: -t.bytes)[:3]
+    named = ", ".join(f"{t.name} {t.bytes / GiB:,.1f}" for t in terms)
+    head = (f"the planner estimates {total / GiB:,.1f} GiB of host memory for this CPU run ({n} rank(s) x "
+            f"({(per_rank - CPU_PROCESS_BYTES) / GiB:,.1f} GiB planned + {CPU_PROCESS_BYTES / GiB:.1f} GiB per "
+            f"process)), and this machine has {avail / GiB:,.1f} GiB available ({source}); largest terms (GiB): "
+            f"{named}")
+    if total > avail * (1 + MEASURED_ERROR) and r.cfg.preflight.memory == "refuse":
+        fit = _batch_that_fits(r, recipe, overrides, resolve, avail)
+        fix = (f"A local batch that fits: {fit}; or a shorter training.seq_len" if fit else
+               "No local batch fits at this training.seq_len; shorten it, or use fewer ranks (nproc)")
+        raise UserError("preflight.memory=refuse", f"{head}. That is more than the available memory by more than "
+                        f"the planner's measured error ({MEASURED_ERROR:.0%}), so the ranks would run out of memory "
+                        "(killed by the kernel, or an allocator error) in step 1.",
+                        f"{fix}. `apiary plan` shows the terms; preflight.memory=warn launches anyway.")
+    verdict = "above" if total > avail else "within " + f"{MEASURED_ERROR:.0%} of"
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the available memory (the planner's "
+        f"measured error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory.", markup=True)

@@ -5,6 +5,9 @@ this module turns its failures into user errors that name the key and the closes
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
 from pathlib import Path
 
 import yaml
@@ -62,6 +65,19 @@ def use_registries(path: Path, overrides: list[str]) -> None:
             registry.use(val, where=f"registry={val}")
 
 
+def split_recipe(args: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's ``recipe=NAME`` (the last one given; None without one) and its other
+    arguments, in order: how `train` and every `apiary` command that takes a recipe read it."""
+    recipe, rest = None, []
+    for a in args:
+        key, sep, val = a.partition("=")
+        if key == "recipe" and sep:
+            recipe = val
+        else:
+            rest.append(a)
+    return recipe, rest
+
+
 def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
 
@@ -93,6 +109,16 @@ def _flat_keys(cfg, prefix: str = "") -> list[str]:
     return out
 
 
+def _plain_keys(d: dict, prefix: str = "") -> list[str]:
+    """Dotted keys of a plain (unresolved) container: nothing is resolved while listing them."""
+    out = []
+    for k, v in d.items():
+        out.append(f"{prefix}{k}")
+        if isinstance(v, dict):
+            out.extend(_plain_keys(v, f"{prefix}{k}."))
+    return out
+
+
 def _compose(path: Path, overrides: list[str]) -> DictConfig:
     _store()
     GlobalHydra.instance().clear()
@@ -111,15 +137,24 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     overrides = list(overrides or [])
     path = recipe_path(recipe)
     where = f"recipe {recipe}"
+    _check_yaml(path)
+    data = _check_recipe_file(path)
     use_registries(path, overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
+        check_ascii(overrides, where)
+        _check_tilde(overrides)
         raise UserError(where, f"cannot parse the overrides: {e}".rstrip("."),
                         "Use key=value, group=option, +key=value to add, ~key to delete.") from None
     group_overrides, value_overrides = [], []
     for raw, ov in zip(overrides, parsed):
         key = ov.key_or_group
+        if ov.is_sweep_override():
+            raise UserError(f"override {raw}", f"gives {key} several values (a comma list, range or choice is a "
+                            "sweep: one job per value), and a run without -m is one job.",
+                            f"Sweep with -m (train -m {raw}); or, for one value that holds a comma, quote it: "
+                            f"'{key}=\"...\"' (a list: {key}=[a,b]).")
         if key in registry.GROUP_KINDS:
             if ov.is_delete():
                 raise UserError(f"override {raw}", f"{key} is a component group every recipe needs; it cannot "
@@ -129,12 +164,22 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             group_overrides.append(raw)
         else:
             value_overrides.append((raw, ov))
-    _check_yaml(path)
     try:
         base = _compose(path, group_overrides)
     except (HydraException, OmegaConfBaseException) as e:
+        _unknown_key_in_file(path, e)
+        if "defaults" not in data and group_overrides:
+            raise _not_extending(path, data, f"and it has no component groups for {' '.join(group_overrides)} "
+                                 "to choose from") from None
         raise UserError(where, f"does not compose: {_first_line(e)}.",
                         f"Check {path} and what it extends.") from None
+    if OmegaConf.get_type(base) is not RecipeConfig:  # only a complete config (a run's config.yaml) stands alone
+        try:
+            OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(RecipeConfig), base), throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            missing = getattr(e, "full_key", None) or _first_line(e)
+            raise _not_extending(path, data, f"and it does not set {missing!r} itself, which every run needs") \
+                from None
     known = _flat_keys(base)
     deletions = {}
     for raw, ov in value_overrides:
@@ -176,7 +221,42 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     except OmegaConfBaseException as e:
         raise UserError(where, f"a required value is missing: {_first_line(e)}.",
                         "Set it in the recipe or on the command line.") from None
+    _check_interpolations(cfg)
     return cfg
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    """Every ``${...}`` resolves (a missing key, a bad resolver): one paragraph naming the key, not
+    OmegaConf's traceback at the first read of the value."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        reason = str(getattr(e, "msg", None) or e).strip().splitlines()[0].rstrip(".")
+        missing = re.search(r"Interpolation key '([^']+)' not found", reason)
+        hint = did_you_mean(missing.group(1), _plain_keys(OmegaConf.to_container(cfg, resolve=False))) \
+            if missing else ""
+        raise UserError(f"{key}={raw}" if isinstance(raw, str) else key,
+                        f"the interpolation does not resolve: {reason}. An interpolation ${{KEY}} takes the value "
+                        "of another key of the config.",
+                        (hint + " " if hint else "") + "Name a key that exists (`train --cfg job` lists them), or "
+                        "set a plain value.") from None
+
+
+def _check_tilde(overrides: list[str]) -> None:
+    """`key=~/x`: the shell expands `~` only at the start of a word, and Hydra's grammar has no unquoted
+    `~` in a value: say so, not the parser's LexerNoViableAltException."""
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and value.startswith("~"):
+            rest = value[2:] if value.startswith("~/") else "..."
+            raise UserError(f"override {o}", "a value starting with ~ is not expanded: the shell expands ~ only at "
+                            "the start of a word (not after key=), and Hydra's grammar does not take it unquoted.",
+                            f"Write {key.lstrip('+')}=$HOME/{rest} (the shell expands $HOME), or quote it: "
+                            f"{key.lstrip('+')}='{value}' (apiary expands a quoted ~/ in paths).")
 
 
 def _check_yaml(path: Path, seen: set | None = None) -> None:
@@ -186,14 +266,24 @@ def _check_yaml(path: Path, seen: set | None = None) -> None:
         return
     seen.add(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _read_yaml(path)
+    except _DuplicateKey as e:
+        m = e.problem_mark
+        raise UserError(f"recipe {path}:{m.line + 1}:{m.column + 1}", f"sets {e.key!r} a second time in the same "
+                        f"mapping (first at line {e.first_line + 1}); YAML would keep one of the two silently.",
+                        "Keep one of them, then rerun.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         what = " ".join(str(getattr(e, "problem", None) or e).split())
         raise UserError(f"recipe {at}", f"is not valid YAML: {what}.",
                         "Fix the line (indentation, a missing ':' or closing bracket), then rerun.") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise UserError(f"recipe {path}", f"is not a text file: byte {e.object[e.start]:#04x} at offset {e.start} "
+                        "is not UTF-8 (a binary file?); a recipe is a YAML text file.",
+                        "Point recipe= at a .yaml recipe (`apiary ls` lists them; `apiary cp debug_moe "
+                        "my_recipe.yaml` makes one to edit).") from None
+    except OSError as e:
         raise UserError(f"recipe {path}", f"cannot be read: {e}.") from None
     if data is not None and not isinstance(data, dict):
         raise UserError(f"recipe {path}", f"must be a YAML mapping of keys to values, not a {type(data).__name__}.",
@@ -202,6 +292,107 @@ def _check_yaml(path: Path, seen: set | None = None) -> None:
         if isinstance(entry, str) and entry != "_self_":
             extended = path.parent / f"{entry}.yaml"
             _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen)
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    def __init__(self, key: str, first_line: int, mapping, mark):
+        super().__init__("while constructing a mapping", mapping.start_mark, f"found duplicate key {key}", mark)
+        self.key, self.first_line = key, first_line
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (Hydra's loader refuses it
+    too, with a traceback; PyYAML alone keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    if key_node.value in seen:
+                        raise _DuplicateKey(key_node.value, seen[key_node.value], node, key_node.start_mark)
+                    seen[key_node.value] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path):
+    return yaml.load(path.read_bytes().decode("utf-8"), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+
+
+_EXTEND_HINT = ("Start it with `defaults: [_defaults, _self_]` (or extend a recipe: `defaults: [debug_moe, "
+                "_self_]`), or copy one to edit: `apiary cp debug_moe my_recipe.yaml`.")
+
+
+def _check_recipe_file(path: Path) -> dict:
+    """The recipe named by recipe= (after _check_yaml): not empty. Its mapping."""
+    data = _read_yaml(path)
+    if data is None:
+        raise UserError(f"recipe {path}", "is empty (no settings, no `defaults:` list).", _EXTEND_HINT)
+    return data
+
+
+def _not_extending(path: Path, data: dict, why: str) -> UserError:
+    """A recipe that extends neither _defaults nor a recipe, and cannot stand alone (``why``)."""
+    what = ("has no `defaults:` list" if "defaults" not in data else
+            "has a `defaults:` list that reaches neither _defaults nor a recipe")
+    return UserError(f"recipe {path}", f"{what}, so it does not extend apiary's defaults, {why}.", _EXTEND_HINT)
+
+
+def _schema_keys() -> list[str]:
+    """Every key a recipe may set: the schema's, and each component group's options (all its names)."""
+    out: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints.get(f.name)
+            if dataclasses.is_dataclass(t):
+                walk(t, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+
+    walk(RecipeConfig, "")
+    for kind in registry.GROUP_KINDS:
+        for name in registry.names(kind):
+            opts = getattr(registry.resolve(kind, name), "Options", None)
+            if opts is not None and dataclasses.is_dataclass(opts):
+                out.extend(f"{kind}.{f.name}" for f in dataclasses.fields(opts))
+    return list(dict.fromkeys(out))
+
+
+def _unknown_key_in_file(path: Path, e: Exception) -> None:
+    """A key in the recipe file (or a file it extends) that the schema lacks: name it with did-you-mean,
+    as an override with that key would be."""
+    msg = str(e)
+    m = re.search(r"full_key: (\S+)", msg)
+    if "ConfigKeyError" not in msg or m is None:
+        return
+    key = m.group(1)
+    within = re.match(r"In '([^']+)'", msg)
+    src = f" (set in {within.group(1)}.yaml)" if within and within.group(1) != path.stem else ""
+    known = _schema_keys()
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+    raise UserError(f"recipe {path}", f"sets {key!r}{src}, a key apiary does not have, so the setting would "
+                    "be ignored.", did_you_mean(key, siblings) or did_you_mean(key, known)
+                    or "`train --cfg job` lists the keys.") from None
+
+
+def check_ascii(overrides: list[str], where: str) -> None:
+    """Hydra's override grammar reads characters outside ASCII only in a quoted value: say so, with the
+    override quoted (its lexer's own error gives no hint)."""
+    for o in overrides:
+        if not o.isascii():
+            try:
+                OverridesParser.create().parse_overrides([o])
+                continue  # quoted already: another override is the one that does not parse
+            except HydraException:
+                pass
+            key, _, val = o.partition("=")
+            quoted = f"'{key}=\"{val}\"'" if '"' not in val else f'"{key}=\'{val}\'"'
+            raise UserError(where, f"cannot parse the override {o}: Hydra's override grammar reads characters "
+                            "outside ASCII only inside quotes.",
+                            f"Quote the value, and the whole override for the shell: {quoted}.")
 
 
 def _deletion(base: DictConfig, raw: str, ov) -> str:

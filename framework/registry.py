@@ -46,11 +46,6 @@ def use(path: str | os.PathLike, where: str | None = None) -> None:
     _merge(entries(), p, where=where or f"registry={path}")
 
 
-def user_files() -> list[Path]:
-    entries()
-    return list(_USED)
-
-
 def _merge(out: dict, path: Path, where: str) -> None:
     path = path.expanduser().resolve()
     if path in _USED:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework import contracts, integrity, recipes, registry, resume
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
-from framework.preflight import check_memory
+from framework.preflight import check_memory, choose_by_budget
 
 
 @dataclass
@@ -149,10 +150,48 @@ def check_rl_keys(ctx: contracts.Context) -> None:
                             "See docs/skills/tis.md.")
 
 
+def _world_size_env() -> int | None:
+    """WORLD_SIZE as a launcher (torchrun) sets it for the ranks it starts; None when unset. A value that is
+    no rank count, or a launcher's variables left in a shell without the launcher, stop here: the run would
+    be laid out for ranks that never come and wait for them."""
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return None
+    n = int(raw) if raw.strip().isdigit() else 0
+    if n < 1:
+        raise UserError(f"WORLD_SIZE={raw}", "(an environment variable) must be a whole number >= 1: the number of "
+                        "ranks the launcher (torchrun) started.", "Unset it (`unset WORLD_SIZE`) and choose the "
+                        "ranks with nproc=N, or start them with torchrun (docs/launching.md).")
+    if n > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        if "RANK" not in os.environ:
+            raise UserError(f"WORLD_SIZE={raw}", f"is set in the environment without RANK, so no launcher started "
+                            f"this process as one of {n} ranks: the variable is left over (a torchrun or batch "
+                            f"shell, an export); the run would be laid out for {n} ranks and wait for the others.",
+                            "Unset it (`unset WORLD_SIZE`); nproc=N starts N ranks here (docs/launching.md).")
+        if not os.environ.get("MASTER_PORT"):  # (MASTER_ADDR defaults to this host: framework/run.py)
+            raise UserError(f"RANK={os.environ['RANK']} WORLD_SIZE={raw}", f"make this process one of {n} ranks, "
+                            "but MASTER_PORT is not set, so it cannot meet the others: a launcher's variables left "
+                            "in this shell?", "Unset RANK and WORLD_SIZE and start the ranks with nproc=N or "
+                            "torchrun; a launcher of your own sets MASTER_ADDR and MASTER_PORT for every rank.")
+    return n
+
+
+def _check_environment() -> None:
+    """The environment variables apiary reads, before anything else: APIARY_DEVICE, WORLD_SIZE."""
+    device = os.environ.get("APIARY_DEVICE", "")
+    if device not in ("", "cpu"):
+        raise UserError(f"APIARY_DEVICE={device}", "(an environment variable) is unknown; apiary reads one value, "
+                        "APIARY_DEVICE=cpu (run on the CPU even where a GPU is visible). Any other value would be "
+                        "ignored.", "Unset it (`unset APIARY_DEVICE`) to use the GPU when there is one, or set "
+                        "APIARY_DEVICE=cpu.")
+    _world_size_env()
+
+
 def world_size_from(cfg, for_training: bool = True) -> int:
     """The real world size when launching; the recipe's intended GPU count when only printing."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+    env = _world_size_env()
+    if env is not None:
+        return env
     launched = int(registry.resolve("launcher", cfg.launcher.name).world_size(cfg.launcher))
     if not for_training and launched == 1 and cfg.parallel.gpus is not None:
         return int(cfg.parallel.gpus)
@@ -190,7 +229,12 @@ def _check_outputs(cfg) -> int | None:
                 raise UserError("checkpoint.resume=true", f"no earlier run of {cfg.recipe} with a checkpoint "
                                 f"under runs/{cfg.recipe}/.", "Pass output_dir=PATH of the run to continue.")
             cfg.output_dir = str(latest)
-        step = integrity.check_resume(Path(cfg.output_dir), ck.load_step, "checkpoint.resume=true")  # exit 2 if corrupt
+        if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+            raise UserError(f"output_dir={cfg.output_dir}", f"is {_what_is(Path(cfg.output_dir))}, not a folder, so "
+                            "it holds no run to resume.", "Pass output_dir=PATH of the run's folder "
+                            "(runs/RECIPE/TIMESTAMP).")
+        step = integrity.check_resume(Path(cfg.output_dir), ck.load_step, "checkpoint.resume=true",  # exit 2 if corrupt
+                                      verify_manifest=bool(ck.verify))  # or unverifiable
         if step >= cfg.training.steps:
             raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {step} of "
                             f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
@@ -202,13 +246,24 @@ def _check_outputs(cfg) -> int | None:
         if cfg.output_dir is None:
             cfg.output_dir = default_output_dir(cfg.recipe)
         elif Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-            raise UserError(f"output_dir={cfg.output_dir}", "is an existing file, not a folder; the run writes "
-                            "config.yaml, metrics.jsonl and checkpoints into a folder there.",
+            raise UserError(f"output_dir={cfg.output_dir}", f"is {_what_is(Path(cfg.output_dir))}, not a folder; "
+                            "the run writes config.yaml, metrics.jsonl and checkpoints into a folder there.",
                             "Choose another output_dir (a new or empty folder).")
         elif _any_step_dir(Path(cfg.output_dir)):
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")
+
+
+def _what_is(path: Path) -> str:
+    """What a path that is not a folder is, for a message: "an existing file", "a character device"
+    (/dev/null), ..."""
+    mode = path.stat().st_mode
+    for test, what in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "an existing file"
 
 
 def _writable_folder(path, key: str, what: str) -> None:
@@ -219,7 +274,7 @@ def _writable_folder(path, key: str, what: str) -> None:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        raise UserError(key, f"{probe} is a file, so no folder can be made there.",
+        raise UserError(key, f"{probe} is {_what_is(probe)}, not a folder, so no folder can be made there.",
                         f"Choose another {key.split('=')[0]} (a new or empty folder).")
     try:
         writable = os.access(probe, os.W_OK | os.X_OK)
@@ -283,12 +338,15 @@ _RANGES = [
      "every gradient)", "To clip nothing, set training.max_norm=inf."),
     ("optimizer.lr", lambda v: v >= 0 and v != float("inf"), "must be a finite number >= 0 (0: a control run "
      "whose weights never change)", "For example optimizer.lr=3e-4."),
-    ("optimizer.weight_decay", lambda v: v >= 0, "must be >= 0", ""),
+    ("optimizer.weight_decay", lambda v: 0 <= v < float("inf"), "must be a finite number >= 0 (inf would make "
+     "the weights infinite at the first step)", "For example optimizer.weight_decay=0.1; 0 for none."),
     ("optimizer.beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
     ("optimizer.beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", ""),
-    ("optimizer.eps", lambda v: v > 0, "must be > 0", ""),
-    ("moe.load_balance_coeff", lambda v: v is None or v > 0, "must be > 0 (the step of the MoE routing bias that "
-     "balances the experts' load)", "To turn the balancing off, set moe.load_balance_coeff=null."),
+    ("optimizer.eps", lambda v: 0 < v < float("inf"), "must be a finite number > 0 (inf divides every update "
+     "to 0: nothing would train)", "For example optimizer.eps=1e-8."),
+    ("moe.load_balance_coeff", lambda v: v is None or 0 < v < float("inf"), "must be > 0 and finite (the step "
+     "of the MoE routing bias that balances the experts' load)",
+     "To turn the balancing off, set moe.load_balance_coeff=null."),
     ("lr.warmup_steps", lambda v: v >= 0, "must be >= 0", "Set 0 for no warm-up."),
     ("lr.decay_ratio", lambda v: v is None or 0 <= v <= 1, "must be in [0, 1] (or null)", ""),
     ("lr.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]", ""),
@@ -296,16 +354,38 @@ _RANGES = [
      "(training.steps)", ""),
     ("checkpoint.interval", lambda v: v >= 1, "must be >= 1 (steps between saves)",
      "To save no checkpoints, set checkpoint.enable=false."),
-    ("checkpoint.keep_latest_k", lambda v: v >= 0, "must be >= 0 (0 keeps all)", ""),
+    ("checkpoint.keep_latest_k", lambda v: v == 0 or v >= 2, "must be 0 (keep all) or >= 2 (the newest steps "
+     "kept; torchtitan keeps at least 2, as the last may still be being written)", "For example "
+     "checkpoint.keep_latest_k=2."),
+    ("model.vocab_size", lambda v: v is None or v >= 2, "must be >= 2 (the token ids the model predicts among) or "
+     "null (the flavor's)", "Leave it out for the flavor's vocabulary, or give the tokenizer's size."),
     ("logging.log_freq", lambda v: v >= 1, "must be >= 1 (steps between metrics records)",
      "For example logging.log_freq=1."),
+    ("training.seed", lambda v: -2 ** 63 <= v <= 2 ** 64 - 1, "must be an integer from -2**63 to 2**64-1 (the "
+     "range torch.manual_seed accepts)", "For example training.seed=42."),
+    ("parallel.gpus", lambda v: v is None or v >= 1, "must be >= 1 (the GPU count the recipe is laid out for) or "
+     "null", ""),
+    ("parallel.dp_replicate", lambda v: v >= 1, "must be >= 1 (the replicated copies of the model; 1: none)",
+     "For example parallel.dp_replicate=1."),
+    *((f"parallel.{dim}", lambda v: v is None or v >= 1, "must be >= 1 (a parallel degree; 1: not split that "
+       "way), or null to derive it from the layout table", f"For example parallel.{dim}=1, or ~parallel.{dim}.")
+      for dim in ("dp_shard", "cp", "ep", "pp", "tp")),
+    ("parallel.pp_microbatch_size", lambda v: v >= 1, "must be >= 1 (sequences per pipeline microbatch)",
+     "For example parallel.pp_microbatch_size=1."),
 ]
 _CHOICES = {
     "optimizer.name": ("Adam", "AdamW"),  # torchtitan's factories that take apiary's betas / eps / weight_decay
     "lr.decay_type": ("linear", "sqrt", "cosine"),
     "preflight.memory": ("refuse", "warn", "off"),
     "training.autotune_configs": ("recorded", "all"),
+    # torchtitan's context-parallel load balancers (its ParallelismConfig.context_parallel_load_balancer; none:
+    # contiguous shards); checked whatever parallel.cp, so a value a later CP run would refuse is never kept
+    "parallel.cp_load_balancer": ("headtail", "ptrr", "none"),
 }
+# torch.distributed.pipelining's schedule names (get_schedule_class; matched without case, as there);
+# checked whatever parallel.pp (tests/test_bad_inputs_config.py compares the list with torch's)
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
 
 
 def _check_values(cfg) -> None:
@@ -318,6 +398,47 @@ def _check_values(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in names:
             raise UserError(f"{key}={value}", f"unknown; valid: {', '.join(names)}.", did_you_mean(str(value), names))
+    schedule = str(cfg.parallel.pp_schedule)
+    if schedule.lower() not in {s.lower() for s in PP_SCHEDULES}:
+        raise UserError(f"parallel.pp_schedule={schedule}", f"unknown pipeline schedule; valid: "
+                        f"{', '.join(PP_SCHEDULES)} (read only with parallel.pp > 1).",
+                        did_you_mean(schedule, PP_SCHEDULES) or "The default is 1F1B.")
+    if cfg.output_dir is not None and not str(cfg.output_dir).strip():
+        raise UserError("output_dir=", "is empty, which names the current folder: the run would write its "
+                        "config, metrics and checkpoints among the files there.",
+                        "Name a folder (output_dir=runs/my_run), or leave output_dir out for "
+                        "runs/RECIPE/TIMESTAMP.")
+
+
+# Keys naming a file or folder (null: off or the default), with what null means. A `~` at the start is
+# this user's home folder (the shell leaves `key=~/x` as it is); an empty value names nothing.
+_PATH_KEYS = {
+    "model.hf_checkpoint": "the flavor's architecture, initialised from training.seed",
+    "data.path": "data.name's source",
+    "data.tokenizer": "the byte-level tokenizer",
+    "validation.path": "no held-out files",
+    "publish.dir": "OUTPUT_DIR/weights",
+    "checkpoint.load_path": "start from initialised weights",
+    "training.kernel_cache": "Triton's and inductor's own caches",
+}
+
+
+def _check_paths(cfg) -> None:
+    """An empty path, or an empty data.name, is refused (it named the current folder, or fell back to
+    a default, silently); ``~/...`` is expanded (what the training processes read too)."""
+    for key, null_means in _PATH_KEYS.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if not str(value).strip():
+            default = "byte" if key == "data.tokenizer" else "null"
+            raise UserError(f"{key}=", "is empty: it names no file or folder.",
+                            f"Give a path, or {key}={default} ({null_means}).")
+        if str(value).startswith("~"):
+            OmegaConf.update(cfg, key, os.path.expanduser(str(value)))
+    if not str(cfg.data.name).strip():
+        raise UserError("data.name=", "is empty: it names no source of text.", "Use data.name=packaged (the packaged "
+                        "corpus), data.name=local with data.path=PATH, or a HuggingFace dataset name.")
 
 
 def _check_inputs(cfg, for_training: bool) -> None:
@@ -340,16 +461,141 @@ def _check_inputs(cfg, for_training: bool) -> None:
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     if ck.load_path is not None:
+        if ck.verify and not (Path(ck.load_path) / integrity.MANIFEST).is_file():
+            raise UserError(f"checkpoint.load_path={ck.load_path}", f"has no {integrity.MANIFEST}, so it cannot be "
+                            "verified: every step apiary saves (a seed checkpoint too) gets one as it completes; a "
+                            "step without one lost it afterwards, or was written by another program or a version "
+                            "before manifests.", "Point it at an intact apiary step folder; or, if you know this one "
+                            "is intact, load it unverified with checkpoint.verify=false.")
         problem = integrity.verify(Path(ck.load_path))
         if problem is not None:
             raise UserError(f"checkpoint.load_path={ck.load_path}", f"{Path(ck.load_path) / problem[0]} "
                             f"{problem[1]}: the checkpoint is corrupt.", "Point it at an intact step folder.")
 
 
+def _check_warmup(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+    """lr.warmup_steps must be shorter than the schedule (lr.total_steps, else training.steps): a warm-up
+    that never ends never reaches optimizer.lr. One case is shortened instead, and the run's first lines
+    say so: a schedule cut short on the command line (training.steps=N or lr.total_steps=N: a smoke test,
+    a benchmark, the resume command a finished run prints) below the warm-up the recipe sets."""
+    warmup, total = int(cfg.lr.warmup_steps), resume.horizon(cfg)
+    if warmup < total:
+        return
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    horizon_key = "lr.total_steps" if cfg.lr.total_steps is not None else "training.steps"
+    if horizon_key in given and "lr.warmup_steps" not in given:
+        used = resume.warmup_steps(cfg)
+        ctx.summary.append(f"lr: warm-up shortened to {used} step{'s' if used != 1 else ''} (lr.warmup_steps="
+                           f"{warmup} is not shorter than {horizon_key}={total}, the schedule's length); set "
+                           "lr.warmup_steps or lr.total_steps to choose another")
+        return
+    raise UserError(f"lr.warmup_steps={warmup}", f"is not shorter than the learning-rate schedule ({horizon_key}="
+                    f"{total}): the warm-up would never end, and optimizer.lr would never be reached.",
+                    f"Lower it below {total} (e.g. lr.warmup_steps={total // 5}); or, if resumes will extend this "
+                    "run, give the whole schedule now with lr.total_steps=N (N > the warm-up; "
+                    "docs/skills/resume.md).")
+
+
+# Settings that act only with another one: (key, the setting it needs, is that setting off?, what the key does).
+# Given on the command line while the other is off, the key would be ignored: refused. (A recipe may keep
+# such a value for the times the other is on: `train recipe=R checkpoint.enable=false` is not refused for
+# the recipe's checkpoint.interval.)
+_NEEDS = [
+    ("training.max_skips", "training.on_nonfinite=skip", lambda c: c.training.on_nonfinite != "skip",
+     "how many non-finite steps in a row are skipped before the run stops"),
+    ("data.wait_timeout", "data.follow=true", lambda c: not c.data.follow,
+     "how long a followed folder may stay without new records"),
+    ("validation.steps", "validation.interval=N", lambda c: c.validation.interval == 0,
+     "the batches of each validation pass"),
+    *((f"publish.{k}", "publish.interval=N", lambda c: c.publish.interval == 0, what) for k, what in (
+        ("dir", "where published weights go"), ("keep", "how many published versions stay"),
+        ("background", "how published weights are written"), ("dtype", "the dtype of published weights"))),
+    *((f"checkpoint.{k}", "checkpoint.enable=true", lambda c: not c.checkpoint.enable, what) for k, what in (
+        ("interval", "the steps between saves"), ("keep_latest_k", "how many saved steps stay"),
+        ("model_only_last", "what the last save holds"))),
+    ("logging.wandb_project", "logging.wandb=true", lambda c: not c.logging.wandb,
+     "the W&B project the metrics go to"),
+    ("parallel.pp_microbatch_size", "parallel.pp=N (N > 1)",
+     lambda c: int(c.parallel.pp if c.parallel.pp is not None else c.layout.pp) == 1,
+     "the sequences per pipeline microbatch"),
+]
+
+
+def _check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+    """Every setting takes effect or is refused: what would load nothing, resume nothing or be ignored."""
+    ck, given = cfg.checkpoint, {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    own_load = ctx.shared.get("checkpoint.load_path reader")  # a component that loads it itself (its check says)
+    if ck.load_path is not None and not ck.enable and not own_load:
+        raise UserError(f"checkpoint.load_path={ck.load_path} with checkpoint.enable=false", "with checkpointing off "
+                        "nothing is loaded: the run would start from initialised weights, not from that step.",
+                        "Drop checkpoint.enable=false (set checkpoint.interval above training.steps to save only "
+                        "the last step), or drop checkpoint.load_path.")
+    if ck.resume and not ck.enable:
+        raise UserError("checkpoint.resume=true with checkpoint.enable=false", "with checkpointing off nothing is "
+                        "loaded: the run would start over at step 1 in the run's folder (its records of those steps "
+                        "moved aside) instead of continuing it.", "Drop checkpoint.enable=false.")
+    if ck.resume and ck.create_seed:
+        raise UserError("checkpoint.create_seed=true with checkpoint.resume=true", "a seed checkpoint is the step-0 "
+                        "weights of a new run (written, then the process exits); it cannot continue a run, and "
+                        "would be written into the run's checkpoints.", "Drop one of them: create the seed in a new "
+                        "output_dir.")
+    for key, needs, off, what in _NEEDS:
+        if key in given and off(cfg):
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
+                            "and this run does not have it, so the setting would be ignored.",
+                            f"Add {needs}, or drop {key}.")
+    if ctx.facts is not None and not ctx.facts.num_experts:
+        for key in ("moe.chunk", "moe.comm", "moe.load_balance_coeff"):
+            if key in given:
+                raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
+                                "dense model: it has no MoE layers, so the setting would be ignored.",
+                                f"Drop {key}, or choose an MoE flavor.")
+
+
+def _check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
+    """A resume loads the run's own step, so a checkpoint.load_path other than the one the run was launched
+    with would be ignored (the same one, as the resume command a run prints repeats it, is harmless)."""
+    if ctx.shared.get("checkpoint.load_path reader"):  # a component that loads it itself, resumed or not
+        return
+    changed = [(a, b) for key, a, b in plan.changes if key == "checkpoint.load_path" and b is not None]
+    if changed:
+        before, now = changed[0]
+        raise UserError(f"checkpoint.resume=true with checkpoint.load_path={now}", "both name what to load: a resume "
+                        "loads the run's own latest step (checkpoint.load_step picks another of its steps), so "
+                        "checkpoint.load_path would be ignored (the run was launched "
+                        f"{'without one' if before is None else f'with {before}'}).",
+                        "Drop checkpoint.load_path to continue the run; or, to start a new run from those weights, "
+                        "drop checkpoint.resume and output_dir.")
+
+
+def _check_decay(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+    """lr.decay_ratio: warm-up and decay must fit the schedule, else torchtitan shortens the decay (a
+    warning in its log). A schedule cut short on the command line (a smoke test) is shortened, and said."""
+    ratio = cfg.lr.decay_ratio
+    if ratio is None:
+        return
+    total, warmup = resume.horizon(cfg), resume.warmup_steps(cfg)
+    decay = round(total * float(ratio))
+    if warmup + decay <= total:
+        return
+    given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    horizon_key = "lr.total_steps" if cfg.lr.total_steps is not None else "training.steps"
+    if horizon_key in given and not given & {"lr.decay_ratio", "lr.warmup_steps"}:
+        ctx.summary.append(f"lr: decay shortened to {total - warmup} steps (lr.decay_ratio={ratio} of {horizon_key}="
+                           f"{total} is {decay} steps, after {warmup} of warm-up)")
+        return
+    raise UserError(f"lr.decay_ratio={ratio}", f"decays over {decay} of the schedule's {total} steps ({horizon_key}), "
+                    f"and lr.warmup_steps={warmup} warm up first: {warmup + decay} steps do not fit in {total}, so "
+                    "the decay would be cut short.", f"Use lr.decay_ratio <= {int((total - warmup) / total * 1000) / 1000:g} "
+                    "or fewer lr.warmup_steps.")
+
+
 def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
             for_training: bool = True) -> Resolved:
+    _check_environment()
     cfg = recipes.load(recipe, overrides)
     _check_values(cfg)
+    _check_paths(cfg)
     ctx = context(cfg, for_training)
     facts = model_facts(cfg, ctx)
     _check_inputs(cfg, for_training)
@@ -358,6 +604,9 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     ctx.facts, ctx.layout = facts, layout
     check_components(ctx)
     check_rl_keys(ctx)
+    _check_warmup(cfg, overrides, ctx)
+    _check_no_effect(cfg, overrides, ctx)
+    _check_decay(cfg, overrides, ctx)
     grad_accum = check_batch(cfg.training, layout)
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
@@ -369,9 +618,14 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     _check_publish(cfg, ctx, layout, for_training)
     OmegaConf.set_struct(cfg, True)
     if for_training and step is not None:  # what this resume loads and what changed since the last launch
-        resume_lines = resume.check(cfg, Path(cfg.output_dir), step).lines(cfg.output_dir)
+        plan = resume.check(cfg, Path(cfg.output_dir), step)
+        _check_resume_load_path(cfg, ctx, plan)
+        plan.verified = (Path(cfg.output_dir) / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
+        resume_lines = plan.lines(cfg.output_dir)
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
                  data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
+    choose_by_budget(r, for_training)
+    r.data_summary = "\n".join(ctx.summary)
     if for_training:
         check_memory(r, recipe, overrides, resolve)
     return r

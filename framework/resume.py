@@ -142,9 +142,13 @@ class ResumePlan:
     saved_from: Path  # the config it is compared with
     changes: list = field(default_factory=list)  # (key, old, new) of FREE keys
     schedule_note: str = ""
+    verified: bool = True  # False: a step without manifest.json loaded with checkpoint.verify=false
 
     def lines(self, run_dir) -> list[str]:
-        out = [f"resume: {Path(run_dir) / 'checkpoint' / f'step-{self.step}'} verified against its manifest; "
+        step_dir = Path(run_dir) / "checkpoint" / f"step-{self.step}"
+        how = ("verified against its manifest" if self.verified else
+               "has no manifest.json (checkpoint.verify=false: NOT verified)")
+        out = [f"resume: {step_dir} {how}; "
                f"loading it and training from step {self.step + 1} (compared with {self.saved_from.name})"]
         if self.changes:
             out.append("resume: changed since the last launch: "

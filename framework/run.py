@@ -39,8 +39,9 @@ def write_run_files(resolved) -> None:
     # the first launch's config is config.yaml; a resume's goes beside it (framework/resume.py)
     name = resume.config_path_for_launch(out) if resolved.cfg.checkpoint.resume else out / resume.FIRST
     name.write_text(OmegaConf.to_yaml(resolved.cfg))
-    (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules},
-                                                indent=2))
+    derived = resolved.ctx.derived if resolved.ctx is not None else {}
+    (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules,
+                                                 **({"derived": derived} if derived else {})}, indent=2))
 
 
 # torchtitan's log lines that say nothing about an apiary run (dropped unless `train -v`): it runs

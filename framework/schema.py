@@ -19,7 +19,7 @@ class ModelConfig:
     flavor: str = MISSING
     n_layers: Optional[int] = None  # truncate/extend the layer stack
     vocab_size: Optional[int] = None  # override the flavor's vocabulary
-    attn_backend: str = "flex"
+    attn_backend: str = "flex"  # flex | flex_flash (Hopper or Blackwell GPUs) | varlen (CUDA)
     # inductor max-autotune + coordinate descent for flex attention: off by default (on one H200 at 32K it
     # added 136 s to a cold step 1 and changed steady tok/s by under 2%; docs/benchmarks.md)
     flex_autotune: bool = False
@@ -35,8 +35,8 @@ class ParallelConfig:
     ep: Optional[int] = None
     pp: Optional[int] = None
     tp: Optional[int] = None
-    cp_load_balancer: str = "headtail"  # headtail (balanced causal attention) | none (contiguous)
-    pp_schedule: str = "1F1B"
+    cp_load_balancer: str = "headtail"  # headtail (balanced causal attention) | ptrr | none (contiguous)
+    pp_schedule: str = "1F1B"  # torch.distributed.pipelining schedule name (framework/resolve.py PP_SCHEDULES)
     pp_microbatch_size: int = 1
 
 
@@ -132,6 +132,7 @@ class CheckpointConfig:
     keep_latest_k: int = 3
     load_step: Optional[int] = None  # resume from this complete step instead of the latest (checkpoint.resume)
     load_path: Optional[str] = None  # initial weights: a DCP step folder (e.g. a seed checkpoint)
+    verify: bool = True  # false: load a step (resume or load_path) that has no manifest.json, unverified
     create_seed: bool = False  # one process: initialise, save step-0 weights, exit (shared start for A/Bs)
     model_only_last: bool = False
 

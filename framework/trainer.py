@@ -36,21 +36,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel.api import cp_shard
-from torchtitan.protocols.model import BaseModel
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from framework import contracts, first_step, integrity, metrics, preempt
-from framework.errors import EXIT_DATA_TIMEOUT
+from framework import compat, contracts, first_step, integrity, metrics, preempt
+from framework.errors import EXIT_DATA_TIMEOUT, EXIT_USER_ERROR
 
 WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
 WAIT_FIRST_NOTE_S = 1.0
 WAIT_POLL_S = 0.2  # follow mode: how often the folder is looked at while waiting
-_GRAD_NORM: list = [None]  # the last global grad norm torchtitan's clip_grad_norm_ returned
-_SEEDED: list = [None]  # the generators' states right after torchtitan seeded them, until the model's init
+_GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
 
 def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
@@ -65,53 +63,14 @@ def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _rng_states() -> tuple:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.random.get_rng_state(), cuda
-
-
 def _init_from_seed() -> None:
     """The model's initial weights depend on ``training.seed`` alone: the CPU and CUDA generators'
     states right after torchtitan's ``set_determinism`` are put back just before the model's
     ``init_weights``, whatever ran in between. Building and parallelizing the model may draw
     random numbers: with precision.backend=te, TransformerEngine's linears advanced the CUDA
     generator by 288 before the initialization (measured on an H200), which gave that run other
-    initial weights than bf16 at the same seed. The first ``init_weights`` after seeding gets the
-    seeded states (with pipeline parallelism the later stages continue from there, as before)."""
-    if getattr(dist_utils.set_determinism, "_apiary", False):
-        return
-    set_determinism, init_weights = dist_utils.set_determinism, BaseModel.init_weights
-
-    def seeded(*args, **kwargs):
-        out = set_determinism(*args, **kwargs)
-        _SEEDED[0] = _rng_states()
-        return out
-
-    def init_from_seed(self, **kwargs):
-        states, _SEEDED[0] = _SEEDED[0], None
-        if states is not None:
-            torch.random.set_rng_state(states[0])
-            if states[1] is not None:
-                torch.cuda.set_rng_state(states[1])
-        return init_weights(self, **kwargs)
-
-    seeded._apiary = True
-    dist_utils.set_determinism = seeded
-    BaseModel.init_weights = init_from_seed
-
-
-def _capture_grad_norm() -> None:
-    """Keep the grad norm train_step computes (it is local to train_step) for the finite check."""
-    if getattr(dist_utils.clip_grad_norm_, "_apiary", False):
-        return
-    original = dist_utils.clip_grad_norm_
-
-    def clip_grad_norm_(*args, **kwargs):
-        _GRAD_NORM[0] = norm = original(*args, **kwargs)
-        return norm
-
-    clip_grad_norm_._apiary = True
-    dist_utils.clip_grad_norm_ = clip_grad_norm_
+    initial weights than bf16 at the same seed (the patch: framework/compat.py)."""
+    compat.init_weights_from_seed()
 
 
 class ApiaryTrainer(Trainer):
@@ -132,7 +91,7 @@ class ApiaryTrainer(Trainer):
         self._bad_loss = None
         self._skips_total = self._skips_in_row = 0
         self._skipped_now = self._loss_was_bad = False
-        _capture_grad_norm()
+        compat.patch_clip_grad_norm()  # keeps the grad norm train_step computes (local to it) for the finite check
         self._step_optimizers, self._step_schedulers = self.optimizers.step, self.lr_schedulers.step
         self.optimizers.step = self._guarded_optimizer_step
         self.lr_schedulers.step = self._guarded_scheduler_step
@@ -234,9 +193,8 @@ class ApiaryTrainer(Trainer):
             time.sleep(WAIT_POLL_S)
 
     def _stop_following(self, why: str, message: str) -> None:
-        """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop."""
-        from torchtitan.components.dataloader import DataloaderExhaustedError  # reason: torchtitan's loop ends on it
-
+        """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop
+        (torchtitan's loop ends on DataloaderExhaustedError)."""
         self.step -= 1
         guard = getattr(self, "_apiary_preempt", None)
         ck = self.checkpointer
@@ -249,7 +207,7 @@ class ApiaryTrainer(Trainer):
         else:
             note = (f"checkpoint step-{self.step} saved" if preempt.force_save(ck, self.step)
                     else f"checkpoint step-{self.step} NOT saved")
-        code = {"signal": preempt.EXIT_CODE, "timeout": EXIT_DATA_TIMEOUT, "malformed": 2}[why]
+        code = {"signal": preempt.EXIT_CODE, "timeout": EXIT_DATA_TIMEOUT, "malformed": EXIT_USER_ERROR}[why]
         if why == "signal" and guard is not None:
             guard.stopped_at, guard.saved = self.step, True
             message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"

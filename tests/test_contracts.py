@@ -52,6 +52,27 @@ def test_literal_choices_are_checked_by_options():
     assert FSDP2.Options(offload="all").offload == "all"
 
 
+@pytest.mark.parametrize("kind,name,key,bad,says", [
+    ("state", "zero1", "bucket_mb", 0, "state.bucket_mb must be > 0"),
+    ("state", "fsdp2", "offload", "disk", "state.offload must be none|optimizer|all"),
+    ("launcher", "local", "master_port", 0, "launcher.master_port must be a TCP port"),
+    ("precision", "fp8", "scaling", "e4m3", "precision.scaling must be"),
+    ("loss", "grpo", "temperature", 0.0, "loss.temperature must be > 0"),
+    ("loss", "chunked", "num_chunks", 0, "loss.num_chunks must be >= 1"),
+    ("loss", "linear_ce", "z_loss", -1.0, "loss.z_loss must be >= 0"),
+])
+def test_check_refuses_options_changed_after_they_were_built(kind, name, key, bad, says):
+    """check() (what resolve calls for every kind) holds the Options' own rules too: options built
+    valid and changed afterwards are refused by check alone."""
+    comp = registry.resolve(kind, name)
+    opts = comp.Options()
+    comp.check(opts, None)
+    setattr(opts, key, bad)
+    with pytest.raises(ValueError) as e:
+        comp.check(opts, None)
+    assert says in str(e.value)
+
+
 def test_chunked_num_chunks_zero_exits_2_before_any_worker(workdir):
     p = run_cli(["train", "recipe=debug_moe", "loss=chunked", "loss.num_chunks=0"], cwd=workdir, timeout=300)
     assert p.returncode == 2, p.stderr

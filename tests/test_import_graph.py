@@ -3,7 +3,8 @@ every `import` / `from ... import` anywhere in a module (module level and inside
 `from framework import x` counted as an import of framework.x when x is a module.
 
 framework (the training path) and toolkit (the tools) have no import cycle; framework never
-imports toolkit; components import from framework only its contract, error and device modules."""
+imports toolkit; components import from framework only its contract, error, device and
+compatibility (framework/compat.py: the patches of third-party internals) modules."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPONENT_MAY_IMPORT = {"framework.contracts", "framework.errors", "framework.devices"}
+COMPONENT_MAY_IMPORT = {"framework.contracts", "framework.errors", "framework.devices", "framework.compat"}
 
 
 def _modules(packages) -> dict[str, Path]:

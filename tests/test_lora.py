@@ -468,6 +468,11 @@ def test_exports_that_cannot_be_written_are_refused(workdir, capsys):
         (workdir / name / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
     (workdir / "seeded" / "checkpoint" / "step-2" / "adapter_base.json").write_text(json.dumps(
         {"base": {"kind": "seed", "key": "training.seed", "seed": 42, "family": "qwen3", "flavor": "tiny_moe"}}))
+    from framework import integrity
+
+    for name in ("full", "seeded"):  # a complete step has its manifest (the export verifies it first)
+        step = workdir / name / "checkpoint" / "step-2"
+        integrity.write_manifest(step, 2, integrity.entries(step, integrity.list_files(step)))
     assert apiary_main(["export", "full", "--hf", "out", "--merged"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "apiary export full --merged: folds adapters into their base" in err and "adapter=none" in err, err

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-
 from components.models import common, llama3, llama3_build, qwen3, qwen3_5, qwen3_5_build, qwen3_build
+
+from conftest import ROOT
 
 # flavors whose meta build takes long (hundreds of layers x 128 experts): architecture checked, facts
 # checked on a truncated stack

@@ -308,10 +308,6 @@ def test_chunked_ep_matches_none_on_two_gloo_ranks(tmp_path):
 
 @pytest.mark.slow  # about 4 minutes
 def test_trainer_chunk2_matches_none(workdir):
-    from framework import registry
-
-    if "chunk2" not in registry.names("moe_chunk"):
-        pytest.skip("registry.yaml has no moe_chunk chunk2 entry yet")
     runs = {}
     for name in ("none", "chunk2"):
         p = run_cli(["train", "nproc=2", f"moe.chunk={name}", "recompute=full", "training.steps=3",

@@ -256,8 +256,9 @@ def test_search_ranks_rows_that_fit(capsys):
     rows, counts = j["search"], j["search_counts"]
     assert 1 <= len(rows) <= 3 and counts["oom"] > 0
     # on 32 GPUs with PP = TP = 1 every (EP, CP) pair of the space divides dp_shard x cp = 32 and
-    # 131072 / 2, so none is invalid; each valid layout is planned for 3 recompute x 3 loss x 2 state
-    assert counts["invalid_layouts"] == 0 and counts["plans"] == 18 * counts["layouts"]
+    # 131072 / 2, so none is invalid; each valid layout is planned for 4 recompute (none, selective,
+    # full, auto) x 3 loss x 2 state
+    assert counts["invalid_layouts"] == 0 and counts["plans"] == 24 * counts["layouts"]
     assert counts["oom"] + counts["fit"] == counts["plans"] and counts["fit"] >= len(rows)
     assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     speeds = [r["tokens_per_s_per_gpu"] for r in rows]
@@ -265,7 +266,7 @@ def test_search_ranks_rows_that_fit(capsys):
     for r in rows:
         assert r["verdict"] != "OOM" and r["total_bytes"] <= j["gpu_memory_bytes"]
         assert r["dims"]["pp"] == 1 and r["dims"]["tp"] == 1  # dims set on the command line stay fixed
-        assert r["recompute"] in ("none", "selective", "full") and r["loss"] in ("ce", "chunked", "linear_ce")
+        assert r["recompute"] in ("none", "selective", "full", "auto") and r["loss"] in ("ce", "chunked", "linear_ce")
         assert any(o.startswith("parallel.ep=") for o in r["overrides"])
 
 

@@ -177,7 +177,6 @@ def test_memory_preflight_refuses_what_cannot_fit(workdir):
 
 
 def test_memory_preflight_off_warn_and_cpu(workdir, capsys):
-    from framework.preflight import MEASURED_ERROR
     from framework.resolve import resolve
 
     full = [o.replace("nproc=", "launcher.nproc=") for o in QWEN_OOM[1:]]  # resolve() takes full keys
@@ -187,11 +186,46 @@ def test_memory_preflight_off_warn_and_cpu(workdir, capsys):
     r = resolve("qwen35_35b_128k", full + ["preflight.gpu=H200", "preflight.memory=warn"])
     err = " ".join(capsys.readouterr().err.split())
     assert "warning memory: the planner estimates 177.8 GiB" in err and "may run out of memory" in err
-    # without a GPU kind, a CPU host has no GPU memory to check: the debug recipes (and this one) resolve
-    resolve("qwen35_35b_128k", full)
+    # without a GPU kind a CPU run is checked against this host's memory instead (176 GiB for this one:
+    # tests/test_bad_inputs_data.py); the debug recipes fit any host
+    resolve("debug_moe", [])
     resolve("debug_moe", ["preflight.gpu=H100"])  # and a tiny model fits any GPU
     assert capsys.readouterr().err == ""
-    assert 0 < MEASURED_ERROR < 0.5
+
+
+def test_memory_preflight_band_is_the_measured_error(monkeypatch, capsys):
+    """Against a GPU of M bytes an estimate E passes silently up to M (1 - MEASURED_ERROR), warns up
+    to M (1 + MEASURED_ERROR) (in refuse mode too), and above that is refused (refuse) or warned
+    about (warn); off says nothing. The GPU's memory is set around the planner's estimate here."""
+    from framework import planner, preflight
+    from framework.errors import UserError
+    from framework.preflight import MEASURED_ERROR, check_memory
+    from framework.resolve import resolve
+
+    full = [o.replace("nproc=", "launcher.nproc=") for o in QWEN_OOM[1:]]
+    r = resolve("qwen35_35b_128k", full + ["preflight.gpu=H200", "preflight.memory=off"])
+    total = planner.plan(r, gpu="H200").total_bytes
+    monkeypatch.setattr(preflight, "cheapest_fits", lambda *a, **k: ["parallel.cp=2"])  # the search: tested above
+
+    def verdict(memory_bytes: float, mode: str) -> str:
+        monkeypatch.setattr(preflight, "target_gpu", lambda cfg: ("H200", int(memory_bytes), "test"))
+        r.cfg.preflight.memory = mode
+        capsys.readouterr()
+        try:
+            check_memory(r, "qwen35_35b_128k", full, resolve)
+        except UserError as e:
+            assert "parallel.cp=2" in str(e) and f"{MEASURED_ERROR:.0%}" in str(e)
+            return "refused"
+        return "warned" if "warning memory" in capsys.readouterr().err else "silent"
+
+    e = MEASURED_ERROR
+    assert verdict(total / (1 - e) * 1.001, "refuse") == "silent"
+    assert verdict(total / (1 - e) * 0.999, "refuse") == "warned"  # within the error below the estimate
+    assert verdict(total * 0.999, "refuse") == "warned"
+    assert verdict(total / (1 + e) * 1.001, "refuse") == "warned"  # above the memory, within the error
+    assert verdict(total / (1 + e) * 0.999, "refuse") == "refused"
+    assert verdict(total / (1 + e) * 0.999, "warn") == "warned"
+    assert verdict(total / (1 + e) * 0.999, "off") == "silent"
 
 
 def test_chunked_loss_check_is_a_component_hook():
@@ -202,7 +236,12 @@ def test_chunked_loss_check_is_a_component_hook():
     src = open(resolve_mod.__file__).read()
     assert "num_chunks" not in src and "chunked" not in src
     with pytest.raises(ValueError, match="num_chunks"):
-        ChunkedCrossEntropy.check(ChunkedCrossEntropy.Options(num_chunks=0))
+        ChunkedCrossEntropy.Options(num_chunks=0)
+    opts = ChunkedCrossEntropy.Options(num_chunks=2)
+    ChunkedCrossEntropy.check(opts)
+    opts.num_chunks = 0  # built valid, changed after: check() (what resolve calls) refuses it
+    with pytest.raises(ValueError, match="num_chunks"):
+        ChunkedCrossEntropy.check(opts)
 
 
 if __name__ == "__main__":

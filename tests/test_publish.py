@@ -221,7 +221,7 @@ def test_sharded_write_and_latest_pointer(tmp_path, monkeypatch):
     (["publish.interval=-1"], ["publish.interval=-1", "must be >= 0"]),
     (["publish.interval=2", "publish.keep=0"], ["publish.keep=0", "must be >= 1"]),
     (["publish.interval=2", "publish.background=sometimes"], ["publish.background=sometimes", "auto, true, false"]),
-    (["publish.interval=2", "publish.dir=afile/weights"], ["publish.dir=afile/weights", "is a file"]),
+    (["publish.interval=2", "publish.dir=afile/weights"], ["publish.dir=afile/weights", "not a folder"]),
     (["publish.interval=2", "publish.dtype=fp8"], ["publish.dtype=fp8", "bfloat16, float16, float32"]),
 ])
 def test_bad_publish_input_refused_before_launch(capsys, workdir, argv, needles):

@@ -129,12 +129,32 @@ def test_cp_template_and_custom_template(capsys, workdir):
     assert code == 2 and "does not render" in err and "no_such_variable" in err
 
 
-def test_local_launcher_dry_run(capsys, workdir):
-    code, out, err = _launch(capsys, ["launcher=local", "nproc=2", "training.steps=3", "--dry-run"])
+def test_local_launcher_dry_run(capsys, workdir, monkeypatch):
+    """The dry run prints the very command the local launcher starts: the same launch, with
+    framework.lifecycle's supervise (which would start it) replaced by a recorder."""
+    import shlex
+
+    from framework import lifecycle, runlock
+
+    argv = ["launcher=local", "nproc=2", "training.steps=3", f"output_dir={workdir / 'runs' / 'a'}"]
+    code, out, err = _launch(capsys, [*argv, "--dry-run"])
     assert code == 0, err
-    assert "torchrun --standalone --nproc_per_node=2 -m framework.cli train" in out
-    assert "launcher.nproc=2" in out and "output_dir=" in out
     assert not (workdir / "runs").exists()
+    printed = shlex.split(out.strip())
+    assert printed[:5] == [sys.executable, "-m", "framework.lifecycle", "torchrun", "--standalone"], out
+    assert "--nproc_per_node=2" in printed and printed[printed.index("train") - 2:][:2] == ["-m", "framework.cli"]
+    assert "launcher.nproc=2" in printed and "dry run: nothing started." in err
+
+    started = []
+    monkeypatch.setattr(lifecycle, "supervise", lambda cmd, env, nproc: started.append(list(cmd)) or 0)
+    monkeypatch.delenv(runlock.ENV, raising=False)
+    code, out, err = _launch(capsys, argv)
+    monkeypatch.delenv(runlock.ENV, raising=False)  # the launch holds the run's lock for its workers
+    assert code == 0, err
+    assert started == [printed]
+
+    code, out, err = _launch(capsys, ["launcher=local", "nproc=1", "training.steps=3", "--dry-run"])
+    assert code == 0 and shlex.split(out.strip())[0] == "train" and "dry run: nothing started." in err
 
 
 # ----------------------------------------------------------------------------- real Slurm

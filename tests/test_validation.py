@@ -46,6 +46,20 @@ def test_val_loss_equals_the_training_forward_on_the_same_batch(tmp_path):
     assert len({round(r["loss"], 6) for r in recs}) > 1  # the training batches do differ
 
 
+def test_validation_runs_at_step_1_every_interval_and_at_the_last_step():
+    """The schedule the run's first lines announce, with last steps on and off the interval (the
+    training above ends on one)."""
+    from types import SimpleNamespace
+
+    from framework.validation import validator_config
+
+    for interval, last, expected in ((2, 5, [1, 2, 4, 5]), (3, 6, [1, 3, 6]), (10, 4, [1, 4]), (1, 3, [1, 2, 3])):
+        cfg = validator_config(None, interval, 1, last)
+        validator = SimpleNamespace(config=cfg)
+        steps = [s for s in range(1, last + 1) if type(cfg)._owner.should_validate(validator, s)]
+        assert steps == expected, (interval, last)
+
+
 def test_a_validation_pass_changes_neither_the_model_nor_the_training_stream(tmp_path):
     """Paired runs from one seed, validating at every step vs not at all: the same losses and grad
     norms bit for bit (a pass that updated weights, advanced the training data or the generators

@@ -19,13 +19,14 @@ from omegaconf import OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from framework import autotune_table, recipes, registry
+from framework import autotune_table, integrity, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
 
 
 def _ls() -> int:
+    kinds = registry.entries()  # a bad user registry (APIARY_REGISTRY) stops here, before any table is printed
     t = Table(title="recipes", show_lines=False)
     t.add_column("name")
     t.add_column("description")
@@ -36,7 +37,7 @@ def _ls() -> int:
     t = Table(title="registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)")
     for c in ("kind", "name", "target", "doc", "from"):
         t.add_column(c)
-    for kind, names in registry.entries().items():
+    for kind, names in kinds.items():
         for name, e in names.items():
             t.add_row(*map(Text, (kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))))
     console.print(t)
@@ -73,22 +74,33 @@ def _cp(name: str, dest: str) -> int:
     if d.exists():
         raise UserError(f"apiary cp {name} {dest}", f"{d} already exists; not overwriting it.",
                         "Choose another path or remove it first.")
-    d.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, d)
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, d)
+    except OSError as e:
+        raise UserError(f"apiary cp {name} {dest}", f"cannot write {d}: {e.strerror or e}.",
+                        "Choose a path in a folder you can write.") from None
     console.print(f"copied {src.name} -> {d}  (run it with `train recipe={d}`)", markup=False)
     return 0
 
 
-def _export(run_dir: str, out: str, merged: bool = False) -> int:
+def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = False) -> int:
     cfg_path = Path(run_dir) / "config.yaml"
     if not cfg_path.is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
                         "Point it at runs/RECIPE/TIMESTAMP.")
+    steps = {n: d for n, d in integrity.step_dirs(Path(run_dir) / "checkpoint").items() if (d / ".metadata").is_file()}
+    if steps:  # the step every exporter takes (the latest with DCP's .metadata), checked against its manifest
+        integrity.check_step(steps[max(steps)], f"apiary export {run_dir}", unverified_ok=unverified,
+                             override="--unverified", fresh="train again",
+                             pick="Move {step_dir} aside to export step {n}, the previous complete one (it is "
+                                  "verified the same way)")
     family = OmegaConf.load(cfg_path).model.family
     mod = registry.resolve("model", family)
     if not hasattr(mod, "export_hf"):
         raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
-                        "Export exists for qwen3_5.")
+                        "A model family exports by defining export_hf(run_dir, out_path), as the shipped "
+                        "ones (qwen3, llama3, qwen3_5) do.")
     adapter = str(OmegaConf.select(OmegaConf.load(cfg_path), "adapter.name", default="none") or "none")
     if merged and adapter == "none":
         raise UserError(f"apiary export {run_dir} --merged", "folds adapters into their base, and this run trained "
@@ -106,7 +118,8 @@ def _export(run_dir: str, out: str, merged: bool = False) -> int:
         what = f"{what}; "
     else:
         folder = Path(mod.export_hf(run_dir, out))
-    from framework import publish  # reason: the tokenizer files and generation_config.json beside the weights
+    # the tokenizer files and generation_config.json beside the weights
+    from framework import publish  # reason: start-up time (imports torch)
 
     cfg = OmegaConf.load(cfg_path)
     tok = str(cfg.data.tokenizer)
@@ -183,12 +196,14 @@ def apiary_parser() -> argparsing.Parser:
                                     "(framework/autotune_tables/ARCH.json; framework/autotune_table.py).")
     at.add_argument("cache", metavar="KERNEL_CACHE", help="a training.kernel_cache folder or a Triton cache folder")
     at.add_argument("--out", required=True, metavar="FILE", help="the table to write (never merged: replaced)")
-    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder (qwen3_5)")
+    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
     ex.add_argument("--merged", action="store_true",
                     help="an adapter run (adapter=lora): the base with the adapters folded in, instead of PEFT's "
                          "adapter folder (docs/skills/lora.md)")
+    ex.add_argument("--unverified", action="store_true",
+                    help="export a latest step that has no manifest.json, unverified (refused otherwise)")
     lp = sub.add_parser("logprobs", help="a reference model's token log-probs into rollouts (ref_logprobs)",
                         description=logprobs.__doc__)
     logprobs.add_arguments(lp)
@@ -244,7 +259,7 @@ def apiary_main(argv: list[str] | None = None) -> int:
             from toolkit import plot  # reason: start-up time (matplotlib, inside plot.run)
 
             return plot.run(ns)
-        return _export(ns.run_dir, ns.hf, ns.merged)
+        return _export(ns.run_dir, ns.hf, ns.merged, ns.unverified)
     except UserError as e:
         return _fail(e)
 

@@ -31,9 +31,6 @@ from toolkit.argparsing import Parser, overrides_arg
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-LAUNCH_USAGE = __doc__
-
-
 def _fail(e: UserError) -> int:
     err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
     return e.exit_code
@@ -60,12 +57,11 @@ def parser():
 
 
 def _split(ns):
-    recipe, launcher, tokens = None, None, []
+    launcher, tokens = None, []
     flags = {f for f in ("dry_run", "wait", "verbose") if getattr(ns, f)}
-    for a in ns.overrides:
-        if a.startswith("recipe="):
-            recipe = a.split("=", 1)[1]
-        elif a.startswith("launcher="):
+    recipe, rest = recipes.split_recipe(ns.overrides)
+    for a in rest:
+        if a.startswith("launcher="):
             launcher = a.split("=", 1)[1]
         else:
             tokens.append(a)
@@ -207,21 +203,34 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
         except UserError as e:
             return _fail(e)
 
-    # a process launcher (local): in-process for one rank, torchrun otherwise
+    # a process launcher (local): in-process for one rank, a supervised command (torchrun) otherwise
     if "dry_run" in flags:
-        if world == 1:
-            cmd = ["train", *argv_w]
-        else:
-            cmd = ["torchrun", "--standalone", f"--nproc_per_node={world}", "-m", "framework.cli", "train", *argv_w]
-        console.print(" ".join(shlex.quote(c) for c in cmd), markup=False)
-        err_console.print("dry run: nothing started.")
-        return 0
+        return _dry_run_process_launcher(cls, opts, argv_w, r)
 
     def in_process():  # rank 0 of run.train prints the run's summary
         run.train(r, verbose="verbose" in flags)
         return 0
 
     return int(cls.launch(opts, argv_w, in_process, run.launch_env(r)))
+
+
+def _dry_run_process_launcher(cls, opts, argv_w, r) -> int:
+    """The launcher's own ``launch``, with the command it would start printed instead of started:
+    the line it hands ``supervise`` (torchrun for nproc > 1), or ``train ARGS`` for the run it would
+    do in this process."""
+
+    def print_command(cmd, env=None, nproc=None) -> int:
+        console.print(" ".join(shlex.quote(str(c)) for c in cmd), markup=False)
+        return 0
+
+    def print_in_process() -> int:
+        return print_command(["train", *argv_w])
+
+    code = int(cls.launch(opts, argv_w, print_in_process, dataclasses.replace(run.launch_env(r),
+                                                                              supervise=print_command)))
+    if code == 0:
+        err_console.print("dry run: nothing started.")
+    return code
 
 
 CP_TEMPLATE_USAGE = "usage: apiary cp-template LAUNCHER PATH   (then launch with launcher.template=PATH)"
@@ -249,8 +258,12 @@ def cp_template_main(argv: list[str]) -> int:
         if d.exists():
             raise UserError(f"apiary cp-template {name} {dest}", f"{d} already exists; not overwriting it.",
                             "Choose another path or remove it first.")
-        d.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, d)
+        try:
+            d.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, d)
+        except OSError as e:
+            raise UserError(f"apiary cp-template {name} {dest}", f"cannot write {d}: {e.strerror or e}.",
+                            "Choose a path in a folder you can write.") from None
     except UserError as e:
         return _fail(e)
     console.print(f"copied {Path(src).name} -> {d}  (use it with `apiary launch ... launcher={name} "

@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
                         "folder of its base (merged by peft; needs transformers and peft)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
                    help="padded tokens per forward (default 8192)")
+    p.add_argument("--unverified", action="store_true",
+                   help="a run folder's step without manifest.json: load it unverified (refused otherwise)")
 
 
 # -------------------------------------------------------------------------------- the model
@@ -66,7 +68,7 @@ def _family_of(folder: Path, where: str) -> str:
                     "registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")
 
 
-def load_model(model: str, step: int | None, device) -> tuple[torch.nn.Module, str]:
+def load_model(model: str, step: int | None, device, unverified: bool = False) -> tuple[torch.nn.Module, str]:
     """(the model in eval mode, a description of what was loaded)."""
     from framework.api import build_model  # reason: start-up time (torch)
 
@@ -80,13 +82,13 @@ def load_model(model: str, step: int | None, device) -> tuple[torch.nn.Module, s
         flavor = next(iter(registry.resolve("model", family).FLAVORS))  # defaults only: config.json is the architecture
         return build_model(f"{family}:{flavor}", hf_checkpoint=str(p), device=str(device)).eval(), f"HF folder {p}"
     if (p / "config.yaml").is_file():
-        return _run_model(p, step, device, where)
+        return _run_model(p, step, device, where, unverified)
     raise UserError(where, "is neither a HuggingFace model folder (config.json) nor an apiary run folder "
                     "(config.yaml)" + ("" if p.exists() else "; it does not exist") + ".",
                     "Pass a folder written by save_pretrained (or a published weights/step-N), or runs/RECIPE/TIME.")
 
 
-def _run_model(run: Path, step: int | None, device, where: str):
+def _run_model(run: Path, step: int | None, device, where: str, unverified: bool = False):
     import torch.distributed.checkpoint as dcp  # reason: only run folders read DCP checkpoints
 
     from framework.api import build_model  # reason: start-up time (torch)
@@ -105,6 +107,8 @@ def _run_model(run: Path, step: int | None, device, where: str):
     kw["moe_comm_backend"] = "standard"  # one process: no expert-parallel dispatch
     model = build_model(f"{cfg.model.family}:{cfg.model.flavor}", device=str(device), **kw)
     step_dir = integrity.step_dirs(run / "checkpoint")[step]
+    integrity.check_step(step_dir, where, unverified_ok=unverified, override="--unverified", fresh="train again",
+                         pick="Score the previous complete step with --step {n} (it is verified the same way)")
     saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     sd = model.state_dict()
     buffers = {n for n, _ in model.named_buffers()}
@@ -198,7 +202,7 @@ FIELDS = ("ref_logprobs", "old_logprobs")
 
 def logprobs_args(ns) -> int:
     return run(ns.model, ns.rollouts, ns.out, step=ns.step, temperature=ns.temperature, batch_tokens=ns.batch_tokens,
-               field=ns.field, adapter=ns.adapter)
+               field=ns.field, adapter=ns.adapter, unverified=ns.unverified)
 
 
 def merge_adapter(base: str, adapter: str, dest: Path) -> Path:
@@ -246,7 +250,8 @@ def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:
 
 
 def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, temperature: float = 1.0,
-        batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print, adapter: str | None = None) -> int:
+        batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print, adapter: str | None = None,
+        unverified: bool = False) -> int:
     where = f"apiary logprobs {model_path} {rollouts}"
     if field not in FIELDS:
         raise UserError(f"apiary logprobs --field {field}", f"unknown; valid: {', '.join(FIELDS)}.")
@@ -279,7 +284,7 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
             model, what = load_model(str(merge_adapter(model_path, adapter, Path(tmp))), None, device)
         what = f"HF folder {model_path} with the adapter {adapter}"
     else:
-        model, what = load_model(model_path, step, device)
+        model, what = load_model(model_path, step, device, unverified)
     vocab = int(model.lm_head.weight.shape[0])
     for f, recs in records:
         for at, rec in recs:

@@ -100,11 +100,10 @@ def _split(ns):
     opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=ns.json,
                 search=ns.search, top=ns.top, constants=ns.constants)
     calibration, overrides = {}, []
-    for a in ns.overrides:
+    opts["recipe"], rest = recipes.split_recipe(ns.overrides)
+    for a in rest:
         key, sep, val = a.partition("=")
-        if key == "recipe":
-            opts["recipe"] = val
-        elif key in ("gpus", "gpus_per_node"):
+        if key in ("gpus", "gpus_per_node"):
             if not val.isdigit() or int(val) < 1:
                 raise UserError(a, "must be a positive integer.", f"For example {key}=32.")
             opts[key] = int(val)
@@ -118,7 +117,14 @@ def _split(ns):
             path = Path(val)
             if not path.is_file():
                 raise UserError(a, f"no file at {path}.", "Give a JSON or YAML file of {constant: value}.")
-            data = yaml.safe_load(path.read_text()) or {}
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+                mark = getattr(e, "problem_mark", None)
+                at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+                what = " ".join(str(getattr(e, "problem", None) or e).split())
+                raise UserError(a, f"{at} is not JSON or YAML ({what}).",
+                                "Give a file of {constant: value} (`apiary plan --constants` lists them).") from None
             if not isinstance(data, dict):
                 raise UserError(a, "must hold a mapping of planner constants to values.")
             calibration = {**_flatten(data), **calibration}

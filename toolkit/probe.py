@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 from torchtitan.distributed import utils as dist_utils
 
-from framework import devices, registry, run
+from framework import devices, recipes, registry, run
 from framework.build import trainer_config
 from framework.cli import train_main
 from framework.hydra_cli import ALIASES
@@ -272,12 +272,11 @@ def _parse(argv: list[str]):
 
 def _probe_args(rest: list[str], dump: Path):
     """Recipe and overrides for the probe's own trainer: same run, dump folder as output_dir."""
-    recipe, overrides = None, []
+    overrides = []
+    recipe, rest = recipes.split_recipe(rest)
     for a in rest:
         key, sep, val = a.partition("=")
-        if key == "recipe":
-            recipe = val
-        elif key in ("output_dir", "checkpoint.resume", "checkpoint.create_seed"):
+        if key in ("output_dir", "checkpoint.resume", "checkpoint.create_seed"):
             continue
         else:
             overrides.append(f"{ALIASES.get(key, key)}{sep}{val}" if sep else a)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from framework import kernel_cache, registry, run
+from framework import kernel_cache, recipes, registry, run
 from framework.errors import UserError
 from framework.hydra_cli import ALIASES
 from framework.resolve import resolve
@@ -52,13 +52,11 @@ def _key(a: str) -> str:
 
 def warmup_overrides(words: list[str], output_dir: str) -> tuple[str | None, list[str], list[str]]:
     """(recipe, overrides for resolve, notes on what warmup replaced); UserError for refused keys."""
-    recipe, out, notes = None, [], []
+    out, notes = [], []
+    recipe, words = recipes.split_recipe(words)
     for a in words:
         k = _key(a)
         val = a.split("=", 1)[1] if "=" in a else ""
-        if k == "recipe":
-            recipe = val
-            continue
         if k == "launcher.nproc" and val.strip() == "1":
             continue
         if k == "launcher" and val.strip() in registry.names("launcher") and \
@@ -69,6 +67,9 @@ def warmup_overrides(words: list[str], output_dir: str) -> tuple[str | None, lis
                             "belong to the job.", "Drop it here and pass it to `apiary launch` or `train`.")
         if k in ("output_dir", "checkpoint.resume"):
             notes.append(f"{a} is not used (warmup writes to a temporary directory it removes)")
+            continue
+        if k.startswith("checkpoint.") and k not in _SET:  # the job's saves and loads (warmup has none)
+            notes.append(f"{a} is not used (warmup saves and loads no checkpoint)")
             continue
         if k in _SET:
             if val != _SET[k]:

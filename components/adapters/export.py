@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from components.adapters import modules
-from components.adapters.base import BASE_FILE, describe
+from components.adapters.base import BASE_FILE, _files, describe
 from components.adapters.targets import is_adapter_param
 from components.models import hf
 from framework.errors import UserError
@@ -54,9 +54,8 @@ EXPORTED_BASE = "apiary_base.json"  # beside a PEFT export: the HF base it was t
 def check_exported_base(adapter_dir, base_dir, where: str) -> None:
     """An exported adapter folder applies to the HF base it was trained on: the files its
     ``apiary_base.json`` fingerprints must be those of ``base_dir`` (UserError naming the first that
-    differs). A folder without the file (another tool's adapter) is not checked."""
-    from components.adapters.base import _files  # reason: the same fingerprint a resume checks
-
+    differs). A folder without the file (another tool's adapter) is not checked (the fingerprint is
+    the one a resume checks)."""
     f = Path(adapter_dir) / EXPORTED_BASE
     if not f.is_file():
         return

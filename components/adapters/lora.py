@@ -120,6 +120,9 @@ class LoRA:
     def check(options: "LoRA.Options", ctx) -> None:
         type(options).__post_init__(options)
         cfg = ctx.cfg
+        # checkpoint.load_path is the frozen base, loaded here at every launch (checkpointing on or off,
+        # resumed or not): the framework's checks of what it loads leave it to the adapter
+        ctx.shared["checkpoint.load_path reader"] = "adapter=lora (the frozen base, loaded at every launch)"
         widths = _widths(ctx)
         if widths is not None:
             missing = [t for t in options.targets if t not in widths]

@@ -49,6 +49,7 @@ from torchtitan.protocols.module import Module
 
 from components.adapters.targets import is_adapter_param, linear_target
 from components.precision.fp8_targets import swap_config  # the config swap fp8 uses too
+from framework import compat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -313,28 +314,10 @@ def _spec(base: LoRASpec, fqn: str, **changes) -> LoRASpec:
     return dataclasses.replace(base, seed=(base.seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 62), **changes)
 
 
-def keep_frozen_through_parallelize() -> None:
-    """torchtitan 0.3.0's spmd_types parallelize re-registers every parameter as
-    ``nn.Parameter(distributed)``, which requires a gradient again: a frozen base (torchtitan's own
-    LoRA converter included) would train. Keep each parameter's ``requires_grad`` (once per process)."""
-    if getattr(Module._spmd_distribute_state, "_apiary_keeps_frozen", False):
-        return
-    original = Module._spmd_distribute_state
-
-    def distribute(self, parallel_dims, name, tensor, layout, *, is_param):
-        wanted = tensor.requires_grad
-        original(self, parallel_dims, name, tensor, layout, is_param=is_param)
-        if is_param and not wanted:
-            self._parameters[name].requires_grad_(False)
-
-    distribute._apiary_keeps_frozen = True
-    Module._spmd_distribute_state = distribute
-
-
 def convert(model_config, spec: LoRASpec, targets) -> tuple:
     """The model config with LoRA on ``targets`` and every other module frozen; returns
     (config, {target: number of adapted modules})."""
-    keep_frozen_through_parallelize()
+    compat.keep_frozen_through_distribute()  # torchtitan's parallelize would make the frozen base trainable
     targets = set(targets)
     found: dict[str, int] = {}
     # QKVLinear builds wk and wv from one config: give each its own (the same modules and names)

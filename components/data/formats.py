@@ -52,6 +52,9 @@ def _check_common(o: DataOptions, ctx) -> None:
     if o.sharding not in SHARDINGS:
         raise UserError(f"data.sharding={o.sharding}", f"unknown; valid: {', '.join(SHARDINGS)}.",
                         did_you_mean(str(o.sharding), SHARDINGS))
+    if o.num_workers < 0:
+        raise UserError(f"data.num_workers={o.num_workers}", "must be >= 0 (loader processes per rank: 0 loads in "
+                        "the training process, 1 in one background process).", "Set data.num_workers=0 or 1.")
     if o.num_workers not in (0, 1):
         raise UserError(f"data.num_workers={o.num_workers}", "each rank's loader is one ordered stream "
                         "(text windows or rollout rows dealt in blocks); with more than one worker process "
@@ -107,6 +110,7 @@ class Text:
         line = _validation_summary(options, ctx)
         if line:
             ctx.summary.append(line)
+        _check_enough_text(options, ctx)
 
     @staticmethod
     def summary(options: DataOptions, ctx) -> str:
@@ -135,6 +139,7 @@ class Text:
                             "(jsonl/json: one JSON object with a string 'text' per line; txt: UTF-8, a document "
                             "per line; parquet: a 'text' column).") from None
         kind = "packaged" if d.path is None else "local"
+        ctx.shared["text.source"] = summary  # _check_enough_text: at least one step's tokens
         return f"data: {summary.describe(kind, d.tokenizer)}, tokenizer {d.tokenizer}"
 
     @staticmethod
@@ -152,6 +157,34 @@ class Text:
             tc.validation_dataloader = text.PackedTextDataLoader.Config(dataset=held, sharding=options.sharding)
         _tokenizer(options, tc, ctx)
         tc.batch_keys, tc.step_keys = Text.BATCH_KEYS, Text.STEP_KEYS
+
+
+def _check_enough_text(d: DataOptions, ctx) -> None:
+    """A local ``data.path`` must hold at least the tokens one optimizer step trains on (global batch x
+    seq_len); with less, every batch repeats the same text and torchtitan re-loops the file, warning
+    at every pass. Tokens: the byte tokenizer's count, an upper bound for a subword tokenizer (each of
+    its tokens covers at least one byte); parquet is not read before launch and is not checked. The
+    packaged corpus (data.name=packaged, 251K tokens) is exempt: benchmarks re-loop it on purpose."""
+    summary = ctx.shared.get("text.source")
+    tokens = summary.tokens() if summary is not None and d.path is not None else None
+    if tokens is None or ctx.layout is None:
+        return
+    t = ctx.cfg.training
+    gb = int(t.global_batch) if t.global_batch is not None else int(t.local_batch) * ctx.layout.dp
+    need = gb * int(t.seq_len)
+    if tokens >= need:
+        return
+    how = ("the byte tokenizer's count" if d.tokenizer == "byte" else
+           f"at most that many for the tokenizer {d.tokenizer}, whose tokens cover at least one byte each")
+    batch = (f"training.global_batch={gb}" if t.global_batch is not None else
+             f"training.local_batch={t.local_batch} x {ctx.layout.dp} data-parallel rank(s) = {gb} sequences")
+    raise UserError(f"data.path={d.path}", f"holds {tokens:,} tokens ({summary.text_bytes:,} bytes of text in "
+                    f"{summary.documents:,} document(s) plus BOS and EOS each; {how}), fewer than one optimizer "
+                    f"step trains on: {batch} x training.seq_len={t.seq_len} = {need:,} tokens. Every step would "
+                    "train on the same text "
+                    "over and over (the loader re-loops the file many times per step).",
+                    f"Add text (at least {need:,} tokens), or lower training.seq_len and training.local_batch until "
+                    f"a step's sequences x seq_len is at most {tokens:,}.")
 
 
 def _check_validation_keys(d: DataOptions, ctx) -> None:

@@ -16,6 +16,13 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt
 
 
 HUB_FREE_NAMES = ("packaged", "local")  # data.name values that name no HuggingFace hub dataset
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark: some editors start a file with it; it is not part of the text
+
+
+def has_bom(path: str) -> bool:
+    """Whether a file starts with the UTF-8 byte-order mark (the loader then reads it as utf-8-sig)."""
+    with open(path, "rb") as fh:
+        return fh.read(3) == BOM
 
 
 def source_kind(name: str, path: str | None) -> str:
@@ -54,6 +61,12 @@ class TextSummary:
     files: list[str]
     documents: int
     text_bytes: int | None  # UTF-8 bytes of all documents (None for parquet: not read before launch)
+    with_text: int | None = None  # documents with more than whitespace (None for parquet)
+
+    def tokens(self) -> int | None:
+        """Tokens of the byte tokenizer (one per byte, plus BOS and EOS per document); for a subword
+        tokenizer an upper bound (each of its tokens covers at least one byte). None: unknown (parquet)."""
+        return None if self.text_bytes is None else self.text_bytes + 2 * self.documents
 
     def describe(self, kind: str, tokenizer: str) -> str:
         where = self.files[0] if len(self.files) == 1 else f"{self.path} ({len(self.files)} files)"
@@ -69,10 +82,12 @@ def _bad(f: str, line: int | None, what: str) -> ValueError:
     return ValueError(f"{f}:{line}: {what}" if line else f"{f}: {what}")
 
 
-def _inspect_json_lines(f: str) -> tuple[int, int]:
-    docs = nbytes = 0
+def _inspect_json_lines(f: str) -> tuple[int, int, int]:
+    docs = nbytes = with_text = 0
     with open(f, "rb") as fh:
         for i, raw in enumerate(fh, 1):
+            if i == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
             if not raw.strip():
                 continue
             try:
@@ -89,34 +104,39 @@ def _inspect_json_lines(f: str) -> tuple[int, int]:
                 raise _bad(f, i, f"each record needs a string 'text' field; {what}")
             docs += 1
             nbytes += len(rec["text"].encode("utf-8"))
-    return docs, nbytes
+            with_text += bool(rec["text"].strip())
+    return docs, nbytes, with_text
 
 
-def _inspect_json_array(f: str) -> tuple[int, int]:
+def _inspect_json_array(f: str) -> tuple[int, int, int]:
     try:
         recs = json.loads(Path(f).read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _bad(f, getattr(e, "lineno", None), f"not valid JSON ({getattr(e, 'msg', e)})") from None
-    docs = nbytes = 0
+    docs = nbytes = with_text = 0
     for rec in recs if isinstance(recs, list) else [recs]:
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
             raise _bad(f, None, f"record {docs + 1} needs a string 'text' field")
         docs += 1
         nbytes += len(rec["text"].encode("utf-8"))
-    return docs, nbytes
+        with_text += bool(rec["text"].strip())
+    return docs, nbytes, with_text
 
 
-def _inspect_txt(f: str) -> tuple[int, int]:
-    docs = nbytes = 0
+def _inspect_txt(f: str) -> tuple[int, int, int]:
+    docs = nbytes = with_text = 0
     with open(f, "rb") as fh:
         for i, raw in enumerate(fh, 1):
+            if i == 1 and raw.startswith(BOM):  # the loader reads such a file as utf-8-sig
+                raw = raw[len(BOM):]
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 raise _bad(f, i, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
             docs += 1  # the HF text loader makes one document of each line
             nbytes += len(line.encode("utf-8"))
-    return docs, nbytes
+            with_text += bool(line.strip())
+    return docs, nbytes, with_text
 
 
 def _inspect_parquet(f: str) -> int:
@@ -136,7 +156,10 @@ def inspect_local(path: str) -> TextSummary:
 
     Refused: nothing there, an unsupported suffix, a folder without a readable file, mixed formats,
     an empty file, a jsonl line that is not a JSON object with a string ``text``, non-UTF-8 text,
-    a parquet file without a ``text`` column. Reads every jsonl/txt line once (seconds per GB).
+    a parquet file without a ``text`` column, a JSON array file that starts with a byte-order mark
+    (the HF loader cannot read one), text whose every document is empty or whitespace only. A
+    byte-order mark at the start of a jsonl/json-lines/txt file is accepted and is not part of the
+    text (the loader reads such files as utf-8-sig). Reads every jsonl/txt line once (seconds per GB).
     """
     p = Path(path)
     known = ", ".join(sorted(LOCAL_FORMATS))
@@ -152,7 +175,7 @@ def inspect_local(path: str) -> TextSummary:
     if len(kinds) != 1:
         raise ValueError(f"{path}: files of several formats ({', '.join(sorted({Path(f).suffix for f in files}))}); "
                          "one folder holds one format")
-    docs, nbytes = 0, 0
+    docs, nbytes, with_text = 0, 0, 0
     for f in files:
         if not os.access(f, os.R_OK):
             raise _bad(f, None, "not readable (permissions)")
@@ -160,15 +183,30 @@ def inspect_local(path: str) -> TextSummary:
             raise _bad(f, None, "empty file")
         suffix = Path(f).suffix
         if suffix == ".parquet":
-            n, b = _inspect_parquet(f), None
+            n, b, t = _inspect_parquet(f), None, None
         elif suffix == ".txt":
-            n, b = _inspect_txt(f)
-        elif suffix == ".json" and Path(f).read_bytes()[:4096].lstrip()[:1] == b"[":
-            n, b = _inspect_json_array(f)
+            n, b, t = _inspect_txt(f)
+        elif suffix == ".json" and _starts_array(f):
+            if has_bom(f):
+                raise _bad(f, None, "is a JSON array that starts with a UTF-8 byte-order mark, which the loader "
+                           "cannot read (it reads a byte-order mark only in JSON lines); save it without the mark, "
+                           "or as .jsonl (one object per line)")
+            n, b, t = _inspect_json_array(f)
         else:
-            n, b = _inspect_json_lines(f)
+            n, b, t = _inspect_json_lines(f)
         if n == 0:
             raise _bad(f, None, "holds no documents (only blank lines or no rows)")
         docs += n
         nbytes = None if b is None or nbytes is None else nbytes + b
-    return TextSummary(path=str(path), files=files, documents=docs, text_bytes=nbytes)
+        with_text = None if b is None or with_text is None else with_text + t
+    if with_text == 0:
+        raise ValueError(f"{path}: all {docs:,} documents are empty or whitespace only, so there is nothing to "
+                         "train on (the model would see only the begin- and end-of-document tokens)")
+    return TextSummary(path=str(path), files=files, documents=docs, text_bytes=nbytes, with_text=with_text)
+
+
+def _starts_array(f: str) -> bool:
+    """A .json file holding one JSON array (rather than JSON lines), a byte-order mark ignored."""
+    with open(f, "rb") as fh:
+        head = fh.read(4096)
+    return (head[len(BOM):] if head.startswith(BOM) else head).lstrip()[:1] == b"["

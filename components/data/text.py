@@ -19,7 +19,14 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
-from components.data.local_text import LOCAL_FORMATS, PACKAGED_CORPUS, held_out_count, local_data_files, source_kind  # noqa: F401
+from components.data.local_text import (  # noqa: F401
+    LOCAL_FORMATS,
+    PACKAGED_CORPUS,
+    has_bom,
+    held_out_count,
+    local_data_files,
+    source_kind,
+)
 
 
 def _text_of(sample: dict) -> str:
@@ -31,7 +38,11 @@ def _load_local(path: str) -> "object":
     kinds = {LOCAL_FORMATS[Path(f).suffix] for f in files}
     if len(kinds) != 1:
         raise ValueError(f"{path}: expected files of one format among {sorted(LOCAL_FORMATS)}")
-    return load_dataset(kinds.pop(), data_files=files, split="train")
+    kind = kinds.pop()
+    # a file that starts with a UTF-8 byte-order mark: read as utf-8-sig, so the mark is dropped (the
+    # pre-launch check reads it the same way); other files keep the loader's plain utf-8 fast path
+    extra = {"encoding": "utf-8-sig"} if kind in ("json", "text") and any(map(has_bom, files)) else {}
+    return load_dataset(kind, data_files=files, split="train", **extra)
 
 
 def _load_part(path: str, part: str, fraction: float) -> "object":

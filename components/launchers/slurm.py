@@ -124,6 +124,26 @@ class SlurmLauncher:
                             f"({int(limit)} s).", "Lower launcher.preempt_signal_s or raise launcher.time.")
         if opts.cpus_per_task is not None and opts.cpus_per_task < 1:
             raise UserError(f"launcher.cpus_per_task={opts.cpus_per_task}", "must be >= 1.")
+        for key in ("partition", "account", "qos", "job_name", "mem"):  # one #SBATCH word each
+            value = getattr(opts, key)
+            if value is None:
+                continue
+            if not str(value).strip():
+                raise UserError(f"launcher.{key}=", f"is empty, so sbatch --{key.replace('_', '-')} would be left "
+                                "out and Slurm's default used.", f"Name one, or leave {key} out (null) for the "
+                                "cluster's default.")
+            if any(c.isspace() for c in str(value)):
+                raise UserError(f"launcher.{key}={value}", "holds a space: the #SBATCH line would end at it "
+                                f"(sbatch --{key.replace('_', '-')} takes one word).",
+                                "Use one without spaces" + (" (several partitions: a comma-separated list)."
+                                                            if key == "partition" else "."))
+        if opts.mem is not None and not re.fullmatch(r"\d+[KMGT]?", str(opts.mem), re.IGNORECASE):
+            raise UserError(f"launcher.mem={opts.mem}", "is not a Slurm memory size (sbatch --mem: a whole number "
+                            "of megabytes, or with a unit K, M, G or T; 0: all of a node's memory).",
+                            "For example mem=500G, or mem=0.")
+        if opts.rdzv_port is not None and not 0 < int(opts.rdzv_port) < 65536:
+            raise UserError(f"launcher.rdzv_port={opts.rdzv_port}", "must be a TCP port (1-65535), or null (20000 + "
+                            "SLURM_JOB_ID % 20000).", "For example rdzv_port=29400, or leave it out.")
         template_path(opts)  # raises when missing
 
     @staticmethod

@@ -137,6 +137,7 @@ class ModelFacts:
     shared_expert_hidden_dim: int = 0
     source: str = ""  # where the architecture came from when not the flavor (an HF folder)
     max_seq_len: int = 0  # RoPE length of the attention layers (0: unknown / no limit)
+    layer_mixers: tuple = ()  # each layer's mixer kind ("attention" | "linear_attention"); (): all attention
 
 
 

@@ -42,6 +42,7 @@ from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors dtypes a weight may have
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
@@ -79,7 +80,52 @@ def read_config(path, *, text: bool = True) -> dict:
     if text and isinstance(c.get("text_config"), dict):
         tc = c["text_config"]
         c = {**tc, "tie_word_embeddings": tc.get("tie_word_embeddings", c.get("tie_word_embeddings", False))}
+    check_dims(c, path)
     return c
+
+
+# config.json sizes that must be integers >= 1 when present (null: the family's default); the
+# expert counts may be 0 (a dense model) except in an MoE model_type
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
+             "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval")
+_NON_NEGATIVE = ("num_experts", "num_local_experts", "shared_expert_intermediate_size")
+
+
+def check_dims(c: dict, path) -> None:
+    """Every size config.json gives is an integer >= 1 (expert counts >= 0, >= 1 in an MoE model_type),
+    the attention heads split into the KV heads and top-k is at most the experts: a user error naming
+    the file and every bad field (before, a negative size failed deep inside torch)."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    bad = []
+    for k in _POSITIVE:
+        v = c.get(k)
+        if v is not None and not (is_int(v) and v >= 1):
+            bad.append(f"{k}={json.dumps(v)} (must be an integer >= 1)")
+    moe = "moe" in str(c.get("model_type", ""))
+    for k in _NON_NEGATIVE:
+        v = c.get(k)
+        least = 1 if moe and k in ("num_experts", "num_local_experts") else 0
+        if v is not None and not (is_int(v) and v >= least):
+            rule = f">= 1 in an MoE model, model_type={c['model_type']}" if least else ">= 0"
+            bad.append(f"{k}={json.dumps(v)} (must be an integer {rule})")
+    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
+    if is_int(heads) and is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
+        bad.append(f"num_attention_heads={heads} with num_key_value_heads={kv} (the query heads must split evenly "
+                   "into the key/value heads)")
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    top_k = c.get("num_experts_per_tok")
+    if is_int(experts) and is_int(top_k) and experts >= 1 and top_k > experts:
+        bad.append(f"num_experts_per_tok={top_k} with {experts} experts (a token cannot pick more experts than exist)")
+    if bad:
+        where = "config.json" if isinstance(path, dict) else str(Path(path) / "config.json")
+        raise UserError(_where("(config)" if isinstance(path, dict) else path), f"{where} has "
+                        f"{'; '.join(bad)}, so apiary cannot build a model from it.",
+                        "Use the config.json saved with the weights (transformers' save_pretrained), or correct "
+                        "the field.")
 
 
 def need(c: dict, path, *keys):
@@ -301,6 +347,15 @@ def check_weights(path, config, family_mod, n_layers: int) -> dict:
         raise UserError(_where(path), "the weights do not match its config.json: " + "; ".join(problems) + ".",
                         "Use the config.json saved with these weights, or re-save the model with "
                         "save_pretrained.")
+    fn = getattr(family_mod, "hf_key_shapes", None)
+    ints = [f"{k} ({dtype} in {f.name})" for k, (f, shape, dtype) in sorted(index.items(), key=lambda kv: _natural(kv[0]))
+            if dtype not in FLOAT_DTYPES and any(ck in want for ck, _ in (fn(k, shape) if fn else [(k, shape)]))]
+    if ints:
+        raise UserError(_where(path), f"{len(ints)} weight tensor(s) are not floating point: {_few(ints)}; loaded "
+                        "into the model's float parameters their integer values would be the weights (an integer "
+                        "tensor of zeros is a model that predicts uniformly).",
+                        "Use the model's floating-point (bf16, fp16 or fp32) weights; apiary does not load "
+                        "quantized or integer checkpoints.")
     return index
 
 
@@ -344,6 +399,7 @@ def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
                 if f not in handles:
                     handles[f] = safe_open(str(f), framework="pt")
                 raw[key] = handles[f].get_tensor(key)
+                check_finite(raw[key], key, f, path)
             if tied:  # torchtitan's adapters insist on an output head when embeddings are tied
                 raw["lm_head.weight"] = raw.get("model.embed_tokens.weight")
             for name, value in adapter.from_hf(raw).items():
@@ -370,6 +426,27 @@ def load_into(model: torch.nn.Module, path, adapter, *, canonical=None) -> None:
     if missing:
         raise UserError(_where(path), f"no weights for {len(missing)} parameters, e.g. {missing[:4]}.",
                         "Use the config.json saved with these weights.")
+
+
+def check_finite(t: torch.Tensor, key: str, file, path) -> None:
+    """A checkpoint tensor must be floating point and hold no NaN or Inf: a user error naming the
+    tensor and its file (a NaN weight would make step 1's loss NaN, which reads like divergence).
+    Checked as each tensor is loaded, in 16M-element pieces (a small temporary)."""
+    if not t.is_floating_point():
+        raise UserError(_where(path), f"tensor {key} in {Path(file).name} is {t.dtype}, not floating point.",
+                        "Use the model's floating-point (bf16, fp16 or fp32) weights.")
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), 1 << 24):
+        piece = flat[start:start + (1 << 24)]
+        if piece.element_size() == 1:  # float8: isfinite is not implemented for it everywhere
+            piece = piece.float()
+        if not bool(torch.isfinite(piece).all()):
+            bad = int((~torch.isfinite(flat)).sum())
+            raise UserError(_where(path), f"tensor {key} in {Path(file).name} holds {bad:,} NaN or Inf value(s) "
+                            f"(of {flat.numel():,}); training from it would give a NaN loss at step 1, which is "
+                            "the checkpoint's fault, not the learning rate's.",
+                            "Download or export the weights again (compare checksums with the source); if the "
+                            "source itself holds them, use another checkpoint of the model.")
 
 
 def causal_masks(model, tokens, positions=None):

@@ -51,15 +51,6 @@ class YaRN:
         """The RoPE length it extends to: original positions x factor."""
         return int(self.original_max_position_embeddings * self.factor)
 
-    def rope(self, dim: int, theta: float, max_seq_len: int):
-        """torchtitan's RoPE config with these frequencies (components/models/qwen3_build.YaRNRoPE)."""
-        from components.models.qwen3_build import YaRNRoPE  # reason: torchtitan, on first build
-
-        return YaRNRoPE.Config(dim=dim, theta=theta, max_seq_len=max(max_seq_len, self.max_seq_len), scaling="yarn",
-                               rope_factor=self.factor, original_seq_len=self.original_max_position_embeddings,
-                               beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
-                               attention_factor=self.attention_factor)
-
 
 # The Qwen3 model cards' long-context setting (config.json of Qwen3-30B-A3B and Qwen3-235B-A22B:
 # max_position_embeddings 40960; their cards add rope_scaling yarn, factor 4.0, original 32768 -> 131072)

@@ -100,6 +100,8 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
         n_linear_attention_layers=a.n_layers - n_attn, linear_attn=linear,
         shared_expert_hidden_dim=a.shared_expert_hidden_dim,
         source=_source(a, hf_checkpoint), max_seq_len=a.max_seq_len if n_attn else 0,
+        layer_mixers=tuple("attention" if (i + 1) % a.full_attention_interval == 0 else "linear_attention"
+                           for i in range(a.n_layers)),
     )
 
 

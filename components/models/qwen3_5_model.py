@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
@@ -30,7 +29,7 @@ from torchtitan.models.utils import get_moe_model_nparams_and_flops
 
 from components.models.gated_deltanet import CPInfo, GDNContext
 from components.models.qwen3_5_hf import load_hf
-from framework import devices
+from framework import compat, devices
 
 LOAD_BALANCERS = {None: "contiguous", "none": "contiguous", "headtail": "zigzag"}  # -> GDN layout
 
@@ -207,7 +206,7 @@ def parallelize_qwen35_text(model: Qwen35TextModel, *, parallel_dims, training, 
         devices.prepare_context_parallel()
         # torch shards the BlockMask with its default (head-tail) balancer when torchtitan passes
         # none; keep masks and tokens in the same order.
-        _cp_options.enable_load_balance = balancer == "headtail"
+        compat.set_cp_block_mask_load_balance(balancer == "headtail")
         model.set_context_parallel(CPInfo(group=mesh.get_group(), world=mesh.size(),
                                           rank=mesh.get_local_rank(), layout=LOAD_BALANCERS[balancer]))
         attns = [b.attn.inner_attention for b in model.layers.values() if b.full_attn]

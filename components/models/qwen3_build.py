@@ -54,11 +54,19 @@ def yarn_attention_factor(rope) -> float:
     return 0.1 * math.log(rope.rope_factor) + 1.0 if rope.rope_factor > 1.0 else 1.0
 
 
+def yarn_rope(y: YaRN, dim: int, theta: float, max_seq_len: int) -> YaRNRoPE.Config:
+    """torchtitan's RoPE config with ``y``'s YaRN frequencies over ``dim`` and ``theta``."""
+    return YaRNRoPE.Config(dim=dim, theta=theta, max_seq_len=max(max_seq_len, y.max_seq_len), scaling="yarn",
+                           rope_factor=y.factor, original_seq_len=y.original_max_position_embeddings,
+                           beta_fast=y.beta_fast, beta_slow=y.beta_slow, truncate=y.truncate,
+                           attention_factor=y.attention_factor)
+
+
 def with_yarn(config, yarn: YaRN):
     """Every attention layer's RoPE replaced by ``yarn`` over the same head dim and theta."""
     for layer in config.layers:
         r = layer.attention.rope
-        layer.attention.rope = yarn.rope(r.dim, r.theta, r.max_seq_len)
+        layer.attention.rope = yarn_rope(yarn, r.dim, r.theta, r.max_seq_len)
     return config
 
 
@@ -195,7 +203,7 @@ def _yarn_of(rope: dict, c: dict, path) -> YaRN:
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
                  hf_checkpoint: str | None = None) -> HFQwen3Model.Config:
     """Arch -> torchtitan Qwen3 config (separate q/k/v projections, the HF layout)."""
-    rope = (a.yarn.rope(a.head_dim, a.rope_theta, a.max_seq_len) if a.yarn else
+    rope = (yarn_rope(a.yarn, a.head_dim, a.rope_theta, a.max_seq_len) if a.yarn else
             CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta))
     shared = dict(n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                   attn_backend=attn_backend, rope=rope, fuse_qkv=False)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from framework import compat
+
 
 class AllToAllSingle(torch.autograd.Function):
     @staticmethod
@@ -38,8 +40,5 @@ def combine_token_exchange(self, routed_output_RD, pg, input_splits, output_spli
 
 def install() -> None:
     """gloo handles uneven EP splits only through all_to_all_single: point torchtitan's
-    all-to-all dispatcher at the functions above."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # reason: after devices.install
-
-    AllToAllTokenDispatcher._dispatch_token_exchange = dispatch_token_exchange
-    AllToAllTokenDispatcher._combine_token_exchange = combine_token_exchange
+    all-to-all dispatcher at the functions above (the patch: framework/compat.py)."""
+    compat.route_token_exchange(dispatch_token_exchange, combine_token_exchange)

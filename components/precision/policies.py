@@ -38,6 +38,7 @@ from typing import Literal
 
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
+from framework import compat
 from framework.contracts import PlanTerms, Term, check_choices
 from framework.errors import UserError
 
@@ -339,18 +340,9 @@ def patch_checkpoint_storage_check() -> None:
     fails ("Attempted to access the data pointer on an invalid python storage") on every load and
     save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
     tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
-    the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back."""
-    from torchtitan.components.checkpointer import base  # reason: start-up time (torchtitan)
-
-    if getattr(base.ModelWrapper, "_apiary_plain", False):
-        return
-
-    def _get_state_dict(self):
-        return {k: plain_tensor(v) for model in self.model for k, v in model.state_dict().items()}
-
-    base.ModelWrapper._get_state_dict = _get_state_dict
-    base.ModelWrapper._apiary_plain = True
-    base._shares_storage = _shares_storage
+    the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back (the
+    patch: framework/compat.py)."""
+    compat.plain_checkpoint_state_dict(plain_tensor, _shares_storage)
 
 
 def device_problem(scaling: str) -> str | None:

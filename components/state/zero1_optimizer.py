@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torchtitan.distributed.utils as dist_utils
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -25,35 +22,11 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from components.state.common import host_threads, local, materialize_state, torch_threads
-from framework import devices
+from framework import compat, devices
 
 # --------------------------------------------------------------------------------------
 # parallelize: torchtitan's model parallelism (EP/TP/CP/PP, AC, compile) without FSDP
 # --------------------------------------------------------------------------------------
-
-
-def _skip_fsdp(*args, **kwargs) -> None:
-    return None
-
-
-@contextmanager
-def _fsdp_wrappers_disabled():
-    """torchtitan's parallelize functions (and apiary's model wrappers) call ``apply_fsdp*``
-    helpers they import by name; make those no-ops for the duration of one parallelize call."""
-    patched = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name.startswith(("torchtitan.models.", "components.models."))
-                               or name == "torchtitan.distributed.fsdp"):
-            continue
-        for attr in list(vars(mod)):
-            if attr.startswith("apply_fsdp") and callable(getattr(mod, attr)):
-                patched.append((mod, attr, getattr(mod, attr)))
-                setattr(mod, attr, _skip_fsdp)
-    try:
-        yield
-    finally:
-        for mod, attr, fn in patched:
-            setattr(mod, attr, fn)
 
 
 def without_fsdp(parallelize_fn):
@@ -62,7 +35,9 @@ def without_fsdp(parallelize_fn):
 
     def parallelize(model, **kwargs):
         parallel_dims = kwargs["parallel_dims"]
-        with _fsdp_wrappers_disabled():
+        # torchtitan's parallelize functions (and apiary's model wrappers) call ``apply_fsdp*``
+        # helpers they import by name: no-ops for the duration of this call
+        with compat.fsdp_wrappers_disabled(("components.models.",)):
             model = parallelize_fn(model, **kwargs)
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             raise RuntimeError("state=zero1: the model's parallelize_fn applied FSDP through a path apiary "
@@ -281,7 +256,7 @@ class Zero1Optimizers(OptimizersContainer):
             self._install_checkpoint_hooks()
         self._slot_by_fqn = {s.fqn: (b, s) for b in self.buckets for s in b.slots}
         self._reduced = False
-        _install_clip_dispatch()
+        compat.patch_clip_grad_norm()  # clip_grad_norm_ asks this optimizer for its parameters (GRAD_CLIP_OWNER)
         torch.optim.Optimizer.__init__(self, [p for m in model_parts for p in m.parameters() if p.requires_grad], {})
 
     def _init_masters(self, reduce_dtype) -> None:
@@ -311,7 +286,7 @@ class Zero1Optimizers(OptimizersContainer):
         for b in self.buckets:
             for s in b.slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(b, s)))
-                s.param._apiary_zero1_owner = self
+                setattr(s.param, compat.GRAD_CLIP_OWNER, self)
 
     def _make_optimizers(self, bucket_group: list[int], impl: dict) -> None:
         """One torch optimizer per param group, over the owned master chunks."""
@@ -399,7 +374,10 @@ class Zero1Optimizers(OptimizersContainer):
         self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
-        """Reduce the gradients, return the global norm and clip the owned rows in place."""
+        """Reduce the gradients, return the global norm and clip the owned rows in place. torchtitan's
+        trainer calls its ``clip_grad_norm_`` on the model's parameters, but the reduced gradients live
+        in this optimizer's buckets: framework.compat's ``patch_clip_grad_norm`` routes the call here
+        for parameters that name this optimizer as their ``GRAD_CLIP_OWNER``."""
         if float(norm_type) != 2.0:
             raise NotImplementedError("state=zero1 clips by the 2-norm only")
         self._reduce()
@@ -585,28 +563,3 @@ class Zero1Optimizers(OptimizersContainer):
                 incompatible_keys.missing_keys.remove(key)
         with torch.no_grad():
             self._params_from_masters()
-
-
-# --------------------------------------------------------------------------------------
-# gradient clipping: torchtitan's trainer calls dist_utils.clip_grad_norm_ on the model's
-# parameters; for zero1 parameters the reduced gradients live in the optimizer's buckets.
-# --------------------------------------------------------------------------------------
-
-_ORIGINAL_CLIP = None
-
-
-def _install_clip_dispatch() -> None:
-    global _ORIGINAL_CLIP
-    if _ORIGINAL_CLIP is not None:
-        return
-    _ORIGINAL_CLIP = dist_utils.clip_grad_norm_
-
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
-                        pp_mesh=None, ep_enabled=False):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        owner = getattr(params[0], "_apiary_zero1_owner", None) if params else None
-        if owner is not None:
-            return owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        return _ORIGINAL_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-
-    dist_utils.clip_grad_norm_ = clip_grad_norm_

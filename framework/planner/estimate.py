@@ -86,7 +86,7 @@ def shapes_and_context(resolved, c: Constants, hw: Hardware) -> tuple[Shapes, Pl
     """The model's shapes on this layout, and what plan_terms get as ``ctx.plan`` (stage: the only one)."""
     sh = Shapes.of(resolved, c)
     return sh, PlanContext(constants=c, hw=hw, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts,
-                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node))
+                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node), saved=sh.saved)
 
 
 @dataclass
@@ -153,6 +153,41 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
     return stage, terms, last
 
 
+def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_cap: int,
+                     warnings: list[str]) -> None:
+    """A recompute component that plans by memory budget lists ``facts["candidates"]`` in increasing
+    memory (decreasing step time): take the last whose total fits ``mem_cap`` (or the component's
+    ``facts["budget_bytes"]``) less its ``facts["margin"]`` (binary search: totals only grow along
+    the list), the first when none does.
+    The chosen candidate replaces the component's terms; its facts get "reason"."""
+    rec = asked.terms["recompute"]
+    cands = rec.facts.get("candidates")
+    if not cands:
+        return
+    mem_cap = int(rec.facts.get("budget_bytes") or mem_cap)
+    budget = mem_cap * (1 - float(rec.facts.get("margin", 0.0)))
+
+    def total(i):
+        trial = Asked(names=asked.names, terms={**asked.terms, "recompute": cands[i]})
+        return sum(x.bytes for x in stage_memory(resolved, sh, trial, pc, [])[1])
+
+    lo, hi = 0, len(cands) - 1
+    if total(lo) > budget:
+        best, fits = 0, False
+    else:
+        while lo < hi:  # the last index whose total fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
+        best, fits = lo, True
+    chosen = cands[best]
+    why = (f"planned {total(best) / GiB:,.1f} GiB of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
+           f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
+    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why},
+                                       notes=[*chosen.notes, why])
+    if not fits:
+        warnings.append(f"recompute: no per-block choice fits {budget / GiB:,.1f} GiB; planned with full recompute.")
+
+
 def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = None,
          gpus_per_node: int | None = None, calibration: dict | None = None, constants: Constants | None = None,
          loss: str | None = None, state: str | None = None, recompute: str | None = None,
@@ -170,6 +205,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     sh, pc = shapes_and_context(resolved, c, hw)
     warnings = list(sh.warnings)
     asked = ask_components(resolved, ch, pc, warnings)
+    choose_candidate(resolved, sh, asked, pc, mem_cap, warnings)
     rc = asked.names["recompute"]
     stage, terms, last = stage_memory(resolved, sh, asked, pc, warnings)
     warnings[:] = list(dict.fromkeys(warnings))  # each stage may have said the same
@@ -209,6 +245,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 tflops_per_gpu=st.model_flops_gpu / step / 1e12 if step else 0.0,
                 tokens_per_s_per_gpu=st.tokens_step / W / step if step else 0.0, assumptions=assumptions,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
+                                                        **({"recompute_blocks": asked.terms["recompute"].facts["blocks"],
+                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", "")}
+                                                           if "blocks" in asked.terms["recompute"].facts else {}),
                                                         "adapter": asked.names["adapter"],
                                                         "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},
                 warnings=warnings)

@@ -133,26 +133,76 @@ class Shapes:
 # terms of one stage
 
 
+def block_elements(sh: Shapes, keep_partial: dict) -> dict[str, dict[str, float]]:
+    """Activation elements one token saves in one block (mixer + FFN + norms) of each mixer kind, by
+    what the block keeps: "kept" all of them, "partial" ``keep_partial`` of each kind (norm inputs
+    kept), "recomputed" the block input only."""
+    f, saved, counts = sh.f, sh.saved, sh.counts
+    ffn = "moe" if counts["moe"] > 0 else "mlp"
+    out = {}
+    for mixer in ("attention", "linear_attention"):
+        parts = (mixer, ffn)
+        out[mixer] = {"kept": sum(saved[k] for k in parts) + saved["norms"],
+                      "partial": sum(saved[k] * keep_partial.get(k, 0.5) for k in parts) + saved["norms"],
+                      "recomputed": float(f.dim)}
+    return out
+
+
+def _factor(c, mixer: str, ffn: str) -> float:
+    """What autograd saves in a kept block of this mixer and FFN kind over the counted elements."""
+    f = c.saved_activation_factor
+    return float(f.get(f"{mixer}+{ffn}", 1.0)) if isinstance(f, dict) else float(f)
+
+
+def _mixed_activations(sh: Shapes, rec: PlanTerms, in_flight: int) -> tuple[Term, dict[str, float]]:
+    """Saved activations of a per-block mix of policies (``rec.facts["blocks"]``), and the elements
+    the worst policy present reruns in one block of each mixer kind."""
+    Tt, c = sh.Tt, sh.c
+    ffn = "moe" if sh.counts["moe"] > 0 else "mlp"
+    elems = block_elements(sh, rec.facts.get("keep", {}))
+    per_tok, redo, desc = 0.0, {}, []
+    for mixer, by_policy in rec.facts["blocks"].items():
+        for policy, n in by_policy.items():
+            if n:
+                per_tok += n * elems[mixer][policy] * (_factor(c, mixer, ffn) if policy == "kept" else 1.0)
+                desc.append(f"{n:g} {mixer} {policy}")
+                redo[mixer] = max(redo.get(mixer, 0.0), elems[mixer]["kept"] - elems[mixer][policy])
+    term = Term("activations", in_flight * Tt * per_tok, c.act_bytes, "activations",
+                f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {per_tok:,.0f} saved elements per token per "
+                f"stage (blocks: {', '.join(desc)}; kept blocks x the fitted saves of their kind)")
+    return term, redo
+
+
 def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int) -> list[Term]:
     """Saved activations of the microbatches in flight, and one block's backward working set."""
     f, c, pp, Tt, saved, counts = sh.f, sh.c, sh.lay.pp, sh.Tt, sh.saved, sh.counts
     ab = c.act_bytes
-    keep = rec.facts["keep"]
-    if rec.facts.get("inputs_only"):
+    keep = rec.facts.get("keep", {})
+    mixer = max((k for k in ("attention", "linear_attention") if counts[k] > 0), key=lambda k: saved[k],
+                default="attention")
+    ffn = "moe" if counts["moe"] > 0 else "mlp"
+    block_elems = saved[mixer] + saved[ffn] + saved["norms"]
+    if "blocks" in rec.facts:
+        term, redo = _mixed_activations(sh, rec, in_flight)
+        t = [term]
+        redo_elems = max(redo.values(), default=0.0)
+    elif rec.facts.get("inputs_only"):
         t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
                   f"dim {f.dim} (block inputs only)")]
+        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
+    elif all(keep.get(k, 0) >= 1 for k in saved):  # every block kept: the blocks' fitted saves
+        kept = {m: {"kept": counts[m]} for m in ("attention", "linear_attention") if counts[m] > 0}
+        term, _ = _mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": kept}), in_flight)
+        t = [term]
+        redo_elems = 0.0
     else:
         per_tok = sum(counts[k] * saved[k] * keep[k] for k in saved)
         t = [Term("activations", in_flight * Tt * per_tok, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {per_tok:,.0f} saved elements "
                   f"per token per stage ({recompute})")]
+        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
     # the largest block (mixer + FFN + norms) rerun in backward (the part not kept) + its gradients
-    mixer = max((k for k in ("attention", "linear_attention") if counts[k] > 0), key=lambda k: saved[k],
-                default="attention")
-    ffn = "moe" if counts["moe"] > 0 else "mlp"
-    block_elems = saved[mixer] + saved[ffn] + saved["norms"]
-    redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
     t.append(Term("activation_working_set", Tt * (redo_elems + c.grad_working_factor * block_elems), ab,
                   "activations", f"one {mixer} + {ffn} block: {Tt:,.0f} tokens x ({redo_elems:,.0f} recomputed + "
                   f"{c.grad_working_factor:g} x {block_elems:,.0f} gradient) elements x {ab:g} B"))

@@ -63,3 +63,12 @@ def ask(kind: str, name: str, ctx, warnings: list[str]) -> tuple[str, PlanTerms]
     warnings.append(f"{kind} {name!r} is unknown to the planner; estimated as {base}"
                     + (f" ({summary})." if summary else "."))
     return base, terms
+
+
+def plans_by_budget(component) -> bool:
+    """Whether a recompute component's plan terms list candidates by memory (recompute=auto): its
+    Options declare ``budget_gib``."""
+    import dataclasses  # reason: only asked for the recompute kind
+
+    opts = getattr(component, "Options", None)
+    return opts is not None and any(f.name == "budget_gib" for f in dataclasses.fields(opts))

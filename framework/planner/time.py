@@ -94,7 +94,7 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
     sh, hw = inp.sh, inp.hw
     f, c, lay, mb, seq = sh.f, sh.c, sh.lay, sh.mb, sh.seq
     cp, ep, pp, tp, g = lay.cp, lay.ep, lay.pp, lay.tp, c.gpus_per_node
-    reruns = int(inp.recompute.facts.get("forward_reruns", 0))
+    reruns = float(inp.recompute.facts.get("forward_reruns", 0))  # a fraction under a per-block mix
     micro = sh.grad_accum * sh.n_mb  # microbatches per optimizer step
     T_rank = mb * seq / cp / tp
     comm = {}

@@ -28,11 +28,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from framework import lifecycle
-from framework.errors import EXIT_PREEMPTED
+from framework import compat, lifecycle
+from framework.errors import EXIT_PREEMPTED, EXIT_STOP_NOW
 
-EXIT_CODE = EXIT_PREEMPTED  # 75, EX_TEMPFAIL (sysexits.h): stopped on request with a checkpoint; run it again
-STOP_NOW_EXIT_CODE = 130  # a second SIGINT: stop at once, no checkpoint
+EXIT_CODE = EXIT_PREEMPTED  # stopped on request with a checkpoint; run it again
+STOP_NOW_EXIT_CODE = EXIT_STOP_NOW  # a second SIGINT: stop at once, no checkpoint
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 SAME_DELIVERY_S = 0.3  # a SIGINT this soon after the first is the same one relayed twice (srun + torchrun)
 
@@ -245,16 +245,6 @@ def exit_if_stopped(guard: Guard | None = None) -> None:
 
 
 def _hook_trainer_class() -> None:
-    """Hook every torchtitan Trainer when its train() starts (used by ``main``)."""
-    from torchtitan.trainer import Trainer  # reason: imported after arm() (python -m framework.preempt)
-
-    if getattr(Trainer.train, "_apiary_preempt", False):
-        return
-    original = Trainer.train
-
-    def train(self, *args, **kwargs):
-        install(self)
-        return original(self, *args, **kwargs)
-
-    train._apiary_preempt = True
-    Trainer.train = train
+    """Hook every torchtitan Trainer when its train() starts (used by ``main``; torchtitan is
+    imported by compat after arm())."""
+    compat.hook_trainer_train(install)

@@ -62,6 +62,7 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from framework import recipes
 from framework.errors import UserError, did_you_mean
 from framework.hydra_cli import ALIASES
 from toolkit import argparsing
@@ -139,11 +140,10 @@ def parse_args(argv: list[str], ns=None) -> Options:
     o = Options(argv=list(argv), json=ns.json, check=ns.check, probe=ns.probe, keep_checkpoints=ns.keep_checkpoints,
                 tol=ns.tol, jobs=ns.jobs, timeout=ns.timeout, max_numel=ns.max_numel)
     plain: list[str] = []
-    for a in ns.overrides:
+    o.recipe, rest = recipes.split_recipe(ns.overrides)
+    for a in rest:
         name, eq, val = a.partition("=")
-        if name == "recipe" and eq:
-            o.recipe = val
-        elif name == "output_dir" and eq:
+        if name == "output_dir" and eq:
             o.output_dir = val
         else:
             plain.append(f"{ALIASES.get(name, name)}={val}" if eq else a)

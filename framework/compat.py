@@ -1,0 +1,486 @@
+"""Every change apiary makes to a third-party library's internals, and every private name of
+Hydra it calls, in one place.
+
+Each function below is one patch: its docstring says what it changes, why, and the version it was
+written against (torch 2.14.1, torchtitan 0.3.0, Triton 3.8.0, hydra-core 1.3.8; pyproject.toml
+pins the first three and keeps hydra-core below 1.4). Each is idempotent (a second call changes
+nothing) and is called from where apiary needs it (the device shims, the trainer, a component's
+``apply``). ``TARGETS`` lists what each
+patch replaces or reads; tests/test_compat.py checks that every target still exists with the
+signature the patch expects, so an upgrade that moves one fails there rather than in a run.
+
+Importing this module imports nothing heavy: torch, torchtitan, Triton and Hydra's internals are
+imported inside the functions, so ``import framework`` and the command line's start-up stay free
+of them (docs/skills/startup.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import sys
+import warnings
+from types import SimpleNamespace
+
+# patch -> the third-party names it replaces or reads ("module:attribute.path")
+TARGETS: dict[str, tuple[str, ...]] = {
+    "patch_torch_cpu_module": ("torch.cpu:current_device",),
+    "report_cpu_device_type": ("torch._utils:_get_available_device_type",),
+    "eager_cp_block_masks": ("torch.distributed.tensor.experimental._context_parallel._attention:"
+                             "_compiled_create_block_mask",),
+    "set_cp_block_mask_load_balance": ("torch.distributed.tensor.experimental._context_parallel._attention:"
+                                       "_cp_options.enable_load_balance",),
+    "eager_block_masks": ("torchtitan.models.common.attention:_compiled_create_block_mask",),
+    "compile_flex_attention": ("torchtitan.models.common.attention:FlexAttention._compiled_flex_attn",
+                               "torchtitan.models.common.attention:FlexAttention.inductor_configs"),
+    "init_weights_from_seed": ("torchtitan.distributed.utils:set_determinism",
+                               "torchtitan.protocols.model:BaseModel.init_weights"),
+    "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_",),
+    "fsdp_wrappers_disabled": ("torchtitan.distributed.fsdp:apply_fsdp_to_decoder",),
+    "hook_trainer_train": ("torchtitan.trainer:Trainer.train",),
+    "plain_checkpoint_state_dict": ("torchtitan.components.checkpointer.base:ModelWrapper._get_state_dict",
+                                    "torchtitan.components.checkpointer.base:_shares_storage"),
+    "route_token_exchange": ("torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._dispatch_token_exchange",
+                             "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._combine_token_exchange"),
+    "keep_frozen_through_distribute": ("torchtitan.protocols.module:Module._spmd_distribute_state",),
+    "prune_autotune_configs": ("triton.runtime.autotuner:Autotuner.prune_configs",),
+    "lock_autotune_disk_cache": ("triton.runtime.autotuner:Autotuner.check_disk_cache",),
+    "set_autotuning_listener": ("triton.knobs:autotuning.listener",),
+    "cache_existing_autotuners": ("triton.runtime.autotuner:Autotuner",),
+    "hydra_args_parser": ("hydra._internal.utils:get_args_parser",),
+    "hydra_for_config_dir": ("hydra._internal.hydra:Hydra.create_main_hydra2",
+                             "hydra._internal.utils:create_config_search_path"),
+    "hydra_sanitized_cfg": ("hydra._internal.hydra:Hydra.get_sanitized_hydra_cfg",),
+    "hydra_split_sweep": ("hydra._internal.core_plugins.basic_sweeper:BasicSweeper.split_arguments",),
+}
+
+# Private names apiary reads (imports or calls) without patching them: "module:name" -> where.
+# tests/test_compat.py checks that each still exists, and that every private third-party import
+# in framework/, components/ and toolkit/ is listed here.
+PRIVATE_NAMES: dict[str, str] = {
+    "torch:_grouped_mm": "components/models/common.py, components/moe/chunked_experts.py, components/adapters/modules.py",
+    "torch:_foreach_norm": "components/state/zero1_optimizer.py",
+    "torch:_foreach_mul_": "components/state/zero1_optimizer.py",
+    "torch._dynamo.utils:compilation_time_metrics": "framework/first_step.py",
+    "torch._inductor.runtime.cache_dir_utils:default_cache_dir": "framework/kernel_cache.py",
+    "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "components/precision/policies.py",
+    "torch.distributed.tensor._utils:compute_local_shape_and_global_offset": "components/state/zero1_optimizer.py",
+    "torch.distributed.tensor.placement_types:_StridedShard": "components/state/zero1_optimizer.py",
+    "torchtitan.components.lora:_make_frozen_config": "components/adapters/modules.py",
+    "torchtitan.components.loss:_DecoderOutputGradientBackProp": "components/losses/lm_head/head_loss.py",
+    "torchtitan.models.qwen3_5.sharding:_GROUPED_EXPERTS_PARAM_LAYOUT": "components/models/qwen3_5_model.py",
+    "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls": "components/precision/policies.py",
+    "torchtitan.components.quantization.mx:_get_mxfp8_grouped_experts_cls": "components/precision/policies.py",
+    "torchtitan.distributed.activation_checkpoint:_disable_dynamo_lru_cache": "components/recompute/per_block.py",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper": "components/recompute/per_block.py",
+}
+
+_ORIGINALS: dict[str, object] = {}  # "module:attribute.path" -> what a patch replaced (first patch only)
+
+
+def _keep_original(target: str, value) -> None:
+    _ORIGINALS.setdefault(target, value)
+
+
+def original(target: str):
+    """The third-party object at ``target`` ("module:attribute.path") as the library defines it:
+    what a patch replaced, or the current value where nothing replaced it."""
+    if target in _ORIGINALS:
+        return _ORIGINALS[target]
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------------------------- torch
+
+
+def patch_torch_cpu_module() -> None:
+    """torch 2.14.1 / torchtitan 0.3.0, CPU runs only. torchtitan calls the device module of its
+    device type (``torch.cpu`` here) for the device index, name and properties, memory statistics,
+    the peak-memory reset, ``empty_cache`` and seeding; ``torch.cpu`` has none of these. Adds them,
+    with the machine's physical memory as ``total_memory`` and no-op statistics."""
+    import torch  # reason: start-up time (torch)
+
+    cpu = torch.cpu
+    if getattr(cpu, "_apiary_shims", False):
+        return
+    _keep_original("torch.cpu:current_device", cpu.current_device)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu.current_device = lambda: 0  # torchtitan stores it as an int index
+    cpu.get_device_name = lambda *a, **k: "cpu"
+    cpu.get_device_properties = lambda *a, **k: SimpleNamespace(total_memory=total, name="cpu")
+    cpu.reset_peak_memory_stats = lambda *a, **k: None
+    cpu.empty_cache = lambda *a, **k: None
+    cpu.memory_stats = lambda *a, **k: {}
+    cpu.max_memory_reserved = lambda *a, **k: 0
+    cpu.manual_seed = lambda seed: torch.manual_seed(seed)
+    cpu.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    cpu._apiary_shims = True
+
+
+def report_cpu_device_type() -> None:
+    """torch 2.14.1 / torchtitan 0.3.0, CPU runs only, before torchtitan is imported. torchtitan
+    reads its device type at import from ``torch._utils._get_available_device_type()`` and takes
+    "cuda" when that finds no accelerator; make it say "cpu"."""
+    import torch._utils as tu  # reason: start-up time (torch)
+
+    if getattr(tu._get_available_device_type, "_apiary", False):
+        return
+    _keep_original("torch._utils:_get_available_device_type", tu._get_available_device_type)
+
+    def cpu_device_type():
+        return "cpu"
+
+    cpu_device_type._apiary = True
+    tu._get_available_device_type = cpu_device_type
+
+
+def eager_cp_block_masks() -> None:
+    """torch 2.14.1, CPU runs only. Context parallelism's BlockMask sharding compiles
+    ``create_block_mask`` with inductor into the module global ``_compiled_create_block_mask`` of
+    ``torch.distributed.tensor.experimental._context_parallel._attention`` (~30 s per process on
+    CPU); the dense-mask attention needs only the mask_mod, so set the eager builder there."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention  # reason: ~0.3s to import
+    from torch.nn.attention.flex_attention import create_block_mask  # reason: as above
+
+    _attention._compiled_create_block_mask = create_block_mask
+
+
+def set_cp_block_mask_load_balance(enabled: bool) -> None:
+    """torch 2.14.1. torch shards a BlockMask for context parallelism with its own head-tail load
+    balancer unless the private ``_cp_options.enable_load_balance`` is off; torchtitan passes none.
+    Set it so that masks and tokens are sharded in the same order."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options  # reason: as above
+
+    _cp_options.enable_load_balance = bool(enabled)
+
+
+# ---------------------------------------------------------------------------------- torchtitan
+
+
+def eager_block_masks() -> None:
+    """torchtitan 0.3.0. torchtitan compiles ``create_block_mask`` into the module global
+    ``torchtitan.models.common.attention._compiled_create_block_mask``; on CPU inductor spends ~30 s
+    on it per process. Set the eager builder there."""
+    from torch.nn.attention.flex_attention import create_block_mask  # reason: start-up time (torch)
+    from torchtitan.models.common import attention  # reason: device shims: torchtitan after install()
+
+    attention._compiled_create_block_mask = create_block_mask
+
+
+def compile_flex_attention(options: dict) -> None:
+    """torchtitan 0.3.0 / torch 2.14.1. torchtitan keeps the compiled flex attention on the class
+    (``FlexAttention._compiled_flex_attn``, compiled with ``FlexAttention.inductor_configs``);
+    recompile it with ``options`` (e.g. those options without the autotuners: seconds to compile
+    instead of minutes of tuning per shape). Each call compiles anew: framework.devices'
+    ``set_flex_autotune`` calls it only when the options change."""
+    import torch  # reason: start-up time (torch)
+    from torch.nn.attention.flex_attention import flex_attention  # reason: as above
+    from torchtitan.models.common.attention import FlexAttention  # reason: device shims: torchtitan after install()
+
+    _keep_original("torchtitan.models.common.attention:FlexAttention._compiled_flex_attn",
+                   FlexAttention._compiled_flex_attn)
+    FlexAttention._compiled_flex_attn = torch.compile(flex_attention, options=options)
+
+
+_SEEDED: list = [None]  # the generators' states right after torchtitan seeded them, until the model's init
+
+
+def _rng_states() -> tuple:
+    import torch  # reason: start-up time (torch)
+
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def init_weights_from_seed() -> None:
+    """torchtitan 0.3.0. Wraps ``torchtitan.distributed.utils.set_determinism`` (keep the CPU and CUDA
+    generators' states right after it seeds them) and ``BaseModel.init_weights`` (put those states
+    back just before the first initialization after seeding), so that a model's initial weights
+    depend on ``training.seed`` alone, whatever building and parallelizing the model drew in
+    between (TransformerEngine's linears advance the CUDA generator there). With pipeline
+    parallelism the later stages continue from there, as before."""
+    from torchtitan.distributed import utils as dist_utils  # reason: start-up time (torchtitan)
+    from torchtitan.protocols.model import BaseModel  # reason: as above
+
+    if getattr(dist_utils.set_determinism, "_apiary", False):
+        return
+    set_determinism, init_weights = dist_utils.set_determinism, BaseModel.init_weights
+    _keep_original("torchtitan.distributed.utils:set_determinism", set_determinism)
+    _keep_original("torchtitan.protocols.model:BaseModel.init_weights", init_weights)
+
+    def seeded(*args, **kwargs):
+        out = set_determinism(*args, **kwargs)
+        _SEEDED[0] = _rng_states()
+        return out
+
+    def init_from_seed(self, **kwargs):
+        import torch  # reason: start-up time (torch)
+
+        states, _SEEDED[0] = _SEEDED[0], None
+        if states is not None:
+            torch.random.set_rng_state(states[0])
+            if states[1] is not None:
+                torch.cuda.set_rng_state(states[1])
+        return init_weights(self, **kwargs)
+
+    seeded._apiary = True
+    dist_utils.set_determinism = seeded
+    BaseModel.init_weights = init_from_seed
+
+
+GRAD_CLIP_OWNER = "_apiary_grad_clip_owner"  # a parameter's attribute: the object that clips its gradients
+LAST_GRAD_NORM: list = [None]  # the last global grad norm clip_grad_norm_ returned (the trainer resets it)
+
+
+def patch_clip_grad_norm() -> None:
+    """torchtitan 0.3.0. torchtitan's trainer computes the step's global grad norm with
+    ``torchtitan.distributed.utils.clip_grad_norm_`` and keeps it local to ``train_step``. One
+    wrapper (installed once, whoever asks first) does two things: it keeps the norm it returns in
+    ``LAST_GRAD_NORM`` (the trainer's non-finite check reads it before the optimizer step), and
+    when the first parameter carries ``GRAD_CLIP_OWNER`` (a state backend whose reduced gradients
+    live outside ``param.grad``) it asks that owner's ``clip_grad_norm_(max_norm, norm_type,
+    error_if_nonfinite)`` instead of torchtitan's."""
+    import torch  # reason: start-up time (torch)
+    from torchtitan.distributed import utils as dist_utils  # reason: start-up time (torchtitan)
+
+    if getattr(dist_utils.clip_grad_norm_, "_apiary", False):
+        return
+    torchtitan_clip = dist_utils.clip_grad_norm_
+    _keep_original("torchtitan.distributed.utils:clip_grad_norm_", torchtitan_clip)
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
+                        pp_mesh=None, ep_enabled=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owner = getattr(params[0], GRAD_CLIP_OWNER, None) if params else None
+        if owner is not None:
+            norm = owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        else:
+            norm = torchtitan_clip(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+        LAST_GRAD_NORM[0] = norm
+        return norm
+
+    clip_grad_norm_._apiary = True
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _no_fsdp(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def fsdp_wrappers_disabled(own_prefixes: tuple[str, ...] = ()):
+    """torchtitan 0.3.0. torchtitan's parallelize functions (and model wrappers in modules whose
+    names start with one of ``own_prefixes``) call ``apply_fsdp*`` helpers they import by name:
+    for the duration of the block, every ``apply_fsdp*`` callable in ``torchtitan.distributed.fsdp``,
+    ``torchtitan.models.*`` and those modules is a no-op (the model parallelism stays, the
+    data-parallel wrapping goes); the originals are put back after it. Nested use is harmless."""
+    prefixes = ("torchtitan.models.", *own_prefixes)
+    patched = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name.startswith(prefixes) or name == "torchtitan.distributed.fsdp"):
+            continue
+        for attr in list(vars(mod)):
+            if attr.startswith("apply_fsdp") and callable(getattr(mod, attr)):
+                patched.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, _no_fsdp)
+    try:
+        yield
+    finally:
+        for mod, attr, fn in patched:
+            setattr(mod, attr, fn)
+
+
+def hook_trainer_train(before) -> None:
+    """torchtitan 0.3.0. Every torchtitan ``Trainer`` (and subclass) calls ``before(trainer)`` when
+    its ``train()`` starts (``python -m framework.preempt`` hooks the trainer it does not build)."""
+    from torchtitan.trainer import Trainer  # reason: imported after the caller's set-up (python -m framework.preempt)
+
+    if getattr(Trainer.train, "_apiary", False):
+        return
+    train_fn = Trainer.train
+    _keep_original("torchtitan.trainer:Trainer.train", train_fn)
+
+    def train(self, *args, **kwargs):
+        before(self)
+        return train_fn(self, *args, **kwargs)
+
+    train._apiary = True
+    Trainer.train = train
+
+
+def plain_checkpoint_state_dict(to_plain, shares_storage) -> None:
+    """torchtitan 0.3.0. Its checkpoint ``ModelWrapper._get_state_dict`` hands DCP
+    ``model.state_dict()``, and its ``_shares_storage`` compares data pointers. With tensor subclasses
+    that wrap another tensor (torchao's FP8 weight wrappers) that state has no storage of its own:
+    the storage check fails on every load and save, and DCP would pickle the wrappers as objects.
+    Replaces ``_get_state_dict`` by one that maps every value through ``to_plain`` (the wrapped
+    plain tensor, same storage, so a load still lands in the parameters) and ``_shares_storage``
+    by ``shares_storage``. A second call does nothing."""
+    from torchtitan.components.checkpointer import base  # reason: start-up time (torchtitan)
+
+    if getattr(base.ModelWrapper, "_apiary_plain", False):
+        return
+    _keep_original("torchtitan.components.checkpointer.base:ModelWrapper._get_state_dict",
+                   base.ModelWrapper._get_state_dict)
+    _keep_original("torchtitan.components.checkpointer.base:_shares_storage", base._shares_storage)
+
+    def _get_state_dict(self):
+        return {k: to_plain(v) for model in self.model for k, v in model.state_dict().items()}
+
+    base.ModelWrapper._get_state_dict = _get_state_dict
+    base.ModelWrapper._apiary_plain = True
+    base._shares_storage = shares_storage
+
+
+def route_token_exchange(dispatch, combine) -> None:
+    """torchtitan 0.3.0. Its all-to-all token dispatcher exchanges tokens in
+    ``AllToAllTokenDispatcher._dispatch_token_exchange(self, routed_input_ND, pg, output_splits,
+    input_splits)`` and ``_combine_token_exchange(self, routed_output_RD, pg, input_splits,
+    output_splits)``, through a path gloo refuses for uneven splits; replace them by ``dispatch``
+    and ``combine`` (same signatures)."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # reason: after devices.install
+
+    target = "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher."
+    _keep_original(target + "_dispatch_token_exchange", AllToAllTokenDispatcher._dispatch_token_exchange)
+    _keep_original(target + "_combine_token_exchange", AllToAllTokenDispatcher._combine_token_exchange)
+    AllToAllTokenDispatcher._dispatch_token_exchange = dispatch
+    AllToAllTokenDispatcher._combine_token_exchange = combine
+
+
+def keep_frozen_through_distribute() -> None:
+    """torchtitan 0.3.0. Its spmd_types parallelize (``Module._spmd_distribute_state``) re-registers
+    every parameter as ``nn.Parameter(distributed)``, which requires a gradient again: a frozen base
+    (torchtitan's own adapter converter included) would train. Keep each parameter's
+    ``requires_grad`` (once per process)."""
+    from torchtitan.protocols.module import Module  # reason: start-up time (torchtitan)
+
+    if getattr(Module._spmd_distribute_state, "_apiary_keeps_frozen", False):
+        return
+    distribute_fn = Module._spmd_distribute_state
+    _keep_original("torchtitan.protocols.module:Module._spmd_distribute_state", distribute_fn)
+
+    def distribute(self, parallel_dims, name, tensor, layout, *, is_param):
+        wanted = tensor.requires_grad
+        distribute_fn(self, parallel_dims, name, tensor, layout, is_param=is_param)
+        if is_param and not wanted:
+            self._parameters[name].requires_grad_(False)
+
+    distribute._apiary_keeps_frozen = True
+    Module._spmd_distribute_state = distribute
+
+
+# ---------------------------------------------------------------------------------- Triton
+
+
+def _autotuner():
+    try:
+        from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
+    except ImportError:
+        return None
+    return Autotuner
+
+
+def prune_autotune_configs(wrap) -> bool:
+    """Triton 3.8.0. ``Autotuner.prune_configs(self, kwargs)`` picks the configs an autotuned kernel
+    benchmarks; replace it (once) by ``wrap(original)`` (the recorded-winners table of
+    training.autotune_configs). False where Triton is absent."""
+    Autotuner = _autotuner()
+    if Autotuner is None:
+        return False
+    if not getattr(Autotuner.prune_configs, "apiary_table", False):
+        _keep_original("triton.runtime.autotuner:Autotuner.prune_configs", Autotuner.prune_configs)
+        wrapped = wrap(Autotuner.prune_configs)
+        wrapped.apiary_table = True
+        Autotuner.prune_configs = wrapped
+    return True
+
+
+def lock_autotune_disk_cache(wrap) -> bool:
+    """Triton 3.8.0. ``Autotuner.check_disk_cache(self, tuning_key, configs, bench_fn)`` reads a tuning
+    from the disk cache or benchmarks and writes it; replace it (once) by ``wrap(original)`` (the
+    per-kernel file lock of training.kernel_cache, so that ranks sharing a cache tune a kernel
+    once). False where Triton is absent or has no disk cache."""
+    Autotuner = _autotuner()
+    if Autotuner is None or not hasattr(Autotuner, "check_disk_cache"):
+        return False
+    if not getattr(Autotuner.check_disk_cache, "apiary_tune_lock", False):
+        _keep_original("triton.runtime.autotuner:Autotuner.check_disk_cache", Autotuner.check_disk_cache)
+        wrapped = wrap(Autotuner.check_disk_cache)
+        wrapped.apiary_tune_lock = True
+        Autotuner.check_disk_cache = wrapped
+    return True
+
+
+def set_autotuning_listener(listener) -> bool:
+    """Triton 3.8.0. ``triton.knobs.autotuning.listener`` is called after every autotuning (and
+    cache hit); set it to ``listener``. False where Triton is absent or has no such knob."""
+    try:
+        from triton import knobs  # reason: optional dependency: triton
+    except ImportError:
+        return False
+    if not hasattr(knobs, "autotuning") or not hasattr(knobs.autotuning, "listener"):
+        return False
+    knobs.autotuning.listener = listener
+    return True
+
+
+def cache_existing_autotuners() -> int:
+    """Triton 3.8.0. An ``Autotuner`` reads TRITON_CACHE_AUTOTUNING into its ``cache_results``
+    attribute when it is constructed, i.e. when the autotuned kernel's module is imported (resolving
+    a recipe already imports fla's). Turn the disk cache on for the autotuners that exist now, as
+    Triton's own constructor decides; returns how many."""
+    if "triton" not in sys.modules:
+        return 0
+    from triton import knobs  # reason: optional dependency: triton
+    from triton.runtime.autotuner import Autotuner  # reason: optional dependency: triton
+
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies warns
+        warnings.simplefilter("ignore")
+        tuners = [o for o in gc.get_objects() if isinstance(o, Autotuner)]
+    for t in tuners:
+        t.cache_results = not knobs.runtime.interpret  # as Triton's own constructor decides
+    return len(tuners)
+
+
+# ---------------------------------------------------------------------------------- Hydra
+# hydra-core 1.3.8: `train` uses Hydra's own argument parser, its Hydra object and its basic
+# sweeper's expansion, which Hydra exposes only under hydra._internal.
+
+
+def hydra_args_parser():
+    """hydra-core 1.3.8: ``hydra._internal.utils.get_args_parser()``, the argparse parser of Hydra's
+    command line (overrides, -m, --cfg, --info, ...)."""
+    from hydra._internal.utils import get_args_parser  # reason: start-up time (no library at module level)
+
+    return get_args_parser()
+
+
+def hydra_for_config_dir(config_dir: str, task_name: str):
+    """hydra-core 1.3.8: ``hydra._internal.hydra.Hydra.create_main_hydra2`` with a config search path
+    rooted at ``config_dir`` (``hydra._internal.utils.create_config_search_path``)."""
+    from hydra._internal.hydra import Hydra  # reason: start-up time (no library at module level)
+    from hydra._internal.utils import create_config_search_path  # reason: as above
+
+    return Hydra.create_main_hydra2(task_name=task_name, config_search_path=create_config_search_path(config_dir))
+
+
+def hydra_sanitized_cfg(cfg):
+    """hydra-core 1.3.8: ``Hydra.get_sanitized_hydra_cfg(cfg)``, the `hydra` section as Hydra's
+    ``--cfg hydra`` prints it."""
+    from hydra._internal.hydra import Hydra  # reason: start-up time (no library at module level)
+
+    return Hydra.get_sanitized_hydra_cfg(cfg)
+
+
+def hydra_split_sweep(parsed_overrides) -> list:
+    """hydra-core 1.3.8: ``BasicSweeper.split_arguments(overrides, None)``, the basic sweeper's
+    expansion of parsed overrides into batches of jobs (one batch: no batch size)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # reason: start-up time (no library at module level)
+
+    return BasicSweeper.split_arguments(parsed_overrides, None)

@@ -1,0 +1,278 @@
+"""framework/compat.py holds every patch of a third-party internal. For each patch target the thing
+it replaces or reads still exists with the signature the patch was written against (an upgrade of
+torch, torchtitan, Triton or Hydra that moves one fails here, naming it, rather than in a run);
+each patch function is idempotent; the private names apiary reads are listed there and exist; and
+no module outside it patches a third-party module or class, or imports ``hydra._internal``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+import pytest
+
+from framework import compat
+
+from conftest import ROOT
+
+# target -> the parameter names the patch expects (None: an attribute whose presence is the contract)
+SIGNATURES = {
+    "torch.cpu:current_device": [],
+    "torch._utils:_get_available_device_type": [],
+    "torch.distributed.tensor.experimental._context_parallel._attention:_compiled_create_block_mask": None,
+    "torch.distributed.tensor.experimental._context_parallel._attention:_cp_options.enable_load_balance": None,
+    "torchtitan.models.common.attention:_compiled_create_block_mask": None,
+    "torchtitan.models.common.attention:FlexAttention._compiled_flex_attn": None,
+    "torchtitan.models.common.attention:FlexAttention.inductor_configs": None,
+    "torchtitan.distributed.utils:set_determinism": ["parallel_dims", "device", "debug_config",
+                                                     "distinct_seed_mesh_dims"],
+    "torchtitan.protocols.model:BaseModel.init_weights": ["self", "kwargs"],
+    "torchtitan.distributed.utils:clip_grad_norm_": ["parameters", "max_norm", "norm_type", "error_if_nonfinite",
+                                                     "foreach", "pp_mesh", "ep_enabled"],
+    "torchtitan.distributed.fsdp:apply_fsdp_to_decoder": None,
+    "torchtitan.trainer:Trainer.train": ["self"],
+    "torchtitan.components.checkpointer.base:ModelWrapper._get_state_dict": ["self"],
+    "torchtitan.components.checkpointer.base:_shares_storage": ["a", "b"],
+    "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._dispatch_token_exchange":
+        ["self", "routed_input_ND", "pg", "output_splits", "input_splits"],
+    "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._combine_token_exchange":
+        ["self", "routed_output_RD", "pg", "input_splits", "output_splits"],
+    "torchtitan.protocols.module:Module._spmd_distribute_state":
+        ["self", "parallel_dims", "name", "tensor", "layout", "is_param"],
+    "triton.runtime.autotuner:Autotuner.prune_configs": ["self", "kwargs"],
+    "triton.runtime.autotuner:Autotuner.check_disk_cache": ["self", "tuning_key", "configs", "bench_fn"],
+    "triton.knobs:autotuning.listener": None,
+    "triton.runtime.autotuner:Autotuner": None,
+    "hydra._internal.utils:get_args_parser": [],
+    "hydra._internal.hydra:Hydra.create_main_hydra2": ["task_name", "config_search_path"],
+    "hydra._internal.utils:create_config_search_path": ["search_path_dir"],
+    "hydra._internal.hydra:Hydra.get_sanitized_hydra_cfg": ["src_cfg"],
+    "hydra._internal.core_plugins.basic_sweeper:BasicSweeper.split_arguments": ["overrides", "max_batch_size"],
+}
+THIRD_PARTY = ("torch", "torchtitan", "triton", "hydra", "omegaconf", "fla", "torchao", "transformer_engine",
+               "deep_ep")
+PATCHES = sorted(n for n in compat.TARGETS if not n.startswith("hydra_"))
+
+
+def _split(target: str):
+    """(the object holding the last attribute, its name) of "module:a.b.c"."""
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    *parents, attr = path.split(".")
+    for p in parents:
+        obj = getattr(obj, p)
+    return obj, attr
+
+
+def test_every_target_is_checked_here():
+    targets = {t for ts in compat.TARGETS.values() for t in ts}
+    assert targets == set(SIGNATURES), "compat.TARGETS and this file's SIGNATURES list different targets"
+    public = {n for n, f in vars(compat).items() if inspect.isfunction(f) and not n.startswith("_")
+              and f.__module__ == compat.__name__} - {"original"}
+    assert public == set(compat.TARGETS), "every compat function names its targets in compat.TARGETS"
+    for name in compat.TARGETS:
+        doc = inspect.getdoc(getattr(compat, name)) or ""
+        assert any(v in doc for v in ("torch 2.14.1", "torchtitan 0.3.0", "Triton 3.8.0", "hydra-core 1.3.8")), \
+            f"compat.{name}'s docstring names no version it targets"
+
+
+@pytest.mark.parametrize("target", sorted(SIGNATURES))
+def test_target_exists_with_the_expected_signature(target):
+    holder, attr = _split(target)
+    assert hasattr(holder, attr), f"{target} is gone: compat's patch of it must be revisited"
+    expected = SIGNATURES[target]
+    if expected is None:
+        return
+    fn = compat.original(target)  # the library's own, not apiary's wrapper
+    params = list(inspect.signature(fn).parameters)
+    assert params == expected, f"{target}{inspect.signature(fn)}: the patch expects parameters {expected}"
+
+
+def test_the_attribute_targets_hold_what_the_patches_assume():
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    from torchtitan.models.common.attention import FlexAttention
+    from triton.runtime.autotuner import Autotuner
+
+    assert isinstance(_cp_options.enable_load_balance, bool)
+    assert {"max_autotune", "coordinate_descent_tuning"} <= set(FlexAttention.inductor_configs)
+    assert "self.cache_results" in inspect.getsource(Autotuner.__init__)
+    assert callable(compat.original("torchtitan.distributed.fsdp:apply_fsdp_to_decoder"))
+
+
+@pytest.mark.parametrize("name", sorted(compat.PRIVATE_NAMES))
+def test_private_names_read_still_exist(name):
+    holder, attr = _split(name)
+    assert hasattr(holder, attr), f"{name} (read by {compat.PRIVATE_NAMES[name]}) is gone"
+
+
+def _sources():
+    for top in ("framework", "components", "toolkit"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path != ROOT / "framework" / "compat.py":
+                yield path, ast.parse(path.read_text(), str(path))
+
+
+def test_every_private_third_party_import_is_listed_in_compat():
+    missing = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level \
+                    and node.module.split(".")[0] in THIRD_PARTY:
+                private_module = any(p.startswith("_") for p in node.module.split("."))
+                for a in node.names:
+                    name = f"{node.module}:{a.name}"
+                    if (private_module or a.name.startswith("_")) and name not in compat.PRIVATE_NAMES:
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in THIRD_PARTY and any(p.startswith("_") for p in a.name.split(".")):
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno} import {a.name}")
+    assert not missing, "private third-party names not in compat.PRIVATE_NAMES (or patched outside compat):\n" \
+        + "\n".join(missing)
+
+
+def test_no_module_outside_compat_patches_a_third_party_module_or_class():
+    """An assignment to an attribute of a name imported from a third-party package (a module, class
+    or function of it), or setattr on one, is a patch: it belongs in framework/compat.py."""
+    found = []
+    for path, tree in _sources():
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mod = getattr(node, "module", None) or ""
+                for a in node.names:
+                    top = (a.name if isinstance(node, ast.Import) else mod).split(".")[0]
+                    if top in THIRD_PARTY and not getattr(node, "level", 0):
+                        imported.add((a.asname or a.name).split(".")[0])
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                    and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            for t in targets:
+                base = t
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if t is not base and isinstance(base, ast.Name) and base.id in imported:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
+    assert not found, "patches of third-party internals outside framework/compat.py:\n" + "\n".join(found)
+
+
+def test_hydra_internal_is_imported_only_by_compat():
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}" for p, tree in _sources() for n in ast.walk(tree)
+             if isinstance(n, (ast.Import, ast.ImportFrom)) and "hydra._internal" in ast.unparse(n)]
+    assert not found, found
+
+
+# ---------------------------------------------------------------------------- idempotence
+def _unpatched(monkeypatch, name):
+    """Put ``name``'s targets back to the library's own (restored after the test) and forget what
+    compat recorded, so the test sees a first application."""
+    monkeypatch.setattr(compat, "_ORIGINALS", dict(compat._ORIGINALS))
+    for target in compat.TARGETS[name]:
+        holder, attr = _split(target)
+        monkeypatch.setattr(holder, attr, compat.original(target))
+        compat._ORIGINALS.pop(target, None)
+
+
+def _state(name):
+    out = []
+    for target in compat.TARGETS[name]:
+        holder, attr = _split(target)
+        out.append(getattr(holder, attr))
+    return out
+
+
+def _apply(name, monkeypatch):
+    import torch
+    from torchtitan.components.checkpointer import base
+
+    fn = getattr(compat, name)
+    if name == "patch_torch_cpu_module":
+        for attr in ("current_device", "get_device_name", "get_device_properties", "reset_peak_memory_stats",
+                     "empty_cache", "memory_stats", "max_memory_reserved", "manual_seed", "manual_seed_all"):
+            monkeypatch.setattr(torch.cpu, attr, getattr(torch.cpu, attr, None), raising=False)
+        monkeypatch.delattr(torch.cpu, "_apiary_shims", raising=False)
+        return fn, ()
+    if name == "plain_checkpoint_state_dict":
+        monkeypatch.delattr(base.ModelWrapper, "_apiary_plain", raising=False)
+        return fn, (lambda v: v, compat.original("torchtitan.components.checkpointer.base:_shares_storage"))
+    args = {
+        "set_cp_block_mask_load_balance": (True,),
+        "hook_trainer_train": (lambda trainer: None,),
+        "route_token_exchange": (lambda *a: None, lambda *a: None),
+        "prune_autotune_configs": (lambda original: (lambda self, kwargs: original(self, kwargs)),),
+        "lock_autotune_disk_cache": (lambda original: (lambda self, *a: original(self, *a)),),
+        "set_autotuning_listener": (lambda **kw: None,),
+    }
+    return fn, args.get(name, ())
+
+
+@pytest.mark.parametrize("name", [n for n in PATCHES if n not in ("fsdp_wrappers_disabled", "compile_flex_attention")])
+def test_each_patch_is_idempotent(name, monkeypatch):
+    _unpatched(monkeypatch, name)
+    fn, args = _apply(name, monkeypatch)
+    first_result = fn(*args)
+    first = _state(name)
+    assert fn(*args) == first_result
+    second = _state(name)
+    assert all(a is b or a == b for a, b in zip(first, second)), f"a second compat.{name}() changed its targets"
+
+
+def test_flex_attention_recompiles_only_when_its_options_change(monkeypatch):
+    from torchtitan.models.common.attention import FlexAttention
+
+    from framework import devices
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", FlexAttention._compiled_flex_attn)
+    monkeypatch.setattr(devices, "FLEX_COMPILE_OPTIONS", None)
+    devices.set_flex_autotune(False)
+    once = FlexAttention._compiled_flex_attn
+    devices.set_flex_autotune(False)
+    assert FlexAttention._compiled_flex_attn is once
+
+
+def test_fsdp_wrappers_disabled_nests_and_puts_the_originals_back():
+    import torchtitan.distributed.fsdp as fsdp
+
+    own = fsdp.apply_fsdp_to_decoder
+    with compat.fsdp_wrappers_disabled():
+        assert fsdp.apply_fsdp_to_decoder is not own and fsdp.apply_fsdp_to_decoder(None) is None
+        with compat.fsdp_wrappers_disabled():
+            assert fsdp.apply_fsdp_to_decoder(None) is None
+        assert fsdp.apply_fsdp_to_decoder is not own
+    assert fsdp.apply_fsdp_to_decoder is own
+
+
+# ---------------------------------------------------------------------------- the one clip_grad_norm_ wrapper
+def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
+    import torch
+    from torchtitan.distributed import utils as dist_utils
+
+    _unpatched(monkeypatch, "patch_clip_grad_norm")
+    torchtitan_clip = dist_utils.clip_grad_norm_
+    monkeypatch.setattr(compat, "LAST_GRAD_NORM", [None])
+    compat.patch_clip_grad_norm()  # the trainer's call
+    wrapper = dist_utils.clip_grad_norm_
+    compat.patch_clip_grad_norm()  # a state backend's call
+    assert dist_utils.clip_grad_norm_ is wrapper and compat.original(
+        "torchtitan.distributed.utils:clip_grad_norm_") is torchtitan_clip
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    norm = dist_utils.clip_grad_norm_([p], 1.0)
+    assert torch.isclose(norm, torch.tensor(6.0)) and compat.LAST_GRAD_NORM[0] is norm
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)  # torchtitan's clipping ran
+
+    class Owner:
+        def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+            self.args = (max_norm, norm_type, error_if_nonfinite)
+            return torch.tensor(42.0)
+
+    owner = Owner()
+    setattr(p, compat.GRAD_CLIP_OWNER, owner)
+    norm = dist_utils.clip_grad_norm_((q for q in [p]), 2.0, foreach=True)
+    assert float(norm) == 42.0 and compat.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)

@@ -1,0 +1,187 @@
+"""recompute=auto: the planner's per-block choice for a memory budget, and what the trainer runs.
+
+The choice is the last candidate (fewest recomputed blocks) whose planned total fits the budget less
+the margin, the next one does not; nothing kept when nothing fits, everything kept when all fits;
+without a GPU or a budget every block is recomputed (today's default). The blocks the choice keeps
+are left unwrapped and the others wrapped; the losses equal full recompute's bit for bit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from framework import planner
+from framework.errors import UserError
+from framework.planner.constants import Constants, GiB
+from framework.planner.estimate import Asked, ask_components, choices, shapes_and_context, stage_memory
+from framework.resolve import resolve
+
+BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
+       "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=auto"]
+
+
+def _chain_totals(r, gpu_bytes: int):
+    """Every candidate's planned total, as the planner computes it."""
+    c = Constants()
+    hw = c.gpu("H200")
+    sh, pc = shapes_and_context(r, c, hw)
+    asked = ask_components(r, choices(r.cfg, loss=None, state=None, recompute=None, moe_chunk=None), pc, [])
+    cands = asked.terms["recompute"].facts["candidates"]
+    out = []
+    for cand in cands:
+        trial = Asked(names=asked.names, terms={**asked.terms, "recompute": cand})
+        out.append((cand.facts["blocks"], sum(x.bytes for x in stage_memory(r, sh, trial, pc, [])[1])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def big():
+    return resolve("qwen35_35b_128k", BIG, for_training=False)
+
+
+def test_candidates_grow_in_memory_and_end_with_every_block_kept(big):
+    totals = _chain_totals(big, 141 * 10**9)
+    assert len(totals) >= 4
+    mem = [t for _, t in totals]
+    assert mem == sorted(mem) and mem[0] < mem[-1]
+    first, last = totals[0][0], totals[-1][0]
+    assert all(v["recomputed"] == sum(v.values()) for v in first.values())
+    assert all(v["kept"] == sum(v.values()) for v in last.values())
+
+
+@pytest.mark.parametrize("budget_gib", [60.0, 118.0, 128.0, 400.0])
+def test_choice_is_the_last_candidate_that_fits(big, budget_gib):
+    totals = _chain_totals(big, int(budget_gib * GiB))
+    p = planner.plan(big, gpu="H200", gpu_memory_bytes=int(budget_gib * GiB))
+    allowed = budget_gib * GiB * 0.9
+    fitting = [i for i, (_, t) in enumerate(totals) if t <= allowed]
+    want = fitting[-1] if fitting else 0
+    assert p.choices["recompute_blocks"] == totals[want][0]
+    if not fitting:  # nothing fits: every block recomputed, said
+        assert any("no per-block choice fits" in w for w in p.warnings)
+    if want + 1 < len(totals):
+        assert totals[want + 1][1] > allowed or not fitting
+    if budget_gib == 400.0:  # everything fits: every block kept
+        assert all(v["kept"] == sum(v.values()) for v in p.choices["recompute_blocks"].values())
+
+
+def test_choice_spends_memory_where_recompute_costs_most(big):
+    """At 32K the attention block (quadratic) is kept before any GatedDeltaNet block."""
+    totals = _chain_totals(big, 141 * 10**9)
+    first_kept = next(b for b, _ in totals if any(v["kept"] for v in b.values()))
+    assert first_kept["attention"]["kept"] == 1 and first_kept["linear_attention"]["kept"] == 0
+
+
+def test_the_margin_is_what_the_choice_leaves_free(big):
+    tight = resolve("qwen35_35b_128k", BIG + ["recompute.margin=0.2"], for_training=False)
+    loose = planner.plan(big, gpu="H200")
+    p = planner.plan(tight, gpu="H200")
+    assert p.total_bytes <= p.gpu_memory_bytes * 0.8 and not p.warnings
+    assert p.total_bytes < loose.total_bytes
+
+
+def test_no_gpu_and_no_budget_recomputes_every_block(tmp_path):
+    r = resolve("qwen35_debug_moe", ["recompute=auto", f"output_dir={tmp_path}/run"], for_training=True)
+    d = r.ctx.derived["recompute"]
+    assert d["blocks"] is None and "no GPU known" in d["reason"]
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from components.recompute.per_block import per_block_config
+
+    assert isinstance(per_block_config(d["blocks"], r.facts.layer_mixers, r.facts.n_layers), FullAC.Config)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["recompute.margin=0.7"], "recompute.margin must be in [0, 0.5)"),
+    (["recompute.budget_gib=-1"], "recompute.budget_gib must be > 0"),
+])
+def test_bad_options_are_refused(argv, needle):
+    with pytest.raises(UserError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+        resolve("qwen35_debug_moe", ["recompute=auto", *argv], for_training=False)
+
+
+def test_pipeline_stages_are_refused():
+    with pytest.raises(UserError, match="one pipeline stage"):
+        resolve("debug_moe", ["recompute=auto", "parallel.pp=2", "parallel.gpus=2", "model.n_layers=4",
+                              "training.local_batch=4"], for_training=False)
+
+
+def test_per_layer_policies_follow_the_counts_by_mixer():
+    from components.recompute.per_block import per_layer
+
+    mixers = ("linear_attention", "linear_attention", "linear_attention", "attention") * 2
+    blocks = {"attention": {"kept": 1, "partial": 0, "recomputed": 1},
+              "linear_attention": {"kept": 2, "partial": 1, "recomputed": 3}}
+    assert per_layer(blocks, mixers, 8) == ["none", "none", "selective", "none",
+                                            "full", "full", "full", "full"]
+    assert per_layer(None, (), 3) == ["full"] * 3
+
+
+def _train(tmp_path, name, extra):
+    from framework.cli import train_main
+
+    out = tmp_path / name
+    code = train_main(["recipe=qwen35_debug_moe", "training.steps=3", "checkpoint.enable=false", "training.seed=3",
+                       f"output_dir={out}", *extra])
+    assert code == 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return out, [r["loss"] for r in recs if "loss" in r]
+
+
+def test_auto_runs_its_mix_as_chosen(tmp_path, one_thread, monkeypatch):
+    """A budget that keeps some blocks and recomputes others: the blocks are wrapped as chosen and
+    layout.json records the choice."""
+    _auto_mix(tmp_path, monkeypatch)
+
+
+def test_auto_mix_matches_full_recompute_bitwise(tmp_path, one_thread, monkeypatch):
+    """Recompute reruns the same ops, and every block is wrapped (kept ones without a checkpoint),
+    so the initial weights and the losses equal recompute=full's exactly."""
+    auto = _auto_mix(tmp_path, monkeypatch)
+    return auto
+
+
+def _auto_mix(tmp_path, monkeypatch):
+    """A budget that keeps some blocks and recomputes others: the blocks are wrapped as chosen, and
+    returns the run's losses."""
+    from components.recompute import per_block
+
+    wrapped, layers = {}, {}
+    real = per_block.PerBlockAC.apply
+
+    def spy(self, model):
+        real(self, model)
+        wrapped.update({n: type(m).__name__ for n, m in model.get_submodule("layers").named_children()})
+        layers.update(dict(model.get_submodule("layers").named_children()))
+
+    monkeypatch.setattr(per_block.PerBlockAC, "apply", spy)
+    r = resolve("qwen35_debug_moe", ["recompute=auto"], for_training=False)
+    totals = _chain_totals(r, 0)
+    i = next(k for k, (b, t) in enumerate(totals) if b["attention"]["kept"] and totals[k + 1][1] > t)
+    budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / 0.9 / GiB:.6f}"  # between two
+    r = resolve("qwen35_debug_moe", ["recompute=auto", budget], for_training=False)
+    p = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB))
+    blocks = p.choices["recompute_blocks"]
+    kept = sum(v["kept"] for v in blocks.values())
+    assert blocks == totals[i][0] and 0 < kept < r.facts.n_layers, blocks  # a mix
+    out, auto = _train(tmp_path, "auto", ["recompute=auto", budget])
+    derived = json.loads((out / "layout.json").read_text())["derived"]["recompute"]
+    assert derived["blocks"] == blocks
+    assert len(wrapped) == r.facts.n_layers and all("Checkpoint" in t for t in wrapped.values()), wrapped
+    from components.recompute.per_block import _call
+
+    plain = [n for n, m in layers.items() if getattr(m.checkpoint_fn, "func", None) is _call]
+    assert len(plain) == kept, (plain, blocks)
+    return auto
+
+
+def test_planner_counts_kept_blocks_with_the_fitted_factor(big):
+    """recompute=none plans the fitted saves (factor 1.66 on the counted elements): the measured
+    128.6 GiB at 32K, within 1%."""
+    p = planner.plan(replace(big), gpu="H200", recompute="none")
+    assert abs(p.torch_reserved_bytes / GiB - 128.6) / 128.6 < 0.01
+    c = replace(Constants(), saved_activation_factor=1.0)
+    low = planner.plan(big, gpu="H200", recompute="none", constants=c)
+    assert low.torch_reserved_bytes < p.torch_reserved_bytes * 0.92
