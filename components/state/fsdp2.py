@@ -69,10 +69,14 @@ class FSDP2:
         how = f"stage params / {shard} (dp_shard x cp x tp" + (
             f"; experts over ep {ep} x efsdp {shard // ep})" if f.num_experts else ")")
         gone = 0.0 if offload else 1.0
+        host_adam = opts is not None and str(opts.offload) == "optimizer"  # the moments live on the host
+        ob_here = c.master_bytes if host_adam else ob
         mem = [Term("parameters", local * gone, pb, "static", f"{how} x {pb:g} B"),
                Term("gradients", local * gone, gb, "static", f"{how} x {gb:g} B"),
-               Term("optimizer_states", local * gone, ob, "static", f"{how} x {ob:g} B (master + Adam)"
-                    + (" (offloaded to CPU)" if offload else ""))]
+               Term("optimizer_states", local * gone, ob_here, "static",
+                    f"{how} x {ob_here:g} B ("
+                    + ("fp32 master; the Adam moments on the host: state.offload=optimizer)" if host_adam else
+                       "master + Adam)" + (" (offloaded to CPU)" if offload else "")))]
         # buffers: the embedding and the lm_head are never gathered together; the prefetched neighbour is a block
         split = pc.split
         block = split["dense_blocks"] / f.n_layers / tp + split["experts"] / f.n_layers / max(ep, 1)
