@@ -8,6 +8,7 @@ imports the family's torchtitan side on first use (tests/test_startup.py checks 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -176,3 +177,18 @@ def family_contract(module_name: str):
         apply_model(sys.modules[module_name], options, tc, ctx)
 
     return model_kwargs, check_model, apply
+
+
+def build_side(module: str, contract: str, names: tuple[str, ...]):
+    """``(_build, __getattr__)`` for a family's contract module ``contract``: ``_build()`` imports its
+    torchtitan side ``module`` (on first use), and ``__getattr__`` (PEP 562) hands out ``names`` of it
+    from the contract module; any other missing name is an AttributeError at once."""
+    def build():
+        return importlib.import_module(module)
+
+    def getattr_(name: str):
+        if name in names:
+            return getattr(build(), name)
+        raise AttributeError(f"module {contract!r} has no attribute {name!r}")
+
+    return build, getattr_

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
 from components.adapters.targets import is_adapter_param
+from components.models.common import facts_from_config
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -603,3 +604,13 @@ def describe(arch, path, depth: int | None = None) -> str:
     trunc = (f"; loading the first {arch.n_layers} of its {depth} layers (model.n_layers)"
              if depth and depth > arch.n_layers else "")
     return f"HF checkpoint {path}: {fields}{trunc}"
+
+
+def facts_of_hf(family_mod, family: str, flavor: str, **kwargs):
+    """The facts of an HF folder's model (``kwargs["hf_checkpoint"]``), counted on its config, with
+    the folder described as their source; building the config checks its weights."""
+    config = family_mod.model_config(flavor, **kwargs)
+    f = facts_from_config(family, flavor, config)
+    path = kwargs["hf_checkpoint"]
+    return dataclasses.replace(f, source=describe(family_mod.arch_from_config(config), path,
+                                                  checkpoint_depth(weight_index(path))))

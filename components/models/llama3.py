@@ -8,7 +8,6 @@ llama3_build.py, imported on first use; its public names are reachable from here
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
 
 from components.models import family
@@ -19,14 +18,7 @@ BUILD_NAMES = ("model_config", "build_config", "arch_from_hf", "arch_from_config
                "STATE_DICT_ADAPTER", "HFLlama3Model", "TT_FLAVORS")
 
 
-def _build():
-    return importlib.import_module("components.models.llama3_build")
-
-
-def __getattr__(name: str):
-    if name in BUILD_NAMES:
-        return getattr(_build(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_build, __getattr__ = family.build_side("components.models.llama3_build", __name__, BUILD_NAMES)
 
 
 # --------------------------------------------------------------------------- architectures

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from torchtitan.models import llama3 as tt_llama3
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -129,10 +128,7 @@ def export_hf(run_dir: str, out_path: str):
 
 def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
     """The facts of an HF folder's model (its weights checked against the config on the way)."""
-    config = model_config(flavor, **kwargs)
-    f = common.facts_from_config("llama3", flavor, config)
-    return replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
-                                         hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
+    return hf.facts_of_hf(_self(), "llama3", flavor, **kwargs)
 
 
 def _self():

@@ -16,7 +16,6 @@ qwen3_5_build.py, imported on first use; its public names are reachable from her
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 
 from components.models import family
@@ -33,14 +32,7 @@ BUILD_NAMES = ("build_config", "model_config", "hf_key_shapes", "export_hf", "ST
                "arch_from_hf_config")
 
 
-def _build():
-    return importlib.import_module("components.models.qwen3_5_build")
-
-
-def __getattr__(name: str):
-    if name in BUILD_NAMES:
-        return getattr(_build(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_build, __getattr__ = family.build_side("components.models.qwen3_5_build", __name__, BUILD_NAMES)
 
 
 def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,

@@ -1,15 +1,7 @@
 """Qwen3.5 family, the torchtitan side: the model config, spec, HF folders and export
 (components/models/qwen3_5.py is the family's contract module and imports this on first use).
 
-Qwen3.5 text only (hybrid GatedDeltaNet + gated attention; MoE or dense).
-
-Flavors carry the architecture numbers of torchtitan 0.3.0's ``qwen3_5`` registry (the
-decoder part; tests/test_qwen35.py checks every shared flavor against it) plus CPU-sized
-``debug_moe`` / ``debug_dense``. The model is ``qwen3_5_model.Qwen35TextModel``: torchtitan's
-Qwen3.5 blocks without the vision encoder, GatedDeltaNet on a torch path (CPU) or fla's
-kernels (CUDA) as framework.devices decides, context parallelism for both layer kinds.
-``n_layers`` keeps the pattern: layer i is full attention when (i + 1) % interval == 0.
-``hf_checkpoint`` (a HF folder): its config.json is the architecture, loaded after init.
+The model is ``qwen3_5_model.Qwen35TextModel`` (the family's docstring says what it is).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torchtitan.models import qwen3 as tt_qwen3
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -131,10 +131,7 @@ def model_spec(flavor: str, **kwargs) -> ModelSpec:
 
 def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
     """The facts of an HF folder's model (its weights checked against the config on the way)."""
-    config = model_config(flavor, **kwargs)
-    f = common.facts_from_config("qwen3", flavor, config)
-    return replace(f, source=hf.describe(arch_from_config(config), kwargs["hf_checkpoint"],
-                                         hf.checkpoint_depth(hf.weight_index(kwargs["hf_checkpoint"]))))
+    return hf.facts_of_hf(_self(), "qwen3", flavor, **kwargs)
 
 
 def _self():
