@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from framework import devices, recipes, registry  # importing framework applies the device shims
+from framework import contracts, devices, recipes, registry  # importing framework applies the device shims
 from framework.errors import UserError, did_you_mean
 from framework.resolve import model_kwargs
 
@@ -25,7 +25,7 @@ def _family_of_flavor(name: str) -> tuple[str, str]:
         family, flavor = name.split(":", 1)
         registry.check("model", family, where=f"build_model({name!r})")
         return family, flavor
-    hits = [f for f in registry.names("model") if name in getattr(registry.resolve("model", f), "FLAVORS", {})]
+    hits = [f for f in registry.names("model") if name in contracts.member(registry.resolve("model", f), "model", "FLAVORS")]
     if len(hits) == 1:
         return hits[0], name
     known = recipes.recipe_names()
@@ -65,7 +65,7 @@ def build_model(recipe_or_flavor: str, hf_checkpoint: str | None = None, *, devi
     """
     family, flavor, kwargs = model_settings(recipe_or_flavor, hf_checkpoint, **overrides)
     mod = registry.resolve("model", family, where=f"model.family={family}")
-    flavors = list(getattr(mod, "FLAVORS", {}))
+    flavors = list(contracts.member(mod, "model", "FLAVORS"))
     if flavor not in flavors:
         raise UserError(f"model.flavor={flavor}", f"unknown flavor for {family}; known: {', '.join(flavors)}.",
                         did_you_mean(flavor, flavors))

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import hydra_cli, lifecycle, preempt, registry, run, runlock
+from framework import contracts, hydra_cli, lifecycle, preempt, registry, run, runlock
 from framework.errors import UserError
 from framework.resolve import resolve
 
@@ -124,8 +124,9 @@ def train_main(argv: list[str] | None = None) -> int:
 def _launch(r, worker_argv: list[str], verbose: bool) -> int:
     launcher = registry.resolve("launcher", r.cfg.launcher.name)
     try:  # one run per output_dir, checked before any worker starts
-        if hasattr(launcher, "check_options"):
-            launcher.check_options(r.cfg.launcher)
+        check_options = contracts.member(launcher, "launcher", "check_options")
+        if check_options is not None:
+            check_options(r.cfg.launcher)
         lock = runlock.hold_for_launch(launcher, r.cfg.output_dir)
     except UserError as e:
         return _fail(e)

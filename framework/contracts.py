@@ -25,6 +25,11 @@ Every kind shares the same life cycle:
 
 Optional: ``SKILL`` names the docs/skills page of the component when it is not ``<name>.md``
 (resolve's error messages point there; the kind's page, e.g. ``recompute.md``, is the fallback).
+
+Every member the framework or the tools read is declared here: required (a member of the kind's
+Protocol) or optional, with the default used when the component leaves it out
+(``OPTIONAL_MEMBERS``, one table per kind). They read a member through ``member(component, kind,
+name)``, never through ``hasattr``/``getattr``, so a name missing from these tables fails at once.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import linecache
 import textwrap
 import typing
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -143,7 +149,8 @@ class Component(Protocol):
     """Members every kind shares (see the module docstring)."""
 
     Options: ClassVar[type]
-    NUMERICS: ClassVar[Mapping[str, Tolerance]]
+    NUMERICS: ClassVar[Mapping[str, Tolerance]]  # optional: {} (compare holds a switch of it to nothing)
+    SKILL: ClassVar[str]  # optional: None (the docs/skills page is <name>.md, else the kind's)
 
     def check(self, options: Any, ctx: Context) -> None: ...
 
@@ -167,9 +174,20 @@ class ModelFamily(Component, Protocol):
     each rank, returns ``convert(state_dict) -> (hf_tensors, hf_config)``: a full (unsharded)
     torchtitan state dict of this recipe's model -> HF tensor name -> tensor, and the config.json
     dict, such that transformers' ``AutoModelForCausalLM.from_pretrained`` (and vLLM, SGLang) load
-    the folder ``framework/publish.py`` writes from them."""
+    the folder ``framework/publish.py`` writes from them.
+
+    The other optional members (``OPTIONAL_MEMBERS["model"]``) are what the HF tools ask:
+    ``HF_MODEL_TYPES`` (config.json ``model_type`` values the family reads: `apiary show`,
+    `apiary logprobs`), ``export_hf(run_dir, out_path)`` (`apiary export`; returns the folder) and
+    the pieces the shared HF helpers (``components/models/hf.py``, the adapters' export) build from:
+    ``model_config``, ``arch_from_config`` / ``arch_of``, ``hf_config``, ``STATE_DICT_ADAPTER``,
+    ``hf_key_shapes`` (a checkpoint key -> canonical (key, shape) pairs) and ``save_hf`` (a
+    family's own writer, used instead of the generic one)."""
 
     FLAVORS: Mapping[str, Any]
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]]  # optional: ()
+    LONG_CONTEXT_FLAVORS: ClassVar[Mapping[str, str]]  # optional: {} (flavor -> its RoPE scaling, for hints)
+    STATE_DICT_ADAPTER: ClassVar[Any]  # optional: None (torchtitan's HF <-> torchtitan key adapter class)
 
     def model_kwargs(self, options: Any, ctx: Context) -> dict: ...
 
@@ -179,11 +197,42 @@ class ModelFamily(Component, Protocol):
 
     def hf_writer(self, options: Any, ctx: Context) -> Any: ...
 
+    def export_hf(self, run_dir: str, out_path: str) -> Any: ...
+
+    def model_config(self, flavor: str, **model_kwargs: Any) -> Any: ...
+
+    def arch_from_config(self, model_config: Any) -> Any: ...
+
+    def arch_of(self, flavor: str, **model_kwargs: Any) -> Any: ...
+
+    def hf_config(self, arch: Any) -> dict: ...
+
+    def hf_key_shapes(self, key: str, shape: tuple) -> list: ...
+
+    def save_hf(self, state_dict: dict, arch: Any, out_path: str, model_config: Any) -> Any: ...
+
 
 class Loss(Component, Planned, Protocol):
-    """kind ``loss``: sets ``tc.loss``. ``NEEDS_DATA`` names the data kinds it trains on."""
+    """kind ``loss``: sets ``tc.loss``. ``NEEDS_DATA`` names the data kinds it trains on (its own
+    ``check`` holds it); ``RL_KEYS`` the ``rl.*`` settings it acts on (resolve refuses the others
+    when set). The object ``tc.loss`` builds is a ``LossFn``."""
 
-    NEEDS_DATA: ClassVar[tuple[str, ...]]
+    NEEDS_DATA: ClassVar[tuple[str, ...]]  # optional: None (not declared; the loss's check decides)
+    RL_KEYS: ClassVar[tuple[str, ...]]  # optional: () (acts on no rl.* setting)
+
+
+class LossFn(Protocol):
+    """Not a registry kind: the loss object torchtitan builds from ``tc.loss``, as the trainer asks
+    it (``member(loss_fn, "loss_fn", NAME)``). A loss that reads per-token batch keys (the policy
+    losses) has ``set_batch(batch, seq_group)``, called before each micro-batch's forward with the
+    data's ``BATCH_KEYS`` / ``STEP_KEYS`` tensors (context-sharded) and the context-parallel group;
+    after its forward, ``metrics`` (name -> scalar tensor; ``*_max`` keys are maxima) weighted by
+    ``metric_weight`` (the micro-batch's trained tokens) are what the trainer logs."""
+
+    metrics: Mapping[str, Any]  # optional: {}
+    metric_weight: Any  # optional: None (nothing to log)
+
+    def set_batch(self, batch: dict, seq_group: Any) -> None: ...  # optional: None (reads no batch keys)
 
 
 class Recompute(Component, Planned, Protocol):
@@ -208,7 +257,13 @@ class Adapter(Component, Planned, Protocol):
     """kind ``adapter``: converts the model spec before it is built (adapters on a frozen base) and
     its checkpoint; its ``plan_terms`` may replace the state backend's static terms by name
     (``facts["replace"]``), scale its buffers and traffic (``facts["buffer_scale"]``,
-    ``facts["comm_scale"]``) and the optimizer step (``facts["trainable_fraction"]``)."""
+    ``facts["comm_scale"]``) and the optimizer step (``facts["trainable_fraction"]``).
+
+    ``export_hf(run_dir, out_path, family, *, merged)`` (optional): `apiary export` of a run that
+    trained adapters; returns (folder, what it holds): the adapters alone (PEFT's format) or, with
+    ``merged``, the model with the adapters folded in."""
+
+    def export_hf(self, run_dir: str, out_path: str, family: Any, *, merged: bool = False) -> tuple: ...
 
 
 class Precision(Component, Planned, Protocol):
@@ -260,10 +315,21 @@ class Launcher(Component, Protocol):
     this machine (its GPU is the one to check before launch)."""
 
     RUNS_HERE: ClassVar[bool]
+    TEMPLATE: ClassVar[Any]  # optional: None (the script template `apiary cp-template` copies)
 
     def world_size(self, options: Any) -> int: ...
 
     def launch(self, options: Any, argv: list[str], run_in_process: Any, env: LaunchEnv) -> int: ...
+
+    # optional (None): checks of the launcher's own options before resolve (``check_options(options)``),
+    # the launch's warnings (``preflight(options, resolved, *, dry_run) -> list[str]``) and, for a
+    # launcher that submits a batch script (Slurm), the script (``render(options, resolved, argv) -> str``;
+    # the job's rank 0 then takes the run lock, not the launching process)
+    def check_options(self, options: Any) -> None: ...
+
+    def preflight(self, options: Any, resolved: Any, *, dry_run: bool = False) -> list[str]: ...
+
+    def render(self, options: Any, resolved: Any, argv: list[str]) -> str: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,13 +476,82 @@ PROTOCOLS: dict[str, type] = {
 }
 
 
-def missing_members(kind: str, obj: Any) -> list[str]:
-    """The members of ``kind``'s Protocol that ``obj`` lacks (for the registry test and `apiary ls`)."""
-    proto = PROTOCOLS[kind]
-    names = set()
-    for klass in proto.__mro__:
+# Contracts that are not registry kinds but whose members the framework reads the same way.
+RUNTIME_PROTOCOLS: dict[str, type] = {"loss_fn": LossFn}
+
+_NO_NUMERICS: Mapping[str, Tolerance] = MappingProxyType({})
+# Members every kind may leave out: NUMERICS (apiary compare then holds a switch to nothing, the
+# tolerance "any"), SKILL (the skill page is <name>.md, else the kind's).
+_SHARED_OPTIONAL: dict[str, Any] = {"NUMERICS": _NO_NUMERICS, "SKILL": None}
+# The planner's share: without plan_terms the planner counts nothing for the component and warns.
+_PLANNED_OPTIONAL: dict[str, Any] = {"plan_terms": None}
+
+# kind -> optional member -> the default a component that leaves it out gets from ``member``. Every
+# other member of the kind's Protocol is required (resolve refuses a component without it). A
+# default of None for a function means "not offered": the caller skips that step or refuses.
+OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
+    "model": {**_SHARED_OPTIONAL,
+              "hf_writer": None,  # no weight publication (resolve refuses publish.interval > 0)
+              "HF_MODEL_TYPES": (),  # reads no HF config.json (show, logprobs skip the family)
+              "LONG_CONTEXT_FLAVORS": MappingProxyType({}),  # no longer-context flavor to suggest
+              "export_hf": None,  # `apiary export` refuses the family
+              "model_config": None, "arch_from_config": None, "arch_of": None, "hf_config": None,
+              "STATE_DICT_ADAPTER": None,  # the generic HF helpers need these four (qwen3, llama3)
+              "hf_key_shapes": None,  # checkpoint keys are the adapter's own names and shapes
+              "save_hf": None},  # the generic writer (hf.save) writes the family's folder
+    "adapter": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
+                "export_hf": None},  # `apiary export` of a run with this adapter is refused
+    "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "moe_comm": {**_SHARED_OPTIONAL},
+    "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "data": {**_SHARED_OPTIONAL},
+    "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
+    "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "launcher": {**_SHARED_OPTIONAL, "check_options": None, "preflight": None, "render": None, "TEMPLATE": None},
+    "loss_fn": {"set_batch": None, "metrics": MappingProxyType({}), "metric_weight": None},
+}
+
+
+class UndeclaredMember(LookupError):
+    """``member`` was asked for a name the kind's contract does not declare (a framework bug, or a
+    member to add to the Protocol and, when optional, to ``OPTIONAL_MEMBERS``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def declared_members(kind: str) -> dict[str, bool]:
+    """Every member of ``kind``'s contract (required and optional): name -> whether it is a function
+    (False: a value: a constant, a mapping, a class such as ``Options``)."""
+    proto = PROTOCOLS.get(kind) or RUNTIME_PROTOCOLS[kind]
+    out: dict[str, bool] = {}
+    for klass in reversed(proto.__mro__):
         if klass in (object, Protocol) or not getattr(klass, "_is_protocol", False):
             continue
-        names |= {n for n in getattr(klass, "__annotations__", {}) if not n.startswith("_")}
-        names |= {n for n, v in vars(klass).items() if callable(v) and not n.startswith("_")}
-    return sorted(n for n in names if not hasattr(obj, n))
+        out.update({n: False for n in getattr(klass, "__annotations__", {}) if not n.startswith("_")})
+        out.update({n: True for n, v in vars(klass).items() if callable(v) and not n.startswith("_")
+                    and not isinstance(v, type)})
+    return out
+
+
+def required_members(kind: str) -> list[str]:
+    """The members of ``kind``'s contract a component must have (no default)."""
+    return sorted(n for n in declared_members(kind) if n not in OPTIONAL_MEMBERS[kind])
+
+
+def missing_members(kind: str, obj: Any) -> list[str]:
+    """The required members of ``kind``'s contract that ``obj`` lacks (resolve, the registry test)."""
+    return [n for n in required_members(kind) if not hasattr(obj, n)]
+
+
+def member(component: Any, kind: str, name: str) -> Any:
+    """``component``'s member ``name`` under ``kind``'s contract: its own, else the default
+    ``OPTIONAL_MEMBERS`` declares (an optional member it leaves out). ``UndeclaredMember`` for a name
+    the contract does not declare; AttributeError for a required member the component lacks."""
+    if name not in declared_members(kind):
+        raise UndeclaredMember(f"{name!r} is not a member of the {kind} contract (framework/contracts.py "
+                               f"declares {', '.join(sorted(declared_members(kind)))}); declare it in the "
+                               f"Protocol, and its default in OPTIONAL_MEMBERS[{kind!r}] when optional.")
+    optional = OPTIONAL_MEMBERS[kind]
+    if name in optional:
+        return getattr(component, name, optional[name])
+    return getattr(component, name)

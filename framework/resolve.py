@@ -52,16 +52,11 @@ def context(cfg, for_training: bool = True) -> contracts.Context:
     return ctx
 
 
-# Members the tools read when present (compare: NUMERICS; the planner: plan_terms) and a loss's own
-# check reads (NEEDS_DATA); a user's component may leave them out (compare then holds a switch to
-# nothing, the planner warns); a model family's hf_writer (weight publication, refused without it).
-_OPTIONAL = ("NUMERICS", "plan_terms", "NEEDS_DATA", "hf_writer")
-
-
 def _check_members(kind: str, name: str, component) -> None:
-    """A component (a user's, typically) lacks a member the framework calls: one paragraph, not an
-    AttributeError in a worker."""
-    missing = [m for m in contracts.missing_members(kind, component) if m not in _OPTIONAL]
+    """A component (a user's, typically) lacks a required member of its kind's contract: one
+    paragraph, not an AttributeError in a worker. Optional members (``contracts.OPTIONAL_MEMBERS``:
+    NUMERICS, plan_terms, hf_writer, ...) may be left out; ``contracts.member`` gives their default."""
+    missing = contracts.missing_members(kind, component)
     if missing:
         source = registry.entries()[kind][name].get("source", "registry.yaml")
         raise UserError(_where(kind, name), f"{kind} {name!r} (bound by {source}) lacks "
@@ -74,7 +69,7 @@ def _check_members(kind: str, name: str, component) -> None:
 def _see(kind: str, name: str, component=None) -> str:
     """Where the options of ``kind=name`` are documented: its skill page (``SKILL`` or its name)
     or its kind's, and `apiary show`."""
-    for page in (getattr(component, "SKILL", None), name, kind):
+    for page in (contracts.member(component, kind, "SKILL") if component is not None else None, name, kind):
         if page and (registry.ROOT / "docs" / "skills" / f"{page}.md").is_file():
             return f"See `apiary show {name}` and docs/skills/{page}.md."
     return f"See `apiary show {name}`."
@@ -140,7 +135,7 @@ def check_rl_keys(ctx: contracts.Context) -> None:
     if section is None:
         return
     name = ctx.choice("loss")
-    acts_on = getattr(ctx.components["loss"], "RL_KEYS", ())
+    acts_on = contracts.member(ctx.components["loss"], "loss", "RL_KEYS")
     for key, is_set in _RL_LOSS_KEYS:
         value = section.get(key)
         if is_set(value) and key not in acts_on:
@@ -315,7 +310,7 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
     if p.interval == 0 or not for_training:
         return
     family = ctx.choice("model")
-    if not callable(getattr(ctx.components["model"], "hf_writer", None)):
+    if contracts.member(ctx.components["model"], "model", "hf_writer") is None:
         raise UserError(f"publish.interval={p.interval}", f"model.family={family} has no HF exporter "
                         "(hf_writer), so its weights cannot be published as a HuggingFace folder.",
                         "Set publish.interval=0, or add hf_writer to the family (framework/contracts.py "

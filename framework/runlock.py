@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from framework import contracts
 from framework.errors import UserError
 
 LOCK_NAME = "run.lock"
@@ -208,7 +209,7 @@ def hold_for_launch(launcher, output_dir) -> RunLock | None:
     """The launching process's part: a launcher that runs the workers from here (local) takes the
     lock and tells the workers it holds it; one that submits a job (it has ``render``: Slurm) only
     checks that no live run holds it, and the job's rank 0 takes it when it starts."""
-    if hasattr(launcher, "render"):
+    if contracts.member(launcher, "launcher", "render") is not None:
         check_free(output_dir)
         return None
     lock = acquire(output_dir)

@@ -85,6 +85,11 @@ class ApiaryTrainer(Trainer):
         publish: object = None  # framework.publish.PublishSettings, or None (publish.interval=0)
         validation_dataloader: object = None  # the data component's held-out loader config (validation.*)
 
+    @property
+    def _loss_set_batch(self):
+        """The loss's ``set_batch`` (contracts.LossFn), or None for a loss that reads no batch keys."""
+        return contracts.member(self.loss_fn, "loss_fn", "set_batch")
+
     def __init__(self, config, **kwargs):
         _init_from_seed()
         super().__init__(config, **kwargs)
@@ -109,7 +114,7 @@ class ApiaryTrainer(Trainer):
         self._atomic = None
         if self.checkpointer.enable:
             self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
-        if hasattr(self.loss_fn, "set_batch"):  # policy losses log their clip fractions / KL / entropy
+        if self._loss_set_batch is not None:  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._extra_metrics
         elif isinstance(getattr(self.dataloader, "dataset", None), contracts.FollowedData):
             self.metrics_processor.extra_source = self._extra_metrics
@@ -327,9 +332,10 @@ class ApiaryTrainer(Trainer):
         self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
         if self.config.on_nonfinite == "skip":  # only the logged copy: torchtitan raises on a NaN it logs
             loss = torch.where(bad, torch.zeros_like(loss), loss)
-        if self.metrics_processor.extra_source is not None and self.loss_fn.metric_weight is not None:
-            w = self.loss_fn.metric_weight.float()
-            for k, v in self.loss_fn.metrics.items():
+        weight = contracts.member(self.loss_fn, "loss_fn", "metric_weight")
+        if self.metrics_processor.extra_source is not None and weight is not None:
+            w = weight.float()
+            for k, v in contracts.member(self.loss_fn, "loss_fn", "metrics").items():
                 if k.endswith("_max"):  # a max over the step's micro-steps that had trained tokens (no sync)
                     v = torch.where(w > 0, v.float(), torch.full_like(v.float(), float("-inf")))
                     self._policy_sums[k] = v if k not in self._policy_sums else torch.maximum(self._policy_sums[k], v)
@@ -344,7 +350,7 @@ class ApiaryTrainer(Trainer):
 
     def _extra_metrics(self) -> dict[str, float]:
         """The step's extra scalars: policy metrics (a collective), and what a followed stream consumed."""
-        out = self._policy_metrics() if hasattr(self.loss_fn, "set_batch") else {}
+        out = self._policy_metrics() if self._loss_set_batch is not None else {}
         if self._follow_source is not None:
             out.update(self._follow_source.step_metrics(self.step))
             out["data/waited_s"] = float(self._waited_s)
@@ -390,7 +396,7 @@ class ApiaryTrainer(Trainer):
         inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         # per-token model inputs a component registered on the model (contracts.add_batch_consumer)
         consumers = contracts.batch_consumers(self.model_parts)
-        if not hasattr(self.loss_fn, "set_batch") and not consumers:
+        if self._loss_set_batch is None and not consumers:
             return inputs, labels, extra_kwargs
         group = None
         if rl and self.parallel_dims.cp_enabled:  # seq dim 1; trailing dims ([B, T, ...]) are kept
@@ -403,6 +409,6 @@ class ApiaryTrainer(Trainer):
         for key, fns in consumers.items():  # every micro-batch: its tensor, or None (stale state is cleared)
             for fn in fns:
                 fn(rl.get(key))
-        if hasattr(self.loss_fn, "set_batch"):
-            self.loss_fn.set_batch(rl, group)
+        if self._loss_set_batch is not None:
+            self._loss_set_batch(rl, group)
         return inputs, labels, extra_kwargs

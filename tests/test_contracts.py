@@ -2,6 +2,7 @@
 component's bad option is refused before launch (exit 2, one paragraph naming the key)."""
 
 import dataclasses
+import inspect
 
 import pytest
 
@@ -19,10 +20,8 @@ def _entries():
 @pytest.mark.parametrize("kind,name", list(_entries()))
 def test_registry_entry_satisfies_its_protocol(kind, name):
     comp = registry.resolve(kind, name)
-    # Only the members this contract work provides (Options, check, apply and the kind's own
-    # members); plan_terms and NUMERICS arrive with the planner and compare work.
-    later = {"plan_terms", "NUMERICS"}
-    assert [m for m in contracts.missing_members(kind, comp) if m not in later] == []
+    assert contracts.missing_members(kind, comp) == []
+    assert_declared_members(kind, name, comp)
     assert dataclasses.is_dataclass(comp.Options)
     assert all(f.kw_only for f in dataclasses.fields(comp.Options)), f"{kind}={name}: Options is not kw_only"
     docs = contracts.field_docs(comp.Options)
@@ -32,13 +31,84 @@ def test_registry_entry_satisfies_its_protocol(kind, name):
         {f.name for f in dataclasses.fields(comp.Options)}
 
 
+def assert_declared_members(kind, name, comp):
+    """Every member the contract of ``kind`` declares, none excluded: a required one is there; an
+    optional one, when there, has its declared shape (a function, or a value); both read back
+    through ``contracts.member``."""
+    declared = contracts.declared_members(kind)
+    optional = contracts.OPTIONAL_MEMBERS[kind]
+    for m, is_function in declared.items():
+        if m not in optional:
+            assert hasattr(comp, m), f"{kind}={name}: lacks the required member {m}"
+        elif not hasattr(comp, m):
+            assert contracts.member(comp, kind, m) is optional[m]
+            continue
+        value = contracts.member(comp, kind, m)
+        assert value == getattr(comp, m)  # (a classmethod is a new bound method each time)
+        if is_function:
+            assert callable(value), f"{kind}={name}: {m} is declared a function, got {type(value).__name__}"
+        else:
+            assert not inspect.isroutine(value), f"{kind}={name}: {m} is declared a value, got a function"
+
+
 def test_kinds_and_apply_order_cover_the_registry():
     assert set(registry.entries()) == set(contracts.KINDS)
     assert set(contracts.APPLY_ORDER) <= set(contracts.KINDS)
     assert set(contracts.SELECT) == set(contracts.KINDS)
-    # missing_members does see a kind's members (the registry test above is not vacuous)
-    assert {"Options", "check", "apply", "NEEDS_DATA"} <= set(contracts.missing_members("loss", object()))
+    # missing_members does see a kind's required members (the registry test above is not vacuous)
+    assert {"Options", "check", "apply"} <= set(contracts.missing_members("loss", object()))
     assert {"BATCH_KEYS", "STEP_KEYS", "summary"} <= set(contracts.missing_members("data", object()))
+    assert {"FLAVORS", "facts", "model_spec"} <= set(contracts.missing_members("model", object()))
+
+
+def test_optional_members_are_declared_in_their_protocols():
+    """One table per kind (and per runtime contract), each optional name a member of its Protocol."""
+    assert set(contracts.OPTIONAL_MEMBERS) == set(contracts.KINDS) | set(contracts.RUNTIME_PROTOCOLS)
+    for kind, table in contracts.OPTIONAL_MEMBERS.items():
+        assert set(table) <= set(contracts.declared_members(kind)), kind
+        assert set(contracts.required_members(kind)).isdisjoint(table)
+    # what the framework and the tools read as optional (a component without them still runs)
+    assert {"NUMERICS", "SKILL"} <= set(contracts.OPTIONAL_MEMBERS["state"])
+    assert {"plan_terms", "NEEDS_DATA", "RL_KEYS"} <= set(contracts.OPTIONAL_MEMBERS["loss"])
+    assert {"hf_writer", "HF_MODEL_TYPES", "export_hf", "hf_key_shapes", "save_hf"} <= set(contracts.OPTIONAL_MEMBERS["model"])
+    assert {"render", "preflight", "check_options", "TEMPLATE"} <= set(contracts.OPTIONAL_MEMBERS["launcher"])
+    assert set(contracts.OPTIONAL_MEMBERS["loss_fn"]) == {"set_batch", "metrics", "metric_weight"}
+
+
+def test_member_gives_the_component_s_own_or_the_declared_default():
+    class Bare:
+        RUNS_HERE = True
+
+    local = registry.resolve("launcher", "local")
+    assert contracts.member(local, "launcher", "check_options") is local.check_options
+    assert contracts.member(local, "launcher", "render") is None  # optional: not offered
+    assert contracts.member(Bare, "launcher", "RUNS_HERE") is True
+    assert dict(contracts.member(Bare, "launcher", "NUMERICS")) == {}
+    assert contracts.member(Bare, "loss", "RL_KEYS") == ()
+    assert contracts.member(object(), "loss_fn", "metric_weight") is None
+    with pytest.raises(AttributeError):  # a required member has no default
+        contracts.member(Bare, "launcher", "world_size")
+
+
+def test_member_refuses_an_undeclared_name():
+    local = registry.resolve("launcher", "local")
+    with pytest.raises(contracts.UndeclaredMember, match="'check_warmup' is not a member of the launcher contract"):
+        contracts.member(local, "launcher", "check_warmup")
+    with pytest.raises(contracts.UndeclaredMember, match="not a member of the loss contract"):
+        contracts.member(registry.resolve("loss", "ce"), "loss", "set_batch")  # the built loss's, not the component's
+
+
+def test_a_component_without_a_required_member_is_refused_before_launch(monkeypatch):
+    """resolve's member check reads the same table: an optional member may be left out, a required one not."""
+    from framework import resolve as resolve_mod
+    from framework.errors import UserError
+
+    full = registry.resolve("loss", "ce")
+    no_optional = type("NoOptional", (), {n: getattr(full, n) for n in ("Options", "check", "apply")})
+    resolve_mod._check_members("loss", "ce", no_optional)  # NUMERICS, plan_terms, NEEDS_DATA, ... may go
+    no_apply = type("NoApply", (), {n: getattr(full, n) for n in ("Options", "check")})
+    with pytest.raises(UserError, match="lacks apply, which every loss provides"):
+        resolve_mod._check_members("loss", "ce", no_apply)
 
 
 def test_literal_choices_are_checked_by_options():

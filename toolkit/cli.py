@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from framework import autotune_table, integrity, recipes, registry
+from framework import autotune_table, contracts, integrity, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
@@ -97,7 +97,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
                                   "verified the same way)")
     family = OmegaConf.load(cfg_path).model.family
     mod = registry.resolve("model", family)
-    if not hasattr(mod, "export_hf"):
+    if contracts.member(mod, "model", "export_hf") is None:
         raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
                         "A model family exports by defining export_hf(run_dir, out_path), as the shipped "
                         "ones (qwen3, llama3, qwen3_5) do.")
@@ -111,7 +111,12 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     what = ""
     if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
-        folder, what = registry.resolve("adapter", adapter).export_hf(run_dir, out, mod, merged=merged)
+        export_adapter = contracts.member(registry.resolve("adapter", adapter), "adapter", "export_hf")
+        if export_adapter is None:
+            raise UserError(f"apiary export {run_dir}", f"adapter={adapter} has no exporter (export_hf).",
+                            "An adapter exports by defining export_hf(run_dir, out_path, family, merged=...), as "
+                            "lora does (framework/contracts.py OPTIONAL_MEMBERS).")
+        folder, what = export_adapter(run_dir, out, mod, merged=merged)
         if not (Path(folder) / "config.json").is_file():
             console.print(f"exported {run_dir} -> {folder} ({what})", markup=False)
             return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from framework import recipes, registry, run, runlock
+from framework import contracts, recipes, registry, run, runlock
 from framework.errors import UserError, did_you_mean
 from framework.resolve import resolve
 from framework.schema import RecipeConfig
@@ -150,14 +150,16 @@ def launch_args(ns) -> int:
             overrides.append("launcher.wait=true")
 
         opts = recipes.load(recipe, overrides).launcher
-        if hasattr(cls, "check_options"):
-            cls.check_options(opts)
+        check_options = contracts.member(cls, "launcher", "check_options")
+        if check_options is not None:
+            check_options(opts)
         world = int(cls.world_size(opts))
         r = resolve(recipe, overrides, world_size=world)
         opts = r.cfg.launcher
         warnings = []
-        if hasattr(cls, "preflight"):
-            warnings = cls.preflight(opts, r, dry_run="dry_run" in flags) or []
+        preflight = contracts.member(cls, "launcher", "preflight")
+        if preflight is not None:
+            warnings = preflight(opts, r, dry_run="dry_run" in flags) or []
         if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
             warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "
                             f"{world} ranks, so its dims are derived for {world}.")
@@ -187,9 +189,10 @@ def launch_args(ns) -> int:
 
 
 def _launch(cls, opts, argv_w, r, flags, world) -> int:
-    if hasattr(cls, "render"):  # a batch-script launcher (slurm)
+    render = contracts.member(cls, "launcher", "render")
+    if render is not None:  # a batch-script launcher (slurm)
         try:
-            script = cls.render(opts, r, argv_w)
+            script = render(opts, r, argv_w)
         except UserError as e:
             return _fail(e)
         if "dry_run" in flags:
@@ -246,10 +249,10 @@ def cp_template_main(argv: list[str]) -> int:
         name, dest = argv
         registry.check("launcher", name, where=f"apiary cp-template {name}")
         cls = registry.resolve("launcher", name)
-        src = getattr(sys.modules[cls.__module__], "TEMPLATE", None)
+        src = contracts.member(cls, "launcher", "TEMPLATE")
         if src is None or not Path(src).is_file():
             with_tpl = [n for n in registry.names("launcher")
-                        if getattr(sys.modules.get(registry.resolve("launcher", n).__module__), "TEMPLATE", None)]
+                        if contracts.member(registry.resolve("launcher", n), "launcher", "TEMPLATE")]
             raise UserError(f"apiary cp-template {name}", f"launcher {name} has no script template.",
                             did_you_mean(name, with_tpl) or f"Launchers with one: {', '.join(with_tpl) or 'none'}.")
         d = Path(dest)

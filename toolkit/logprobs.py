@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 
 from components.data.rollouts import _located_records, _where, rollout_files
-from framework import integrity, registry
+from framework import contracts, integrity, registry
 from framework.errors import UserError
 from framework.resolve import model_kwargs
 
@@ -62,7 +62,7 @@ def _family_of(folder: Path, where: str) -> str:
 
     mt = str(read_config(folder).get("model_type", ""))
     for family in registry.names("model"):
-        if mt in getattr(registry.resolve("model", family), "HF_MODEL_TYPES", ()):
+        if mt in contracts.member(registry.resolve("model", family), "model", "HF_MODEL_TYPES"):
             return family
     raise UserError(where, f"{folder}/config.json has model_type={mt or '(none)'}, which no model family in "
                     "registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")

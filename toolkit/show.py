@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.models.hf import read_config  # the config reader every family uses
-from framework import planner, recipes, registry
+from framework import contracts, planner, recipes, registry
 from framework.errors import UserError
 from framework.resolve import resolve
 
@@ -25,7 +25,7 @@ def family_for(path: Path) -> tuple[str, str]:
     c = read_config(path)
     mt = str(c.get("model_type", ""))
     for family in registry.names("model"):
-        if mt in getattr(registry.resolve("model", family), "HF_MODEL_TYPES", ()):
+        if mt in contracts.member(registry.resolve("model", family), "model", "HF_MODEL_TYPES"):
             return family, mt
     raise UserError(f"apiary show {path}", f"config.json has model_type={mt or '(none)'}, which no model family "
                     "in registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")

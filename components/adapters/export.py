@@ -39,6 +39,7 @@ from components.adapters import modules
 from components.adapters.base import BASE_FILE, _files, describe
 from components.adapters.targets import is_adapter_param
 from components.models import hf
+from framework import contracts
 from framework.errors import UserError
 
 PEFT_PREFIX = "base_model.model."
@@ -134,7 +135,7 @@ def base_state_dict(family_mod, cfg, pointer: dict, run_dir) -> tuple[dict, obje
 
 def write_hf(family_mod, cfg, config, state_dict: dict, out) -> Path:
     """A torchtitan state dict of the run's architecture -> the family's HF folder."""
-    if hasattr(family_mod, "save_hf"):  # qwen3_5: its own text-only writer
+    if contracts.member(family_mod, "model", "save_hf") is not None:  # qwen3_5: its own text-only writer
         m = cfg.model
         arch = family_mod.arch_of(m.flavor, n_layers=m.get("n_layers"), vocab_size=m.get("vocab_size"),
                                   hf_checkpoint=getattr(config, "hf_checkpoint", None))

@@ -43,6 +43,7 @@ _LAUNCH_ONLY = ("launcher", "output_dir", "checkpoint.resume", "nproc")
 
 class SlurmLauncher:
     RUNS_HERE = False  # the ranks run on the cluster's nodes
+    TEMPLATE = TEMPLATE  # the sbatch template `apiary cp-template slurm` copies
     @dataclass(kw_only=True)
     class Options:
         name: str = "slurm"

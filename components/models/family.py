@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from framework import contracts
 from framework.errors import UserError
 
 
@@ -74,7 +75,8 @@ def check_model(options, ctx) -> None:
         src = (f"max_position_embeddings of {options.hf_checkpoint}" if options.hf_checkpoint
                else f"model.flavor={options.flavor}")
         family = ctx.components.get("model") if getattr(ctx, "components", None) else None
-        longer = [f for f, n in getattr(family, "LONG_CONTEXT_FLAVORS", {}).items()
+        longer = [f for f, n in (contracts.member(family, "model", "LONG_CONTEXT_FLAVORS") if family is not None
+                                 else {}).items()
                   if f.startswith(f"{options.flavor}-") and n >= seq] if not options.hf_checkpoint else []
         fix = f"Use training.seq_len <= {limit}"
         if longer:

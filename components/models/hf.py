@@ -39,6 +39,7 @@ from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
 from components.adapters.targets import is_adapter_param
 from components.models.common import facts_from_config
+from framework import contracts
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -313,7 +314,7 @@ def expected_hf(config, adapter_cls) -> dict[str, tuple]:
 
 
 def canonical_index(index: dict, family_mod) -> dict[str, tuple]:
-    fn = getattr(family_mod, "hf_key_shapes", None)
+    fn = contracts.member(family_mod, "model", "hf_key_shapes")
     out = {}
     for k, (_, shape, _) in index.items():
         if k.endswith("rotary_emb.inv_freq"):
@@ -348,7 +349,7 @@ def check_weights(path, config, family_mod, n_layers: int) -> dict:
         raise UserError(_where(path), "the weights do not match its config.json: " + "; ".join(problems) + ".",
                         "Use the config.json saved with these weights, or re-save the model with "
                         "save_pretrained.")
-    fn = getattr(family_mod, "hf_key_shapes", None)
+    fn = contracts.member(family_mod, "model", "hf_key_shapes")
     ints = [f"{k} ({dtype} in {f.name})" for k, (f, shape, dtype) in sorted(index.items(), key=lambda kv: _natural(kv[0]))
             if dtype not in FLOAT_DTYPES and any(ck in want for ck, _ in (fn(k, shape) if fn else [(k, shape)]))]
     if ints:

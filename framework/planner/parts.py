@@ -12,7 +12,7 @@ from functools import lru_cache
 import yaml
 from omegaconf import OmegaConf
 
-from framework import registry, schema
+from framework import contracts, registry, schema
 from framework.contracts import SELECT, PlanTerms
 
 DEFAULTS_PATH = registry.ROOT / "recipes" / "_defaults.yaml"
@@ -38,7 +38,7 @@ def component(kind: str, name: str):
     if name not in registry.entries().get(kind, {}):
         return None
     obj = registry.resolve(kind, name)
-    return obj if callable(getattr(obj, "plan_terms", None)) else None
+    return obj if contracts.member(obj, kind, "plan_terms") is not None else None
 
 
 def names(kind: str) -> list[str]:
@@ -70,5 +70,5 @@ def plans_by_budget(component) -> bool:
     Options declare ``budget_gib``."""
     import dataclasses  # reason: only asked for the recompute kind
 
-    opts = getattr(component, "Options", None)
+    opts = contracts.member(component, "recompute", "Options")
     return opts is not None and any(f.name == "budget_gib" for f in dataclasses.fields(opts))

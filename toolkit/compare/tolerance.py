@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework import registry
+from framework import contracts, registry
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def component_kind(key: str, variants) -> tuple[str, str] | None:
             names = names[:1]
         kinds = {}
         for name in names:
-            numerics = getattr(registry.resolve(kind, name), "NUMERICS", None)
-            if numerics is None or numerics.get(opt, numerics.get("")) not in LOOSENESS:
+            numerics = contracts.member(registry.resolve(kind, name), kind, "NUMERICS")
+            if numerics.get(opt, numerics.get("")) not in LOOSENESS:
                 return "any", (f"{kind} {name} declares no NUMERICS for {key}: treated as a deliberate change "
                                "(pass --tol to check)")
             kinds[name] = numerics.get(opt, numerics.get(""))
