@@ -64,3 +64,13 @@ def test_framework_cli_refuses_the_apiary_command():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert "python -m framework.cli apiary" in p.stderr and "python -m toolkit.cli" in p.stderr
+
+
+def test_show_lists_every_kind_that_binds_a_name(capsys):
+    """`auto` is a recompute policy and a moe.chunk policy: `apiary show auto` shows both bindings."""
+    from toolkit.cli import apiary_main
+
+    assert apiary_main(["show", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute auto:" in out and "components.recompute.policies:AutoRecompute" in out
+    assert "moe_chunk auto:" in out

@@ -52,15 +52,15 @@ def _show(name: str) -> int:
     if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
         console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
         return 0
-    for kind, names in registry.entries().items():
-        if name in names:
-            e = names[name]
-            console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
-            skill = registry.skill_page(kind, name)
-            if skill.is_file():
-                shown = skill.relative_to(registry.ROOT) if skill.is_relative_to(registry.ROOT) else skill
-                console.print(f"  skill page: {shown}", markup=False)
-            return 0
+    found = [(kind, names[name]) for kind, names in registry.entries().items() if name in names]
+    for kind, e in found:  # a name may be bound in several kinds (none, auto): each binding
+        console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
+        skill = registry.skill_page(kind, name)
+        if skill.is_file():
+            shown = skill.relative_to(registry.ROOT) if skill.is_relative_to(registry.ROOT) else skill
+            console.print(f"  skill page: {shown}", markup=False)
+    if found:
+        return 0
     known = recipes.recipe_names() + [n for ns in registry.entries().values() for n in ns]
     raise UserError(f"apiary show {name}", "no recipe or registry name called that.",
                     did_you_mean(name, known) or "Run `apiary ls`.")
