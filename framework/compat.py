@@ -393,11 +393,7 @@ def prune_autotune_configs(wrap) -> bool:
     Autotuner = _autotuner()
     if Autotuner is None:
         return False
-    if not getattr(Autotuner.prune_configs, "apiary_table", False):
-        _keep_original("triton.runtime.autotuner:Autotuner.prune_configs", Autotuner.prune_configs)
-        wrapped = wrap(Autotuner.prune_configs)
-        wrapped.apiary_table = True
-        Autotuner.prune_configs = wrapped
+    _wrap_autotuner_once(Autotuner, "prune_configs", wrap, "apiary_table")
     return True
 
 
@@ -409,12 +405,20 @@ def lock_autotune_disk_cache(wrap) -> bool:
     Autotuner = _autotuner()
     if Autotuner is None or not hasattr(Autotuner, "check_disk_cache"):
         return False
-    if not getattr(Autotuner.check_disk_cache, "apiary_tune_lock", False):
-        _keep_original("triton.runtime.autotuner:Autotuner.check_disk_cache", Autotuner.check_disk_cache)
-        wrapped = wrap(Autotuner.check_disk_cache)
-        wrapped.apiary_tune_lock = True
-        Autotuner.check_disk_cache = wrapped
+    _wrap_autotuner_once(Autotuner, "check_disk_cache", wrap, "apiary_tune_lock")
     return True
+
+
+def _wrap_autotuner_once(Autotuner, name: str, wrap, marker: str) -> None:
+    """Replace ``Autotuner.<name>`` by ``wrap(original)``, marked with ``marker`` so it happens once;
+    the original is kept for ``original()``."""
+    current = getattr(Autotuner, name)
+    if getattr(current, marker, False):
+        return
+    _keep_original(f"triton.runtime.autotuner:Autotuner.{name}", current)
+    wrapped = wrap(current)
+    setattr(wrapped, marker, True)
+    setattr(Autotuner, name, wrapped)
 
 
 def set_autotuning_listener(listener) -> bool:
