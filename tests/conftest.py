@@ -63,8 +63,33 @@ def run_ranks(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int
                           timeout=timeout)
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and unlikely to be taken before a test's ranks listen on it: drawn below the
+    kernel's ephemeral range (ports the OS hands to outgoing connections, such as the stores'
+    clients, would otherwise collide with one chosen minutes earlier), never the same twice in a
+    session, and checked by binding it."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    lo, hi = 10000, max(low - 1, 20000)
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # every draw taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
