@@ -25,7 +25,8 @@ old_logprobs, advantages, ref_logprobs and gen_logprobs, so that everything line
     input_ids [B, T] long (pad_id), labels [B, T] long (IGNORE_INDEX where not trained), loss_mask [B, T] bool,
     old_logprobs / advantages / ref_logprobs / gen_logprobs [B, T] float32 (0 at padding and where
     not trained),
-    positions [B, T] long (restart at every packed sequence), sequence_ids [B, T] long (index of
+    positions [B, T] long (restart at every packed sequence; a row's padding counts on from 0 as
+    one more sequence, never one per pad token), sequence_ids [B, T] long (index of
     the sequence inside its row, -1 at padding), seq_tokens [B, T] long (trained tokens of the
     token's sequence, the |o_i| of sequence-level means; 0 at padding), meta: list per row of
     the records' (index, sequence_id, group_id).
@@ -337,6 +338,11 @@ def build_rows(rows: list[list[tuple[int, dict]]], width: int, *, with_ref: bool
                 out["routed_experts"][r, sl] = re
             row_meta.append((i, rec.get("sequence_id"), rec.get("group_id")))
             col += n
+        # the padding after the row's last sequence is one more (untrained) sequence: positions count
+        # on from 0 instead of staying 0, where every pad token would start a document of its own (the
+        # GatedDeltaNet kernels then run one chunk per pad token: 10x their time and 24 GiB of states
+        # for a row of 32K tokens with 11K padding; benchmarks/short_rollouts_profile.sh)
+        out["positions"][r, col:] = torch.arange(width - col)
         meta.append(row_meta)
     out["meta"] = meta
     seg = out["sequence_ids"].clamp_min(0)

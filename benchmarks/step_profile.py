@@ -1,0 +1,161 @@
+"""Where one training step spends its time and its memory: a real run of a recipe on one GPU, with
+the torch profiler around steps WARMUP+1..WARMUP+STEPS and the CUDA allocator's history over one step.
+
+    python benchmarks/step_profile.py --out DIR [--warmup 3] [--steps 2] RECIPE [KEY=VALUE ...]
+    python benchmarks/step_profile.py --out /tmp/p qwen35_35b_128k model.n_layers=4 training.seq_len=32768 \
+        parallel.cp=1 parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte \
+        checkpoint.enable=false loss=grpo data.format=rollouts
+
+Prints (and writes to DIR/profile.txt):
+  - wall time per profiled step, GPU kernel time per step, and the gap (the GPU waiting on the host);
+  - the kernels by total GPU time (top 30), grouped by name;
+  - host-side operations by self CPU time, with the device-to-host syncs counted (``aten::item``,
+    ``aten::nonzero``, ``cudaStreamSynchronize``, ...);
+  - the allocations alive at the step's memory peak, grouped by the first frame outside torch (the
+    code that asked for them), from ``torch.cuda.memory._record_memory_history``.
+The run itself is the product's own (`framework.run.train`), so the numbers are the training step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
+            "cudaDeviceSynchronize", "cudaMemcpy", "aten::tolist", "cudaEventSynchronize")
+
+
+def _site(frames: list[dict]) -> str:
+    """The first frame outside torch's own files: the code that asked for the block."""
+    for fr in frames:
+        f = fr.get("filename", "")
+        if not f or "/torch/" in f or f.startswith("<") or "/contextlib.py" in f or "/functools.py" in f:
+            continue
+        short = f.split("site-packages/")[-1] if "site-packages/" in f else f.replace(str(ROOT) + "/", "")
+        return f"{short}:{fr.get('line', 0)} {fr.get('name', '')}"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+def peak_sites(snapshot: dict, top: int = 25) -> tuple[int, list[tuple[str, int, int]]]:
+    """(peak bytes of the blocks allocated during the recording, [(site, bytes, blocks)] alive then)."""
+    live: dict[int, tuple[int, str]] = {}
+    cur = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    for ev in snapshot["device_traces"][0] if snapshot.get("device_traces") else []:
+        act, addr, size = ev.get("action"), ev.get("addr"), int(ev.get("size", 0))
+        if act == "alloc":
+            live[addr] = (size, _site(ev.get("frames", [])))
+            cur += size
+            if cur > peak:
+                peak, peak_live = cur, dict(live)
+        elif act == "free_completed" and addr in live:
+            cur -= live.pop(addr)[0]
+    by: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for size, site in peak_live.values():
+        by[site][0] += size
+        by[site][1] += 1
+    rows = sorted(((s, b, n) for s, (b, n) in by.items()), key=lambda r: -r[1])
+    return peak, rows[:top]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones (compile, autotune)")
+    p.add_argument("--steps", type=int, default=2, help="profiled steps")
+    p.add_argument("--no-memory", action="store_true", help="skip the allocator history (it slows the step)")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from framework import run, trainer
+    from framework.resolve import resolve
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    a.no_memory = a.no_memory or not cuda  # the allocator history is CUDA's
+    steps = a.warmup + a.steps + (0 if a.no_memory else 1)
+    overrides = [*a.overrides, f"training.steps={steps}", f"output_dir={a.out / 'run'}",
+                 "logging.tensorboard=false", "preflight.memory=warn"]
+    r = resolve(a.recipe, overrides)
+    lines: list[str] = []
+    state: dict = {}
+    orig = trainer.ApiaryTrainer.train_step
+
+    def profiled(self, data_iterator):
+        step = self.step  # torchtitan increments before calling train_step: 1-based
+        if step == a.warmup + 1:
+            sync()
+            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        if not a.no_memory and step == a.warmup + a.steps + 1:
+            torch.cuda.synchronize()
+            state["mem_before"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        out = orig(self, data_iterator)
+        if step == a.warmup + a.steps:
+            sync()
+            state["wall"] = (time.perf_counter() - state["t0"]) / a.steps
+            state["prof"].__exit__(None, None, None)
+        if not a.no_memory and step == a.warmup + a.steps + 1:
+            torch.cuda.synchronize()
+            state["mem_peak"] = torch.cuda.max_memory_allocated()
+            state["snapshot"] = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return out
+
+    trainer.ApiaryTrainer.train_step = profiled
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    run.train(r, report=False)
+
+    prof = state["prof"]
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    lines.append(f"run: {a.recipe} {' '.join(a.overrides)}")
+    lines.append(f"wall per step {state['wall'] * 1e3:9.1f} ms   GPU kernels per step "
+                 f"{kernel_us / 1e3 / a.steps:9.1f} ms   gap (GPU idle) {state['wall'] * 1e3 - kernel_us / 1e3 / a.steps:8.1f} ms")
+    lines.append("")
+    lines.append(f"{'kernel (top 30 by GPU time)':90s} {'ms/step':>9s} {'calls/step':>10s}")
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    for e in kernels[:30]:
+        lines.append(f"{e.key[:90]:90s} {e.self_device_time_total / 1e3 / a.steps:9.2f} {e.count / a.steps:10.1f}")
+    lines.append("")
+    lines.append(f"{'host op (top 25 by self CPU time)':70s} {'ms/step':>9s} {'calls/step':>10s}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]:
+        lines.append(f"{e.key[:70]:70s} {e.self_cpu_time_total / 1e3 / a.steps:9.2f} {e.count / a.steps:10.1f}")
+    lines.append("")
+    lines.append("device-to-host syncs per step: " + ", ".join(
+        f"{e.key} {e.count / a.steps:.0f} ({e.cpu_time_total / 1e3 / a.steps:.1f} ms)"
+        for e in events if e.key in SYNC_OPS and e.count))
+    if "snapshot" in state:
+        peak, rows = peak_sites(state["snapshot"])
+        lines.append("")
+        lines.append(f"memory: allocated before the step {state['mem_before'] / 2**30:.2f} GiB, peak "
+                     f"{state['mem_peak'] / 2**30:.2f} GiB, of it allocated within the step and alive at its peak "
+                     f"{peak / 2**30:.2f} GiB; reserved peak {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB")
+        lines.append(f"{'allocated at (alive at the step peak)':100s} {'GiB':>8s} {'blocks':>7s}")
+        for site, b, n in rows:
+            lines.append(f"{site[:100]:100s} {b / 2**30:8.3f} {n:7d}")
+    text = "\n".join(lines)
+    print(text)
+    (a.out / "profile.txt").write_text(text + "\n")
+    prof.export_chrome_trace(str(a.out / "trace.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
