@@ -130,8 +130,9 @@ def main(argv=None) -> int:
     gpu_rows = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_us = sum(e.self_device_time_total for e in gpu_rows)
     lines.append(f"run: {a.recipe} {' '.join(a.overrides)}")
-    lines.append(f"wall per step {state['wall'] * 1e3:9.1f} ms   GPU kernels per step "
-                 f"{kernel_us / 1e3 / a.steps:9.1f} ms   gap (GPU idle) {state['wall'] * 1e3 - kernel_us / 1e3 / a.steps:8.1f} ms")
+    wall_ms, gpu_ms = state["wall"] * 1e3, kernel_us / 1e3 / a.steps
+    lines.append(f"wall per step {wall_ms:9.1f} ms   GPU kernels per step {gpu_ms:9.1f} ms   "
+                 f"gap (GPU idle) {wall_ms - gpu_ms:8.1f} ms")
     lines.append("")
     lines.append(f"{'kernel (top 30 by GPU time)':90s} {'ms/step':>9s} {'calls/step':>10s}")
     lines.append("(kernels only; the autograd functions that launch them, by GPU time, follow)")

@@ -1,7 +1,7 @@
 """Recorded autotuning winners: Triton benchmarks only the configs that won on this GPU architecture.
 
 Triton's autotuner compiles and times every config a kernel lists, once per new shape key, on every
-cold machine. fla's GatedDeltaNet kernels list many configs each; on one H200 a cold 32K
+cold machine. fla's linear-attention kernels list many configs each; on one H200 a cold 32K
 Qwen3.5 step spent 166.6 s of its 183 s there (docs/benchmarks.md, "Time to first step"). A
 table recorded on one GPU of an architecture (``autotune_tables/sm90.json`` for Hopper) holds, per
 kernel and tuning key, the configs within ``within`` of the fastest (at most ``max``). With

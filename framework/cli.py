@@ -18,7 +18,8 @@ from rich.text import Text
 
 from framework import contracts, hydra_cli, lifecycle, preempt, registry, run, runlock
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.resolve import ENV_RESOLVED, load_resolved, resolve
+from framework.schema import DEFAULT_RECIPE
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
@@ -77,6 +78,8 @@ def train_main(argv: list[str] | None = None) -> int:
             h.hydra_help(config_name=name, args_parser=hydra_cli.parser(), args=args)
             return 0
         recipe, overrides = args.recipe, args.overrides
+        if _under_torchrun() and os.environ.get(ENV_RESOLVED) and not (args.multirun or args.info or args.cfg):
+            return _train_worker(argv, args.verbose)  # started by `train`: the run it resolved
         if args.multirun:
             if _under_torchrun():
                 raise UserError("train -m", "a sweep is started once, not by each torchrun worker.",
@@ -89,7 +92,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
         if _under_torchrun() and not any(o.startswith("output_dir=") for o in overrides):
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-            overrides.append(f"output_dir=runs/{recipe or 'debug_moe'}/torchrun-{run_id}")
+            overrides.append(f"output_dir=runs/{recipe or DEFAULT_RECIPE}/torchrun-{run_id}")
         r = resolve(recipe, overrides, for_training=args.cfg is None)
         if args.cfg:
             _print_cfg(r, args)
@@ -98,27 +101,46 @@ def train_main(argv: list[str] | None = None) -> int:
         return _fail(e)
 
     if _under_torchrun():
-        try:
-            lock = runlock.hold_in_worker(r.cfg.output_dir)  # rank 0 of a job no apiary parent started
-        except UserError as e:
-            return _fail(e)
-        try:
-            run.train(r, verbose=args.verbose)
-        except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor): every rank
-            lifecycle.write_status(e.exit_code)  # sees it; rank 0 says it once, the parent exits with the code
-            if os.environ.get("RANK", "0") == "0":
-                return _fail(e)
-            # the others give rank 0 time to reach the same check and say it (torchrun ends them once it
-            # exits; without the preemption handler a SIGTERM ends them quietly)
-            preempt.disarm()
-            time.sleep(10)
-            return e.exit_code
-        finally:
-            if lock is not None:
-                lock.release()
-        return 0
+        return _train_rank(r, args.verbose)
     worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
     return _launch(r, worker_argv, args.verbose)
+
+
+def _train_worker(argv: list[str], verbose: bool) -> int:
+    """A rank that `train` started through its launcher: load the run the launching process resolved
+    (``ENV_RESOLVED``) and train it; nothing is composed or checked again."""
+    try:
+        r = load_resolved(argv)
+    except UserError as e:  # every rank reads the same file
+        return _rank_fail(e)
+    return _train_rank(r, verbose)
+
+
+def _train_rank(r, verbose: bool) -> int:
+    try:
+        lock = runlock.hold_in_worker(r.cfg.output_dir)  # rank 0 of a job no apiary parent started
+    except UserError as e:
+        return _fail(e)
+    try:
+        run.train(r, verbose=verbose)
+    except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
+        return _rank_fail(e)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _rank_fail(e: UserError) -> int:
+    """Every rank found the same error: rank 0 says it once, the parent exits with the code."""
+    lifecycle.write_status(e.exit_code)
+    if os.environ.get("RANK", "0") == "0":
+        return _fail(e)
+    # the others give rank 0 time to reach the same check and say it (torchrun ends them once it
+    # exits; without the preemption handler a SIGTERM ends them quietly)
+    preempt.disarm()
+    time.sleep(10)
+    return e.exit_code
 
 
 def _launch(r, worker_argv: list[str], verbose: bool) -> int:
@@ -136,15 +158,10 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
     console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
                   f"({r.facts.n_params / 1e6:,.1f}M params) · {dims} · output {r.cfg.output_dir}"))
 
-    def in_process():  # rank 0 of run.train prints the run's summary (under torchrun too)
-        try:
-            run.train(r, verbose=verbose)
-        except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
-            return _fail(e)
-        return 0
-
     try:
-        return launcher.launch(r.cfg.launcher, worker_argv, in_process, run.launch_env(r))
+        return launcher.launch(r.cfg.launcher, worker_argv, run.launch_env(r, worker_argv, verbose))
+    except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
+        return _fail(e)
     finally:
         if lock is not None:
             lock.release()

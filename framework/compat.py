@@ -40,6 +40,14 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_",),
     "fsdp_wrappers_disabled": ("torchtitan.distributed.fsdp:apply_fsdp_to_decoder",),
     "hook_trainer_train": ("torchtitan.trainer:Trainer.train",),
+    # instance-level: these replace a method on one object the trainer built, never on the class
+    "guard_trainer_steps": ("torchtitan.components.optimizer:OptimizersContainer.step",
+                            "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step"),
+    "extend_metrics_log": ("torchtitan.components.metrics:MetricsProcessor.log",),
+    "wrap_checkpoint_saves": ("torchtitan.components.checkpointer.dcp:CheckpointManager.dcp_save",
+                              "torchtitan.components.checkpointer.dcp:CheckpointManager.save"),
+    "gate_training_loop": ("torchtitan.trainer:Trainer.should_continue_training",),
+    "observe_checkpoint_saves": ("torchtitan.components.checkpointer.dcp:CheckpointManager.save",),
     "plain_checkpoint_state_dict": ("torchtitan.components.checkpointer.base:ModelWrapper._get_state_dict",
                                     "torchtitan.components.checkpointer.base:_shares_storage"),
     "route_token_exchange": ("torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._dispatch_token_exchange",
@@ -312,6 +320,87 @@ def hook_trainer_train(before) -> None:
 
     train._apiary = True
     Trainer.train = train
+
+
+def _replace_on_instance(obj, attr: str, make, patch: str):
+    """Set ``obj.attr`` to ``make(current)`` unless ``patch`` already wrapped it (anywhere in the
+    chain of wrappers); returns the method ``patch`` wrapped (the object's own, or the wrapper below)."""
+    current = getattr(obj, attr)
+    link = current
+    while getattr(link, "_apiary_patch", None) is not None:
+        if link._apiary_patch == patch:
+            return link._apiary_original
+        link = link._apiary_original
+    new = make(current)
+    new._apiary_patch, new._apiary_original = patch, current
+    setattr(obj, attr, new)
+    return current
+
+
+def guard_trainer_steps(trainer, optimizer_step, scheduler_step) -> tuple:
+    """torchtitan 0.3.0. ``Trainer.train_step`` ends with ``self.optimizers.step()`` and
+    ``self.lr_schedulers.step()``; on this trainer's two containers (not their classes) they become
+    ``optimizer_step(original, ...)`` and ``scheduler_step(original, ...)``, where ``original`` is
+    the container's own bound ``step`` (the non-finite guard: framework/trainer.py). Returns the two
+    originals."""
+    def make(wrap):
+        def build(current):
+            def step(*args, **kwargs):
+                return wrap(current, *args, **kwargs)
+            return step
+        return build
+
+    return (_replace_on_instance(trainer.optimizers, "step", make(optimizer_step), "guard_trainer_steps"),
+            _replace_on_instance(trainer.lr_schedulers, "step", make(scheduler_step), "guard_trainer_steps"))
+
+
+def extend_metrics_log(processor, log) -> None:
+    """torchtitan 0.3.0. ``MetricsProcessor.log(step, global_avg_loss, global_max_loss, grad_norm,
+    extra_metrics=None)`` on this processor (not its class) becomes ``log(original, ...)`` with the
+    same arguments (the skipped-step metrics of ``training.on_nonfinite=skip``)."""
+    def build(current):
+        def wrapped(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            return log(current, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        return wrapped
+
+    _replace_on_instance(processor, "log", build, "extend_metrics_log")
+
+
+def wrap_checkpoint_saves(checkpointer, dcp_save, save) -> tuple:
+    """torchtitan 0.3.0. ``CheckpointManager.dcp_save(state_dict, checkpoint_id, async_mode, ...)`` and
+    ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer (not its class) become
+    ``dcp_save`` and ``save`` (the atomic, manifest-writing saves: framework/integrity.py). A
+    checkpointer without ``save`` (a test's stand-in) keeps none. Returns the originals
+    ``(dcp_save, save or None)``."""
+    own_dcp = _replace_on_instance(checkpointer, "dcp_save", lambda current: (lambda *a, **k: dcp_save(*a, **k)),
+                                   "wrap_checkpoint_saves")
+    own_save = None
+    if getattr(checkpointer, "save", None) is not None:
+        own_save = _replace_on_instance(checkpointer, "save", lambda current: (lambda *a, **k: save(*a, **k)),
+                                        "wrap_checkpoint_saves")
+    return own_dcp, own_save
+
+
+def gate_training_loop(trainer, should_continue) -> None:
+    """torchtitan 0.3.0. ``Trainer.train`` loops while ``self.should_continue_training()``; on this
+    trainer (not its class) that becomes ``should_continue(original)`` (the preemption guard:
+    framework/preempt)."""
+    _replace_on_instance(trainer, "should_continue_training",
+                         lambda current: (lambda: should_continue(current)), "gate_training_loop")
+
+
+def observe_checkpoint_saves(checkpointer, after) -> None:
+    """torchtitan 0.3.0. ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer
+    (not its class) also calls ``after(curr_step, written)`` with what it returned (the preemption
+    guard's last saved step: framework/preempt)."""
+    def build(current):
+        def save(curr_step, last_step=False):
+            written = current(curr_step, last_step=last_step)
+            after(curr_step, written)
+            return written
+        return save
+
+    _replace_on_instance(checkpointer, "save", build, "observe_checkpoint_saves")
 
 
 def plain_checkpoint_state_dict(to_plain, shares_storage) -> None:

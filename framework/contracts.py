@@ -47,6 +47,8 @@ from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework import schema
+
 # The registry kinds, in the order build applies them to the Trainer.Config.
 KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
 APPLY_ORDER = ("model", "adapter", "precision", "moe_chunk", "data", "loss", "recompute", "state")
@@ -118,8 +120,74 @@ class PlanTerms:
     # "recomputed" (the block input only)) and "candidates" (PlanTerms, in increasing memory: the
     # planner takes the last that fits the GPU less facts["margin"], the first when none does);
     # state "comm" {name: seconds},
-    # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap"; precision its FP8 shares
+    # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap" (the fraction of the EP
+    # all-to-all hidden under compute); precision its FP8 shares
     facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlanConstant:
+    """A number a component or a model family's layer kind plans with, and the reason for its value.
+
+    A component declares its own in ``PLAN_CONSTANTS`` ({name: PlanConstant}; a model family
+    declares those of its layer kinds). The planner gathers every registered component's into its
+    ``Constants``, so users calibrate them by name like the planner's own (``apiary plan
+    calib.NAME=VALUE``, ``calibration=FILE``; ``apiary plan --constants`` lists them), and
+    ``plan_terms`` read the calibrated value as ``ctx.plan.constants.NAME``. Names are shared by
+    every component: two declarations of one name must agree, except that dict-valued ones with
+    disjoint keys merge (``loss_time_factor`` gathers each loss's entry)."""
+
+    value: Any
+    doc: str
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer kind's terms depend on: the planned layout of one microbatch on one rank."""
+
+    seq: int  # sequence length (training.seq_len)
+    micro_batch: int  # sequences per microbatch
+    cp: int  # context-parallel degree (the local tokens are micro_batch x seq / cp)
+    tp: int  # tensor-parallel degree
+    constants: Any  # the planner's Constants, calibrated (the layer kinds' PLAN_CONSTANTS included)
+
+
+@dataclass
+class LayerTerms:
+    """One layer kind's share of the planner's estimate (``LayerKind.plan_terms``): per layer of the
+    kind and per token. The planner sums these over the model's layer kinds without knowing them.
+
+    A block is one mixer (its token-mixing layer) and one FFN. Kinds of role "mixer" get a compute
+    part of their own (``compute_<name>``, at ``efficiency``) and are what recompute keeps or reruns
+    block by block (``ModelFacts.layer_mixers`` names each layer's mixer kind)."""
+
+    name: str  # the kind's name: key of the planner's counts, of recompute's keep and per-block mixes
+    role: Literal["mixer", "ffn"]
+    layers: int  # layers of this kind in the whole model
+    saved_per_token: float  # activation elements one token saves in one layer for backward (no recompute, before TP)
+    partial_keep: float = 0.5  # fraction of them kept by a recompute that keeps part of a block
+    # mixer: what autograd really saves in a block of this mixer kept whole, over the elements
+    # counted for the block (mixer + FFN + norms), by the block's FFN kind ("*": any other; 1.0 default)
+    saved_factor: Mapping[str, float] = field(default_factory=dict)
+    flops_per_token: float = 0.0  # fwd + bwd model FLOPs per token in one layer beyond 6 x its parameters
+    flops_how: str = ""  # how flops_per_token was counted (printed with the plan's assumptions)
+    efficiency: float = 1.0  # achieved / peak FLOPs of those FLOPs (mixer: its own compute part)
+    forward_flops_per_token: float = 0.0  # forward FLOPs per token of one layer, projections included
+    cp_comm_bytes: float = 0.0  # CP: bytes one rank sends per layer, microbatch and pass (fwd, bwd, rerun)
+    cp_memory: list[Term] = field(default_factory=list)  # CP: buffers of one layer of the kind (category buffers)
+
+    def factor_with(self, ffn: str | None) -> float:
+        """``saved_factor`` of a block of this mixer with the FFN kind ``ffn``."""
+        return float(self.saved_factor.get(ffn, self.saved_factor.get("*", 1.0)))
+
+
+@runtime_checkable
+class LayerKind(Protocol):
+    """One kind of layer of a model (``ModelFacts.layer_kinds``): what the planner counts for it.
+    A model family with a new kind of layer brings it as such an object; the planner knows none by
+    name. Its calibrated constants come in ``shape.constants`` (the family's ``PLAN_CONSTANTS``)."""
+
+    def plan_terms(self, shape: LayerShape) -> LayerTerms: ...
 
 
 @dataclass
@@ -130,18 +198,19 @@ class PlanContext:
     ``plan_terms(options, ctx)`` gets ``options=None`` when the planner asks about a name the
     recipe did not choose (``plan(loss=...)``, ``--search``): the component plans its defaults."""
 
-    constants: Any  # framework.planner.Constants, calibrated; components read their own constants by name
+    constants: Any  # framework.planner.Constants, calibrated; components read their PLAN_CONSTANTS by name
     hw: Any  # framework.planner.Hardware of the planned GPU
     tokens: float  # local tokens per microbatch on one rank (micro_batch x seq_len / cp, before TP)
     micro_batch: int  # sequences per microbatch
     split: dict  # parameters of the whole model: emb, head (+ final norm), dense_blocks, experts
-    counts: dict  # layers of each kind on one stage (attention, linear_attention, moe, mlp, norms)
+    counts: dict  # layers of each layer kind on one stage (LayerTerms.name; "norms": every layer)
     grad_accum: int = 1  # gradient-accumulation micro-steps per optimizer step
     first: bool = True  # the stage holds the embedding
     last: bool = True  # the stage holds the LM head (and the loss)
     earlier: dict = field(default_factory=dict)  # kind -> PlanTerms of the kinds planned before this one
     link_bw: Any = None  # link_bw(group, stride) -> bytes/s of a collective over group ranks stride apart
     saved: dict = field(default_factory=dict)  # activation elements one token saves per layer kind (no recompute)
+    layers: dict = field(default_factory=dict)  # layer kind name -> its LayerTerms on this layout (the model's)
 
 
 @runtime_checkable
@@ -159,7 +228,11 @@ class Component(Protocol):
 
 class Planned(Protocol):
     """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_chunk,
-    precision, adapter). The model's share comes from its ``facts``; data, moe_comm and launchers add none."""
+    precision, adapter). The model's share comes from its ``facts`` (``layer_kinds``: one ``LayerKind``
+    per kind of layer); data, moe_comm and launchers add none. ``PLAN_CONSTANTS`` (optional) are the
+    component's own calibrated constants (``PlanConstant``)."""
+
+    PLAN_CONSTANTS: ClassVar[Mapping[str, PlanConstant]]  # optional: {} (plans with no constant of its own)
 
     def plan_terms(self, options: Any, ctx: Context) -> PlanTerms: ...
 
@@ -188,6 +261,7 @@ class ModelFamily(Component, Protocol):
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]]  # optional: ()
     LONG_CONTEXT_FLAVORS: ClassVar[Mapping[str, str]]  # optional: {} (flavor -> its RoPE scaling, for hints)
     STATE_DICT_ADAPTER: ClassVar[Any]  # optional: None (torchtitan's HF <-> torchtitan key adapter class)
+    PLAN_CONSTANTS: ClassVar[Mapping[str, PlanConstant]]  # optional: {} (its layer kinds' calibrated constants)
 
     def model_kwargs(self, options: Any, ctx: Context) -> dict: ...
 
@@ -306,6 +380,12 @@ class LaunchEnv:
 
     resolved: Any  # framework.resolve.Resolved: the run being launched
     supervise: Any  # supervise(cmd, env, nproc) -> exit code: run torchrun and forward stop signals
+    # run_here() -> exit code: train ``resolved`` in this process (one rank; framework.run.train_here)
+    run_here: Any = None
+    # worker_env() -> {name: value}: writes the resolved run into its folder and returns the environment
+    # variables that hand it to the ranks a launcher starts (they load it instead of resolving again)
+    worker_env: Any = None
+    warned: bool = False  # the launcher's preflight warnings were printed already (apiary launch)
     worker_module: str = "framework.lifecycle"  # `python -m MODULE torchrun ...` starts torchrun quietly
     train_module: str = "framework.cli"  # `python -m MODULE train ARGS` is one rank
 
@@ -319,7 +399,7 @@ class Launcher(Component, Protocol):
 
     def world_size(self, options: Any) -> int: ...
 
-    def launch(self, options: Any, argv: list[str], run_in_process: Any, env: LaunchEnv) -> int: ...
+    def launch(self, options: Any, argv: list[str], env: LaunchEnv) -> int: ...
 
     # optional (None): checks of the launcher's own options before resolve (``check_options(options)``),
     # the launch's warnings (``preflight(options, resolved, *, dry_run) -> list[str]``) and, for a
@@ -458,10 +538,51 @@ def schema_of(options_cls: type) -> type:
     return dataclasses.make_dataclass(f"{options_cls.__qualname__.replace('.', '_')}_schema", out, kw_only=True)
 
 
-def make_options(component: Any, node: Any) -> Any:
-    """``component.Options`` built from a recipe section (the keys it declares); ValueError from
-    its ``__post_init__`` when a value is out of range."""
+@functools.lru_cache(maxsize=None)
+def _over_section(options_cls: type, section: type) -> type:
+    """``options_cls`` (a component's validator of a shared section: its ``__post_init__``, no keys of
+    the section) with the keys, types and defaults of ``section`` (the framework's schema dataclass of
+    that section, their one definition): an instance of ``options_cls`` that has the section's fields."""
+    combined = type(options_cls.__name__, (options_cls, section),
+                    {"__module__": options_cls.__module__, "__qualname__": options_cls.__qualname__,
+                     "__doc__": options_cls.__doc__})
+    return dataclass(kw_only=True)(combined)
+
+
+def _schema_section(node: Any) -> type | None:
+    """The schema dataclass of a recipe section: its node's type, or, in an untyped config (a run's
+    resolved file read back), the type of the ``RecipeConfig`` field its key names; None for a
+    component group (typed by its ``Options``) or anything else."""
+    if not isinstance(node, DictConfig):
+        return None
+    t = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(t):
+        return t
+    parent = node._get_parent()
+    if parent is None or parent._get_parent() is not None:  # a top-level section of the recipe only
+        return None
+    t = typing.get_type_hints(schema.RecipeConfig).get(node._key())
+    return t if dataclasses.is_dataclass(t) else None
+
+
+def options_class(component: Any, node: Any) -> type:
+    """The class ``make_options`` builds for ``component`` from ``node``: its ``Options``, or, for a
+    section the framework's schema types and several kinds share (``model``, ``data``, ``moe``:
+    ``SELECT``), its ``Options`` over that schema dataclass, whose keys the ``Options`` does not repeat."""
     cls = component.Options
+    section = _schema_section(node)
+    if section is not None and not issubclass(cls, section):
+        own = {f.name for f in dataclasses.fields(cls)}
+        if any(f.name not in own for f in dataclasses.fields(section)):
+            return _over_section(cls, section)
+    return cls
+
+
+def make_options(component: Any, node: Any) -> Any:
+    """``component.Options`` built from a recipe section (the keys it declares; for a shared section
+    the schema's keys too, ``options_class``); ValueError from its ``__post_init__`` when a value is
+    out of range."""
+    cls = options_class(component, node)
     kw = {}
     for f in dataclasses.fields(cls):
         if f.name in node:
@@ -484,7 +605,7 @@ _NO_NUMERICS: Mapping[str, Tolerance] = MappingProxyType({})
 # tolerance "any"), SKILL (the skill page is <name>.md, else the kind's).
 _SHARED_OPTIONAL: dict[str, Any] = {"NUMERICS": _NO_NUMERICS, "SKILL": None}
 # The planner's share: without plan_terms the planner counts nothing for the component and warns.
-_PLANNED_OPTIONAL: dict[str, Any] = {"plan_terms": None}
+_PLANNED_OPTIONAL: dict[str, Any] = {"plan_terms": None, "PLAN_CONSTANTS": MappingProxyType({})}
 
 # kind -> optional member -> the default a component that leaves it out gets from ``member``. Every
 # other member of the kind's Protocol is required (resolve refuses a component without it). A
@@ -498,7 +619,8 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
               "model_config": None, "arch_from_config": None, "arch_of": None, "hf_config": None,
               "STATE_DICT_ADAPTER": None,  # the generic HF helpers need these four (qwen3, llama3)
               "hf_key_shapes": None,  # checkpoint keys are the adapter's own names and shapes
-              "save_hf": None},  # the generic writer (hf.save) writes the family's folder
+              "save_hf": None,  # the generic writer (hf.save) writes the family's folder
+              "PLAN_CONSTANTS": MappingProxyType({})},  # its layer kinds plan with no calibrated constant
     "adapter": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
                 "export_hf": None},  # `apiary export` of a run with this adapter is refused
     "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},

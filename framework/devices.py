@@ -169,7 +169,7 @@ def install() -> None:
 
 
 def linear_attention_backend() -> str:
-    """Kernels for linear-attention layers (GatedDeltaNet and its causal conv): fla's Triton
+    """Kernels for linear-attention layers (the delta rule and its causal conv): fla's Triton
     kernels on CUDA, apiary's chunk-wise torch implementation elsewhere
     (a model family's linear-attention layers)."""
     return "fla" if has_accelerator() else "torch"

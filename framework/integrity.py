@@ -31,7 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from framework import lifecycle
+from framework import compat, lifecycle
 from framework.errors import EXIT_NONFINITE, UserError
 
 MANIFEST = "manifest.json"
@@ -331,10 +331,7 @@ class AtomicSaves:
         self.rank = dist.get_rank() if self.group is not None else 0
         self.world = dist.get_world_size() if self.group is not None else 1
         self.pending: list[_Pending] = []
-        self._dcp_save, self._save = checkpointer.dcp_save, getattr(checkpointer, "save", None)
-        checkpointer.dcp_save = self.dcp_save
-        if self._save is not None:
-            checkpointer.save = self.save
+        self._dcp_save, self._save = compat.wrap_checkpoint_saves(checkpointer, self.dcp_save, self.save)
         checkpointer._apiary_atomic = self
 
     def _barrier(self) -> None:

@@ -1,7 +1,7 @@
 """Kernel caches across launches, and what the first steps spend on kernel autotuning.
 
 A cold start of a long-context job spends minutes of its first step compiling and autotuning
-Triton kernels (fla's GatedDeltaNet kernels, the fused loss kernels, flex attention through
+Triton kernels (fla's linear-attention kernels, the fused loss kernels, flex attention through
 inductor), every rank on its own. Triton keeps compiled kernels on disk by default but
 re-benchmarks every autotuned kernel in every new process; `training.cache_autotuning` keeps
 those results on disk too (TRITON_CACHE_AUTOTUNING), so a relaunch of the same shapes skips

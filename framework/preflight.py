@@ -12,13 +12,18 @@ resident size, times the ranks, against MemAvailable (and a cgroup limit, when o
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+from types import SimpleNamespace
 
 from rich.console import Console
 
 from framework import planner, registry
 from framework.errors import UserError
-from framework.planner import Constants, search
+from framework.layout import check_batch
+from framework.planner import Constants
+from framework.planner.search import _fitting, _space, candidates
 
 GiB = 2**30
 # The planner's measured error on memory, as a fraction of the estimate. Measured on one H200,
@@ -70,14 +75,55 @@ def _changes(p, r) -> list[str]:
     return out
 
 
-def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) -> list[str]:
+def search(r, overrides, gpus, *, top=10, plan_kwargs=None, check=None) -> dict:
+    """The planner's search (framework.planner.search: the same space, plans and order) around ``r``
+    without composing the recipe again: the dims it varies start from ``r.given_parallel`` (the parallel
+    section as composed). Each row it returns is checked by ``check(r, dims, choice, gpus)``
+    (framework.resolve.check_candidate, passed in so that preflight does not import resolve back; None:
+    rows are not checked); a row it refuses is dropped. Returns {"rows", "counts"} as the planner's."""
+    plan_kwargs = dict(plan_kwargs or {})
+    raw = SimpleNamespace(parallel=dict(r.given_parallel), training=r.cfg.training, layout=r.cfg.layout)
+    fixed = {k.split("=", 1)[0].split(".", 1)[1] for k in overrides if k.startswith("parallel.") and "=" in k}
+    space = _space(r.facts, r.layout.dims, fixed)
+    constants = Constants()
+    if plan_kwargs.get("calibration"):
+        constants = constants.calibrated(plan_kwargs.pop("calibration"))
+    plan_kwargs.pop("calibration", None)
+    plan_kwargs["constants"] = constants
+    names = candidates(r, constants, plan_kwargs.get("gpu"), plan_kwargs.get("gpu_memory_bytes"))
+    counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
+    rows = _fitting(raw, r, space, gpus, names, plan_kwargs, counts)
+    out = []
+    for p, dims, choice in rows:
+        if len(out) >= top:
+            break
+        set_keys = {f"parallel.{d}" for d in dims} | set(choice)
+        ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
+        ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
+        ovr += [f"{k}={v}" for k, v in choice.items()]
+        if check is not None:
+            try:
+                check(r, dims, choice, gpus)
+            except UserError:
+                counts["rejected_by_resolve"] += 1
+                continue
+        out.append({
+            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(r.cfg.training.seq_len) // dims["cp"],
+            "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
+            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
+            "overrides": ovr,
+        })
+    counts["fit"] = len(rows)
+    return {"rows": out, "counts": counts}
+
+
+def cheapest_fits(r, overrides, kind, memory: int, check, n: int = 3) -> list[str]:
     """Up to ``n`` override sets from the planner's search that fit with the measured error to spare,
-    fewest changed settings first, then fastest; each checked by ``resolve`` (framework.resolve's,
-    passed in by its caller so that preflight does not import resolve back)."""
+    fewest changed settings first, then fastest; each checked by ``check`` (framework.resolve's
+    check_candidate: the candidate's layout and component checks, without resolving again)."""
     ovr = [o for o in overrides if not o.startswith(("preflight.", "output_dir=", "checkpoint.resume"))]
     try:
-        res = search(recipe, ovr, r.layout.world_size, r, top=10**6,
-                     plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory), validate=None)
+        res = search(r, ovr, r.layout.world_size, top=10**6, plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory))
     except UserError:
         return []
     rows = list(res["rows"])
@@ -89,8 +135,9 @@ def cheapest_fits(r, recipe, overrides, kind, memory: int, resolve, n: int = 3) 
         change = _changes(row, r)
         if not change:
             continue
+        dims = {d: row["dims"][d] for d in ("ep", "cp", "pp", "tp")}
         try:
-            resolve(recipe, ovr + change, world_size=r.layout.world_size, for_training=False)
+            check(r, dims, {k: row[k] for k in ("recompute", "loss", "state")}, r.layout.world_size)
         except UserError:
             continue
         out.append(f"{' '.join(change)} ({row['total_bytes'] / GiB:,.1f} GiB, "
@@ -141,16 +188,16 @@ def choose_by_budget(r, for_training: bool) -> None:
     r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
 
 
-def check_memory(r, recipe, overrides, resolve) -> None:
-    """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU;
-    ``resolve`` checks the changes it suggests (framework.resolve.resolve)."""
+def check_memory(r, recipe, overrides, check) -> None:
+    """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU; ``check``
+    checks the changes it suggests (framework.resolve.check_candidate; ``recipe`` is the recipe's name)."""
     mode = r.cfg.preflight.memory
     if mode == "off":
         return
     target = target_gpu(r.cfg)
     if target is None:
         if not r.cfg.preflight.gpu and registry.resolve("launcher", str(r.cfg.launcher.name)).RUNS_HERE:
-            check_host_memory(r, recipe, overrides, resolve)  # no accelerator here: the ranks run on the CPU
+            check_host_memory(r, recipe, overrides, check)  # no accelerator here: the ranks run on the CPU
         return
     kind, memory, source = target
     p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
@@ -162,7 +209,7 @@ def check_memory(r, recipe, overrides, resolve) -> None:
     head = (f"the planner estimates {total / GiB:,.1f} GiB per GPU on {kind} ({cap / GiB:,.1f} GiB, {source}); "
             f"largest terms (GiB): {named}")
     if total > cap * (1 + MEASURED_ERROR) and mode == "refuse":
-        fits = cheapest_fits(r, recipe, overrides, kind, cap, resolve)
+        fits = cheapest_fits(r, overrides, kind, cap, check)
         fix = ("Changes that fit, fewest first: " + "; ".join(fits) + ". " if fits else
                "The planner's search found no layout that fits this world size; use more GPUs or a shorter "
                "training.seq_len. ")
@@ -241,16 +288,19 @@ def cpu_estimate(r) -> tuple[int, int, object]:
     return per_rank * r.layout.world_size, per_rank, p
 
 
-def _batch_that_fits(r, recipe, overrides, resolve, avail: int) -> str:
+def _batch_that_fits(r, check, avail: int) -> str:
     """``training.local_batch=N (X GiB)``: the largest local batch (halving from the run's) whose
-    estimate fits with the measured error to spare, checked by ``resolve``; "" when none does."""
+    estimate fits with the measured error to spare, checked by ``check`` (the candidate's batch split and
+    component checks, without resolving again); "" when none does."""
     lb = int(r.cfg.training.local_batch)
-    ovr = [o for o in overrides if not o.startswith(("training.local_batch=", "output_dir=", "checkpoint.resume"))]
     while lb > 1:
         lb //= 2
+        cfg = copy.deepcopy(r.cfg)
+        cfg.training.local_batch = lb
+        cand = dataclasses.replace(r, cfg=cfg, ctx=dataclasses.replace(r.ctx, cfg=cfg) if r.ctx is not None else None)
         try:
-            cand = resolve(recipe, ovr + [f"training.local_batch={lb}"], world_size=r.layout.world_size,
-                           for_training=False)
+            cand.grad_accum = check_batch(cfg.training, r.layout)
+            check(cand, {d: r.layout.dims[d] for d in ("ep", "cp", "pp", "tp")}, {}, r.layout.world_size)
         except UserError:
             continue
         total = cpu_estimate(cand)[0]
@@ -259,7 +309,7 @@ def _batch_that_fits(r, recipe, overrides, resolve, avail: int) -> str:
     return ""
 
 
-def check_host_memory(r, recipe, overrides, resolve) -> None:
+def check_host_memory(r, recipe, overrides, check) -> None:
     """A CPU run on this machine: the estimate for all its ranks against the host's available memory,
     with ``preflight.memory``'s rules and the planner's measured error, as for a GPU. Checked by the
     launching process only (the ranks it starts would see each other's memory as taken)."""
@@ -280,7 +330,7 @@ def check_host_memory(r, recipe, overrides, resolve) -> None:
             f"process)), and this machine has {avail / GiB:,.1f} GiB available ({source}); largest terms (GiB): "
             f"{named}")
     if total > avail * (1 + MEASURED_ERROR) and r.cfg.preflight.memory == "refuse":
-        fit = _batch_that_fits(r, recipe, overrides, resolve, avail)
+        fit = _batch_that_fits(r, check, avail)
         fix = (f"A local batch that fits: {fit}; or a shorter training.seq_len" if fit else
                "No local batch fits at this training.seq_len; shorten it, or use fewer ranks (nproc)")
         raise UserError("preflight.memory=refuse", f"{head}. That is more than the available memory by more than "

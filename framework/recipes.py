@@ -21,10 +21,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework import contracts, registry
 from framework.errors import UserError, closest, did_you_mean
-from framework.schema import RecipeConfig
+from framework.schema import DEFAULT_RECIPE, RecipeConfig
 
 RECIPES_DIR = registry.ROOT / "recipes"
-DEFAULT_RECIPE = "debug_moe"
 _STORED: set = set()
 
 

@@ -6,16 +6,21 @@ Everything here runs before any worker is spawned and turns bad input into UserE
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
+import json
 import os
 import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from framework import contracts, integrity, recipes, registry, resume
+from framework import contracts, integrity, recipes, registry, resume, schema
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
 from framework.preflight import check_memory, choose_by_budget
@@ -30,6 +35,7 @@ class Resolved:
     data_summary: str = ""  # what the run trains on (printed first by rank 0)
     resume_lines: list = field(default_factory=list)  # a resume: the step it loads, what changed (printed next)
     ctx: contracts.Context | None = None  # the components' context (check ran with it; build applies with it)
+    given_parallel: dict = field(default_factory=dict)  # the parallel section as composed, before derivation
 
     @property
     def output_dir(self) -> Path:
@@ -126,7 +132,7 @@ def check_components(ctx: contracts.Context) -> None:
 # rl.* settings that act through the loss (the policy losses): (key, set?). A loss component lists the
 # ones it acts on in ``RL_KEYS``; one set with a loss that does not act on it is refused, never ignored.
 _RL_LOSS_KEYS = (("tis_cap", lambda v: v is not None),
-                 ("mismatch_threshold", lambda v: v != 0.1))  # 0.1: framework/schema.py RLConfig's default
+                 ("mismatch_threshold", lambda v: v != schema.RLConfig.mismatch_threshold))  # set: not its default
 
 
 def check_rl_keys(ctx: contracts.Context) -> None:
@@ -368,15 +374,6 @@ _RANGES = [
     ("parallel.pp_microbatch_size", lambda v: v >= 1, "must be >= 1 (sequences per pipeline microbatch)",
      "For example parallel.pp_microbatch_size=1."),
 ]
-_CHOICES = {
-    "optimizer.name": ("Adam", "AdamW"),  # torchtitan's factories that take apiary's betas / eps / weight_decay
-    "lr.decay_type": ("linear", "sqrt", "cosine"),
-    "preflight.memory": ("refuse", "warn", "off"),
-    "training.autotune_configs": ("recorded", "all"),
-    # torchtitan's context-parallel load balancers (its ParallelismConfig.context_parallel_load_balancer; none:
-    # contiguous shards); checked whatever parallel.cp, so a value a later CP run would refuse is never kept
-    "parallel.cp_load_balancer": ("headtail", "ptrr", "none"),
-}
 # torch.distributed.pipelining's schedule names (get_schedule_class; matched without case, as there);
 # checked whatever parallel.pp (tests/test_bad_inputs_config.py compares the list with torch's)
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
@@ -389,7 +386,7 @@ def _check_values(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if not ok(value):
             raise UserError(f"{key}={value}", f"{rule}.", fix)
-    for key, names in _CHOICES.items():
+    for key, names in schema.choices().items():  # the schema's one_of keys
         value = OmegaConf.select(cfg, key)
         if value not in names:
             raise UserError(f"{key}={value}", f"unknown; valid: {', '.join(names)}.", did_you_mean(str(value), names))
@@ -585,8 +582,9 @@ def _check_decay(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                     "or fewer lr.warmup_steps.")
 
 
-def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None = None,
-            for_training: bool = True) -> Resolved:
+def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_training: bool = True) -> Resolved:
+    """The run ``train recipe overrides`` describes, every check done (a UserError: exit 2). ``world_size``:
+    the ranks to lay it out for (an int, or a function of the composed config); None: the launcher's."""
     _check_environment()
     cfg = recipes.load(recipe, overrides)
     _check_values(cfg)
@@ -594,7 +592,8 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     ctx = context(cfg, for_training)
     facts = model_facts(cfg, ctx)
     _check_inputs(cfg, for_training)
-    world = world_size if world_size is not None else world_size_from(cfg, for_training)
+    world = world_size_from(cfg, for_training) if world_size is None else \
+        int(world_size(cfg)) if callable(world_size) else world_size
     layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
     ctx.facts, ctx.layout = facts, layout
     check_components(ctx)
@@ -603,6 +602,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
     _check_no_effect(cfg, overrides, ctx)
     _check_decay(cfg, overrides, ctx)
     grad_accum = check_batch(cfg.training, layout)
+    given_parallel = OmegaConf.to_container(cfg.parallel)
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
         cfg.parallel[dim] = value
@@ -617,10 +617,127 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size: int | None 
         _check_resume_load_path(cfg, ctx, plan)
         plan.verified = (Path(cfg.output_dir) / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
         resume_lines = plan.lines(cfg.output_dir)
-    r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum,
+    r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum, given_parallel=given_parallel,
                  data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
     choose_by_budget(r, for_training)
     r.data_summary = "\n".join(ctx.summary)
     if for_training:
-        check_memory(r, recipe, overrides, resolve)
+        check_memory(r, recipe, overrides, check_candidate)
     return r
+
+
+def check_candidate(r: Resolved, dims: dict, choice: dict, world_size: int) -> None:
+    """What resolve checks of ``r`` with other layout dims (``parallel.ep=..`` etc.) and other component
+    choices (``loss=NAME`` ...: that component's default options), without composing the recipe again:
+    the layout's derivation and batch split, every kind's ``check`` and the RL keys, as a print-only
+    resolve (``for_training=False``) checks them. A UserError names what the candidate breaks. The
+    preflight's and ``apiary plan --search``'s suggestions are checked with it."""
+    cfg = copy.deepcopy(r.cfg)
+    par = SimpleNamespace(**r.given_parallel)
+    for d, v in dims.items():
+        setattr(par, d, v)
+    layout = derive(par, cfg.training, cfg.layout, r.facts, world_size)
+    check_batch(cfg.training, layout)
+    OmegaConf.set_struct(cfg, False)
+    for d, v in layout.dims.items():
+        cfg.parallel[d] = v
+    for kind, name in choice.items():
+        section, key = contracts.SELECT[kind]
+        if str(cfg[section][key]) != str(name):
+            cfg[section] = {key: str(name)}  # another component: its own defaults
+    OmegaConf.set_struct(cfg, True)
+    ctx = context(cfg, for_training=False)
+    ctx.facts, ctx.layout = r.facts, layout
+    check_components(ctx)
+    check_rl_keys(ctx)
+
+
+# ----------------------------------------------------------------------------- the hand-off to workers
+# The launching process resolves once and writes the result into the run folder; the ranks it starts
+# (torchrun under the local launcher) load it instead of composing and checking the recipe again.
+RESOLVED_FILE = "resolved.yaml"
+ENV_RESOLVED = "APIARY_RESOLVED"  # the file's path, set by the launcher for the ranks it starts
+ENV_RESOLVED_SHA256 = "APIARY_RESOLVED_SHA256"  # its digest: a file changed after the launch is refused
+_FORMAT = 1
+
+
+def _json_values(d: dict) -> dict:
+    """The entries of ``d`` that a YAML file keeps as they are (ctx.shared: what a check leaves for a
+    component's apply is plain data; objects there serve other checks only)."""
+    out = {}
+    for k, v in d.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
+
+
+def write_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
+    """Write ``r`` into ``output_dir/resolved.yaml`` for the ranks started with ``train argv``; returns
+    the environment variables that hand it to them."""
+    out = Path(r.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = r.ctx
+    doc = {"format": _FORMAT, "argv": list(argv), "cfg": OmegaConf.to_container(r.cfg, resolve=False),
+           "layout": {"world_size": r.layout.world_size, "dims": r.layout.dims, "rules": dict(r.layout.rules)},
+           "grad_accum": int(r.grad_accum), "data_summary": r.data_summary, "resume_lines": list(r.resume_lines),
+           "given_parallel": dict(r.given_parallel),
+           "derived": dict(ctx.derived) if ctx is not None else {},
+           "shared": _json_values(ctx.shared) if ctx is not None else {}}
+    text = yaml.safe_dump(doc, sort_keys=False).encode()
+    path = out / RESOLVED_FILE
+    tmp = path.with_name(f".{RESOLVED_FILE}.tmp")
+    tmp.write_bytes(text)
+    tmp.replace(path)
+    return {ENV_RESOLVED: str(path.resolve()), ENV_RESOLVED_SHA256: hashlib.sha256(text).hexdigest()}
+
+
+def _handoff_error(path, what: str) -> UserError:
+    return UserError(f"{ENV_RESOLVED}={path}", f"{what} This rank was started by `train` (the launching process), "
+                     "which resolved the recipe once and wrote that file into the run folder for its ranks; they "
+                     "train exactly what it holds and check nothing again.", "Launch the run again with the same "
+                     f"`train ...` command (it rewrites the file); do not edit {RESOLVED_FILE}, and unset "
+                     f"{ENV_RESOLVED} and {ENV_RESOLVED_SHA256} in a shell that starts its own torchrun.")
+
+
+def load_resolved(argv: list[str], env=os.environ) -> Resolved:
+    """A rank started by an apiary launcher: the run its launching process resolved (``ENV_RESOLVED``),
+    rebuilt without composing or checking again (the components' context, the model's facts and the
+    layout come from the file's config). A missing, changed or foreign file is a UserError (exit 2)."""
+    path = Path(env[ENV_RESOLVED])
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise _handoff_error(path, f"cannot be read ({e.strerror or e}).") from None
+    if hashlib.sha256(text).hexdigest() != env.get(ENV_RESOLVED_SHA256):
+        raise _handoff_error(path, "was changed after the launching process wrote it (its SHA-256 is not the "
+                             f"one in {ENV_RESOLVED_SHA256}).")
+    try:
+        doc = yaml.safe_load(text)
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise ValueError("not a resolved run of this apiary version")
+        if list(doc["argv"]) != list(argv):
+            raise _handoff_error(path, f"was written for `train {' '.join(doc['argv'])}`, and this rank was started "
+                                 f"as `train {' '.join(argv)}`.")
+        cfg = OmegaConf.create(doc["cfg"])
+        lay = doc["layout"]
+        layout = Layout(world_size=int(lay["world_size"]), rules=dict(lay["rules"]),
+                        **{d: int(v) for d, v in lay["dims"].items()})
+    except (KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+        raise _handoff_error(path, f"is not a resolved run ({e}).") from None
+    world = _world_size_env()
+    if world is not None and world != layout.world_size:
+        raise _handoff_error(path, f"lays the run out for {layout.world_size} ranks, and this rank is one of {world}.")
+    OmegaConf.set_struct(cfg, True)
+    ctx = context(cfg, for_training=True)
+    facts = model_facts(cfg, ctx)
+    ctx.facts, ctx.layout = facts, layout
+    ctx.derived.update(doc.get("derived") or {})
+    ctx.shared.update(doc.get("shared") or {})
+    summary = str(doc.get("data_summary") or "")
+    ctx.summary[:] = summary.splitlines()
+    return Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=int(doc["grad_accum"]), data_summary=summary,
+                    resume_lines=list(doc.get("resume_lines") or []), ctx=ctx,
+                    given_parallel=dict(doc.get("given_parallel") or {}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from framework import autotune_table, contracts, first_step, integrity, kernel_cache, lifecycle, preempt, resume, summary
+from framework.resolve import write_resolved
 
 
 def _single_process_env() -> None:
@@ -28,9 +30,18 @@ def _single_process_env() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
-def launch_env(resolved) -> contracts.LaunchEnv:
-    """What a launcher component needs of the framework to start ``resolved``'s ranks."""
-    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise)
+def launch_env(resolved, argv: list[str] | None = None, verbose: bool = False) -> contracts.LaunchEnv:
+    """What a launcher component needs of the framework to start ``resolved``'s ranks with ``train argv``."""
+    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise,
+                               run_here=functools.partial(train_here, resolved, verbose),
+                               worker_env=functools.partial(write_resolved, resolved, list(argv or [])))
+
+
+def train_here(resolved, verbose: bool = False) -> int:
+    """One rank in this process (rank 0 of run.train prints the run's summary); a UserError found while
+    the model loads (e.g. a NaN in a checkpoint tensor) goes to the launching command."""
+    train(resolved, verbose=verbose)
+    return 0
 
 
 def write_run_files(resolved) -> None:

@@ -1,16 +1,49 @@
 """The typed recipe: dataclasses used as OmegaConf structured configs.
 
-Every key a recipe or a command line may set is declared here (components declare their
-own options in their ``Options`` dataclasses, bound through registry.yaml). ``None`` in
-``parallel`` means "derive it from the layout table in recipes/_defaults.yaml".
+Every key a recipe or a command line may set is declared here, once: the component groups
+(``loss``, ``state``, ...) declare theirs in their ``Options`` dataclasses (bound through
+registry.yaml); the sections several kinds share (``model``, ``data``, ``moe``) are declared here
+only, and their components' ``Options`` hold the value checks (``contracts.make_options`` builds
+them over these dataclasses). ``None`` in ``parallel`` means "derive it from the layout table in
+recipes/_defaults.yaml".
+
+A ``str`` key with a fixed set of values is declared with ``one_of``: OmegaConf 2.3's structured
+configs take no ``Literal`` type (the components' ``Options`` use ``Literal``, which
+``contracts.schema_of`` turns into its base type for OmegaConf), so the key stays ``str`` and its
+choices ride in the field's metadata, where ``choices()`` finds them for framework/resolve.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+DEFAULT_RECIPE = "debug_moe"  # the recipe `train` and `apiary` compose without recipe=
+
+
+def one_of(*names: str, default: str | None = None) -> Any:
+    """A ``str`` field whose values are ``names`` (its default: ``default``, else the first): the
+    field's choices (``choices()``), checked by framework/resolve.py before anything starts."""
+    default = names[0] if default is None else default
+    assert default in names, (default, names)
+    return field(default=default, metadata={"choices": names})
+
+
+def choices(cls: type | None = None, prefix: str = "") -> dict[str, tuple]:
+    """Dotted key -> its values, for every ``one_of`` field of ``cls`` (default: the whole recipe)."""
+    out: dict[str, tuple] = {}
+    cls = RecipeConfig if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            out.update(choices(hints[f.name], f"{prefix}{f.name}."))
+        elif "choices" in f.metadata:
+            out[f"{prefix}{f.name}"] = f.metadata["choices"]
+    return out
 
 
 @dataclass
@@ -35,7 +68,9 @@ class ParallelConfig:
     ep: Optional[int] = None
     pp: Optional[int] = None
     tp: Optional[int] = None
-    cp_load_balancer: str = "headtail"  # headtail (balanced causal attention) | ptrr | none (contiguous)
+    # torchtitan's context-parallel load balancers, checked whatever parallel.cp (a value a later CP run
+    # would refuse is never kept)
+    cp_load_balancer: str = one_of("headtail", "ptrr", "none")  # headtail (balanced causal attention) | ptrr | none (contiguous)
     pp_schedule: str = "1F1B"  # torch.distributed.pipelining schedule name (framework/resolve.py PP_SCHEDULES)
     pp_microbatch_size: int = 1
 
@@ -52,7 +87,8 @@ class TrainingConfig:
     deterministic: bool = False
     cache_autotuning: bool = True  # keep Triton's autotuning results on disk across launches
     kernel_cache: Optional[str] = None  # Triton + inductor caches under this path (None: their defaults)
-    autotune_configs: str = "recorded"  # recorded: Triton tunes this GPU's recorded winners (framework/autotune_table.py) | all
+    autotune_configs: str = one_of(
+        "recorded", "all")  # recorded: Triton tunes this GPU's recorded winners (framework/autotune_table.py) | all
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: stop (exit 76, nothing applied) | skip the update
     max_skips: int = 5  # on_nonfinite=skip: stop (as `stop`) when more steps than this in a row are non-finite
 
@@ -63,7 +99,7 @@ class DataConfig:
     name: str = "packaged"  # packaged | local | an HF hub dataset name
     path: Optional[str] = None  # local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)
     tokenizer: str = "byte"  # byte | path to a HF tokenizer folder
-    num_workers: int = 0
+    num_workers: int = 0  # loader processes per rank: 0 (in the training process) or 1
     sharding: str = "blocks"  # blocks: same global batches for any DP size | documents: split docs by rank
     follow: bool = False  # rollouts: train on shards as a generator writes them into data.path (docs/rl.md)
     wait_timeout: float = 3600.0  # follow: seconds with no rollouts ready before checkpoint + exit 77
@@ -99,7 +135,7 @@ class PublishConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "AdamW"
+    name: str = one_of("Adam", "AdamW", default="AdamW")  # torchtitan's optimizers that take the betas, eps and weight_decay here
     lr: float = 3e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -119,7 +155,7 @@ class ValidationConfig:
 class LRConfig:
     warmup_steps: int = 2
     decay_ratio: Optional[float] = None  # None: decay over all steps after warm-up
-    decay_type: str = "linear"  # linear | sqrt | cosine
+    decay_type: str = one_of("linear", "sqrt", "cosine")  # linear | sqrt | cosine
     min_lr_factor: float = 0.0
     total_steps: Optional[int] = None  # the schedule's length; null: training.steps (later steps keep its final rate)
 
@@ -148,7 +184,8 @@ class LoggingConfig:
 
 @dataclass
 class PreflightConfig:
-    memory: str = "refuse"  # refuse | warn | off: the planner's per-GPU memory estimate against the GPU, before launch
+    memory: str = one_of(
+        "refuse", "warn", "off")  # refuse | warn | off: the planner's per-GPU memory estimate against the GPU, before launch
     gpu: Optional[str] = None  # GPU kind to check against (H100 | H200) where none is visible; `gpu=H200` for short
 
 
@@ -170,7 +207,7 @@ class LayoutTable:
 
 @dataclass
 class RecipeConfig:
-    recipe: str = "debug_moe"
+    recipe: str = DEFAULT_RECIPE
     description: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -44,6 +44,7 @@ from torchtitan.trainer import Trainer
 
 from framework import compat, contracts, first_step, integrity, metrics, preempt
 from framework.errors import EXIT_DATA_TIMEOUT, EXIT_USER_ERROR
+from framework.schema import TrainingConfig
 
 WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
 WAIT_FIRST_NOTE_S = 1.0
@@ -76,8 +77,8 @@ def _init_from_seed() -> None:
 class ApiaryTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        on_nonfinite: str = "stop"  # stop | skip (training.on_nonfinite)
-        max_skips: int = 5  # skip: stop when more than this many steps in a row are non-finite
+        on_nonfinite: str = TrainingConfig.on_nonfinite  # stop | skip (training.on_nonfinite; its default there)
+        max_skips: int = TrainingConfig.max_skips  # skip: stop after more than this many non-finite steps in a row
         resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
         batch_keys: tuple = ()  # per-token batch tensors for the loss (the data component's BATCH_KEYS)
         step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
@@ -97,20 +98,18 @@ class ApiaryTrainer(Trainer):
         self._skips_total = self._skips_in_row = 0
         self._skipped_now = self._loss_was_bad = False
         compat.patch_clip_grad_norm()  # keeps the grad norm train_step computes (local to it) for the finite check
-        self._step_optimizers, self._step_schedulers = self.optimizers.step, self.lr_schedulers.step
-        self.optimizers.step = self._guarded_optimizer_step
-        self.lr_schedulers.step = self._guarded_scheduler_step
+        self._step_optimizers, self._step_schedulers = compat.guard_trainer_steps(
+            self, lambda original, *a, **k: self._guarded_optimizer_step(*a, **k),
+            lambda original, *a, **k: self._guarded_scheduler_step(*a, **k))
         if self.config.on_nonfinite == "skip":
-            log = self.metrics_processor.log
-
-            def log_with_skips(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            def log_with_skips(log, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
                 if self._skipped_now and self._loss_was_bad:  # the logged copy was zeroed (see below)
                     global_avg_loss = global_max_loss = float("nan")
                 extra = {**(extra_metrics or {}), "health/skipped_steps": self._skips_total,
                          "health/nonfinite": int(self._skipped_now)}
                 return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
-            self.metrics_processor.log = log_with_skips
+            compat.extend_metrics_log(self.metrics_processor, log_with_skips)
         self._atomic = None
         if self.checkpointer.enable:
             self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)

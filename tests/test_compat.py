@@ -32,6 +32,14 @@ SIGNATURES = {
                                                      "foreach", "pp_mesh", "ep_enabled"],
     "torchtitan.distributed.fsdp:apply_fsdp_to_decoder": None,
     "torchtitan.trainer:Trainer.train": ["self"],
+    "torchtitan.components.optimizer:OptimizersContainer.step": ["self", "closure"],
+    "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step": ["self"],
+    "torchtitan.components.metrics:MetricsProcessor.log": ["self", "step", "global_avg_loss", "global_max_loss",
+                                                           "grad_norm", "extra_metrics"],
+    "torchtitan.components.checkpointer.dcp:CheckpointManager.dcp_save":
+        ["self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"],
+    "torchtitan.components.checkpointer.dcp:CheckpointManager.save": ["self", "curr_step", "last_step"],
+    "torchtitan.trainer:Trainer.should_continue_training": ["self"],
     "torchtitan.components.checkpointer.base:ModelWrapper._get_state_dict": ["self"],
     "torchtitan.components.checkpointer.base:_shares_storage": ["a", "b"],
     "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher._dispatch_token_exchange":
@@ -52,7 +60,9 @@ SIGNATURES = {
 }
 THIRD_PARTY = ("torch", "torchtitan", "triton", "hydra", "omegaconf", "fla", "torchao", "transformer_engine",
                "deep_ep")
-PATCHES = sorted(n for n in compat.TARGETS if not n.startswith("hydra_"))
+INSTANCE_PATCHES = ("guard_trainer_steps", "extend_metrics_log", "wrap_checkpoint_saves", "gate_training_loop",
+                    "observe_checkpoint_saves")  # one object, not a class
+PATCHES = sorted(n for n in compat.TARGETS if not n.startswith("hydra_") and n not in INSTANCE_PATCHES)
 
 
 def _split(target: str):
@@ -276,3 +286,84 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     setattr(p, compat.GRAD_CLIP_OWNER, owner)
     norm = dist_utils.clip_grad_norm_((q for q in [p]), 2.0, foreach=True)
     assert float(norm) == 42.0 and compat.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)
+
+
+# ------------------------------------------------------------------ instance-level patches
+class _Container:
+    def __init__(self):
+        self.calls = []
+
+    def step(self, *args, **kwargs):
+        self.calls.append("own")
+        return "own"
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        self.calls.append(("log", step, extra_metrics))
+
+    def dcp_save(self, *args, **kwargs):
+        self.calls.append("dcp_save")
+
+    def save(self, curr_step, last_step=False):
+        self.calls.append(("save", curr_step))
+
+
+def test_instance_patches_change_the_object_once_and_never_its_class():
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(optimizers=_Container(), lr_schedulers=_Container())
+    seen = []
+
+    def guard(original, *a, **k):
+        seen.append("guard")
+        return original(*a, **k)
+
+    first = compat.guard_trainer_steps(trainer, guard, guard)
+    again = compat.guard_trainer_steps(trainer, guard, guard)  # a second trainer build on the same objects
+    assert again == first and len(first) == 2
+    assert trainer.optimizers.step() == "own" and seen == ["guard"]  # wrapped once, not twice
+    trainer.lr_schedulers.step()
+    assert seen == ["guard", "guard"] and trainer.optimizers.calls == ["own"]
+    assert _Container.step is not trainer.optimizers.step and "step" not in vars(_Container()).keys()
+
+    proc = _Container()
+    compat.extend_metrics_log(proc, lambda log, step, a, m, g, extra_metrics=None: log(step, a, m, g, {"x": 1}))
+    compat.extend_metrics_log(proc, lambda log, *a, **k: None)  # ignored: already extended
+    proc.log(3, 1.0, 1.0, 0.5)
+    assert proc.calls == [("log", 3, {"x": 1})]
+
+    ck = _Container()
+    saved = []
+    originals = compat.wrap_checkpoint_saves(ck, lambda *a, **k: saved.append("atomic dcp"),
+                                             lambda *a, **k: saved.append("atomic save"))
+    assert compat.wrap_checkpoint_saves(ck, None, None) == originals
+    ck.dcp_save({}, "id", None)
+    ck.save(2)
+    assert saved == ["atomic dcp", "atomic save"] and ck.calls == []
+    originals[1](5)
+    assert ck.calls == [("save", 5)]
+    seen_saves = []
+    compat.observe_checkpoint_saves(ck, lambda step, written: seen_saves.append((step, written)))
+    compat.wrap_checkpoint_saves(ck, None, None)  # already below: not wrapped again
+    compat.observe_checkpoint_saves(ck, lambda *a: seen_saves.append("twice"))
+    ck.save(7)
+    assert saved[-1] == "atomic save" and seen_saves == [(7, None)]
+
+    loop = SimpleNamespace(should_continue_training=lambda: True)
+    compat.gate_training_loop(loop, lambda original: original() and False)
+    compat.gate_training_loop(loop, lambda original: True)
+    assert loop.should_continue_training() is False
+
+
+def test_no_module_outside_compat_replaces_a_method_of_a_library_object():
+    """``obj.step = ...`` on an object torchtitan built (optimizers, schedulers, the metrics processor,
+    the checkpointer) is an instance-level patch: it goes through compat's functions above."""
+    methods = {t.rsplit(".", 1)[1] for n in INSTANCE_PATCHES for t in compat.TARGETS[n]}
+    found = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr in methods
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")]  # own state (a step count)
+    assert not found, "methods of library objects replaced outside framework/compat.py:\n" + "\n".join(found)

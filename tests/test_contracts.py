@@ -131,15 +131,17 @@ def test_literal_choices_are_checked_by_options():
     ("loss", "chunked", "num_chunks", 0, "loss.num_chunks must be >= 1"),
     ("loss", "linear_ce", "z_loss", -1.0, "loss.z_loss must be >= 0"),
 ])
-def test_check_refuses_options_changed_after_they_were_built(kind, name, key, bad, says):
-    """check() (what resolve calls for every kind) holds the Options' own rules too: options built
-    valid and changed afterwards are refused by check alone."""
+def test_options_refuse_a_bad_value_as_they_are_built(kind, name, key, bad, says):
+    """An Options' value checks live in its ``__post_init__`` once (check() does not run them again):
+    the options resolve builds from a recipe section with the bad value are refused there, and the
+    same options with a good value pass the kind's check."""
+    from omegaconf import OmegaConf
+
     comp = registry.resolve(kind, name)
-    opts = comp.Options()
-    comp.check(opts, None)
-    setattr(opts, key, bad)
+    comp.check(comp.Options(), None)
+    section = OmegaConf.structured(contracts.schema_of(comp.Options)(name=name, **{key: bad}))
     with pytest.raises(ValueError) as e:
-        comp.check(opts, None)
+        contracts.make_options(comp, section)
     assert says in str(e.value)
 
 

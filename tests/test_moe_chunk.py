@@ -59,17 +59,23 @@ def test_policies_refuse_what_they_cannot_chunk():
         Chunked(1)
     from types import SimpleNamespace
 
-    from components.moe.comm import MoeOptions
+    from omegaconf import OmegaConf
+
+    from framework.contracts import make_options
+    from framework.schema import MoEConfig
 
     def ctx(backend):
         return SimpleNamespace(components={"moe_comm": SimpleNamespace(torchtitan_backend=backend)})
 
+    def moe(policy, **kw):  # the moe: section's options, as resolve builds them from the recipe
+        return make_options(policy, OmegaConf.structured(MoEConfig(load_balance_coeff=None, **kw)))
+
     for policy, name in ((chunk2, "chunk2"), (AutoChunk, "auto")):
-        opts = MoeOptions(comm="alltoall", chunk=name, load_balance_coeff=None)
+        opts = moe(policy, comm="alltoall", chunk=name)
         policy.check(opts, ctx("standard"))
         with pytest.raises(UserError, match="moe.comm=alltoall"):
             policy.check(opts, ctx("deepep"))
-    NoChunk.check(MoeOptions(comm="deepep", chunk="none", load_balance_coeff=None), ctx("deepep"))
+    NoChunk.check(moe(NoChunk, comm="deepep", chunk="none"), ctx("deepep"))
 
 
 # ---------------------------------------------------------------------------------------------

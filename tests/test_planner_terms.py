@@ -23,9 +23,6 @@ from toolkit.plan import constraints
 ROOT = Path(__file__).resolve().parents[1]
 PLANNER = ROOT / "framework" / "planner"
 QWEN = "qwen35_35b_128k"
-# constants.py is the calibration table: the constants users calibrate by name (calib.zero1_param_bytes,
-# calib.loss_time_factor.linear_ce); the components read them from there in their plan_terms.
-TABLE = {"constants.py"}
 # registry names that are also plain words: English in the printed text ("EP 1 all-to-all over
 # none"), the dtype of a GPU's peak (Hardware.bf16_dense_flops), the collective of a link's bandwidth
 # (Hardware.nvlink_alltoall_bw), the data kind `text` (read_text / write_text). Allowed in text and
@@ -53,7 +50,7 @@ def _option_fields() -> set[str]:
 
 
 def _modules():
-    files = sorted(p for p in PLANNER.glob("*.py") if p.name not in TABLE)
+    files = sorted(PLANNER.glob("*.py"))
     assert {p.name for p in files} >= {"__init__.py", "memory.py", "time.py", "estimate.py", "search.py"}
     return [(p, ast.parse(p.read_text())) for p in files]
 
@@ -100,6 +97,20 @@ def test_planner_modules_name_no_component():
                     found.append(f"{path.name}:{node.lineno} text {text[:60]!r} names {w!r}")
         found += [f"{path.name}:{line} identifier {ident}" for line, ident in identifiers_naming(tree, words)]
     assert not found, "\n".join(found)
+
+
+def test_planner_modules_name_no_layer_kind():
+    """Not even softmax attention: every layer kind's terms come from ModelFacts.layer_kinds."""
+    from test_framework_names_no_component import LAYER_KINDS, layer_kind_mentions
+
+    words = LAYER_KINDS | {"attention"}
+    found = []
+    for path, tree in _modules():
+        for node, text, _ in _strings(tree):
+            found += [f"{path.name}:{node.lineno} {text[:60]!r} names {w!r}" for w in words
+                      if re.search(rf"(?<![\w.]){re.escape(w)}(?![\w])", text, re.IGNORECASE)]
+        found += [f"{path.name}:{line} identifier {ident}" for line, ident in identifiers_naming(tree, words)]
+    assert layer_kind_mentions is not None and not found, "\n".join(found)
 
 
 def test_planner_modules_read_no_component_option():
@@ -262,3 +273,35 @@ def test_plan_constraints_take_their_verdict_from_layout_derive(base):
                       (dict(dp_shard=4), "dp_shard")):
         rows = constraints(replace(base.layout, **dims), base.facts, base.cfg)
         assert [k for k, v in rows.items() if "VIOLATED" in v] == [bad], dims
+
+
+def test_components_constants_live_in_the_components_and_calibrate_by_name(base):
+    """The planner's Constants hold none of a component's numbers as fields; it gathers every
+    registered component's PLAN_CONSTANTS, and calibration by name reaches them as before."""
+    from dataclasses import fields
+
+    from components.losses import linear_ce
+    from components.models import layer_kinds
+    from components.state import zero1
+
+    own = {f.name for f in fields(planner.Constants)}
+    for moved in ("zero1_param_bytes", "fsdp2_param_bytes", "loss_time_factor", "ep_overlap", "gdn_chunk",
+                  "selective_keep", "saved_activation_factor", "selective_recompute_fraction", "eff_attention"):
+        assert moved not in own, moved
+    c = planner.Constants()
+    assert c.zero1_param_bytes == zero1.PLAN_CONSTANTS["zero1_param_bytes"].value == 2.0
+    assert c.gdn_chunk == layer_kinds.PLAN_CONSTANTS["gdn_chunk"].value
+    assert c.loss_time_factor == {"ce": 1.65, "chunked": 1.70, "linear_ce": 1.25}  # each loss's entry, merged
+    assert planner.Constants.doc("zero1_overlap").startswith("fraction of ZeRO-1")
+    assert replace(c, zero1_param_bytes=4.0).zero1_param_bytes == 4.0
+    with pytest.raises(TypeError, match="no_such"):
+        planner.Constants(no_such=1)
+    lin = planner.plan(base, loss="linear_ce")
+    slow = planner.plan(base, loss="linear_ce", calibration={"loss_time_factor.linear_ce": 2.5})
+    assert slow.time_s["compute_lm_head"] == pytest.approx(lin.time_s["compute_lm_head"] * 2.5 / 1.25)
+    assert linear_ce.PLAN_CONSTANTS["loss_time_factor"].value == {"linear_ce": 1.25}  # the default is not changed
+    z = planner.plan(base, state="zero1")
+    z4 = planner.plan(base, state="zero1", calibration={"zero1_param_bytes": 4})
+    assert z4.memory_bytes["parameters"] == 2 * z.memory_bytes["parameters"]
+    with pytest.raises(planner.UserError, match="unknown planner constant.*zero1_param_bytes"):
+        planner.plan(base, calibration={"zero1_param_byte": 4})

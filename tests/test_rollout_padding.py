@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from components.data.rollouts import PACKAGED_ROLLOUTS, read_rollouts

@@ -202,7 +202,7 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
                               f"{Path(r.cfg.output_dir).resolve()}/train.sbatch and submitted with sbatch.", markup=False)
             return 0
         try:
-            return int(cls.launch(opts, argv_w, None, run.launch_env(r)))
+            return int(cls.launch(opts, argv_w, dataclasses.replace(run.launch_env(r, argv_w), warned=True)))
         except UserError as e:
             return _fail(e)
 
@@ -210,11 +210,10 @@ def _launch(cls, opts, argv_w, r, flags, world) -> int:
     if "dry_run" in flags:
         return _dry_run_process_launcher(cls, opts, argv_w, r)
 
-    def in_process():  # rank 0 of run.train prints the run's summary
-        run.train(r, verbose="verbose" in flags)
-        return 0
-
-    return int(cls.launch(opts, argv_w, in_process, run.launch_env(r)))
+    try:
+        return int(cls.launch(opts, argv_w, run.launch_env(r, argv_w, verbose="verbose" in flags)))
+    except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
+        return _fail(e)
 
 
 def _dry_run_process_launcher(cls, opts, argv_w, r) -> int:
@@ -229,8 +228,8 @@ def _dry_run_process_launcher(cls, opts, argv_w, r) -> int:
     def print_in_process() -> int:
         return print_command(["train", *argv_w])
 
-    code = int(cls.launch(opts, argv_w, print_in_process, dataclasses.replace(run.launch_env(r),
-                                                                              supervise=print_command)))
+    code = int(cls.launch(opts, argv_w, dataclasses.replace(run.launch_env(r, argv_w), supervise=print_command,
+                                                            run_here=print_in_process, worker_env=dict)))
     if code == 0:
         err_console.print("dry run: nothing started.")
     return code

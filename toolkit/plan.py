@@ -27,12 +27,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from framework import planner, recipes
+from framework import planner, preflight, recipes
 from framework.cli import _fail
 from framework.errors import UserError
 from framework.layout import derive
-from framework.planner import Constants, search
-from framework.resolve import resolve
+from framework.planner import Constants
+from framework.resolve import check_candidate, resolve
 from toolkit import argparsing
 from toolkit.argparsing import Parser, overrides_arg
 
@@ -282,17 +282,17 @@ def plan_args(ns) -> int:
         if opts["constants"]:
             _print_constants(console)
             return 0
-        if calibration:
-            planner.Constants().calibrated(calibration)  # unknown constants fail before resolving
         recipe = opts["recipe"]
-        gpus = opts["gpus"]
-        if gpus is None:
-            gpus = int(recipes.load(recipe, overrides).parallel.gpus or 8)
-        r = resolve(recipe, overrides, world_size=gpus, for_training=False)
+        gpus = opts["gpus"]  # else the recipe's parallel.gpus, else 8 (the recipe is composed once)
+        r = resolve(recipe, overrides, for_training=False,
+                    world_size=gpus if gpus is not None else (lambda cfg: int(cfg.parallel.gpus or 8)))
+        gpus = r.layout.world_size
+        if calibration:  # unknown constants fail before planning (after resolve: a registry=FILE adds its own)
+            planner.Constants().calibrated(calibration)
         kwargs = dict(gpu_memory_bytes=opts["gpu_memory"], gpu=opts["gpu"], gpus_per_node=opts["gpus_per_node"],
                       calibration=calibration or None)
         p = planner.plan(r, **kwargs)
-        res = (search(recipe, overrides, gpus, r, top=opts["top"], plan_kwargs=kwargs, validate=resolve)
+        res = (preflight.search(r, overrides, gpus, top=opts["top"], plan_kwargs=kwargs, check=check_candidate)
                if opts["search"] else None)
         if opts["json"]:
             out = {"recipe": r.cfg.recipe, "world_size": gpus, **p.to_json(), "rules": r.layout.rules,

@@ -118,7 +118,6 @@ class LoRA:
 
     @staticmethod
     def check(options: "LoRA.Options", ctx) -> None:
-        type(options).__post_init__(options)
         cfg = ctx.cfg
         # checkpoint.load_path is the frozen base, loaded here at every launch (checkpointing on or off,
         # resumed or not): the framework's checks of what it loads leave it to the adapter

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, held_out_count, inspect_local, local_data_files
 from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, pack_rows, rollout_files, source
@@ -22,24 +21,10 @@ SHARDINGS = ("blocks", "documents")
 
 @dataclass(kw_only=True)
 class DataOptions:
-    """The recipe's ``data:`` section (defaults: framework/schema.py's DataConfig)."""
-
-    format: str
-    """registry kind data: text (documents packed for LM training) | rollouts (RL rollouts, loss=grpo ...)"""
-    name: str
-    """packaged | local | an HF hub dataset name"""
-    path: Optional[str]
-    """local jsonl / parquet / txt file or folder (rollouts: jsonl / parquet)"""
-    tokenizer: str
-    """byte | path to a HF tokenizer folder"""
-    num_workers: int
-    """loader processes per rank: 0 (in the training process) or 1"""
-    sharding: str
-    """blocks: same global batches for any DP size | documents: split docs by rank"""
-    follow: bool = False
-    """rollouts: train on shards as a generator writes them into data.path, in name order (docs/rl.md)"""
-    wait_timeout: float = 3600.0
-    """follow: seconds with no rollouts ready before the trainer checkpoints and exits 77"""
+    """The recipe's ``data:`` section as the ``data`` kind reads it. Its keys, their types, defaults
+    and docs are framework/schema.py's DataConfig, their one definition: ``contracts.make_options``
+    builds this class over it (format, name, path, tokenizer, num_workers, sharding, follow,
+    wait_timeout)."""
 
 
 def _check_common(o: DataOptions, ctx) -> None:

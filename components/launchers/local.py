@@ -37,7 +37,6 @@ class LocalLauncher:
     @staticmethod
     def check(options: "LocalLauncher.Options", ctx=None) -> None:
         """Called by resolve before anything starts (ValueError: the reason; UserError)."""
-        type(options).__post_init__(options)
         LocalLauncher.check_options(options)
 
     @staticmethod
@@ -57,10 +56,12 @@ class LocalLauncher:
                             "kills them.", "Leave it at 900, or set it above one step plus one checkpoint save.")
 
     @staticmethod
-    def launch(opts: "LocalLauncher.Options", argv: list[str], run_in_process, env: LaunchEnv) -> int:
-        """Run ``train argv`` with ``opts.nproc`` ranks; returns the exit code."""
+    def launch(opts: "LocalLauncher.Options", argv: list[str], env: LaunchEnv) -> int:
+        """Run ``train argv`` with ``opts.nproc`` ranks; returns the exit code. One rank trains in this
+        process (``env.run_here``); torchrun's ranks load the run this process resolved (``env.worker_env``:
+        the file and its digest) instead of resolving it again."""
         if opts.nproc == 1:
-            return run_in_process()
+            return env.run_here()
         try:
             LocalLauncher.check_options(opts)
         except UserError as e:
@@ -72,7 +73,7 @@ class LocalLauncher:
                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",
                "-m", env.train_module, "train", *argv]
-        child_env = dict(os.environ)
+        child_env = {**os.environ, **env.worker_env()}
         child_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its banner about it
         return env.supervise(cmd, child_env, nproc=opts.nproc)
 

@@ -198,13 +198,14 @@ class SlurmLauncher:
 
     # ------------------------------------------------------------------ launch
     @staticmethod
-    def launch(opts, argv: list[str], run_in_process, env: LaunchEnv) -> int:
+    def launch(opts, argv: list[str], env: LaunchEnv) -> int:
         """Write the script into the run directory and submit it; returns sbatch's exit code
         (or the job's, with launcher.wait=true). ``env.resolved`` is the run, resolved for
-        this launcher's world size."""
+        this launcher's world size. The job's ranks resolve the recipe themselves (``env.worker_env``
+        is not used): a requeued job resumes, which changes what resolve checks and prints."""
         resolved = env.resolved
         try:
-            if run_in_process is not None:  # `train launcher=slurm ...` (apiary launch ran preflight itself)
+            if not env.warned:  # `train launcher=slurm ...` (apiary launch ran preflight itself)
                 for w in SlurmLauncher.preflight(opts, resolved):
                     print(f"warning: {w}", file=sys.stderr)
             script = SlurmLauncher.render(opts, resolved, argv)

@@ -5,7 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from framework.contracts import PlanTerms, Term
+from framework.contracts import PlanConstant, PlanTerms, Term
+
+# the planner's constants of the materialised-logits losses (ce, chunked, ce_zloss); calibrate as
+# `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
+PLAN_CONSTANTS = {
+    "ce_logits_bytes": PlanConstant(2.0, "ce: bf16 lm_head output [tokens, vocab/TP]."),
+    "ce_fp32_bytes": PlanConstant(4.0, "ce: fp32 logits (or log-softmax output) [tokens, vocab/TP] (seed 000: "
+                                       "65,536 x 124,160 x 4 = 32.55 GB)."),
+    "ce_grad_bytes": PlanConstant(4.0, "ce: fp32 gradient of the logits [tokens, vocab/TP] in backward."),
+    "loss_time_factor": PlanConstant(
+        {"ce": 1.65},
+        "loss layer time over its 3 GEMMs alone, by loss (FACTS, one H200, V=248,320, "
+        "32K tokens: naive 1.68x, torch chunked 1.66x, Liger/Cut-CE 1.24-1.25x)."),
+}
 
 
 def check_data(name: str, needs: tuple[str, ...], ctx) -> None:
@@ -17,6 +30,7 @@ def check_data(name: str, needs: tuple[str, ...], ctx) -> None:
 
 class CrossEntropy:
     NEEDS_DATA = ("text", "rollouts")
+    PLAN_CONSTANTS = PLAN_CONSTANTS
 
     @dataclass(kw_only=True)
     class Options:

@@ -49,7 +49,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from components.losses.ce import check_data
-from framework.contracts import PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+
+# the planner's constants of every loss on the fused LM-head engine (linear_ce, the policy losses);
+# calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
+PLAN_CONSTANTS = {
+    "linear_ce_hidden_grad_bytes": PlanConstant(4.0, "linear_ce: gradient of the lm_head input [tokens, dim] "
+                                                     "(FACTS: Liger +0.36 GiB, Cut-CE +0.13 GiB at 32K tokens "
+                                                     "beyond the lm_head weight gradient)."),
+    "loss_time_factor": PlanConstant(
+        {"linear_ce": 1.25},
+        "loss layer time over its 3 GEMMs alone, by loss (FACTS, one H200, V=248,320, "
+        "32K tokens: naive 1.68x, torch chunked 1.66x, Liger/Cut-CE 1.24-1.25x)."),
+}
 
 # The function and its autograd Functions live in lm_head/linear_ce_fn.py (torch, imported on first
 # use); they read as this module's attributes, so `from components.losses.linear_ce import
@@ -96,6 +108,7 @@ class EngineOptions:
 class LinearCrossEntropy:
     objective_keys = ("z_loss", "label_smoothing")  # change what is optimised (apiary compare)
     NEEDS_DATA = ("text", "rollouts")
+    PLAN_CONSTANTS = PLAN_CONSTANTS
 
     @dataclass(kw_only=True)
     class Options(EngineOptions):
@@ -116,7 +129,6 @@ class LinearCrossEntropy:
     @staticmethod
     def check(options: "LinearCrossEntropy.Options", ctx=None) -> None:
         """Called by resolve before anything starts (ValueError: the reason)."""
-        type(options).__post_init__(options)
         if ctx is not None:
             check_data(options.name, LinearCrossEntropy.NEEDS_DATA, ctx)
             check_backend_here(options.backend, ctx)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
 from components.labels import IGNORE_INDEX
+from components.losses import linear_ce
 from components.losses.linear_ce import EngineOptions, check_backend_here, fused_head_plan_terms
 from framework.contracts import PlanTerms
 from framework.errors import UserError
@@ -70,6 +71,7 @@ class _Policy:
 
     objective = ""
     NEEDS_DATA: tuple[str, ...] = ("rollouts",)
+    PLAN_CONSTANTS = linear_ce.PLAN_CONSTANTS  # planned on the fused LM-head engine
     SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
     # the rl.* settings this loss acts on (framework/resolve.py refuses them set with a loss that has none)
     RL_KEYS: tuple[str, ...] = ("tis_cap", "mismatch_threshold")
@@ -84,7 +86,6 @@ class _Policy:
     @classmethod
     def check(cls, options, ctx=None) -> None:
         """Before launch (ValueError / UserError): option values, and the data this objective trains on."""
-        type(options).__post_init__(options)
         if options.backend == "fwdgrad":
             from components.losses.fused_rl import FUSABLE  # reason: start-up time (torch); only fwdgrad asks
 

@@ -11,31 +11,18 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
+from components.models import layer_kinds
 from framework import contracts
 from framework.errors import UserError
 
 
 @dataclass(kw_only=True)
 class ModelOptions:
-    """The recipe's ``model:`` section as every family reads it (defaults: framework/schema.py's
-    ModelConfig)."""
-
-    family: str
-    """registry kind model: the family module"""
-    flavor: str
-    """a key of the family's FLAVORS"""
-    n_layers: Optional[int]
-    """truncate/extend the layer stack (None: the flavor's)"""
-    vocab_size: Optional[int]
-    """override the flavor's vocabulary"""
-    attn_backend: str
-    """torchtitan attention backend: flex | flex_flash | varlen (ATTN_BACKENDS)"""
-    flex_autotune: bool
-    """inductor max-autotune + coordinate descent for flex attention (false: faster compile)"""
-    hf_checkpoint: Optional[str]
-    """a HuggingFace folder whose architecture and weights the model loads"""
+    """The value checks of the recipe's ``model:`` section. Its keys, their types, defaults and docs
+    are framework/schema.py's ModelConfig, their one definition: ``contracts.make_options`` builds
+    this class over it (family, flavor, n_layers, vocab_size, attn_backend, flex_autotune,
+    hf_checkpoint)."""
 
     def __post_init__(self):
         if self.n_layers is not None and self.n_layers < 1:
@@ -141,7 +128,13 @@ class ModelFacts:
     source: str = ""  # where the architecture came from when not the flavor (an HF folder)
     max_seq_len: int = 0  # RoPE length of the attention layers (0: unknown / no limit)
     layer_mixers: tuple = ()  # each layer's mixer kind ("attention" | "linear_attention"); (): all attention
+    # what the planner counts per kind of layer (framework/contracts.py LayerKind); (): the standard
+    # kinds of these fields (components/models/layer_kinds.py standard_kinds)
+    layer_kinds: tuple = ()
 
+    def __post_init__(self):
+        if not self.layer_kinds:
+            object.__setattr__(self, "layer_kinds", layer_kinds.standard_kinds(self))
 
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from components.models import family
+from components.models import family, layer_kinds
 
 # names of the torchtitan side (llama3_build) this module hands out on first use (PEP 562);
 # tests/test_model_facts.py checks the list against that module
@@ -106,5 +106,7 @@ def hf_config(a: Arch) -> dict:
 Options = family.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)
 NUMERICS = {"": "any"}
+# the planner: its layer kinds' calibrated constants (docs/skills/planner.md)
+PLAN_CONSTANTS = layer_kinds.PLAN_CONSTANTS
 SKILL = "models"  # docs/skills/models.md
 model_kwargs, check, apply = family.family_contract(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from components.models import family
+from components.models import family, layer_kinds
 from components.models.family import ModelFacts
 
 # the family's names (FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS are read through this module)
@@ -140,6 +140,8 @@ def check_layout(cfg, layout) -> None:
 Options = family.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)
 NUMERICS = {"": "any"}
+# the planner: its layer kinds' calibrated constants (docs/skills/planner.md)
+PLAN_CONSTANTS = layer_kinds.PLAN_CONSTANTS
 
 
 def model_kwargs(options, ctx) -> dict:

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from framework.errors import UserError
 
 
 @dataclass(kw_only=True)
 class MoeOptions:
-    """The recipe's ``moe:`` section (defaults in framework/schema.py's MoEConfig), shared by the
-    ``moe_comm`` and ``moe_chunk`` kinds."""
-
-    comm: str
-    """registry kind moe_comm: the expert-parallel dispatch/combine backend"""
-    chunk: str
-    """registry kind moe_chunk: the overlap schedule of each MoE layer"""
-    load_balance_coeff: Optional[float]
-    """auxiliary-loss-free load balancing coefficient (None: off)"""
+    """The recipe's ``moe:`` section as the ``moe_comm`` and ``moe_chunk`` kinds read it. Its keys,
+    their types, defaults and docs are framework/schema.py's MoEConfig, their one definition:
+    ``contracts.make_options`` builds this class over it (comm, chunk, load_balance_coeff, ...)."""
 
 
 class _Comm:

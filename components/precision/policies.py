@@ -39,8 +39,31 @@ from typing import Literal
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from framework import compat
-from framework.contracts import PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
 from framework.errors import UserError
+
+# the planner's constants of precision=fp8 (FSDP2's plan reads fp8_allgather_bytes); calibrate as
+# `apiary plan calib.NAME=VALUE` (docs/skills/planner.md, docs/skills/fp8.md)
+PLAN_CONSTANTS = {
+    "fp8_flops_ratio": PlanConstant(
+        2.0, "FP8 over bf16 tensor-core peak on Hopper (H100/H200 SXM: 1,979 vs 989 TFLOP/s dense, datasheets): "
+             "the FP8 GEMMs' time is the bf16 time / this."),
+    "fp8_cast_overhead": PlanConstant(
+        1.29, "precision=fp8 without compile: amax, scale and cast kernels of each FP8 GEMM's operands (forward and "
+              "backward), as a fraction of the bf16 GEMM time. Fitted on an H200 (benchmarks/fp8_experts_bench.py, "
+              "2026-11-24): torchao's FP8 expert layer took 1.79x bf16's time at 1024 tokens per expert "
+              "(Qwen3-30B-A3B, 16K); its dense linears measured more (3.72x, fp8_linear_bench.py at 16K tokens)."),
+    "fp8_cast_overhead_compiled": PlanConstant(
+        1.09, "the same with precision.compile=true: the compiled FP8 expert layer took 1.59x bf16's time on the "
+              "same H200 benchmark (the casts are torchao's own kernels, which compile does not fuse)."),
+    "fp8_copy_bytes": PlanConstant(
+        2.0, "precision=fp8: bytes per converted parameter of a block in compute: its FP8 weight (1 B) and the "
+             "transposed / column-scaled FP8 copy the input-gradient GEMM uses (1 B), plus per-row or per-tensor "
+             "scales (negligible)."),
+    "fp8_allgather_bytes": PlanConstant(
+        1.0, "precision=fp8 with FP8 all-gather (torchao tensorwise): bytes per all-gathered element of a "
+             "converted linear (its scale is one fp32 per tensor)."),
+}
 
 BACKENDS = ("torchao", "te")
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -91,6 +114,7 @@ class BF16:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
     NUMERICS = {"": "fp8", "compile": "dtype"}
+    PLAN_CONSTANTS = PLAN_CONSTANTS
 
 
 def check_compile(opts, facts) -> None:
@@ -163,7 +187,6 @@ class FP8:
     def check(options, ctx=None) -> None:
         """Option combinations (always) and whether this machine can train FP8 (ctx.for_training)."""
         opts = options
-        type(opts).__post_init__(opts)
         cfg = ctx.cfg if ctx is not None else None
         facts = ctx.facts if ctx is not None else None
         if opts.all_gather == "fp8" and cfg is not None and cfg.state.name != "fsdp2":
@@ -302,6 +325,7 @@ class FP8:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
     NUMERICS = {"": "fp8", "compile": "dtype"}
+    PLAN_CONSTANTS = PLAN_CONSTANTS
 
 
 def _storage_owner(t):

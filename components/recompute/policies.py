@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from framework.contracts import PlanTerms
+from framework.contracts import PlanConstant, PlanTerms
+
+# the planner's constant of the recompute policies (the layer kinds' selective_keep and
+# saved_activation_factor are the model's: components/models/layer_kinds.py); calibrate as
+# `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
+PLAN_CONSTANTS = {
+    "selective_recompute_fraction": PlanConstant(
+        0.9, "selective: the share of full recompute's extra time it still pays. Fitted to one H200 measurement "
+             "(4-layer Qwen3.5-35B-A3B, 32K tokens: 52,773 tok/s against 52,197 full and 60,443 none): the custom "
+             "kernels (GatedDeltaNet, flex attention) rerun whole under op-level SAC"),
+}
 
 
 class _Recompute:
@@ -13,6 +23,7 @@ class _Recompute:
     of policy to bitwise equality (recompute reruns the same forward ops in backward)."""
 
     NUMERICS = {"": "exact"}
+    PLAN_CONSTANTS = PLAN_CONSTANTS
 
     @staticmethod
     def check(options, ctx) -> None:
@@ -52,11 +63,10 @@ class SelectiveRecompute(_Recompute):
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
-        """Keeps ``selective_keep`` of each layer kind's saved activations (norm inputs, the
+        """Keeps each layer kind's ``selective_keep`` of its saved activations (norm inputs, the
         residual stream, all of them) and reruns ``selective_recompute_fraction`` of the forward GEMMs."""
         c = ctx.plan.constants
-        keep = {k: float(c.selective_keep.get(k, 0.5)) for k in ctx.plan.counts}
-        keep["norms"] = 1.0
+        keep = _selective_keep(ctx)
         extra = c.selective_recompute_fraction / 3  # of fwd + bwd = 3 x fwd
         return PlanTerms(extra_compute={"dense": extra, "experts": extra},
                          notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
@@ -81,26 +91,34 @@ class FullRecompute(_Recompute):
     def plan_terms(opts, ctx) -> PlanTerms:
         """Keeps block inputs only; one more forward of every block (its collectives included)."""
         keep = {k: 0.0 for k in ctx.plan.counts}
-        return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", "attention", "linear_attention")},
+        return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", *_mixers(ctx))},
                          notes=["+1 forward of every block (+1/3 of block FLOPs)"],
                          facts={"keep": keep, "inputs_only": True, "forward_reruns": 1})
 
 
-_MIXERS = ("attention", "linear_attention")
+def _mixers(ctx) -> list[str]:
+    """The model's mixer layer kinds (framework/contracts.py LayerTerms, role "mixer")."""
+    return [k for k, t in ctx.plan.layers.items() if t.role == "mixer"]
 
 
-def _block_flops(ctx, mixer: str) -> float:
+def _ffn(ctx) -> str | None:
+    """The FFN layer kind of the model's blocks on this stage (the one with the most saves)."""
+    counts, layers = ctx.plan.counts, ctx.plan.layers
+    ffns = [k for k, t in layers.items() if t.role == "ffn" and counts.get(k, 0) > 0]
+    return max(ffns, key=lambda k: layers[k].saved_per_token, default=None)
+
+
+def _selective_keep(ctx) -> dict[str, float]:
+    """Each layer kind's ``selective_keep`` (norm inputs: all)."""
+    keep = {k: float(t.partial_keep) for k, t in ctx.plan.layers.items()}
+    return {**{k: keep.get(k, 0.5) for k in ctx.plan.counts}, "norms": 1.0}
+
+
+def _block_flops(ctx, mixer: str, ffn: str | None) -> float:
     """Forward FLOPs per token of one block with this mixer (orders the blocks auto keeps first:
     the time a block's recompute costs per byte its activations take)."""
-    f, seq = ctx.facts, float(ctx.cfg.training.seq_len)
-    d, q, kv = f.dim, f.n_heads * f.head_dim, f.n_kv_heads * f.head_dim
-    ffn = 2 * (f.top_k * 3 * d * f.moe_hidden_dim + 3 * d * f.shared_expert_hidden_dim) if f.num_experts \
-        else 2 * 3 * d * f.ffn_hidden_dim
-    if mixer == "attention":  # projections (q with its gate), then QK^T and PV over a causal context
-        return ffn + 2 * (d * (2 * q + 2 * kv) + q * d) + 2 * seq * q
-    la = f.linear_attn or {}
-    kd, vd, hv = la.get("key_dim", q), la.get("value_dim", q), la.get("value_heads", f.n_heads)
-    return ffn + 2 * (d * (2 * kd + 2 * vd) + vd * d) + 4 * (kd / max(1, la.get("key_heads", hv))) * vd
+    layers = ctx.plan.layers
+    return (layers[ffn].forward_flops_per_token if ffn else 0.0) + layers[mixer].forward_flops_per_token
 
 
 class AutoRecompute(_Recompute):
@@ -144,17 +162,16 @@ class AutoRecompute(_Recompute):
         c, counts = ctx.plan.constants, ctx.plan.counts
         margin = opts.margin if opts is not None else 0.10
         budget = int(opts.budget_gib * 2**30) if opts is not None and opts.budget_gib else None
-        keep_sel = {k: float(c.selective_keep.get(k, 0.5)) for k in counts}
-        n = {m: int(round(counts.get(m, 0))) for m in _MIXERS if counts.get(m, 0)}
+        keep_sel = _selective_keep(ctx)
+        n = {m: int(round(counts.get(m, 0))) for m in _mixers(ctx) if counts.get(m, 0)}
         state = {m: {"kept": 0, "partial": 0, "recomputed": k} for m, k in n.items()}
         saved, dim = ctx.plan.saved, float(ctx.facts.dim)
-        ffn = "moe" if counts.get("moe") else "mlp"
-        fit = c.saved_activation_factor
-        elems = {m: {"kept": (saved[m] + saved[ffn] + saved["norms"])
-                     * float(fit.get(f"{m}+{ffn}", 1.0) if isinstance(fit, dict) else fit),
-                     "partial": saved[m] * keep_sel[m] + saved[ffn] * keep_sel[ffn] + saved["norms"],
+        ffn = _ffn(ctx)
+        s_ffn, k_ffn = (saved[ffn], keep_sel[ffn]) if ffn else (0.0, 0.0)
+        elems = {m: {"kept": (saved[m] + s_ffn + saved["norms"]) * ctx.plan.layers[m].factor_with(ffn),
+                     "partial": saved[m] * keep_sel[m] + s_ffn * k_ffn + saved["norms"],
                      "recomputed": dim} for m in n}
-        flops = {m: _block_flops(ctx, m) for m in n}
+        flops = {m: _block_flops(ctx, m, ffn) for m in n}
         s = c.selective_recompute_fraction
         rerun = {"recomputed": 1.0, "partial": s, "kept": 0.0}  # forward of the block rerun, as a fraction
 

@@ -12,10 +12,30 @@ from dataclasses import dataclass
 from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
-from framework.contracts import PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+
+# the planner's constants of this backend; calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
+PLAN_CONSTANTS = {
+    "fsdp2_param_bytes": PlanConstant(0.0, "fsdp2: persistent low-precision parameter copy besides the fp32 "
+                                           "shard. torchtitan keeps only the fp32 shard (counted as the master in "
+                                           "optimizer_states) and casts to bf16 when it all-gathers (fsdp buffers), "
+                                           "so 0. Seed 000's accounting (params + grads = 6 B/param) corresponds to 2."),
+    "fsdp2_grad_bytes": PlanConstant(4.0, "fsdp2: sharded gradient in the fp32 reduce dtype (torchtitan "
+                                          "mixed_precision_reduce=float32)."),
+    "fsdp_allgather_units": PlanConstant(2, "FSDP2 keeps the current unit's all-gathered params and prefetches "
+                                            "the next: the largest unit (often the lm_head) plus this many minus one "
+                                            "transformer blocks are counted (embedding and lm_head are never "
+                                            "gathered together)."),
+    "fsdp_allgather_bytes": PlanConstant(2.0, "bytes per element of an all-gathered parameter (bf16 param_dtype)."),
+    "fsdp_unsharded_grad_bytes": PlanConstant(2.0, "unsharded gradient of one unit in the param dtype (bf16)."),
+    "fsdp_reduce_bytes": PlanConstant(4.0, "reduce-scatter input of one unit in the fp32 reduce dtype."),
+    "fsdp_overlap": PlanConstant(0.85, "fraction of FSDP all-gather/reduce-scatter hidden by prefetching."),
+}
 
 
 class FSDP2:
+    PLAN_CONSTANTS = PLAN_CONSTANTS
+
     @dataclass(kw_only=True)
     class Options:
         name: str = "fsdp2"
@@ -33,8 +53,7 @@ class FSDP2:
 
     @staticmethod
     def check(options: "FSDP2.Options", ctx=None) -> None:
-        """ValueError for option values this backend cannot run (resolve calls it before launch)."""
-        type(options).__post_init__(options)
+        """Nothing beyond the Options' own value checks (``__post_init__``, run as resolve builds them)."""
 
     @staticmethod
     def apply(options: "FSDP2.Options", tc, ctx=None) -> None:

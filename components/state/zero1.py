@@ -36,12 +36,24 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
-from framework.contracts import PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+
+# the planner's constants of this backend; calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
+PLAN_CONSTANTS = {
+    "zero1_param_bytes": PlanConstant(2.0, "zero1: bf16 model parameters replicated over data parallel "
+                                           "(Megatron distributed-optimizer semantics)."),
+    "zero1_grad_bytes": PlanConstant(4.0, "zero1: fp32 main gradients replicated over data parallel (Megatron)."),
+    "zero1_bucket_params": PlanConstant(40e6, "zero1: gradient-reduction bucket size in parameters (Megatron "
+                                              "default ~40M); two buckets in flight, fp32."),
+    "zero1_overlap": PlanConstant(0.5, "fraction of ZeRO-1 grad reduce-scatter / param all-gather hidden."),
+}
 
 _REDUCE = ("reduce_scatter", "all_reduce")
 
 
 class Zero1:
+    PLAN_CONSTANTS = PLAN_CONSTANTS
+
     @dataclass(kw_only=True)
     class Options:
         name: str = "zero1"
@@ -63,8 +75,7 @@ class Zero1:
 
     @staticmethod
     def check(options: "Zero1.Options", ctx=None) -> None:
-        """ValueError for option values this backend cannot run (resolve calls it before launch)."""
-        type(options).__post_init__(options)
+        """Nothing beyond the Options' own value checks (``__post_init__``, run as resolve builds them)."""
 
     @staticmethod
     def apply(options: "Zero1.Options", tc, ctx=None) -> None:

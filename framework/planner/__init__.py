@@ -5,26 +5,28 @@ bytes of one element), for the busiest pipeline stage:
 
 * static state: parameters, gradients, optimizer states (fp32 master + Adam moments), sharded
   as the state backend shards them;
-* activations as the recompute policy keeps them, per layer kind (softmax
-  attention, GatedDeltaNet linear attention, MoE with router, dense MLP, norms) on the local
-  tokens ``micro_batch x seq_len / cp`` (divided by TP: sequence parallel);
+* activations as the recompute policy keeps them, per layer kind (what the model's
+  ``ModelFacts.layer_kinds`` say, and norms) on the local tokens ``micro_batch x seq_len / cp``
+  (divided by TP: sequence parallel);
 * MoE dispatch/combine buffers, the loss's temporaries, the state backend's all-gather /
   reduce-scatter or gradient buckets, CP buffers;
 * a reserve for the CUDA context, NCCL and allocator fragmentation.
 
-Step time is a roofline: model FLOPs per part (dense GEMMs, routed experts, attention, linear
-attention, LM head) over the GPU's peak times a per-part efficiency, plus recompute, plus the
+Step time is a roofline: model FLOPs per part (dense GEMMs, routed experts, each mixer layer
+kind's own, LM head) over the GPU's peak times a per-part efficiency, plus recompute, plus the
 exposed (not overlapped) part of EP / CP / TP / state-backend traffic over NVLink or IB, times the
 pipeline bubble, plus the optimizer step.
 
-Every number the estimate uses lives in ``Constants`` with its reason; a calibration dict
-(dotted keys, e.g. ``{"eff_expert": 0.35, "hardware.H100.ib_bw": 40e9}``) overrides any of them.
+Every number the estimate uses lives in ``Constants`` with its reason (the components' and the
+layer kinds' own in their ``PLAN_CONSTANTS``, gathered into it); a calibration dict (dotted keys,
+e.g. ``{"eff_expert": 0.35, "hardware.H100.ib_bw": 40e9}``) overrides any of them.
 The memory estimate has been compared with measured GPU peaks (docs/benchmarks.md; each GPU run's
 ``estimate_for_run`` writes the estimate next to its measured peak, ``plan_error_fraction``).
 
-The package knows no component: each chosen component (registry kinds loss, state, recompute,
-moe_chunk, precision) adds its terms through ``plan_terms(options, ctx) -> PlanTerms``
-(framework.contracts), asked through ``framework.registry`` (``parts``). Modules: ``constants``
+The package knows no component and no layer kind: each chosen component (registry kinds loss,
+state, recompute, moe_chunk, precision, adapter) adds its terms through ``plan_terms(options, ctx)
+-> PlanTerms`` (framework.contracts), asked through ``framework.registry`` (``parts``), and each of
+the model's layer kinds through ``LayerKind.plan_terms(shape) -> LayerTerms``. Modules: ``constants``
 (GPU table, Constants, calibration), ``memory`` (shapes, terms per stage), ``time`` (step time),
 ``estimate`` (``plan``), ``search`` (layouts and choices that fit), ``records`` (next to a run).
 """

@@ -86,7 +86,8 @@ def shapes_and_context(resolved, c: Constants, hw: Hardware) -> tuple[Shapes, Pl
     """The model's shapes on this layout, and what plan_terms get as ``ctx.plan`` (stage: the only one)."""
     sh = Shapes.of(resolved, c)
     return sh, PlanContext(constants=c, hw=hw, tokens=sh.T, micro_batch=sh.mb, split=sh.split, counts=sh.counts,
-                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node), saved=sh.saved)
+                           grad_accum=sh.grad_accum, link_bw=link_bw(hw, c.gpus_per_node), saved=sh.saved,
+                           layers=sh.layers)
 
 
 @dataclass

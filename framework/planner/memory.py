@@ -4,14 +4,15 @@ Terms, in order: the state backend's static state; activations kept for backward
 recompute component says); the backward working set of one block; MoE dispatch/combine
 buffers (per the moe_chunk component's chunk count); the precision's buffers; the loss's terms
 (last stage); the state backend's buffers; CP buffers; the reserve (fragmentation, CUDA context
-and NCCL). The components' terms come from their ``plan_terms``; the rest is model shape.
+and NCCL). The components' terms come from their ``plan_terms``, the model's per layer kind from
+its ``ModelFacts.layer_kinds`` (framework.contracts.LayerTerms); the rest is model shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.contracts import PlanTerms
+from framework.contracts import LayerShape, LayerTerms, PlanTerms
 from framework.planner.constants import Constants, GiB
 
 
@@ -39,41 +40,39 @@ class Term:
 # shapes
 
 
-def per_token_saved(f, cp: int) -> dict[str, float]:
-    """Activation elements one token saves for backward in one layer of each kind (no recompute),
-    before the TP split; ``norms``: the two RMSNorm inputs every layer saves (2 x dim)."""
-    d = f.dim
-    q, kv = f.n_heads * f.head_dim, f.n_kv_heads * f.head_dim
-    out = {
-        # q/k/v projection input; q and k before and after q/k-norm + RoPE; v; the K,V of the other
-        # CP ranks that attention saves (all-gather CP); attention output and o_proj input
-        # (output gate / reshape); fp32 log-sum-exp per head.
-        "attention": d + 2 * q + 3 * kv + 2 * kv * (cp - 1) + 2 * q + 2 * f.n_heads,
-        # router/expert input; fp32 router logits and probabilities; permuted expert input and
-        # combine input [top_k, dim]; w1, w3 outputs and their product [top_k, hidden]; shared
-        # expert w1, w3, product; the shared-expert gate.
-        "moe": d + 4 * f.num_experts + 2 * f.top_k * d + 3 * f.top_k * f.moe_hidden_dim
-        + 3 * f.shared_expert_hidden_dim + 1,
-        "mlp": d + 3 * f.ffn_hidden_dim,  # input; w1, w3 outputs and their product (SwiGLU)
-        "linear_attention": 0.0,
-    }
-    la = f.linear_attn or {}
-    if la:
-        kd, vd, hv = la["key_dim"], la["value_dim"], la["value_heads"]
-        # input; q,k,v before and after the causal conv (+SiLU); l2-normed q,k; the output gate z;
-        # fp32 beta and decay per value head; core output and gated-norm output (o_proj input).
-        out["linear_attention"] = d + 2 * (2 * kd + vd) + 2 * kd + vd + 4 * hv + 2 * vd
-    out["norms"] = 2 * d
+def layer_terms(f, shape: LayerShape) -> dict[str, LayerTerms]:
+    """Each of the model's layer kinds' terms on this layout, by name (``ModelFacts.layer_kinds``)."""
+    out = {}
+    for kind in f.layer_kinds:
+        t = kind.plan_terms(shape)
+        out[t.name] = t
     return out
 
 
-def layer_counts(f, pp: int) -> dict[str, float]:
-    """Layers of each kind on one pipeline stage (fractions when pp does not split kinds evenly).
-    MoE models are taken as MoE in every layer, dense models as dense MLP in every layer."""
-    n = f.n_layers / pp
-    moe = f.num_experts > 0
-    return {"attention": f.n_attention_layers / pp, "linear_attention": f.n_linear_attention_layers / pp,
-            "moe": n if moe else 0.0, "mlp": 0.0 if moe else n, "norms": n}
+def per_token_saved(f, cp: int, c: Constants | None = None, layers: dict | None = None) -> dict[str, float]:
+    """Activation elements one token saves for backward in one layer of each kind (no recompute),
+    before the TP split; ``norms``: the two RMSNorm inputs every layer saves (2 x dim)."""
+    if layers is None:
+        layers = layer_terms(f, LayerShape(seq=0, micro_batch=1, cp=cp, tp=1, constants=c or Constants()))
+    return {**{k: float(t.saved_per_token) for k, t in layers.items()}, "norms": 2 * f.dim}
+
+
+def layer_counts(f, pp: int, layers: dict | None = None) -> dict[str, float]:
+    """Layers of each kind on one pipeline stage (fractions when pp does not split kinds evenly)."""
+    if layers is None:
+        layers = layer_terms(f, LayerShape(seq=0, micro_batch=1, cp=1, tp=1, constants=Constants()))
+    return {**{k: t.layers / pp for k, t in layers.items()}, "norms": f.n_layers / pp}
+
+
+def mixers(layers: dict) -> list[str]:
+    """The mixer kinds (each block's token-mixing layer) among ``layers``."""
+    return [k for k, t in layers.items() if t.role == "mixer"]
+
+
+def block_ffn(layers: dict, counts: dict, saved: dict) -> str | None:
+    """The FFN kind of the stage's blocks (the one with the most saves among those present)."""
+    ffns = [k for k, t in layers.items() if t.role == "ffn" and counts.get(k, 0) > 0]
+    return max(ffns, key=lambda k: saved[k], default=None)
 
 
 def param_split(f, c: Constants) -> dict[str, float]:
@@ -99,6 +98,7 @@ class Shapes:
     counts: dict[str, float]
     saved: dict[str, float]
     split: dict[str, float]
+    layers: dict[str, LayerTerms] = field(default_factory=dict)  # the model's layer kinds on this layout
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -124,47 +124,47 @@ class Shapes:
                                 f"pp_microbatch_size {mb}): the pipeline bubble is {pp - 1}/{n_mb + pp - 1} of the step.")
         else:
             mb, n_mb = lb, 1
+        layers = layer_terms(f, LayerShape(seq=seq, micro_batch=mb, cp=lay.cp, tp=lay.tp, constants=c))
         return cls(f=f, lay=lay, c=c, seq=seq, local_batch=lb, mb=mb, n_mb=n_mb,
-                   grad_accum=int(getattr(resolved, "grad_accum", 1) or 1), counts=layer_counts(f, pp),
-                   saved=per_token_saved(f, lay.cp), split=param_split(f, c), warnings=warnings)
+                   grad_accum=int(getattr(resolved, "grad_accum", 1) or 1), counts=layer_counts(f, pp, layers),
+                   saved=per_token_saved(f, lay.cp, c, layers), split=param_split(f, c), layers=layers,
+                   warnings=warnings)
 
 
 # --------------------------------------------------------------------------------------------
 # terms of one stage
 
 
+def _ffn(sh: Shapes) -> str | None:
+    return block_ffn(sh.layers, sh.counts, sh.saved)
+
+
 def block_elements(sh: Shapes, keep_partial: dict) -> dict[str, dict[str, float]]:
     """Activation elements one token saves in one block (mixer + FFN + norms) of each mixer kind, by
     what the block keeps: "kept" all of them, "partial" ``keep_partial`` of each kind (norm inputs
     kept), "recomputed" the block input only."""
-    f, saved, counts = sh.f, sh.saved, sh.counts
-    ffn = "moe" if counts["moe"] > 0 else "mlp"
+    f, saved = sh.f, sh.saved
+    ffn = _ffn(sh)
     out = {}
-    for mixer in ("attention", "linear_attention"):
-        parts = (mixer, ffn)
+    for mixer in mixers(sh.layers):
+        parts = (mixer, ffn) if ffn else (mixer,)
         out[mixer] = {"kept": sum(saved[k] for k in parts) + saved["norms"],
                       "partial": sum(saved[k] * keep_partial.get(k, 0.5) for k in parts) + saved["norms"],
                       "recomputed": float(f.dim)}
     return out
 
 
-def _factor(c, mixer: str, ffn: str) -> float:
-    """What autograd saves in a kept block of this mixer and FFN kind over the counted elements."""
-    f = c.saved_activation_factor
-    return float(f.get(f"{mixer}+{ffn}", 1.0)) if isinstance(f, dict) else float(f)
-
-
 def _mixed_activations(sh: Shapes, rec: PlanTerms, in_flight: int) -> tuple[Term, dict[str, float]]:
     """Saved activations of a per-block mix of policies (``rec.facts["blocks"]``), and the elements
     the worst policy present reruns in one block of each mixer kind."""
     Tt, c = sh.Tt, sh.c
-    ffn = "moe" if sh.counts["moe"] > 0 else "mlp"
+    ffn = _ffn(sh)
     elems = block_elements(sh, rec.facts.get("keep", {}))
     per_tok, redo, desc = 0.0, {}, []
     for mixer, by_policy in rec.facts["blocks"].items():
         for policy, n in by_policy.items():
             if n:
-                per_tok += n * elems[mixer][policy] * (_factor(c, mixer, ffn) if policy == "kept" else 1.0)
+                per_tok += n * elems[mixer][policy] * (sh.layers[mixer].factor_with(ffn) if policy == "kept" else 1.0)
                 desc.append(f"{n:g} {mixer} {policy}")
                 redo[mixer] = max(redo.get(mixer, 0.0), elems[mixer]["kept"] - elems[mixer][policy])
     term = Term("activations", in_flight * Tt * per_tok, c.act_bytes, "activations",
@@ -178,10 +178,11 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
     f, c, pp, Tt, saved, counts = sh.f, sh.c, sh.lay.pp, sh.Tt, sh.saved, sh.counts
     ab = c.act_bytes
     keep = rec.facts.get("keep", {})
-    mixer = max((k for k in ("attention", "linear_attention") if counts[k] > 0), key=lambda k: saved[k],
-                default="attention")
-    ffn = "moe" if counts["moe"] > 0 else "mlp"
-    block_elems = saved[mixer] + saved[ffn] + saved["norms"]
+    present = [k for k in mixers(sh.layers) if counts[k] > 0]
+    mixer = max(present, key=lambda k: saved[k], default=None)
+    ffn = _ffn(sh)
+    block = [k for k in (mixer, ffn) if k is not None]
+    block_elems = sum(saved[k] for k in block) + saved["norms"]
     if "blocks" in rec.facts:
         term, redo = _mixed_activations(sh, rec, in_flight)
         t = [term]
@@ -190,9 +191,9 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
         t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
                   f"dim {f.dim} (block inputs only)")]
-        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
+        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (*block, "norms"))
     elif all(keep.get(k, 0) >= 1 for k in saved):  # every block kept: the blocks' fitted saves
-        kept = {m: {"kept": counts[m]} for m in ("attention", "linear_attention") if counts[m] > 0}
+        kept = {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
         term, _ = _mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": kept}), in_flight)
         t = [term]
         redo_elems = 0.0
@@ -201,10 +202,11 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
         t = [Term("activations", in_flight * Tt * per_tok, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {per_tok:,.0f} saved elements "
                   f"per token per stage ({recompute})")]
-        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (mixer, ffn, "norms"))
+        redo_elems = sum(saved[k] * (1 - keep[k]) for k in (*block, "norms"))
     # the largest block (mixer + FFN + norms) rerun in backward (the part not kept) + its gradients
+    what = " + ".join(block) or "norms"
     t.append(Term("activation_working_set", Tt * (redo_elems + c.grad_working_factor * block_elems), ab,
-                  "activations", f"one {mixer} + {ffn} block: {Tt:,.0f} tokens x ({redo_elems:,.0f} recomputed + "
+                  "activations", f"one {what} block: {Tt:,.0f} tokens x ({redo_elems:,.0f} recomputed + "
                   f"{c.grad_working_factor:g} x {block_elems:,.0f} gradient) elements x {ab:g} B"))
     return t
 
@@ -221,19 +223,10 @@ def moe_terms(sh: Shapes, chunking: PlanTerms) -> list[Term]:
 
 
 def cp_terms(sh: Shapes) -> list[Term]:
-    """CP: one attention layer's all-gathered K,V; GatedDeltaNet's per-rank states."""
-    f, c, cp, tp, mb, seq, counts = sh.f, sh.c, sh.lay.cp, sh.lay.tp, sh.mb, sh.seq, sh.counts
-    t = []
-    if cp > 1 and counts["attention"] > 0:
-        kvd = f.n_kv_heads * f.head_dim
-        t.append(Term("cp_kv_allgather", mb * seq * 2 * kvd / tp * c.cp_kv_copies, c.act_bytes, "buffers",
-                      f"{mb} x seq {seq} x 2 x kv {kvd}/{tp} x {c.cp_kv_copies:g} copies x {c.act_bytes:g} B (one layer)"))
-    la = f.linear_attn or {}
-    if cp > 1 and counts["linear_attention"] > 0 and la:
-        st = la["value_heads"] * (la["key_dim"] / la["key_heads"]) * (la["value_dim"] / la["value_heads"])
-        t.append(Term("cp_state_allgather", mb * cp * st, 4.0, "buffers",
-                      f"{mb} x cp {cp} x {st:,.0f} state elements (per-head k x v) x 4 B"))
-    return t
+    """CP: the buffers each layer kind present on the stage says one of its layers holds."""
+    if sh.lay.cp <= 1:
+        return []
+    return [Term.of(x) for k, t in sh.layers.items() if sh.counts[k] > 0 for x in t.cp_memory]
 
 
 def reserve_terms(c: Constants, terms: list[Term]) -> list[Term]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from framework.contracts import PlanTerms
 from framework.planner.constants import Hardware
-from framework.planner.memory import Shapes
+from framework.planner.memory import Shapes, mixers
 
 
 @dataclass(kw_only=True)
@@ -46,30 +46,24 @@ def link_bw(hw: Hardware, per_node: int):
 
 
 def flops_per_token(sh: Shapes) -> tuple[dict[str, float], float]:
-    """Model FLOPs per token by part (fwd + bwd = 3 x fwd; 2 FLOPs per multiply-add), and the
-    active expert parameters."""
-    f, c, split = sh.f, sh.c, sh.split
+    """Model FLOPs per token by part (fwd + bwd = 3 x fwd; 2 FLOPs per multiply-add): the dense
+    and routed-expert parameters, each mixer layer kind's own FLOPs (its part), the LM head; and
+    the active expert parameters."""
+    f, split = sh.f, sh.split
     expert_active = split["experts"] * f.top_k / f.num_experts if f.num_experts else 0.0
-    q = f.n_heads * f.head_dim
-    la = f.linear_attn or {}
-    gdn = 0.0
-    if la:
-        dk, dv = la["key_dim"] / la["key_heads"], la["value_dim"] / la["value_heads"]
-        gdn = 3 * la["value_heads"] * (4 * dk * dv + 2 * c.gdn_chunk * (dk + dv)) * f.n_linear_attention_layers
-    return {
-        "dense": 6 * split["dense_blocks"],
-        "experts": 6 * expert_active,
-        "attention": 6 * sh.seq * q * f.n_attention_layers,  # = 12 x layers x seq x heads x head_dim / 2 (causal)
-        "linear_attention": gdn,
-        "lm_head": 6 * split["head"],
-    }, expert_active
+    parts = {"dense": 6 * split["dense_blocks"], "experts": 6 * expert_active}
+    for k in mixers(sh.layers):
+        t = sh.layers[k]
+        parts[k] = t.flops_per_token * t.layers
+    parts["lm_head"] = 6 * split["head"]
+    return parts, expert_active
 
 
 def efficiencies(sh: Shapes) -> tuple[dict[str, float], float]:
     """Achieved/peak per part after the TP and short-sequence scale, and that scale."""
     c, tp = sh.c, sh.lay.tp
-    eff = {"dense": c.eff_dense, "experts": c.eff_expert, "attention": c.eff_attention,
-           "linear_attention": c.eff_linear_attention, "lm_head": c.eff_head}
+    eff = {"dense": c.eff_dense, "experts": c.eff_expert,
+           **{k: sh.layers[k].efficiency for k in mixers(sh.layers)}, "lm_head": c.eff_head}
     T_local = sh.mb * sh.seq / sh.lay.cp
     scale = c.tp_gemm_scale ** math.log2(tp) * min(1.0, T_local / c.efficiency_ref_tokens) ** c.efficiency_short_exponent
     return {k: v * scale for k, v in eff.items()}, scale
@@ -106,15 +100,10 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
         else:
             inter = (ep - g) / (ep - 1)
             comm["ep_alltoall"] = vol * (1 - inter) / hw.nvlink_alltoall_bw + vol * inter / hw.ib_alltoall_bw
-        overlap["ep_alltoall"] = float(c.ep_overlap.get(inp.chunking.facts.get("overlap"), 0.0))
-    la = f.linear_attn or {}
+        overlap["ep_alltoall"] = float(inp.chunking.facts.get("overlap", 0.0))
     if cp > 1:
-        passes = 2 + reruns  # K,V all-gather fwd, dK,dV reduce-scatter bwd (+ recompute)
-        kvd = f.n_kv_heads * f.head_dim
-        vol = micro * sh.counts["attention"] * passes * (cp - 1) * mb * seq / cp * 2 * kvd / tp * 2
-        if la:
-            st = la["value_heads"] * (la["key_dim"] / la["key_heads"]) * (la["value_dim"] / la["value_heads"])
-            vol += micro * sh.counts["linear_attention"] * passes * (cp - 1) * mb * st * 4
+        passes = 2 + reruns  # fwd and bwd (+ recompute): each layer kind's CP traffic per pass
+        vol = sum(micro * sh.counts[k] * passes * t.cp_comm_bytes for k, t in sh.layers.items())
         comm["cp"] = vol / (hw.ib_bw if spans(cp, tp, g) else hw.nvlink_bw)
         overlap["cp"] = c.cp_overlap
     if tp > 1:
@@ -154,7 +143,7 @@ def step_time(inp: StepInputs) -> StepTime:
 
 def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, tokens_step) -> list[str]:
     sh, names = inp.sh, inp.names
-    f, c, lay, split = sh.f, sh.c, sh.lay, sh.split
+    c, lay, split = sh.c, sh.lay, sh.split
     ep, tp, g = lay.ep, lay.tp, c.gpus_per_node
     eff_txt = ", ".join(f"{k} {v:.2f}" for k, v in eff.items())
     where_ep = ("NVLink" if ep <= g else "NVLink + IB") if ep > 1 else "none"
@@ -163,10 +152,10 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
     T_local = sh.mb * sh.seq / lay.cp
     return [
         f"FLOPs/token: 6 x active params (dense {split['dense_blocks'] / 1e9:.2f}B + experts "
-        f"{expert_active / 1e9:.2f}B + lm_head {split['head'] / 1e9:.2f}B) + attention 12 x {f.n_attention_layers} "
-        f"layers x seq x {f.n_heads} heads x {f.head_dim} / 2 (causal) + GatedDeltaNet "
-        f"3 x value_heads x (4 dk dv + 2 x chunk x (dk + dv)) per layer = {sum(parts.values()) / 1e9:.1f} GFLOP/token; "
-        "TFLOPs/GPU counts model FLOPs (no recompute); torchtitan's logged tflops does not halve causal attention",
+        f"{expert_active / 1e9:.2f}B + lm_head {split['head'] / 1e9:.2f}B)"
+        + "".join(f" + {k} {t.layers} layers x {t.flops_how or f'{t.flops_per_token:,.0f}'}"
+                  for k, t in sh.layers.items() if k in parts)
+        + f" = {sum(parts.values()) / 1e9:.1f} GFLOP/token; TFLOPs/GPU counts model FLOPs (no recompute)",
         f"recompute {names['recompute']}: " + "; ".join(inp.recompute.notes)
         + f"; loss layer x {loss_factor:g} of its GEMM time ({names['loss']})",
         f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}",

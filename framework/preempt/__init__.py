@@ -205,27 +205,21 @@ def install(trainer, *, check_every: int = 1, signals=SIGNALS) -> Guard:
         return existing
     arm(signals)
     guard = Guard(trainer=trainer, check_every=max(1, int(check_every)))
-    original_continue = trainer.should_continue_training
-
-    def should_continue_training() -> bool:
+    def should_continue_training(original_continue) -> bool:
         if not original_continue():
             return False
         if guard.stopped_at is None and guard.should_stop():
             guard.stop()
         return guard.stopped_at is None
 
-    trainer.should_continue_training = should_continue_training
+    compat.gate_training_loop(trainer, should_continue_training)
     ck = getattr(trainer, "checkpointer", None)
     if ck is not None:
-        original_save = ck.save
-
-        def save(curr_step, last_step=False):
-            written = original_save(curr_step, last_step=last_step)
+        def saved(curr_step, written):
             if written:
                 guard.last_saved = int(curr_step)
-            return written
 
-        ck.save = save
+        compat.observe_checkpoint_saves(ck, saved)
     trainer._apiary_preempt = guard
     _GUARDS.append(guard)
     return guard
