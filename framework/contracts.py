@@ -314,7 +314,16 @@ class Recompute(Component, Planned, Protocol):
 
 
 class State(Component, Planned, Protocol):
-    """kind ``state``: parameter / gradient / optimizer-state sharding (parallelize, optimizer)."""
+    """kind ``state``: parameter / gradient / optimizer-state sharding (parallelize, optimizer).
+
+    ``layout(options, dims) -> (dims, reason)`` (optional): the parallel degrees this backend runs,
+    from the ones ``framework.layout.derive`` chose (a backend with no replicate/shard split folds
+    one into the other). Resolve applies it right after deriving, before anything reads the layout,
+    so layout.json, the printed dims, the planner and the trainer see the same degrees; it may move
+    degrees between dims, never change the world size. ``reason`` is what layout.json's rules say
+    for the dims it changed."""
+
+    def layout(self, options: Any, dims: dict[str, int]) -> tuple[dict[str, int], str]: ...
 
 
 class MoeComm(Component, Protocol):
@@ -629,7 +638,8 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "data": {**_SHARED_OPTIONAL},
     "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
     "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
-    "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
+              "layout": None},  # runs the degrees layout.derive chose
     "launcher": {**_SHARED_OPTIONAL, "check_options": None, "preflight": None, "render": None, "TEMPLATE": None},
     "loss_fn": {"set_batch": None, "metrics": MappingProxyType({}), "metric_weight": None},
 }

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
@@ -594,7 +596,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     _check_inputs(cfg, for_training)
     world = world_size_from(cfg, for_training) if world_size is None else \
         int(world_size(cfg)) if callable(world_size) else world_size
-    layout = derive(cfg.parallel, cfg.training, cfg.layout, facts, world)
+    layout = backend_layout(ctx, derive(cfg.parallel, cfg.training, cfg.layout, facts, world))
     ctx.facts, ctx.layout = facts, layout
     check_components(ctx)
     check_rl_keys(ctx)
@@ -626,6 +628,21 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     return r
 
 
+def backend_layout(ctx: contracts.Context, layout: Layout) -> Layout:
+    """``layout`` as the chosen state backend runs it (its optional ``layout`` member): the degrees it
+    moves, with its reason as their rule. A backend that changes the world size is a framework bug."""
+    runs = contracts.member(ctx.components["state"], "state", "layout")
+    if runs is None:
+        return layout
+    dims, reason = runs(ctx.options["state"], dict(layout.dims))
+    changed = {d: int(v) for d, v in dims.items() if int(v) != layout.dims[d]}
+    if not changed:
+        return layout
+    if math.prod(int(v) for v in dims.values()) != math.prod(layout.dims.values()) or set(dims) != set(layout.dims):
+        raise ValueError(f"the state backend's layout {dims} does not keep the degrees' product of {layout.dims}")
+    return dataclasses.replace(layout, **changed, rules={**layout.rules, **{d: reason for d in changed}})
+
+
 def check_candidate(r: Resolved, dims: dict, choice: dict, world_size: int) -> None:
     """What resolve checks of ``r`` with other layout dims (``parallel.ep=..`` etc.) and other component
     choices (``loss=NAME`` ...: that component's default options), without composing the recipe again:
@@ -636,17 +653,19 @@ def check_candidate(r: Resolved, dims: dict, choice: dict, world_size: int) -> N
     par = SimpleNamespace(**r.given_parallel)
     for d, v in dims.items():
         setattr(par, d, v)
-    layout = derive(par, cfg.training, cfg.layout, r.facts, world_size)
-    check_batch(cfg.training, layout)
     OmegaConf.set_struct(cfg, False)
-    for d, v in layout.dims.items():
-        cfg.parallel[d] = v
     for kind, name in choice.items():
         section, key = contracts.SELECT[kind]
         if str(cfg[section][key]) != str(name):
             cfg[section] = {key: str(name)}  # another component: its own defaults
     OmegaConf.set_struct(cfg, True)
     ctx = context(cfg, for_training=False)
+    layout = backend_layout(ctx, derive(par, cfg.training, cfg.layout, r.facts, world_size))
+    check_batch(cfg.training, layout)
+    OmegaConf.set_struct(cfg, False)
+    for d, v in layout.dims.items():
+        cfg.parallel[d] = v
+    OmegaConf.set_struct(cfg, True)
     ctx.facts, ctx.layout = r.facts, layout
     check_components(ctx)
     check_rl_keys(ctx)

@@ -78,17 +78,22 @@ class Zero1:
         """Nothing beyond the Options' own value checks (``__post_init__``, run as resolve builds them)."""
 
     @staticmethod
+    def layout(options: "Zero1.Options", dims: dict) -> tuple[dict, str]:
+        """ZeRO-1 has no replicate/shard split: every data-parallel rank holds the parameters and the
+        optimizer is sharded over all of them. dp_replicate folds into dp_shard, so the dense "fsdp"
+        mesh (dp_shard x cp) is the whole data-parallel group and EP is still carved out of it."""
+        if dims["dp_replicate"] > 1:
+            dims = {**dims, "dp_shard": dims["dp_shard"] * dims["dp_replicate"], "dp_replicate": 1}
+        return dims, ("state=zero1 runs one data-parallel group: dp_replicate x dp_shard folded into dp_shard "
+                      "(components/state/zero1.py)")
+
+    @staticmethod
     def apply(options: "Zero1.Options", tc, ctx=None) -> None:
         opts, tt_config = options, tc
         par = tt_config.parallelism
-        # ZeRO-1 has no replicate/shard split: every data-parallel rank holds the parameters
-        # and the optimizer is sharded over all of them. Fold dp_replicate into dp_shard so
-        # the dense "fsdp" mesh (dp_shard x cp) is the whole data-parallel group and EP can
-        # still be carved out of it.
-        if par.data_parallel_replicate_degree > 1:
-            if par.data_parallel_shard_degree > 0:
-                par.data_parallel_shard_degree *= par.data_parallel_replicate_degree
-            par.data_parallel_replicate_degree = 1
+        if par.data_parallel_replicate_degree > 1:  # resolve ran Zero1.layout: never for a resolved run
+            raise ValueError(f"state=zero1 runs no replicated data parallel, got dp_replicate="
+                             f"{par.data_parallel_replicate_degree} (the layout was not resolved with state=zero1)")
         # DTensors for the model-parallel axes only (EP experts stay DTensors on the ep mesh,
         # so checkpoints keep global shapes); data parallel is this module's business.
         par.spmd_backend = "partial_dtensor"
