@@ -51,6 +51,11 @@ from framework import schema
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
 KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
+# The order is part of the contract: model sets the model spec; adapter, precision and moe_chunk then
+# convert it in this order, each reading the spec (and chaining the post-optimizer hook) the one before
+# left; data sets the batch keys the loss reads; state comes last because it wraps the spec's
+# parallelize function (inside which recompute's activation checkpointing is applied) and replaces the
+# optimizer configuration the others filled in.
 APPLY_ORDER = ("model", "adapter", "precision", "moe_chunk", "data", "loss", "recompute", "state")
 # Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
 # Group kinds (``loss=NAME``) keep their options in their own section; the others share a
