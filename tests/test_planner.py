@@ -227,6 +227,13 @@ def test_plan_cli_prints_tables(capsys):
     assert "32,768 tokens" in row
 
 
+def test_plan_cli_names_a_tiny_model_in_millions(capsys):
+    rc, out, _ = _run(capsys, ["recipe=debug_moe", "gpus=8"])
+    assert rc == 0
+    assert re.search(r"\(0\.\dM params, 0\.\dM active\)", out.splitlines()[0]), out.splitlines()[0]
+    assert "0.00B" not in out
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["parallel.ep=32", "gpus=24"], "EP 32 must divide dp_shard x cp x tp"),
     (["training.seq_len=131072", "parallel.cp=3"], "not divisible by 2 x cp = 6"),

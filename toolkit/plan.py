@@ -30,7 +30,7 @@ from rich.text import Text
 from framework import planner, preflight, recipes
 from framework.cli import _fail
 from framework.errors import UserError
-from framework.layout import derive
+from framework.layout import derive, params_text
 from framework.planner import Constants
 from framework.resolve import check_candidate, resolve
 from toolkit import argparsing
@@ -196,8 +196,8 @@ def _gib(b: float) -> str:
 
 def _print_plan(console, r, p, rules_constraints) -> None:
     f, lay = r.facts, r.layout
-    console.print(f"[bold]apiary plan[/bold] {escape(r.cfg.recipe)}: {f.family} {f.flavor} ({f.n_params / 1e9:,.2f}B params, "
-                  f"{f.n_active_params / 1e9:,.2f}B active), seq {r.cfg.training.seq_len:,}, local_batch "
+    console.print(f"[bold]apiary plan[/bold] {escape(r.cfg.recipe)}: {f.family} {f.flavor} ({params_text(f.n_params)} params, "
+                  f"{params_text(f.n_active_params)} active), seq {r.cfg.training.seq_len:,}, local_batch "
                   f"{r.cfg.training.local_batch}, {lay.world_size} x {p.choices['gpu']} "
                   f"({_gib(p.gpu_memory_bytes)} GiB)")
     t = Table(title="derived dims")

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from framework.contracts import PlanTerms
+from framework.layout import params_text
 from framework.planner.constants import Hardware
 from framework.planner.memory import Shapes, mixers
 
@@ -151,8 +152,8 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
     loss_factor = inp.loss.time_factor.get("lm_head", 1.0)
     T_local = sh.mb * sh.seq / lay.cp
     return [
-        f"FLOPs/token: 6 x active params (dense {split['dense_blocks'] / 1e9:.2f}B + experts "
-        f"{expert_active / 1e9:.2f}B + lm_head {split['head'] / 1e9:.2f}B)"
+        f"FLOPs/token: 6 x active params (dense {params_text(split['dense_blocks'])} + experts "
+        f"{params_text(expert_active)} + lm_head {params_text(split['head'])})"
         + "".join(f" + {k} {t.layers} layers x {t.flops_how or f'{t.flops_per_token:,.0f}'}"
                   for k, t in sh.layers.items() if k in parts)
         + f" = {sum(parts.values()) / 1e9:.1f} GFLOP/token; TFLOPs/GPU counts model FLOPs (no recompute)",
