@@ -37,7 +37,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
                                "torchtitan.models.common.attention:FlexAttention.inductor_configs"),
     "init_weights_from_seed": ("torchtitan.distributed.utils:set_determinism",
                                "torchtitan.protocols.model:BaseModel.init_weights"),
-    "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_",),
+    "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_", "torch.nn.utils:clip_grads_with_norm_"),
     "fsdp_wrappers_disabled": ("torchtitan.distributed.fsdp:apply_fsdp_to_decoder",),
     "hook_trainer_train": ("torchtitan.trainer:Trainer.train",),
     # instance-level: these replace a method on one object the trainer built, never on the class
@@ -243,6 +243,8 @@ def init_weights_from_seed() -> None:
 
 
 GRAD_CLIP_OWNER = "_apiary_grad_clip_owner"  # a parameter's attribute: the object that clips its gradients
+# a parameter's attribute: the object that applies the clip to its gradients itself (the norm stays torchtitan's)
+GRAD_SCALE_OWNER = "_apiary_grad_scale_owner"
 LAST_GRAD_NORM: list = [None]  # the last global grad norm clip_grad_norm_ returned (the trainer resets it)
 
 
@@ -253,7 +255,10 @@ def patch_clip_grad_norm() -> None:
     ``LAST_GRAD_NORM`` (the trainer's non-finite check reads it before the optimizer step), and
     when the first parameter carries ``GRAD_CLIP_OWNER`` (a state backend whose reduced gradients
     live outside ``param.grad``) it asks that owner's ``clip_grad_norm_(max_norm, norm_type,
-    error_if_nonfinite)`` instead of torchtitan's."""
+    error_if_nonfinite)`` instead of torchtitan's. When it carries ``GRAD_SCALE_OWNER`` instead (a
+    state backend that copied the gradients elsewhere before the clip), torchtitan's function
+    computes the norm (same reductions, EP and PP included) with ``torch.nn.utils.clip_grads_with_norm_``
+    a no-op for that call, and the owner's ``scale_grads_(max_norm, total_norm)`` applies the clip."""
     import torch  # reason: start-up time (torch)
     from torchtitan.distributed import utils as dist_utils  # reason: start-up time (torchtitan)
 
@@ -266,8 +271,17 @@ def patch_clip_grad_norm() -> None:
                         pp_mesh=None, ep_enabled=False):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         owner = getattr(params[0], GRAD_CLIP_OWNER, None) if params else None
+        scaler = getattr(params[0], GRAD_SCALE_OWNER, None) if params and owner is None else None
         if owner is not None:
             norm = owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        elif scaler is not None:
+            scale = torch.nn.utils.clip_grads_with_norm_
+            torch.nn.utils.clip_grads_with_norm_ = _no_grad_scaling
+            try:
+                norm = torchtitan_clip(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
+            finally:
+                torch.nn.utils.clip_grads_with_norm_ = scale
+            scaler.scale_grads_(max_norm, norm)
         else:
             norm = torchtitan_clip(params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         LAST_GRAD_NORM[0] = norm
@@ -275,6 +289,10 @@ def patch_clip_grad_norm() -> None:
 
     clip_grad_norm_._apiary = True
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _no_grad_scaling(parameters, max_norm, total_norm, foreach=None) -> None:
+    return None
 
 
 def _no_fsdp(*args, **kwargs) -> None:

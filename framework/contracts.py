@@ -378,6 +378,7 @@ class FollowedData(Protocol):
 
     NOUN: str  # what it waits for, in the status line ("waiting for NOUN in DIR: 12 s")
     LEDGER: str  # the file in the run folder that lists, per step, the records it trained
+    dir: Any  # the folder it follows (the DIR of the status line and of the stop messages)
 
     def ready(self) -> bool: ...  # the next step's rows can be formed now (ValueError: a malformed shard)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from types import SimpleNamespace
 
 from rich.console import Console
 
@@ -23,7 +22,7 @@ from framework import planner, registry
 from framework.errors import UserError
 from framework.layout import check_batch
 from framework.planner import Constants
-from framework.planner.search import _fitting, _space, candidates
+from framework.planner.search import search
 
 GiB = 2**30
 # The planner's measured error on memory, as a fraction of the estimate. Measured on one H200,
@@ -73,48 +72,6 @@ def _changes(p, r) -> list[str]:
            and d not in ("dp_shard", "dp_replicate")]
     out += [f"{k}={p[k]}" for k in ("loss", "state", "recompute") if p[k] != cur[k]]
     return out
-
-
-def search(r, overrides, gpus, *, top=10, plan_kwargs=None, check=None) -> dict:
-    """The planner's search (framework.planner.search: the same space, plans and order) around ``r``
-    without composing the recipe again: the dims it varies start from ``r.given_parallel`` (the parallel
-    section as composed). Each row it returns is checked by ``check(r, dims, choice, gpus)``
-    (framework.resolve.check_candidate, passed in so that preflight does not import resolve back; None:
-    rows are not checked); a row it refuses is dropped. Returns {"rows", "counts"} as the planner's."""
-    plan_kwargs = dict(plan_kwargs or {})
-    raw = SimpleNamespace(parallel=dict(r.given_parallel), training=r.cfg.training, layout=r.cfg.layout)
-    fixed = {k.split("=", 1)[0].split(".", 1)[1] for k in overrides if k.startswith("parallel.") and "=" in k}
-    space = _space(r.facts, r.layout.dims, fixed)
-    constants = Constants()
-    if plan_kwargs.get("calibration"):
-        constants = constants.calibrated(plan_kwargs.pop("calibration"))
-    plan_kwargs.pop("calibration", None)
-    plan_kwargs["constants"] = constants
-    names = candidates(r, constants, plan_kwargs.get("gpu"), plan_kwargs.get("gpu_memory_bytes"))
-    counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
-    rows = _fitting(raw, r, space, gpus, names, plan_kwargs, counts)
-    out = []
-    for p, dims, choice in rows:
-        if len(out) >= top:
-            break
-        set_keys = {f"parallel.{d}" for d in dims} | set(choice)
-        ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
-        ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
-        ovr += [f"{k}={v}" for k, v in choice.items()]
-        if check is not None:
-            try:
-                check(r, dims, choice, gpus)
-            except UserError:
-                counts["rejected_by_resolve"] += 1
-                continue
-        out.append({
-            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(r.cfg.training.seq_len) // dims["cp"],
-            "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
-            "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
-            "overrides": ovr,
-        })
-    counts["fit"] = len(rows)
-    return {"rows": out, "counts": counts}
 
 
 def cheapest_fits(r, overrides, kind, memory: int, check, n: int = 3) -> list[str]:

@@ -83,7 +83,7 @@ def settings(cfg, ctx, facts) -> PublishSettings | None:
     convert = ctx.components["model"].hf_writer(ctx.options["model"], ctx)
     return PublishSettings(interval=int(p.interval), dir=str(Path(p.dir).absolute() if p.dir is not None else out / "weights"),
                            keep=int(p.keep), background=str(p.background).lower(), convert=convert,
-                           run=str(out), tokenizer_dir=tok_dir, n_params=int(getattr(facts, "n_params", 0) or 0),
+                           run=str(out), tokenizer_dir=tok_dir, n_params=int(facts.n_params or 0),
                            dtype=None if p.dtype is None else str(p.dtype))
 
 

@@ -100,12 +100,12 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     _single_process_env()
     rank = int(os.environ["RANK"])
     if rank == 0:
-        if getattr(resolved, "data_summary", ""):
+        if resolved.data_summary:
             print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
-        for line in getattr(resolved, "resume_lines", ()):  # which checkpoint was verified and is loaded
+        for line in resolved.resume_lines:  # which checkpoint was verified and is loaded
             print(line, flush=True)
         write_run_files(resolved)
-        if getattr(resolved.facts, "source", ""):  # which checkpoint and architecture this run loads
+        if resolved.facts.source:  # which checkpoint and architecture this run loads
             Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
     import torch  # reason: below, with torchtitan (slow to import; only workers train)
     from torchtitan.tools.logging import init_logger  # reason: as above

@@ -169,7 +169,7 @@ class ApiaryTrainer(Trainer):
         self._follow_source = ds
         t0 = time.monotonic()
         last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
-        folder = getattr(ds, "dir", "data.path")
+        folder = ds.dir
         while True:
             error = ""
             try:

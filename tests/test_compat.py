@@ -30,6 +30,7 @@ SIGNATURES = {
     "torchtitan.protocols.model:BaseModel.init_weights": ["self", "kwargs"],
     "torchtitan.distributed.utils:clip_grad_norm_": ["parameters", "max_norm", "norm_type", "error_if_nonfinite",
                                                      "foreach", "pp_mesh", "ep_enabled"],
+    "torch.nn.utils:clip_grads_with_norm_": ["parameters", "max_norm", "total_norm", "foreach"],
     "torchtitan.distributed.fsdp:apply_fsdp_to_decoder": None,
     "torchtitan.trainer:Trainer.train": ["self"],
     "torchtitan.components.optimizer:OptimizersContainer.step": ["self", "closure"],
@@ -286,6 +287,19 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     setattr(p, compat.GRAD_CLIP_OWNER, owner)
     norm = dist_utils.clip_grad_norm_((q for q in [p]), 2.0, foreach=True)
     assert float(norm) == 42.0 and compat.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)
+
+    class Scaler:  # GRAD_SCALE_OWNER: torchtitan's norm, the gradients left unscaled for the owner
+        def scale_grads_(self, max_norm, total_norm):
+            self.args = (max_norm, total_norm)
+
+    q = torch.nn.Parameter(torch.ones(4))
+    q.grad = torch.full((4,), 3.0)
+    scaler = Scaler()
+    setattr(q, compat.GRAD_SCALE_OWNER, scaler)
+    norm = dist_utils.clip_grad_norm_([q], 1.0)
+    assert torch.isclose(norm, torch.tensor(6.0)) and scaler.args == (1.0, norm) and compat.LAST_GRAD_NORM[0] is norm
+    assert torch.equal(q.grad, torch.full((4,), 3.0))  # not scaled on the device
+    assert torch.nn.utils.clip_grads_with_norm_ is compat.original("torch.nn.utils:clip_grads_with_norm_")
 
 
 # ------------------------------------------------------------------ instance-level patches

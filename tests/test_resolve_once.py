@@ -1,6 +1,6 @@
 """Resolve once: `train nproc=2` composes and resolves the recipe in the launching process only; its
 ranks load output_dir/resolved.yaml (framework.resolve.load_resolved). The preflight's suggestions and
-`apiary plan` do not compose or resolve again (framework.preflight.search, resolve.check_candidate)."""
+`apiary plan` do not compose or resolve again (framework.planner.search, resolve.check_candidate)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ BASE = ["launcher.nproc=4", "parallel.dp_replicate=2", "parallel.ep=1", "checkpo
 
 
 def _resolve(*over):
-    return resolve("debug_moe", [*BASE, *over], for_training=False)
+    return resolve("debug_moe", [*BASE, *over], world_size=4, for_training=False)  # not the process's env
 
 
 def test_zero1_folds_dp_replicate_into_dp_shard_when_resolved():

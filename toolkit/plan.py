@@ -27,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from framework import planner, preflight, recipes
+from framework import planner, recipes
 from framework.cli import _fail
 from framework.errors import UserError
 from framework.layout import derive, params_text
@@ -292,7 +292,7 @@ def plan_args(ns) -> int:
         kwargs = dict(gpu_memory_bytes=opts["gpu_memory"], gpu=opts["gpu"], gpus_per_node=opts["gpus_per_node"],
                       calibration=calibration or None)
         p = planner.plan(r, **kwargs)
-        res = (preflight.search(r, overrides, gpus, top=opts["top"], plan_kwargs=kwargs, check=check_candidate)
+        res = (planner.search(r, overrides, gpus, top=opts["top"], plan_kwargs=kwargs, check=check_candidate)
                if opts["search"] else None)
         if opts["json"]:
             out = {"recipe": r.cfg.recipe, "world_size": gpus, **p.to_json(), "rules": r.layout.rules,

@@ -33,6 +33,16 @@ PLAN_CONSTANTS = {
 }
 
 
+def _grad_accum(tc, ctx) -> int:
+    """Micro-batches per optimizer step, as torchtitan's trainer derives them (global batch over local
+    batch x data-parallel ranks; 1 without a global batch). The overlapped host optimizer copies a
+    gradient after this many accumulations; a wrong count costs overlap, not correctness (its step
+    copies again any gradient that changed after its copy)."""
+    gb, lb = int(tc.training.global_batch_size), int(tc.training.local_batch_size)
+    dp = int(ctx.layout.dp) if ctx is not None and ctx.layout is not None else 1
+    return max(1, gb // (lb * dp)) if gb > 0 and lb > 0 else 1
+
+
 class FSDP2:
     PLAN_CONSTANTS = PLAN_CONSTANTS
 
@@ -46,10 +56,20 @@ class FSDP2:
         """none | optimizer (Adam states, fp32 master, update on the host) | all (+ params and grads)"""
         offload_threads: int = 0
         """CPU threads of the host update with offload=optimizer (0: CPUs / local ranks)"""
+        offload_overlap: bool = False
+        """offload=optimizer only: gradients leave the device during the backward, the host update runs
+        in chunks whose shards travel back while the next chunk updates (not yet measured on a GPU)"""
 
         def __post_init__(self):
             check_choices(self, "state.", " for fsdp2")
             check_threads(self.offload_threads)
+            if self.offload_overlap and self.offload != "optimizer":
+                raise ValueError(
+                    f"state.offload_overlap=true overlaps the host optimizer update of state.offload=optimizer "
+                    f"with the device's work, but this run has state.offload={self.offload}: with offload=none "
+                    f"the optimizer runs on the device and there is nothing to overlap, and with offload=all "
+                    f"FSDP2 itself moves the gradients to the host. Set state.offload=optimizer, or drop "
+                    f"state.offload_overlap.")
 
     @staticmethod
     def check(options: "FSDP2.Options", ctx=None) -> None:
@@ -69,6 +89,8 @@ class FSDP2:
                 implementation=o.implementation,
                 optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
                 threads=int(opts.offload_threads),
+                overlap=bool(opts.offload_overlap),
+                grad_accum=_grad_accum(tt_config, ctx),
             )
 
     @staticmethod

@@ -13,6 +13,21 @@ placements (torchtitan's flat layout: ``state.{fqn}.exp_avg``, ``param_groups.{f
 so checkpoints are interchangeable with ``offload=none`` and with ``state=zero1``. After a
 model checkpoint is loaded into the device parameters the host masters are refreshed.
 
+``state.offload_overlap=true`` (not yet measured on a GPU) moves the three transfers off the
+step's critical path. Each gradient leaves the device during the backward: a post-accumulate-grad
+hook (FSDP2 runs it right after the parameter's reduce-scatter) enqueues, on the last micro-batch
+of the step, its device->host copy on a side stream that first waits on the current stream. The
+clip runs on the host: the trainer's ``clip_grad_norm_`` computes torchtitan's norm over the device
+gradients without scaling them (framework.compat ``GRAD_SCALE_OWNER``), and ``scale_grads_``
+keeps the coefficient, which the step multiplies into the staged gradients (the same fp32 product
+the device would form, so bit-equal to the non-overlapped offload). The step then updates the
+masters in chunks of ``chunk_bytes`` in the model's forward order; each chunk's shards go back on
+the side stream while the host updates the next, and the current stream waits (on the device, the
+host does not block) for the last copy before the next forward. A gradient the hooks did not copy
+(fewer accumulations than ``grad_accum``) or that accumulated again after its copy is copied by the
+step (``late_copies``): a wrong count costs overlap, not correctness.
+On CPU the same path runs with synchronous copies.
+
 ``state.offload=all`` is torchtitan's ``training.enable_cpu_offload`` (FSDP2's
 CPUOffloadPolicy: parameters and gradients live on the host too).
 """
@@ -27,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from components.state.common import host_threads, local, materialize_state, torch_threads
-from framework import devices
+from framework import compat, devices
 
 
 def _like(template, t):
@@ -44,14 +59,122 @@ class HostOptimizers(OptimizersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
         threads: int = 0  # CPU threads of the host update (0: auto, components.state.common.host_threads)
+        overlap: bool = False  # state.offload_overlap: transfers overlapped with the device's work
+        grad_accum: int = 1  # overlap: micro-batches per step (a gradient is final after this many)
+        chunk_bytes: int = 256 << 20  # overlap: fp32 master bytes per host-update chunk (forward order)
 
     def __init__(self, config: Config, *, model_parts) -> None:
         self.threads = host_threads(config.threads)
         self._pairs: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []  # (device param, master, staging)
         self._param_of: dict[int, nn.Parameter] = {}
+        self.overlap, self.grad_accum = bool(config.overlap), max(1, int(config.grad_accum))
+        self.copies = self.late_copies = 0  # overlap: gradient copies enqueued by the hooks / by the step
         super().__init__(config, model_parts=model_parts)
         for part in model_parts:  # torch sets attributes on hooks: a plain function, not a bound method
             part.register_load_state_dict_post_hook(lambda m, keys: self._masters_from_params())
+        if self.overlap:
+            self._init_overlap(int(config.chunk_bytes))
+
+    # ---- overlap (state.offload_overlap) ----
+    def _init_overlap(self, chunk_bytes: int) -> None:
+        order = {id(p): i for i, p in enumerate(p for m in self.model_parts for p in m.parameters())}
+        self._pairs.sort(key=lambda t: order[id(t[0])])  # the model's forward (registration) order
+        n = len(self._pairs)
+        self._slot = {id(p): i for i, (p, _, _) in enumerate(self._pairs)}
+        self._count = [0] * n  # gradient accumulations seen this step
+        self._copied = [0] * n  # the accumulation count at this step's copy (0: not copied)
+        self._events: list = [None] * n  # the copy's CUDA event (None on CPU: the copy was synchronous)
+        self._coef = None  # the clip coefficient scale_grads_ left for this step (a device tensor)
+        self._chunks: list[list[int]] = [[]]
+        size = 0
+        for i, (_, master, _) in enumerate(self._pairs):
+            if self._chunks[-1] and size + master.numel() * master.element_size() > chunk_bytes:
+                self._chunks.append([])
+                size = 0
+            self._chunks[-1].append(i)
+            size += master.numel() * master.element_size()
+        self._stream = torch.cuda.Stream() if devices.has_accelerator() else None
+        compat.patch_clip_grad_norm()  # the clip leaves the device gradients to scale_grads_ (GRAD_SCALE_OWNER)
+        for m in self.model_parts:
+            for p in m.parameters():
+                setattr(p, compat.GRAD_SCALE_OWNER, self)
+        for p, _, _ in self._pairs:  # torch may set attributes on hooks: a plain function
+            p.register_post_accumulate_grad_hook(lambda q: self._on_grad(q))
+
+    @torch.no_grad()
+    def _on_grad(self, p) -> None:
+        i = self._slot[id(p)]
+        self._count[i] += 1
+        if self._count[i] == self.grad_accum:  # the step's last micro-batch: the gradient is final
+            self._copy_grad(i)
+            self.copies += 1
+
+    def _copy_grad(self, i: int) -> None:
+        """Device->host copy of gradient ``i`` into its staging: on the side stream after the current
+        stream's work so far (FSDP2 calls the hook on its reduce-scatter stream), or synchronous on CPU."""
+        p, _, staging = self._pairs[i]
+        g = local(p.grad).detach()
+        if self._stream is None:
+            staging.copy_(g)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                staging.copy_(g, non_blocking=True)
+                g.record_stream(self._stream)  # a gradient freed before the copy ends keeps its memory
+                self._events[i] = self._stream.record_event()
+        self._copied[i] = self._count[i]
+
+    def scale_grads_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """The trainer's clip (framework.compat ``GRAD_SCALE_OWNER``): ``total_norm`` is torchtitan's,
+        the device gradients stay as they are; keep torch's coefficient min(max_norm / (norm + 1e-6), 1),
+        formed with torch's own ops so its fp32 value is the one the device would multiply by."""
+        self._coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+    def _step_overlapped(self) -> None:
+        coef, self._coef = self._coef, None
+        for i, (p, _, _) in enumerate(self._pairs):
+            # not copied, or accumulated again after its copy (grad_accum too small)
+            if p.grad is not None and (not self._copied[i] or self._copied[i] != self._count[i]):
+                self._copy_grad(i)
+                self.late_copies += 1
+        coef = None if coef is None else coef.detach().to("cpu", torch.float32)
+        scale = coef is not None and float(coef) != 1.0  # x * 1.0 == x exactly: skip that pass
+        start = last = None
+        if self._stream is not None:  # the shards are written after the device's reads of them so far
+            start = torch.cuda.current_stream().record_event()
+        with torch_threads(self.threads):
+            for chunk in self._chunks:
+                live = [i for i in chunk if self._pairs[i][0].grad is not None]
+                for i in live:
+                    if self._events[i] is not None:
+                        self._events[i].synchronize()
+                    _, master, staging = self._pairs[i]
+                    if scale:
+                        staging.mul_(coef)  # the fp32 product the device's clip would form
+                    master.grad = staging
+                if live:
+                    for opt in self.optimizers:  # a parameter without a gradient is left alone
+                        opt.step()
+                for i in live:
+                    p, master, _ = self._pairs[i]
+                    master.grad = None
+                    if self._stream is None:
+                        local(p).detach().copy_(master)
+                    else:
+                        with torch.cuda.stream(self._stream):
+                            if start is not None:
+                                self._stream.wait_event(start)
+                                start = None
+                            local(p).detach().copy_(master, non_blocking=True)
+                if live and self._stream is not None:
+                    last = self._stream.record_event()
+        if last is not None:
+            torch.cuda.current_stream().wait_event(last)  # the next forward reads the new shards
+        self._reset_overlap()
+
+    def _reset_overlap(self) -> None:
+        n = len(self._pairs)
+        self._count, self._copied, self._events, self._coef = [0] * n, [0] * n, [None] * n, None
 
     def _build_param_groups(self, model, param_group_configs, impl_kwargs):
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)
@@ -77,6 +200,9 @@ class HostOptimizers(OptimizersContainer):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "HostOptimizers does not support closures"
+        if self.overlap:
+            self._step_overlapped()
+            return None
         for p, _, staging in self._pairs:
             if p.grad is not None:
                 staging.copy_(local(p.grad), non_blocking=True)
@@ -92,6 +218,8 @@ class HostOptimizers(OptimizersContainer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.overlap:  # also after a skipped step: the next step counts its micro-batches afresh
+            self._reset_overlap()
         for p, master, _ in self._pairs:
             master.grad = None
             if set_to_none:

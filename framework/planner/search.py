@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from framework import recipes
 from framework.contracts import Context
 from framework.errors import UserError
 from framework.layout import check_batch, derive
@@ -97,26 +96,25 @@ def _fitting(raw, resolved, space, gpus, names, plan_kwargs, counts) -> list:
     return rows
 
 
-def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, validate=None) -> dict:
-    """Enumerate (ep, cp, pp, tp, recompute, loss, state) around ``resolved``'s layout.
-
-    Each layout is checked with the same derivation ``resolve`` uses (framework.layout); the
-    fastest rows that fit are then re-checked by ``resolve`` itself with the override list
-    shown in the table (a row it rejects is dropped): ``validate`` is that function
-    (framework.resolve.resolve, passed in so the planner does not import resolve back; None: rows
-    are not re-checked). Returns {"rows", "counts"}.
-    """
+def search(r, overrides, gpus, *, top=10, plan_kwargs=None, check=None) -> dict:
+    """Enumerate (ep, cp, pp, tp, recompute, loss, state) around ``r``'s layout, fastest first among
+    those that fit, without composing the recipe again: the dims it varies start from
+    ``r.given_parallel`` (the parallel section as composed), each layout derived as resolve derives
+    it (framework.layout). Each row it returns is checked by ``check(r, dims, choice, gpus)``
+    (framework.resolve.check_candidate, passed in so that the planner does not import resolve; None:
+    rows are not checked); a row it refuses is dropped. Returns {"rows", "counts"}."""
     plan_kwargs = dict(plan_kwargs or {})
-    raw = recipes.load(recipe, overrides)  # un-derived: unset dims stay None
+    raw = SimpleNamespace(parallel=dict(r.given_parallel), training=r.cfg.training, layout=r.cfg.layout)
     fixed = {k.split("=", 1)[0].split(".", 1)[1] for k in overrides if k.startswith("parallel.") and "=" in k}
-    space = _space(resolved.facts, resolved.layout.dims, fixed)
+    space = _space(r.facts, r.layout.dims, fixed)
     constants = Constants()
     if plan_kwargs.get("calibration"):
         constants = constants.calibrated(plan_kwargs.pop("calibration"))
+    plan_kwargs.pop("calibration", None)
     plan_kwargs["constants"] = constants
-    names = candidates(resolved, constants, plan_kwargs.get("gpu"), plan_kwargs.get("gpu_memory_bytes"))
+    names = candidates(r, constants, plan_kwargs.get("gpu"), plan_kwargs.get("gpu_memory_bytes"))
     counts = {"layouts": 0, "invalid_layouts": 0, "plans": 0, "oom": 0, "rejected_by_resolve": 0}
-    rows = _fitting(raw, resolved, space, gpus, names, plan_kwargs, counts)
+    rows = _fitting(raw, r, space, gpus, names, plan_kwargs, counts)
     out = []
     for p, dims, choice in rows:
         if len(out) >= top:
@@ -125,14 +123,14 @@ def search(recipe, overrides, gpus, resolved, *, top=10, plan_kwargs=None, valid
         ovr = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in set_keys]
         ovr += [f"parallel.{d}={v}" for d, v in dims.items() if d not in fixed]
         ovr += [f"{k}={v}" for k, v in choice.items()]
-        if validate is not None:
+        if check is not None:
             try:
-                validate(recipe, ovr, world_size=gpus, for_training=False)
+                check(r, dims, choice, gpus)
             except UserError:
                 counts["rejected_by_resolve"] += 1
                 continue
         out.append({
-            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(resolved.cfg.training.seq_len) // dims["cp"],
+            "rank": len(out) + 1, "dims": p.dims, **choice, "local_seq": int(r.cfg.training.seq_len) // dims["cp"],
             "total_bytes": p.total_bytes, "verdict": p.verdict, "step_time_s": p.step_time_s,
             "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "tflops_per_gpu": p.tflops_per_gpu,
             "overrides": ovr,
