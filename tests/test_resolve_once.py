@@ -227,3 +227,25 @@ def test_apiary_plan_composes_once(workdir, monkeypatch, capsys, args):
     assert plan_main(["recipe=qwen35_35b_128k", *args]) == 0, capsys.readouterr().err
     assert len(calls) == 1, calls
     assert "32" in capsys.readouterr().out  # the recipe's parallel.gpus, read from the one composition
+
+
+def test_apiary_launch_composes_once(workdir, monkeypatch, capsys):
+    """`apiary launch ... launcher=slurm --dry-run`: the launcher's options are checked and its ranks
+    counted on the one composition resolve makes."""
+    from toolkit.launch import launch_main
+
+    calls = _count_compose(monkeypatch)
+    code = launch_main(["recipe=debug_moe", "launcher=slurm", "nodes=2", "gpus_per_node=4",
+                        f"output_dir={workdir / 'launch'}", "--dry-run"])
+    assert code == 0, capsys.readouterr().err
+    assert len(calls) == 1, calls
+    cap = capsys.readouterr()
+    assert "8 ranks" in cap.out + cap.err
+
+
+def test_apiary_launch_still_refuses_bad_launcher_options(workdir, monkeypatch, capsys):
+    from toolkit.launch import launch_main
+
+    code = launch_main(["recipe=debug_moe", "launcher=slurm", "nodes=0", "--dry-run"])
+    assert code == 2
+    assert "launcher.nodes" in capsys.readouterr().err

@@ -149,13 +149,15 @@ def launch_args(ns) -> int:
                 raise UserError("--wait", f"launcher {name} has no wait option.", "Drop --wait.")
             overrides.append("launcher.wait=true")
 
-        opts = recipes.load(recipe, overrides).launcher
         check_options = contracts.member(cls, "launcher", "check_options")
-        if check_options is not None:
-            check_options(opts)
-        world = int(cls.world_size(opts))
-        r = resolve(recipe, overrides, world_size=world)
-        opts = r.cfg.launcher
+
+        def world_size(cfg) -> int:  # resolve composes the recipe once and asks this for its ranks
+            if check_options is not None:
+                check_options(cfg.launcher)
+            return int(cls.world_size(cfg.launcher))
+
+        r = resolve(recipe, overrides, world_size=world_size)
+        opts, world = r.cfg.launcher, r.layout.world_size
         warnings = []
         preflight = contracts.member(cls, "launcher", "preflight")
         if preflight is not None:
