@@ -94,6 +94,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fresh_process_state() -> None:
+    """torchtitan assumes one Trainer per process; clear what leaks from one to the next
+    (the spmd-types mesh registry and DTensor's sharding caches, which compare meshes by
+    value and would hand the next Trainer the previous Trainer's mesh objects)."""
+    import torch
+    import torchtitan.distributed.spmd_types as st
+    from torch.distributed.tensor import DTensor
+
+    for k in ("dense_mesh", "sparse_mesh", "mesh_stack"):
+        if hasattr(st._MESH_TLS, k):
+            delattr(st._MESH_TLS, k)
+    sp = DTensor._op_dispatcher.sharding_propagator
+    sp.propagate_op_sharding.cache_clear()
+    sp._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+
+
 def spawn_ranks(fn, nprocs: int, *args, join: bool = True):
     """``fn(rank, *args)`` in ``nprocs`` spawned processes (a worker raising fails the caller when
     join=True; with join=False the caller polls the returned context)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, read_metrics, run_cli, spawn_ranks
+from conftest import ROOT, free_port, fresh_process_state, read_metrics, run_cli, spawn_ranks
 
 MAX_NORM = 0.05
 COMMON = ["state=fsdp2", "training.seq_len=64", "logging.tensorboard=false", "checkpoint.keep_latest_k=0",
@@ -31,21 +31,6 @@ CHUNK_BYTES = 64 << 10  # several host-update chunks on debug_moe (its largest p
 
 
 # ------------------------------------------------------------------ worker side (spawned)
-
-
-def _fresh_process_state() -> None:
-    """torchtitan assumes one Trainer per process: forget the previous one's meshes and DTensor caches."""
-    import torch
-    import torchtitan.distributed.spmd_types as st
-    from torch.distributed.tensor import DTensor
-
-    for k in ("dense_mesh", "sparse_mesh", "mesh_stack"):
-        if hasattr(st._MESH_TLS, k):
-            delattr(st._MESH_TLS, k)
-    sp = DTensor._op_dispatcher.sharding_propagator
-    sp.propagate_op_sharding.cache_clear()
-    sp._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _locals(sd: dict) -> dict:
@@ -94,7 +79,7 @@ def _run_job(job: dict, rank: int, port: int) -> dict:
     finally:
         trainer.close()
         dist.destroy_process_group()
-        _fresh_process_state()
+        fresh_process_state()
 
 
 def _worker(rank: int, jobs: list[dict], ports: list[int], base: str) -> None:

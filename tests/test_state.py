@@ -24,30 +24,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TRAJ_LOSS_REL, TRAJ_NORM_REL, assert_same_trajectory, free_port, read_metrics, rel_close, spawn_ranks
+from conftest import (
+    ROOT,
+    TRAJ_LOSS_REL,
+    TRAJ_NORM_REL,
+    assert_same_trajectory,
+    free_port,
+    fresh_process_state,
+    read_metrics,
+    rel_close,
+    spawn_ranks,
+)
 
 # constant LR after warm-up, so a resumed run with fewer total steps follows the same schedule
 COMMON = ["training.seq_len=64", "logging.tensorboard=false", "checkpoint.keep_latest_k=0", "lr.decay_ratio=0.0"]
 
 
 # ------------------------------------------------------------------ worker side (spawned)
-
-
-def _fresh_process_state() -> None:
-    """torchtitan assumes one Trainer per process; clear what leaks from one to the next
-    (the spmd-types mesh registry and DTensor's sharding caches, which compare meshes by
-    value and would hand the next Trainer the previous Trainer's mesh objects)."""
-    import torch
-    import torchtitan.distributed.spmd_types as st
-    from torch.distributed.tensor import DTensor
-
-    for k in ("dense_mesh", "sparse_mesh", "mesh_stack"):
-        if hasattr(st._MESH_TLS, k):
-            delattr(st._MESH_TLS, k)
-    sp = DTensor._op_dispatcher.sharding_propagator
-    sp.propagate_op_sharding.cache_clear()
-    sp._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
@@ -102,7 +95,7 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
     finally:
         trainer.close()
         dist.destroy_process_group()
-        _fresh_process_state()
+        fresh_process_state()
     return result
 
 
