@@ -14,6 +14,8 @@ Rows (each in its own try/except, with a per-row time limit):
   logprob_entropy  same with entropy, backward of sum(logprobs) + 0.01 * sum(entropy)
   liger      Liger-Kernel's fused linear cross-entropy (skipped with a note if not installed)
   cce        Cut Cross-Entropy (skipped with a note if not installed)
+  quack      quack-kernels' chunked linear cross-entropy (its default: the scaled-exp pipeline on
+             SM90 with bf16 and V % 128 == 0; skipped with a note if not installed)
 Rows of the gradient-in-forward schedule (backend "fwdgrad", three GEMM passes; opt-in with
 --rows, one row per combination of the --fwdgrad-* knobs, named with the knob values):
   linear_ce_fwdgrad  linear_cross_entropy(backend="fwdgrad")
@@ -50,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ROWS = ["gemms", "ce", "chunked", "linear_ce", "linear_ce_fused", "logprob", "logprob_entropy", "liger", "cce"]
+ROWS = ["gemms", "ce", "chunked", "linear_ce", "linear_ce_fused", "logprob", "logprob_entropy", "liger", "cce",
+        "quack"]
 FWDGRAD_ROWS = ["linear_ce_fwdgrad", "grpo_fused", "grpo_unfused"]
 
 
@@ -154,6 +157,15 @@ def make_cce(h, w, labels):
     return run
 
 
+def make_quack(h, w, labels):
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    def run():
+        chunked_linear_cross_entropy(h, w, labels, reduction="sum").backward()
+
+    return run
+
+
 def _grpo_batch(labels):
     g = torch.Generator(device="cpu").manual_seed(1)
     n = labels.shape[0]
@@ -208,7 +220,7 @@ MAKERS = {
     "gemms": make_gemms, "ce": make_ce, "chunked": make_chunked, "linear_ce": make_linear_ce,
     "linear_ce_fused": lambda h, w, l: make_linear_ce(h, w, l, backend="triton" if h.is_cuda else "torch"),
     "logprob": make_logprob, "logprob_entropy": lambda h, w, l: make_logprob(h, w, l, entropy=True),
-    "liger": make_liger, "cce": make_cce,
+    "liger": make_liger, "cce": make_cce, "quack": make_quack,
     "linear_ce_fwdgrad": make_fwdgrad, "grpo_fused": make_grpo_fused, "grpo_unfused": make_grpo_unfused,
 }
 
