@@ -19,7 +19,7 @@ KC="$OUT/kc"
 SEQ=${SEQ:-32768}; FLEX_AUTOTUNE=${FLEX_AUTOTUNE:-false}; AUTOTUNE_CONFIGS=${AUTOTUNE_CONFIGS:-recorded}; TAG=${TAG:-s$SEQ-at$FLEX_AUTOTUNE-$AUTOTUNE_CONFIGS}
 [ "${KEEP_CACHE:-0}" = 1 ] || rm -rf "$KC"   # cold: an empty cache directory
 rm -rf "$OUT/first_step_${TAG}_cold" "$OUT/first_step_${TAG}_relaunch"
-ARGS=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len="$SEQ" model.flex_autotune="$FLEX_AUTOTUNE" parallel.cp=1 parallel.ep=1
+ARGS=(recipe=qwen35_35b_128k recompute=full model.n_layers=4 training.seq_len="$SEQ" model.flex_autotune="$FLEX_AUTOTUNE" parallel.cp=1 parallel.ep=1
       parallel.dp_shard=1 data.name=packaged data.tokenizer=byte checkpoint.enable=false nproc=1
       training.steps="${STEPS:-6}" training.kernel_cache="$KC" training.autotune_configs="$AUTOTUNE_CONFIGS"
       logging.tensorboard=false)

@@ -19,9 +19,9 @@ set -uo pipefail
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 STEPS=${STEPS:-50}
 export PYTHONUNBUFFERED=1
-QWEN3=(recipe=qwen3_30b_a3b_64k model.n_layers=4 training.seq_len=16384 parallel.cp=1 data.name=packaged
+QWEN3=(recipe=qwen3_30b_a3b_64k recompute=full model.n_layers=4 training.seq_len=16384 parallel.cp=1 data.name=packaged
        data.tokenizer=byte training.steps=$STEPS logging.tensorboard=false lr.warmup_steps=2 model.flex_autotune=false)
-QWEN35=(recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 training.local_batch=1 parallel.cp=1
+QWEN35=(recipe=qwen35_35b_128k recompute=full model.n_layers=4 training.seq_len=32768 training.local_batch=1 parallel.cp=1
         parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte training.steps=$STEPS
         logging.tensorboard=false lr.warmup_steps=2 model.flex_autotune=false)
 show_compare() {  # the report and any variant's traceback, on stdout (the folder may not come back)

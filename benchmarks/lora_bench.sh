@@ -21,7 +21,7 @@ if [ ${#RUNS[@]} -eq 0 ]; then
         "lora_attn=adapter=lora,adapter.targets=[q;k;v;o]")
 fi
 # the LoRA recipe's model and settings; `full` switches its adapter off (unsetting the adapter's keys)
-BASE=(recipe="${RECIPE:-qwen35_35b_lora_128k}" model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ"
+BASE=(recipe="${RECIPE:-qwen35_35b_lora_128k}" recompute="${RECOMPUTE:-full}" model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ"
       training.local_batch=1 parallel.cp=1 parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte
       checkpoint.enable=false training.steps="$STEPS" training.kernel_cache="$KC" logging.tensorboard=false
       logging.color=false preflight.memory=warn ${EXTRA:-})

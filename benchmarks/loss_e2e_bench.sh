@@ -7,6 +7,8 @@
 #   linear_ce (auto: fwdgrad on CUDA)   linear_ce_recompute (backend=mixed, the paired baseline)
 #   chunked (x8)   ce (materialised logits; may not fit: an OOM is reported as such)
 #   grpo_fused (backend=fwdgrad on the packaged rollouts)   grpo_unfused (backend=mixed: token_logprobs + rl.grpo)
+# Every run starts from recompute=RECOMPUTE (default full, as every recorded number; the recipe itself
+# defaults to auto), which a run's own recompute=... replaces.
 # Each run: `timeout` LIMIT seconds (default 240). The table: median tok/s and s/step over steps
 # >= SKIP (default 4), peak memory (torch max reserved), the last logged loss.
 set -uo pipefail
@@ -22,7 +24,7 @@ if [ ${#RUNS[@]} -eq 0 ]; then
         "grpo_fused=loss=grpo,data.format=rollouts,loss.backend=fwdgrad"
         "grpo_unfused=loss=grpo,data.format=rollouts,loss.backend=mixed")
 fi
-BASE=(recipe="${RECIPE:-qwen35_35b_128k}" model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ" training.local_batch=1 parallel.cp=1
+BASE=(recipe="${RECIPE:-qwen35_35b_128k}" recompute="${RECOMPUTE:-full}" model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ" training.local_batch=1 parallel.cp=1
       parallel.ep=1 parallel.dp_shard=1 data.name=packaged data.tokenizer=byte checkpoint.enable=false nproc=1
       training.steps="$STEPS" training.kernel_cache="$KC" logging.tensorboard=false logging.color=false
       preflight.memory=warn ${EXTRA:-})

@@ -34,7 +34,7 @@ RUNS = ("apiary_cp", "apiary_nocp", "torchtitan")
 
 
 def overrides(run: str, a) -> list[str]:
-    common = [f"model.n_layers={a.layers}", f"training.seq_len={a.seq}", f"training.steps={a.steps}",
+    common = ["recompute=full", f"model.n_layers={a.layers}", f"training.seq_len={a.seq}", f"training.steps={a.steps}",
               "training.local_batch=1", "data.name=packaged", "data.tokenizer=byte", "checkpoint.enable=false",
               "logging.tensorboard=false", "logging.color=false", "lr.warmup_steps=2",
               f"model.flex_autotune={str(a.flex_autotune).lower()}", f"output_dir={Path(a.out) / run}"]

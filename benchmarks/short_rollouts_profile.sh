@@ -11,7 +11,7 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 RUNS=("$@")
 [ ${#RUNS[@]} -eq 0 ] && RUNS=("sft=data.format=text" "grpo_short=loss=grpo,data.format=rollouts")
-BASE=(model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ" training.local_batch=1 parallel.cp=1 parallel.ep=1
+BASE=(recompute="${RECOMPUTE:-full}" model.n_layers="${LAYERS:-4}" training.seq_len="$SEQ" training.local_batch=1 parallel.cp=1 parallel.ep=1
       parallel.dp_shard=1 data.name=packaged data.tokenizer=byte checkpoint.enable=false launcher.nproc=1
       training.kernel_cache="$OUT/kc" logging.color=false ${EXTRA:-})
 for spec in "${RUNS[@]}"; do

@@ -25,9 +25,15 @@ from framework.planner import Constants
 from framework.planner.search import search
 
 GiB = 2**30
-# The planner's measured error on memory, as a fraction of the estimate. Measured on one H200,
-# 2026-11-24 (../shared/FACTS.md, qwen35_35b_128k 4 layers, one GPU): planned 93.8 GiB vs 97-103
-# GiB measured peak at 32K (up to 9.8% low), 108.6 vs 112.1 GiB at 64K (3.2% low).
+# The planner's measured error on memory, as a fraction of the estimate, each way. One H200,
+# 2026-11-27 (docs/benchmarks.md, `benchmarks/planner_accuracy.sh`; qwen35_35b_128k, 4 layers): every
+# recompute setting and recompute=auto mix at 32K-128K within -0.1%..+5.4%, optimizer offload -2.6%,
+# many short RL sequences per row +0.5%, LoRA up to +9.3% (the planner above the peak).
+# MEASURED_UNDER: how far below the peak a plan may be (largest measured 2.6%, with room): a plan
+# within this fraction of the GPU's memory passes silently, and recompute=auto leaves the same
+# margin (components/recompute/policies.MARGIN). MEASURED_ERROR: how far above (largest 9.3%): a plan
+# above the memory by more than this is refused; between the two, a warning.
+MEASURED_UNDER = 0.07
 MEASURED_ERROR = 0.10
 # One CPU rank's resident size beyond the planner's terms: the interpreter with torch, torchtitan and
 # datasets loaded, the model's build. Measured with debug_moe on the 2-core CI box (2026-11-27):
@@ -87,7 +93,7 @@ def cheapest_fits(r, overrides, kind, memory: int, check, n: int = 3) -> list[st
     rows.sort(key=lambda row: (len(_changes(row, r)), -row["tokens_per_s_per_gpu"]))
     out = []
     for row in rows:
-        if row["total_bytes"] * (1 + MEASURED_ERROR) > memory:
+        if row["total_bytes"] > memory * (1 - MEASURED_UNDER):  # suggest what the preflight passes silently
             continue
         change = _changes(row, r)
         if not change:
@@ -140,7 +146,8 @@ def choose_by_budget(r, for_training: bool) -> None:
         r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
                                       "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
     blocks = r.ctx.derived["recompute"]["blocks"]
-    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how}" for how, n in v.items() if n)
+    words = {"kept": "kept", "partial": "selective", "recomputed": "full"}  # the policies' names
+    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {words.get(how, how)}" for how, n in v.items() if n)
                      for m, v in blocks.items()) if blocks else "every block recomputed"
     r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
 
@@ -159,7 +166,7 @@ def check_memory(r, recipe, overrides, check) -> None:
     kind, memory, source = target
     p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
     cap, total = p.gpu_memory_bytes, p.total_bytes
-    if total <= cap * (1 - MEASURED_ERROR):
+    if total <= cap * (1 - MEASURED_UNDER):
         return
     terms = sorted(p.terms, key=lambda t: -t.bytes)[:3]
     named = ", ".join(f"{t.name} {t.bytes / GiB:,.1f}" for t in terms)
@@ -175,10 +182,11 @@ def check_memory(r, recipe, overrides, check) -> None:
                         "step 1, after minutes of compiling.",
                         fix + "`apiary plan ... --search` lists more; preflight.memory=warn launches anyway.")
     if int(os.environ.get("RANK", "0")) == 0:
-        verdict = "above" if total > cap else "within " + f"{MEASURED_ERROR:.0%} of"
+        verdict = "above" if total > cap else "within " + f"{MEASURED_UNDER:.0%} of"
         Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the GPU's memory (the planner's measured "
-            f"error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory. `apiary plan` shows the terms.",
+            f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the GPU's memory (the planner has measured "
+            f"up to {MEASURED_UNDER:.0%} below the peak and {MEASURED_ERROR:.0%} above it), so step 1 may run out of "
+            "memory. `apiary plan` shows the terms.",
             markup=True)
 
 

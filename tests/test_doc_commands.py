@@ -207,7 +207,7 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
         Run(subs={"runs/compare/debug_moe-loss-*/0-ce": "{run}", "runs/compare/debug_moe-loss-*/1-chunked": "{run2}"}),
     # docs/skills/preflight.md: the refusal it shows
     "train recipe=qwen35_35b_128k model.n_layers=4 training.seq_len=32768 parallel.cp=1 parallel.ep=1 "
-    "parallel.dp_shard=1 loss=ce nproc=1 gpu=H200 data.name=packaged data.tokenizer=byte": Run(expect=2),
+    "parallel.dp_shard=1 loss=ce recompute=full nproc=1 gpu=H200 data.name=packaged data.tokenizer=byte": Run(expect=2),
     # docs/skills/publish.md
     "train recipe=debug_grpo publish.interval=5": CFG,
     "train recipe=qwen35_35b_128k publish.interval=10 publish.dir=/shared/weights publish.keep=2 "

@@ -487,9 +487,10 @@ def test_the_planner_counts_the_frozen_base_once():
     from framework.planner import plan
     from framework.resolve import resolve
 
-    r = resolve("qwen35_35b_lora_128k", [], for_training=False)
+    # both with full recompute (the recipes' default, auto, would choose other blocks for each)
+    r = resolve("qwen35_35b_lora_128k", ["recompute=full"], for_training=False)
     lora = plan(r)
-    full = plan(resolve("qwen35_35b_128k", ["parallel.gpus=8"], for_training=False))  # the same model, trained whole
+    full = plan(resolve("qwen35_35b_128k", ["parallel.gpus=8", "recompute=full"], for_training=False))  # trained whole
     assert lora.dims == full.dims and lora.gpu_memory_bytes == full.gpu_memory_bytes
     assert lora.verdict != "OOM" and full.verdict == "OOM"  # on the GPUs the recipe names
     mem, full_mem = lora.memory_bytes, full.memory_bytes

@@ -138,7 +138,8 @@ def test_planner_modules_read_no_component_option():
 
 @pytest.fixture(scope="module")
 def base():
-    return resolve(QWEN, [], world_size=32, for_training=False)
+    """Full recompute: one activation plan whatever the loss (auto would choose per loss)."""
+    return resolve(QWEN, ["recompute=full"], world_size=32, for_training=False)
 
 
 def test_every_registered_kind_the_planner_asks_has_plan_terms():
@@ -228,7 +229,7 @@ def user_registry(tmp_path, monkeypatch):
 
 def test_user_loss_plan_terms_change_the_estimate(base, user_registry):
     ce = planner.plan(base, loss="ce")
-    r = resolve(QWEN, [f"registry={user_registry}", "loss=scaled_user_loss", "loss.scratch_gib=5"],
+    r = resolve(QWEN, [f"registry={user_registry}", "loss=scaled_user_loss", "loss.scratch_gib=5", "recompute=full"],
                 world_size=32, for_training=False)
     p = planner.plan(r)
     assert p.choices["loss"] == "scaled_user_loss" and not p.warnings

@@ -20,7 +20,8 @@ from framework.resolve import resolve
 from tests.conftest import run_cli
 from toolkit import compare
 
-QWEN3 = ["model.n_layers=4", "training.seq_len=16384", "parallel.cp=1", "data.name=packaged", "data.tokenizer=byte"]
+QWEN3 = ["model.n_layers=4", "training.seq_len=16384", "parallel.cp=1", "data.name=packaged", "data.tokenizer=byte",
+         "recompute=full"]
 
 
 def test_fp8_refused_on_cpu_before_launch(workdir):

@@ -166,7 +166,7 @@ def test_run_names_its_data_first(workdir):
 
 
 QWEN_OOM = ["recipe=qwen35_35b_128k", "model.n_layers=4", "training.seq_len=32768", "parallel.cp=1", "parallel.ep=1",
-            "parallel.dp_shard=1", "loss=ce", "nproc=1", "data.name=packaged", "data.tokenizer=byte"]
+            "parallel.dp_shard=1", "loss=ce", "recompute=full", "nproc=1", "data.name=packaged", "data.tokenizer=byte"]
 
 
 def test_memory_preflight_refuses_what_cannot_fit(workdir):
@@ -194,12 +194,12 @@ def test_memory_preflight_off_warn_and_cpu(workdir, capsys):
 
 
 def test_memory_preflight_band_is_the_measured_error(monkeypatch, capsys):
-    """Against a GPU of M bytes an estimate E passes silently up to M (1 - MEASURED_ERROR), warns up
+    """Against a GPU of M bytes an estimate E passes silently up to M (1 - MEASURED_UNDER), warns up
     to M (1 + MEASURED_ERROR) (in refuse mode too), and above that is refused (refuse) or warned
     about (warn); off says nothing. The GPU's memory is set around the planner's estimate here."""
     from framework import planner, preflight
     from framework.errors import UserError
-    from framework.preflight import MEASURED_ERROR, check_memory
+    from framework.preflight import MEASURED_ERROR, MEASURED_UNDER, check_memory
     from framework.resolve import resolve
 
     full = [o.replace("nproc=", "launcher.nproc=") for o in QWEN_OOM[1:]]
@@ -218,14 +218,24 @@ def test_memory_preflight_band_is_the_measured_error(monkeypatch, capsys):
             return "refused"
         return "warned" if "warning memory" in capsys.readouterr().err else "silent"
 
-    e = MEASURED_ERROR
-    assert verdict(total / (1 - e) * 1.001, "refuse") == "silent"
-    assert verdict(total / (1 - e) * 0.999, "refuse") == "warned"  # within the error below the estimate
+    e, u = MEASURED_ERROR, MEASURED_UNDER
+    assert verdict(total / (1 - u) * 1.001, "refuse") == "silent"
+    assert verdict(total / (1 - u) * 0.999, "refuse") == "warned"  # within the error below the estimate
     assert verdict(total * 0.999, "refuse") == "warned"
     assert verdict(total / (1 + e) * 1.001, "refuse") == "warned"  # above the memory, within the error
     assert verdict(total / (1 + e) * 0.999, "refuse") == "refused"
     assert verdict(total / (1 + e) * 0.999, "warn") == "warned"
     assert verdict(total / (1 + e) * 0.999, "off") == "silent"
+
+
+def test_auto_recompute_margin_is_the_preflight_band():
+    """recompute=auto leaves exactly the margin under which the preflight passes a plan silently:
+    auto's own choice is never warned about, and the two numbers cannot drift apart."""
+    from components.recompute.policies import MARGIN, AutoRecompute
+    from framework.planner import Constants
+    from framework.preflight import MEASURED_UNDER
+
+    assert MARGIN == MEASURED_UNDER == AutoRecompute.Options().margin == Constants().tight_fraction
 
 
 def test_chunked_loss_check_is_a_component_hook():

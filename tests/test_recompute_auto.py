@@ -8,10 +8,12 @@ are left unwrapped and the others wrapped; the losses equal full recompute's bit
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
 
+from components.recompute.policies import MARGIN
 from framework import planner
 from framework.errors import UserError
 from framework.planner.constants import Constants, GiB
@@ -36,6 +38,19 @@ def _chain_totals(r, gpu_bytes: int):
     return out
 
 
+@pytest.fixture(autouse=True)
+def _no_rank_environment(monkeypatch):
+    """As from a fresh shell, before and after each test: an in-process training leaves RANK,
+    WORLD_SIZE, ... behind, which would make a later resolve lay a recipe out for one rank."""
+    from conftest import _RANK_ENV
+
+    for k in _RANK_ENV:
+        monkeypatch.delenv(k, raising=False)
+    yield
+    for k in _RANK_ENV:  # what the test's trainings set (monkeypatch then restores what was there)
+        os.environ.pop(k, None)
+
+
 @pytest.fixture(scope="module")
 def big():
     return resolve("qwen35_35b_128k", BIG, for_training=False)
@@ -55,7 +70,7 @@ def test_candidates_grow_in_memory_and_end_with_every_block_kept(big):
 def test_choice_is_the_last_candidate_that_fits(big, budget_gib):
     totals = _chain_totals(big, int(budget_gib * GiB))
     p = planner.plan(big, gpu="H200", gpu_memory_bytes=int(budget_gib * GiB))
-    allowed = budget_gib * GiB * 0.9
+    allowed = budget_gib * GiB * (1 - MARGIN)
     fitting = [i for i, (_, t) in enumerate(totals) if t <= allowed]
     want = fitting[-1] if fitting else 0
     assert p.choices["recompute_blocks"] == totals[want][0]
@@ -130,17 +145,13 @@ def _train(tmp_path, name, extra):
     return out, [r["loss"] for r in recs if "loss" in r]
 
 
-def test_auto_runs_its_mix_as_chosen(tmp_path, one_thread, monkeypatch):
+def test_auto_runs_its_mix_as_chosen_and_matches_full_recompute_bitwise(tmp_path, one_thread, monkeypatch):
     """A budget that keeps some blocks and recomputes others: the blocks are wrapped as chosen and
-    layout.json records the choice."""
-    _auto_mix(tmp_path, monkeypatch)
-
-
-def test_auto_mix_matches_full_recompute_bitwise(tmp_path, one_thread, monkeypatch):
-    """Recompute reruns the same ops, and every block is wrapped (kept ones without a checkpoint),
-    so the initial weights and the losses equal recompute=full's exactly."""
+    layout.json records the choice. Recompute reruns the same ops, and every block is wrapped (kept
+    ones without a checkpoint), so the initial weights and the losses equal recompute=full's exactly."""
     auto = _auto_mix(tmp_path, monkeypatch)
-    return auto
+    _, full = _train(tmp_path, "full", ["recompute=full"])
+    assert len(auto) == 3 and auto == full, (auto, full)
 
 
 def _auto_mix(tmp_path, monkeypatch):
@@ -160,7 +171,7 @@ def _auto_mix(tmp_path, monkeypatch):
     r = resolve("qwen35_debug_moe", ["recompute=auto"], for_training=False)
     totals = _chain_totals(r, 0)
     i = next(k for k, (b, t) in enumerate(totals) if b["attention"]["kept"] and totals[k + 1][1] > t)
-    budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / 0.9 / GiB:.6f}"  # between two
+    budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / (1 - MARGIN) / GiB:.6f}"  # between two
     r = resolve("qwen35_debug_moe", ["recompute=auto", budget], for_training=False)
     p = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB))
     blocks = p.choices["recompute_blocks"]
@@ -185,3 +196,123 @@ def test_planner_counts_kept_blocks_with_the_fitted_factor(big):
     c = replace(Constants(), saved_activation_factor=1.0)
     low = planner.plan(big, gpu="H200", recompute="none", constants=c)
     assert low.torch_reserved_bytes < p.torch_reserved_bytes * 0.92
+
+
+# ----------------------------------------------------------------------------- the recipes' default
+LONG_CONTEXT = ("qwen3_30b_a3b_64k", "llama3_8b_128k", "qwen35_35b_128k", "qwen35_35b_lora_128k",
+                "qwen35_122b_256k", "qwen35_397b_256k")
+
+
+def _config_of(r):
+    """The torchtitan activation-checkpoint config the recipe's recompute component hands the trainer."""
+    from types import SimpleNamespace
+
+    tc = SimpleNamespace(activation_checkpoint="unset")
+    r.ctx.components["recompute"].apply(r.ctx.options["recompute"], tc, r.ctx)
+    return tc.activation_checkpoint
+
+
+def test_the_long_context_recipes_default_to_auto_and_the_debug_ones_to_selective():
+    from framework import recipes
+
+    from conftest import ROOT
+
+    shipped = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("_"))
+    for name in shipped:
+        cfg = recipes.load(name, [])
+        want = "auto" if name in LONG_CONTEXT else "selective"
+        assert str(cfg.recompute.name) == want, (name, cfg.recompute.name)
+        if name in LONG_CONTEXT:
+            assert "recompute auto" in str(cfg.description), name
+
+
+def test_the_recipe_on_h200_chooses_per_block(capsys):
+    """`gpu=H200`: the resolve of qwen35_35b_128k chooses per block (the 10 attention blocks and 4
+    GatedDeltaNet blocks kept, 26 selective), says so on the run's first lines, and the trainer gets
+    one policy per block."""
+    from components.recompute.per_block import PerBlockAC, per_layer
+
+    r = resolve("qwen35_35b_128k", ["preflight.gpu=H200"], for_training=False)
+    assert str(r.cfg.recompute.name) == "auto"
+    d = r.ctx.derived["recompute"]
+    assert d["blocks"] == {"attention": {"kept": 10, "partial": 0, "recomputed": 0},
+                           "linear_attention": {"kept": 4, "partial": 26, "recomputed": 0}}, d
+    assert d["reason"].endswith("on H200 (preflight.gpu)") and f"of 140.0 GiB less the {MARGIN:.0%} margin" in d["reason"]
+    line = next(x for x in r.data_summary.splitlines() if x.startswith("recompute per block:"))
+    assert line.startswith("recompute per block: attention blocks: 10 kept; "
+                           "linear_attention blocks: 4 kept, 26 selective ("), line
+    assert "planned 120.8 GiB of 140.0 GiB" in line
+    policies = per_layer(d["blocks"], r.facts.layer_mixers, r.facts.n_layers)
+    assert policies.count("none") == 14 and policies.count("selective") == 26 and "full" not in policies
+    cfg = _config_of(r)
+    assert isinstance(cfg, PerBlockAC.Config) and cfg.policies == policies
+
+
+def test_the_recipe_without_a_gpu_recomputes_every_block_as_before():
+    """No GPU here and no `gpu=`: qwen35_35b_128k recomputes every block, the torchtitan config
+    recompute=full gives (what the recipe ran before it chose auto)."""
+    r = resolve("qwen35_35b_128k", [], for_training=False)
+    d = r.ctx.derived["recompute"]
+    assert d["blocks"] is None and "no GPU known" in d["reason"]
+    assert "recompute per block: every block recomputed (no GPU known here" in r.data_summary
+    full = resolve("qwen35_35b_128k", ["recompute=full"], for_training=False)
+    assert "recompute per block" not in full.data_summary
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    assert isinstance(_config_of(r), FullAC.Config) and _config_of(r) == _config_of(full)
+
+
+def test_train_cfg_job_prints_the_recipes_auto(capsys):
+    from framework.cli import train_main
+
+    assert train_main(["recipe=qwen35_35b_128k", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert f"recompute:\n  name: auto\n  margin: {MARGIN}\n  budget_gib: null\n" in out
+
+
+@pytest.mark.parametrize("recipe", LONG_CONTEXT)
+def test_every_long_context_recipe_fits_an_h200_with_its_choice(recipe):
+    """On the GPU they are laid out for (141 GB) each recipe keeps some blocks and plans under the
+    GPU's memory less the margin; no warning."""
+    r = resolve(recipe, ["preflight.gpu=H200"], for_training=False)
+    blocks = r.ctx.derived["recompute"]["blocks"]
+    assert sum(v["kept"] for v in blocks.values()) > 0, blocks
+    p = planner.plan(r, gpu="H200")
+    assert p.choices["recompute_blocks"] == blocks and not p.warnings
+    assert p.total_bytes <= p.gpu_memory_bytes * (1 - MARGIN)
+
+
+@pytest.mark.parametrize("recipe", ["qwen35_122b_256k", "qwen35_397b_256k"])
+def test_the_256k_recipes_on_an_h100_recompute_every_block(recipe):
+    """Nothing fits 80 GB: every block recomputed (the torchtitan config of recompute=full), said."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    r = resolve(recipe, ["preflight.gpu=H100", "preflight.memory=off"], for_training=False)
+    blocks = r.ctx.derived["recompute"]["blocks"]
+    assert all(v["recomputed"] == sum(v.values()) for v in blocks.values()), blocks
+    assert "even the least memory does not fit" in r.ctx.derived["recompute"]["reason"]
+    assert isinstance(_config_of(r), FullAC.Config)
+
+
+def test_a_recipe_with_pipeline_stages_names_another_policy():
+    """The recipes' auto plans one stage: parallel.pp=2 is refused until recompute is named."""
+    with pytest.raises(UserError, match="one pipeline stage"):
+        resolve("qwen35_35b_128k", ["parallel.pp=2"], for_training=False)
+    r = resolve("qwen35_35b_128k", ["parallel.pp=2", "recompute=full"], for_training=False)
+    assert r.layout.pp == 2
+
+
+def test_lora_trains_an_auto_mix_bitwise_like_full(tmp_path, one_thread):
+    """qwen35_35b_lora_128k defaults to auto: with adapters on a frozen base a mix of kept, selective
+    and fully recomputed blocks trains like recompute=full, bit for bit on CPU."""
+    lora = ["adapter=lora", "moe.load_balance_coeff=null", "training.steps=2"]
+    r = resolve("qwen35_debug_moe", ["recompute=auto", *lora], for_training=False)
+    totals = _chain_totals(r, 0)
+    i = next(k for k, (b, t) in enumerate(totals)
+             if b["attention"]["kept"] and b["linear_attention"]["partial"] and b["linear_attention"]["recomputed"]
+             and totals[k + 1][1] > t)
+    budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / (1 - MARGIN) / GiB:.6f}"
+    out, auto = _train(tmp_path, "lora_auto", ["recompute=auto", budget, *lora])
+    assert json.loads((out / "layout.json").read_text())["derived"]["recompute"]["blocks"] == totals[i][0]
+    _, full = _train(tmp_path, "lora_full", ["recompute=full", *lora])
+    assert len(auto) == 2 and auto == full, (auto, full)

@@ -5,6 +5,7 @@ stream untouched, held-out documents are never trained on, and every bad setting
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -65,13 +66,16 @@ def test_a_validation_pass_changes_neither_the_model_nor_the_training_stream(tmp
     norms bit for bit (a pass that updated weights, advanced the training data or the generators
     would show here); the held-out loss falls as the model trains; TensorBoard gets it too."""
     a, b = tmp_path / "with", tmp_path / "without"
-    p = run_cli(["train", *SMALL, "training.steps=5", f"output_dir={a}", "validation.interval=1",
-                 "validation.fraction=0.05", "validation.steps=2"], cwd=tmp_path, timeout=300)
+    one = {"OMP_NUM_THREADS": "1"}  # both runs one thread (the same arithmetic), side by side
+    with ThreadPoolExecutor(2) as pool:
+        fa = pool.submit(run_cli, ["train", *SMALL, "training.steps=5", f"output_dir={a}", "validation.interval=1",
+                                   "validation.fraction=0.05", "validation.steps=2"], cwd=tmp_path, timeout=300, env=one)
+        fb = pool.submit(run_cli, ["train", *SMALL, "training.steps=5", f"output_dir={b}", "logging.tensorboard=false"],
+                         cwd=tmp_path, timeout=300, env=one)
+        p, pb = fa.result(), fb.result()
     assert p.returncode == 0, p.stderr[-3000:]
     assert "validation: the last 24 of 470 documents" in p.stdout
-    p = run_cli(["train", *SMALL, "training.steps=5", f"output_dir={b}", "logging.tensorboard=false"],
-                cwd=tmp_path, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert pb.returncode == 0, pb.stderr[-3000:]
     ra, rb = read_metrics(a), read_metrics(b)
     assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
     vals = [r["val_loss"] for r in ra]

@@ -13,7 +13,8 @@ placements (torchtitan's flat layout: ``state.{fqn}.exp_avg``, ``param_groups.{f
 so checkpoints are interchangeable with ``offload=none`` and with ``state=zero1``. After a
 model checkpoint is loaded into the device parameters the host masters are refreshed.
 
-``state.offload_overlap=true`` (one H200: 1.14x plain offload, bounded by the host AdamW; docs/skills/fsdp2.md) moves the three transfers off the
+``state.offload_overlap=true`` (one H200: 1.14x plain offload, bounded by the host AdamW;
+docs/skills/fsdp2.md) moves the three transfers off the
 step's critical path. Each gradient leaves the device during the backward: a post-accumulate-grad
 hook (FSDP2 runs it right after the parameter's reduce-scatter) enqueues, on the last micro-batch
 of the step, its device->host copy on a side stream that first waits on the current stream. The

@@ -79,7 +79,8 @@ class Constants:
                            "torch's allocator.")
     fragmentation_fraction: float = _c(0.08, "torch caching-allocator reserve over allocated bytes (MoE's "
                                        "variable shapes fragment; expandable_segments lowers it).")
-    tight_fraction: float = _c(0.10, "verdict 'tight' when headroom is below this fraction of GPU memory.")
+    tight_fraction: float = _c(0.07, "verdict 'tight' when headroom is below this fraction of GPU memory "
+                                      "(the preflight's MEASURED_UNDER).")
 
     # ---- step time ----------------------------------------------------------------------------
     gpus_per_node: int = _c(8, "GPUs behind one NVLink domain; groups spanning more use IB.")
