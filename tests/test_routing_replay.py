@@ -18,6 +18,7 @@ import copy
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -218,22 +219,22 @@ if dist.is_initialized():
 COMMON = ["training.steps=1", "checkpoint.enable=false", "logging.tensorboard=false", "training.local_batch=2"]
 
 
-def _capture(workdir, overrides, nproc):
+def _capture(workdir, overrides, nproc, env=None):
     src = str(R.PACKAGED_ROLLOUTS)
     dst = workdir / f"routed{nproc}.jsonl"
     script = workdir / "capture.py"
     script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + CAPTURE)
     p = run_ranks(script, [src, dst, json.dumps([*COMMON, f"data.path={src}", f"output_dir={workdir}/cap{nproc}",
-                                                 *overrides])], nproc, cwd=workdir, timeout=600)
+                                                 *overrides])], nproc, cwd=workdir, timeout=600, env=env)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     return dst
 
 
-def _train(workdir, name, data, overrides, nproc=1):
+def _train(workdir, name, data, overrides, nproc=1, env=None):
     argv = ["train", "recipe=debug_grpo", *COMMON, f"data.path={data}", f"output_dir={name}", *overrides]
     if nproc > 1:
         argv.append(f"nproc={nproc}")
-    p = subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=workdir, env=_child_env(),
+    p = subprocess.run([sys.executable, "-m", "framework.cli", *argv], cwd=workdir, env=_child_env(env),
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     return read_metrics(workdir / name)[0]
@@ -243,16 +244,18 @@ def test_trainer_step_with_replay_of_its_own_routing_equals_the_step_without(wor
     """One rank: records carrying the routing the trainer chose at step 1 (captured in process from
     the same seed) give the same step-1 loss and grad norm bit for bit with replay on and off; the
     same records with every id moved to the next expert give another step."""
-    data = _capture(workdir, [], 1)
-    off = _train(workdir, "off", data, [])  # routed_experts in the records, replay off: ignored
-    on = _train(workdir, "on", data, ["moe.routing_replay=true"])
-    assert (on["loss"], on["grad_norm"]) == (off["loss"], off["grad_norm"])
+    one = {"OMP_NUM_THREADS": "1"}  # every process one thread: the same arithmetic, three runs side by side
+    data = _capture(workdir, [], 1, env=one)
     shifted = workdir / "shifted.jsonl"
     recs = [json.loads(x) for x in data.read_text().splitlines()]
     shifted.write_text("".join(json.dumps({**r, "routed_experts": [[[(e + 1) % 8 for e in lay] for lay in tok]
                                                                    for tok in r["routed_experts"]]}) + "\n"
                                for r in recs))
-    other = _train(workdir, "other", shifted, ["moe.routing_replay=true"])
+    runs = [("off", data, []),  # routed_experts in the records, replay off: ignored
+            ("on", data, ["moe.routing_replay=true"]), ("other", shifted, ["moe.routing_replay=true"])]
+    with ThreadPoolExecutor(3) as pool:
+        off, on, other = pool.map(lambda r: _train(workdir, *r, env=one), runs)
+    assert (on["loss"], on["grad_norm"]) == (off["loss"], off["grad_norm"])
     assert other["grad_norm"] != off["grad_norm"] and other["loss"] != off["loss"]
 
 

@@ -3,6 +3,7 @@
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 from conftest import TRAJ_LOSS_REL, read_metrics, run_cli
 
@@ -59,9 +60,12 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
     p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
     seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
-    p1 = run_cli(["train", *steps, seed, "training.global_batch=8", "output_dir=one"], cwd=workdir)
+    with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
+        f1 = pool.submit(run_cli, ["train", *steps, seed, "training.global_batch=8", "output_dir=one"], cwd=workdir,
+                         env={"OMP_NUM_THREADS": "1"})
+        f2 = pool.submit(run_cli, ["train", *steps, seed, "nproc=2", "output_dir=two"], cwd=workdir)
+        p1, p2 = f1.result(), f2.result()
     assert p1.returncode == 0, p1.stderr[-3000:]
-    p2 = run_cli(["train", *steps, seed, "nproc=2", "output_dir=two"], cwd=workdir)
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert p2.stdout.count("run summary") == 1 and "steps         5/5" in p2.stdout  # rank 0 of torchrun, once
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
