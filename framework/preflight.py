@@ -146,8 +146,7 @@ def choose_by_budget(r, for_training: bool) -> None:
         r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
                                       "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
     blocks = r.ctx.derived["recompute"]["blocks"]
-    words = {"kept": "kept", "partial": "selective", "recomputed": "full"}  # the policies' names
-    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {words.get(how, how)}" for how, n in v.items() if n)
+    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how}" for how, n in v.items() if n)
                      for m, v in blocks.items()) if blocks else "every block recomputed"
     r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
 

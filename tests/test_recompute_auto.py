@@ -240,7 +240,7 @@ def test_the_recipe_on_h200_chooses_per_block(capsys):
     assert d["reason"].endswith("on H200 (preflight.gpu)") and f"of 140.0 GiB less the {MARGIN:.0%} margin" in d["reason"]
     line = next(x for x in r.data_summary.splitlines() if x.startswith("recompute per block:"))
     assert line.startswith("recompute per block: attention blocks: 10 kept; "
-                           "linear_attention blocks: 4 kept, 26 selective ("), line
+                           "linear_attention blocks: 4 kept, 26 partial ("), line
     assert "planned 120.8 GiB of 140.0 GiB" in line
     policies = per_layer(d["blocks"], r.facts.layer_mixers, r.facts.n_layers)
     assert policies.count("none") == 14 and policies.count("selective") == 26 and "full" not in policies
