@@ -14,6 +14,12 @@ Prints (and writes to DIR/profile.txt):
   - the allocations alive at the step's memory peak, grouped by the first frame outside torch (the
     code that asked for them), from ``torch.cuda.memory._record_memory_history``.
 The run itself is the product's own (`framework.run.train`), so the numbers are the training step's.
+
+--parts (CUDA) also measures, on the last warm-up step, each transformer block's parts (mixer, MoE/FFN,
+norms) in forward: wall time with a device sync around each part, and the memory it leaves allocated
+(what it saves for backward plus its output). Run it with recompute=none to see every part's saves;
+under a recompute policy the forward of a checkpointed block frees its insides, and only the first call
+of a part in the step (the forward, not a recompute) is counted.
 """
 
 from __future__ import annotations
@@ -67,12 +73,52 @@ def peak_sites(snapshot: dict, top: int = 25) -> tuple[int, list[tuple[str, int,
     return peak, rows[:top]
 
 
+def block_parts(model) -> list[tuple[str, str, object]]:
+    """(block, part name, module) for each direct part of each block of ``model.layers`` (through a
+    checkpoint wrapper, where one is)."""
+    out = []
+    for name, block in model.get_submodule("layers").named_children():
+        inner = block._checkpoint_wrapped_module if hasattr(block, "_checkpoint_wrapped_module") else block
+        out.extend((name, part, mod) for part, mod in inner.named_children())
+    return out
+
+
+def measure_parts(model, run_step, torch) -> list[dict]:
+    """Run one step with hooks around every block part: forward ms and bytes left allocated."""
+    rows: dict[tuple[str, str], dict] = {}
+    handles = []
+    for blk, part, mod in block_parts(model):
+        key = (blk, part)
+
+        def pre(m, args, key=key, kind=type(mod).__name__):
+            if key not in rows:  # the forward; a later call is a recompute in backward
+                torch.cuda.synchronize()
+                rows[key] = {"block": key[0], "part": key[1], "kind": kind,
+                             "mem0": torch.cuda.memory_allocated(), "t0": time.perf_counter()}
+
+        def post(m, args, out, key=key):
+            r = rows[key]
+            if "ms" not in r:
+                torch.cuda.synchronize()
+                r["ms"] = (time.perf_counter() - r["t0"]) * 1e3
+                r["kept_bytes"] = torch.cuda.memory_allocated() - r["mem0"]
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        run_step()
+    finally:
+        for h in handles:
+            h.remove()
+    return [r for r in rows.values() if "ms" in r]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones (compile, autotune)")
     p.add_argument("--steps", type=int, default=2, help="profiled steps")
     p.add_argument("--no-memory", action="store_true", help="skip the allocator history (it slows the step)")
+    p.add_argument("--parts", action="store_true", help="time and memory of each block part (CUDA; last warm-up step)")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
@@ -87,6 +133,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     a.no_memory = a.no_memory or not cuda  # the allocator history is CUDA's
+    if a.parts and (not cuda or a.warmup < 1):
+        p.error("--parts needs a CUDA device and --warmup >= 1 (it measures the last warm-up step)")
     steps = a.warmup + a.steps + (0 if a.no_memory else 1)
     overrides = [*a.overrides, f"training.steps={steps}", f"output_dir={a.out / 'run'}",
                  "logging.tensorboard=false", "preflight.memory=warn"]
@@ -108,7 +156,13 @@ def main(argv=None) -> int:
             state["mem_before"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-        out = orig(self, data_iterator)
+        if a.parts and step == a.warmup:
+            box = {}
+            state["parts"] = measure_parts(self.model_parts[0], lambda: box.setdefault("out", orig(self, data_iterator)),
+                                           torch)
+            out = box["out"]
+        else:
+            out = orig(self, data_iterator)
         if step == a.warmup + a.steps:
             sync()
             state["wall"] = (time.perf_counter() - state["t0"]) / a.steps
@@ -162,6 +216,13 @@ def main(argv=None) -> int:
         lines.append(f"{'allocated at (alive at the step peak)':100s} {'GiB':>8s} {'blocks':>7s}")
         for site, b, n in rows:
             lines.append(f"{site[:100]:100s} {b / 2**30:8.3f} {n:7d}")
+    if state.get("parts"):
+        lines.append("")
+        lines.append(f"block parts in forward (step {a.warmup}; a device sync around each part)")
+        lines.append(f"{'block':>6s} {'part':16s} {'module':28s} {'fwd ms':>8s} {'left allocated GiB':>19s}")
+        for r in state["parts"]:
+            lines.append(f"{r['block']:>6s} {r['part']:16s} {r['kind'][:28]:28s} {r['ms']:8.2f} "
+                         f"{r['kept_bytes'] / 2**30:19.3f}")
     text = "\n".join(lines)
     print(text)
     (a.out / "profile.txt").write_text(text + "\n")

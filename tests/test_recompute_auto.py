@@ -189,10 +189,11 @@ def _auto_mix(tmp_path, monkeypatch):
 
 
 def test_planner_counts_kept_blocks_with_the_fitted_factor(big):
-    """recompute=none plans the fitted saves (factor 1.66 on the counted elements): the measured
-    128.6 GiB at 32K, within 1%."""
+    """recompute=none plans the measured saves of each kept block (layer_kinds' saved_activation_factor):
+    against the measured 128.6 GiB at 32K it is high by about the last block's saves (which full
+    recompute reruns first in backward, so keeping it costs little; not modelled) and never low."""
     p = planner.plan(replace(big), gpu="H200", recompute="none")
-    assert abs(p.torch_reserved_bytes / GiB - 128.6) / 128.6 < 0.01
+    assert 0 <= (p.torch_reserved_bytes / GiB - 128.6) / 128.6 < 0.06
     c = replace(Constants(), saved_activation_factor=1.0)
     low = planner.plan(big, gpu="H200", recompute="none", constants=c)
     assert low.torch_reserved_bytes < p.torch_reserved_bytes * 0.92
@@ -227,23 +228,23 @@ def test_the_long_context_recipes_default_to_auto_and_the_debug_ones_to_selectiv
 
 
 def test_the_recipe_on_h200_chooses_per_block(capsys):
-    """`gpu=H200`: the resolve of qwen35_35b_128k chooses per block (the 10 attention blocks and 4
-    GatedDeltaNet blocks kept, 26 selective), says so on the run's first lines, and the trainer gets
-    one policy per block."""
+    """`gpu=H200`: the resolve of qwen35_35b_128k chooses per block (8 of the 10 attention blocks kept,
+    2 selective, the 30 GatedDeltaNet blocks fully recomputed), says so on the run's first lines, and the
+    trainer gets one policy per block."""
     from components.recompute.per_block import PerBlockAC, per_layer
 
     r = resolve("qwen35_35b_128k", ["preflight.gpu=H200"], for_training=False)
     assert str(r.cfg.recompute.name) == "auto"
     d = r.ctx.derived["recompute"]
-    assert d["blocks"] == {"attention": {"kept": 10, "partial": 0, "recomputed": 0},
-                           "linear_attention": {"kept": 4, "partial": 26, "recomputed": 0}}, d
+    assert d["blocks"] == {"attention": {"kept": 8, "partial": 2, "recomputed": 0},
+                           "linear_attention": {"kept": 0, "partial": 0, "recomputed": 30}}, d
     assert d["reason"].endswith("on H200 (preflight.gpu)") and f"of 140.0 GiB less the {MARGIN:.0%} margin" in d["reason"]
     line = next(x for x in r.data_summary.splitlines() if x.startswith("recompute per block:"))
-    assert line.startswith("recompute per block: attention blocks: 10 kept; "
-                           "linear_attention blocks: 4 kept, 26 partial ("), line
-    assert "planned 120.8 GiB of 140.0 GiB" in line
+    assert line.startswith("recompute per block: attention blocks: 8 kept, 2 partial; "
+                           "linear_attention blocks: 30 recomputed ("), line
+    assert "planned 123.5 GiB of 140.0 GiB" in line
     policies = per_layer(d["blocks"], r.facts.layer_mixers, r.facts.n_layers)
-    assert policies.count("none") == 14 and policies.count("selective") == 26 and "full" not in policies
+    assert policies.count("none") == 8 and policies.count("selective") == 2 and policies.count("full") == 30
     cfg = _config_of(r)
     assert isinstance(cfg, PerBlockAC.Config) and cfg.policies == policies
 
@@ -272,11 +273,11 @@ def test_train_cfg_job_prints_the_recipes_auto(capsys):
 
 @pytest.mark.parametrize("recipe", LONG_CONTEXT)
 def test_every_long_context_recipe_fits_an_h200_with_its_choice(recipe):
-    """On the GPU they are laid out for (141 GB) each recipe keeps some blocks and plans under the
-    GPU's memory less the margin; no warning."""
+    """On the GPU they are laid out for (141 GB) each recipe spends some headroom (a block kept or
+    recomputed selectively) and plans under the GPU's memory less the margin; no warning."""
     r = resolve(recipe, ["preflight.gpu=H200"], for_training=False)
     blocks = r.ctx.derived["recompute"]["blocks"]
-    assert sum(v["kept"] for v in blocks.values()) > 0, blocks
+    assert sum(v["kept"] + v["partial"] for v in blocks.values()) > 0, blocks
     p = planner.plan(r, gpu="H200")
     assert p.choices["recompute_blocks"] == blocks and not p.warnings
     assert p.total_bytes <= p.gpu_memory_bytes * (1 - MARGIN)

@@ -234,8 +234,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"reserve: fragmentation {c.fragmentation_fraction:.0%} of allocated, CUDA context + NCCL "
         f"{(c.cuda_context_bytes + c.nccl_bytes) / GiB:.1f} GiB; verdict 'tight' under "
         f"{c.tight_fraction:.0%} headroom",
-        "memory: compared with measured peaks on one H200 (torch max reserved): -0.1%..+5.4% for every recompute "
-        "setting and per-block mix at 32K-128K, -2.6% with the optimizer offloaded, +0.5% for many short RL "
+        "memory: compared with measured peaks on one H200 (torch max reserved): -0.8%..+5.4% for every recompute "
+        "setting and per-block mix at 32K-128K (+9.1% when auto keeps the last block), -2.6% with the optimizer "
+        "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
         "docs/skills/preflight.md); step time: "
         "the compute efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to "
