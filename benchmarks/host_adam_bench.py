@@ -18,21 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-
-def host_threads(requested: int) -> int:
-    if requested > 0:
-        return requested
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+from components.state.common import host_threads  # the offloaded update's own thread count
 
 
 def timed(fn, iters: int) -> float:
