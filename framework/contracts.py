@@ -43,7 +43,7 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -172,7 +172,8 @@ class LayerTerms:
     saved_per_token: float  # activation elements one token saves in one layer for backward (no recompute, before TP)
     partial_keep: float = 0.5  # fraction of them kept by a recompute that keeps part of a block
     # mixer: what autograd really saves in a block of this mixer kept whole, over the elements
-    # counted for the block (mixer + FFN + norms), by the block's FFN kind ("*": any other; 1.0 default)
+    # counted for the block (mixer + FFN + norms), by the block's FFN kind ("*": any other; 1.0 default);
+    # ffn: what autograd saves in its own part of a block over its count ({"*": factor})
     saved_factor: Mapping[str, float] = field(default_factory=dict)
     flops_per_token: float = 0.0  # fwd + bwd model FLOPs per token in one layer beyond 6 x its parameters
     flops_how: str = ""  # how flops_per_token was counted (printed with the plan's assumptions)
@@ -184,6 +185,46 @@ class LayerTerms:
     def factor_with(self, ffn: str | None) -> float:
         """``saved_factor`` of a block of this mixer with the FFN kind ``ffn``."""
         return float(self.saved_factor.get(ffn, self.saved_factor.get("*", 1.0)))
+
+
+def block_saves(saved: Mapping[str, float], layers: Mapping[str, "LayerTerms"], keep_partial: Mapping[str, float],
+                dim: float, ffn: str | None) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per token, for one block of each mixer kind (with the FFN kind ``ffn``) and each way recompute
+    treats it: ``(s, r)``, the elements it saves through the forward and the elements its rerun adds
+    in backward (the input to ``stage_activation_elements``). ``saved`` are the counted elements per
+    kind (and "norms"); a kind's ``saved_factor`` turns a count into what autograd really holds.
+    "kept": the whole block; "partial": each kind's ``keep_partial`` of its count, norm inputs all;
+    "ffn_rerun": the mixer and norms kept, the FFN rerun from its input (the kept block less the FFN's
+    own part); "recomputed": the block input. A rerun brings the block to what keeping it holds."""
+    s_ffn = saved[ffn] if ffn else 0.0
+    f_ffn = layers[ffn].factor_with(None) if ffn else 1.0
+    out = {}
+    for m, t in layers.items():
+        if t.role != "mixer":
+            continue
+        kept = (saved[m] + s_ffn + saved["norms"]) * t.factor_with(ffn)
+        partial = saved[m] * keep_partial.get(m, 0.5) + s_ffn * keep_partial.get(ffn, 0.5) + saved["norms"]
+        out[m] = {"kept": (kept, 0.0), "partial": (partial, max(0.0, kept - partial)),
+                  "recomputed": (dim, max(0.0, kept - dim))}
+        if ffn:
+            out[m]["ffn_rerun"] = (max(dim, kept - s_ffn * f_ffn + dim), s_ffn * f_ffn)
+    return out
+
+
+def stage_activation_elements(layers: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Per token, ``(saved, peak)`` for a stage whose layers, in forward order, each save ``s``
+    elements through the forward and add ``r`` more when backward reruns them (``(s, r)`` each):
+    the saves of all layers, and the most alive at once. Backward meets the layers last first and
+    frees each one's saves once past it, so a layer's rerun coexists with the saves of the layers
+    before it only: the peak is the larger of all saves and, over the layers, the saves up to and
+    including one plus its rerun. A layer kept at the end of the stage thus costs about what
+    rerunning it does: its rerun would materialize the same saves on top of the same layers."""
+    before = sum(s for s, _ in layers)
+    peak = before
+    for s, r in reversed(layers):
+        peak = max(peak, before + r)
+        before -= s
+    return sum(s for s, _ in layers), peak
 
 
 @runtime_checkable

@@ -147,7 +147,7 @@ def choose_by_budget(r, for_training: bool) -> None:
         r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
                                       "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
     blocks = r.ctx.derived["recompute"]["blocks"]
-    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how}" for how, n in v.items() if n)
+    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how.replace('_', ' ')}" for how, n in v.items() if n)
                      for m, v in blocks.items()) if blocks else "every block recomputed"
     r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
 

@@ -24,7 +24,7 @@ PLAN_CONSTANTS = {
         "recomputes elementwise ops and custom kernels' saves. Fitted to one H200 measurement (4-layer "
         "Qwen3.5-35B-A3B, 32K tokens: 98.7 GiB torch reserved against 97.2 with full recompute); 0.1 plans 99.7"),
     "saved_activation_factor": PlanConstant(
-        {f"{ATTENTION}+{MOE}": 1.85, f"{LINEAR_ATTENTION}+{MOE}": 2.0},
+        {f"{ATTENTION}+{MOE}": 1.85, f"{LINEAR_ATTENTION}+{MOE}": 2.0, MOE: 1.54},
         "what autograd really saves in a block kept whole (no recompute), over the elements counted for the "
         "block (mixer + FFN + norms), by the block's mixer + FFN kind (1.0 for a kind not listed; a number: "
         "every kind). Measured on one H200 (2026-11-27; 4-layer Qwen3.5-35B-A3B at full width, 32K tokens, "
@@ -32,8 +32,10 @@ PLAN_CONSTANTS = {
         "in forward (mixer 4.0, MoE 4.7, two norms 1.25; fla's kernels save fp32 chunk states), an attention "
         "block 8.3 GiB (mixer 2.3, MoE 4.7, norms 1.25); counted, they are 5.4 and 4.5 GiB. Keeping the "
         "stage's last block costs almost nothing over full recompute, which reruns it first in backward (the "
-        "4-layer proxy's attention block: +2.0 GiB measured, planned +7.5): not modelled, so a plan that "
-        "keeps it is high by up to one block's saves. Dense blocks are not measured (1.0, the count as it is)"),
+        "4-layer proxy's attention block: +2.0 GiB measured): the planner places kept blocks last and counts "
+        "a rerun net of the saves already freed (framework.contracts.stage_activation_elements). An FFN kind "
+        "alone (key without '+'): its own part, for a block that keeps its mixer and reruns the FFN (the MoE: "
+        "4.67 GiB measured over 3.03 counted). Dense blocks are not measured (1.0, the count as it is)"),
     "eff_attention": PlanConstant(0.30, "achieved/peak FLOPs of causal flash/flex attention fwd+bwd."),
     "eff_linear_attention": PlanConstant(0.17, "achieved/peak FLOPs of fla's chunked gated-delta-rule kernels "
                                                "(largely memory bound)."),
@@ -49,6 +51,12 @@ def _factors(c, mixer: str) -> dict[str, float]:
     if not isinstance(fit, dict):
         return {"*": float(fit)}
     return {k.split("+", 1)[1]: float(v) for k, v in fit.items() if k.split("+", 1)[0] == mixer and "+" in k}
+
+
+def _ffn_factor(c, ffn: str) -> dict[str, float]:
+    """``saved_activation_factor`` of an FFN kind's own part of a block ({"*": factor})."""
+    fit = c.saved_activation_factor
+    return {"*": float(fit.get(ffn, 1.0) if isinstance(fit, dict) else fit)}
 
 
 def _keep(c, kind: str) -> float:
@@ -148,7 +156,7 @@ class MoE:
             # combine input [top_k, dim]; w1, w3 outputs and their product [top_k, hidden]; shared
             # expert w1, w3, product; the shared-expert gate.
             saved_per_token=d + 4 * self.num_experts + 2 * k * d + 3 * k * h + 3 * sh + 1,
-            partial_keep=_keep(s.constants, self.name),
+            partial_keep=_keep(s.constants, self.name), saved_factor=_ffn_factor(s.constants, self.name),
             forward_flops_per_token=2 * (k * 3 * d * h + 3 * d * sh))
 
 
@@ -164,7 +172,7 @@ class MLP:
     def plan_terms(self, s: LayerShape) -> LayerTerms:
         return LayerTerms(name=self.name, role="ffn", layers=self.layers,
                           saved_per_token=self.dim + 3 * self.ffn_hidden_dim,  # input; w1, w3 outputs, product
-                          partial_keep=_keep(s.constants, self.name),
+                          partial_keep=_keep(s.constants, self.name), saved_factor=_ffn_factor(s.constants, self.name),
                           forward_flops_per_token=2 * 3 * self.dim * self.ffn_hidden_dim)
 
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from framework.contracts import PlanConstant, PlanTerms
+from framework.contracts import PlanConstant, PlanTerms, block_saves, stage_activation_elements
 
 # the planner's constant of the recompute policies (the layer kinds' selective_keep and
 # saved_activation_factor are the model's: components/models/layer_kinds.py); calibrate as
 # `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
 PLAN_CONSTANTS = {
     "selective_recompute_fraction": PlanConstant(
-        0.9, "selective: the share of full recompute's extra time it still pays. Fitted to one H200 measurement "
-             "(4-layer Qwen3.5-35B-A3B, 32K tokens: 52,773 tok/s against 52,197 full and 60,443 none): the custom "
-             "kernels (GatedDeltaNet, flex attention) rerun whole under op-level SAC"),
+        1.0, "selective: the share of full recompute's extra time it still pays. Measured on one H200 (4-layer "
+             "Qwen3.5-35B-A3B at full width): 1.01x full at 32K (52,773 against 52,197 tok/s), 0.98-0.99x at 32K "
+             "and 64K with single blocks selective (2026-11-27): the custom kernels (GatedDeltaNet, flex "
+             "attention) and the MoE rerun whole under op-level SAC, so it saves none of the rerun here"),
 }
 
 
@@ -128,11 +129,39 @@ def _block_flops(ctx, mixer: str, ffn: str | None) -> float:
     return (layers[ffn].forward_flops_per_token if ffn else 0.0) + layers[mixer].forward_flops_per_token
 
 
+# the planner's words for what a block keeps -> the per-block policy that does it (per_block.PerBlockAC)
+POLICY_OF = {"kept": "none", "ffn_rerun": "ffn", "partial": "selective", "recomputed": "full"}
+
+
+def per_layer_words(blocks: dict | None, layer_mixers: tuple, n_layers: int) -> list[str]:
+    """What each layer keeps (a word of ``POLICY_OF``) from the planner's counts per mixer kind
+    (``blocks``: kind -> {"kept": a, "ffn_rerun": b, "partial": c, "recomputed": d}). Within a kind,
+    layers from the last take kept, then ffn_rerun, partial, recomputed: backward reruns the last
+    layers first, when the saves of all the others are alive, so keeping them costs least
+    (framework.contracts.stage_activation_elements). A kind the counts do not cover: recomputed."""
+    mixers = tuple(layer_mixers) or ("attention",) * n_layers
+    left = {m: dict(v) for m, v in (blocks or {}).items()}
+    out = []
+    for m in reversed(mixers):
+        counts = left.get(m, {})
+        which = next((w for w in POLICY_OF if counts.get(w, 0) > 0), "recomputed")
+        if which in counts:
+            counts[which] -= 1
+        out.append(which)
+    return out[::-1]
+
+
+def per_layer(blocks: dict | None, layer_mixers: tuple, n_layers: int) -> list[str]:
+    """The policy of each layer (none | ffn | selective | full) for the planner's counts."""
+    return [POLICY_OF[w] for w in per_layer_words(blocks, layer_mixers, n_layers)]
+
+
 class AutoRecompute(_Recompute):
     """Per block: keep its activations, recompute it selectively or fully, as the planned peak
     allows. The candidates run from every block fully recomputed to every block kept, each step
-    the one with the most forward time saved per byte kept; the planner takes the last that fits
-    the GPU less ``margin`` (framework/planner/estimate.choose_candidate) and resolve hands the
+    the one with the most forward time saved per byte it adds to the planned peak (kept blocks go
+    last in the stage, where they cost least: ``per_layer_words``); the planner takes the last that
+    fits the GPU less ``margin`` (framework/planner/estimate.choose_candidate) and resolve hands the
     choice to ``apply`` (``ctx.derived["recompute"]``). No GPU known: full recompute."""
 
     @dataclass(kw_only=True)
@@ -171,40 +200,61 @@ class AutoRecompute(_Recompute):
         budget = int(opts.budget_gib * 2**30) if opts is not None and opts.budget_gib else None
         keep_sel = _selective_keep(ctx)
         n = {m: int(round(counts.get(m, 0))) for m in _mixers(ctx) if counts.get(m, 0)}
-        state = {m: {"kept": 0, "partial": 0, "recomputed": k} for m, k in n.items()}
-        saved, dim = ctx.plan.saved, float(ctx.facts.dim)
         ffn = _ffn(ctx)
-        s_ffn, k_ffn = (saved[ffn], keep_sel[ffn]) if ffn else (0.0, 0.0)
-        elems = {m: {"kept": (saved[m] + s_ffn + saved["norms"]) * ctx.plan.layers[m].factor_with(ffn),
-                     "partial": saved[m] * keep_sel[m] + s_ffn * k_ffn + saved["norms"],
-                     "recomputed": dim} for m in n}
-        flops = {m: _block_flops(ctx, m, ffn) for m in n}
+        words = [w for w in POLICY_OF if w != "ffn_rerun" or ffn]
+        state = {m: {**{w: 0 for w in words}, "recomputed": k} for m, k in n.items()}
+        mixers, n_layers = tuple(getattr(ctx.facts, "layer_mixers", ()) or ()), int(ctx.facts.n_layers)
+        mixers = mixers or ("attention",) * n_layers
+        saves = block_saves(ctx.plan.saved, ctx.plan.layers, keep_sel, float(ctx.facts.dim), ffn)
         s = c.selective_recompute_fraction
-        rerun = {"recomputed": 1.0, "partial": s, "kept": 0.0}  # forward of the block rerun, as a fraction
+        f_ffn = ctx.plan.layers[ffn].forward_flops_per_token if ffn else 0.0
+        # forward FLOPs per token backward reruns in one block, by what the block keeps
+        rerun = {m: {"recomputed": _block_flops(ctx, m, ffn), "partial": s * _block_flops(ctx, m, ffn),
+                     "ffn_rerun": f_ffn, "kept": 0.0} for m in n}
+
+        def order() -> list[tuple[str, str]]:
+            return list(zip(mixers, per_layer_words(state, mixers, n_layers)))
+
+        def activation_elements() -> float:  # the stage's peak of saves and reruns, per token
+            return stage_activation_elements([saves[m][w] for m, w in order() if m in n])[1]
 
         def terms() -> PlanTerms:
             total = sum(n.values()) or 1
-            frac = {p: sum(state[m][p] for m in n) / total for p in ("kept", "partial", "recomputed")}
+            share = {w: sum(state[m][w] for m in n) / total for w in words}
+            # the mixer's own compute reruns with the whole block; the FFN's (experts, dense) also
+            # when only the FFN is rerun
             extra = {m: (state[m]["recomputed"] + s * state[m]["partial"]) / max(1, n[m]) / 3 for m in n}
-            extra.update({k: (frac["recomputed"] + s * frac["partial"]) / 3 for k in ("dense", "experts")})
-            desc = "; ".join(f"{m}: {state[m]['kept']} kept, {state[m]['partial']} selective, "
-                             f"{state[m]['recomputed']} full" for m in n)
+            extra.update({k: (share["recomputed"] + s * share["partial"] + share.get("ffn_rerun", 0.0)) / 3
+                          for k in ("dense", "experts")})
+            desc = "; ".join(f"{m}: {state[m]['kept']} kept, " + (f"{state[m]['ffn_rerun']} FFN rerun, " if ffn else "")
+                             + f"{state[m]['partial']} selective, {state[m]['recomputed']} full" for m in n)
             return PlanTerms(extra_compute=extra, notes=[f"auto per block ({desc})"],
                              facts={"blocks": {m: dict(v) for m, v in state.items()}, "keep": keep_sel,
-                                    "forward_reruns": frac["recomputed"], "margin": margin,
+                                    "layers": order(), "forward_reruns": share["recomputed"], "margin": margin,
                                     **({"budget_bytes": budget} if budget else {})})
 
+        # a block goes one step at a time (through keeping its mixer, where it has an FFN), so the
+        # candidates grow in small steps and the last that fits leaves little memory unused
+        steps = ((("recomputed", "ffn_rerun"), ("ffn_rerun", "kept")) if ffn else (("recomputed", "kept"),)) \
+            + (("recomputed", "partial"), ("partial", "kept"))
         chain = [terms()]
         while True:
-            moves = []
+            now, moves = activation_elements(), []
             for m in n:
-                for src, dst in (("recomputed", "kept"), ("recomputed", "partial"), ("partial", "kept")):
-                    cost = elems[m][dst] - elems[m][src]
-                    if state[m][src] and cost > 0:
-                        moves.append(((rerun[src] - rerun[dst]) * flops[m] / cost, m, src, dst))
+                for src, dst in steps:
+                    gain = (rerun[m][src] - rerun[m][dst]) if src in state[m] and dst in state[m] else 0.0
+                    if gain <= 0 or not state[m][src]:
+                        continue
+                    state[m][src] -= 1
+                    state[m][dst] += 1
+                    cost = activation_elements() - now
+                    state[m][src] += 1
+                    state[m][dst] -= 1
+                    # the most rerun time saved per element added (a free move first, the larger gain first)
+                    moves.append((gain / cost if cost > 0 else float("inf"), gain, m, src, dst))
             if not moves:
                 break
-            _, m, src, dst = max(moves)
+            *_, m, src, dst = max(moves)
             state[m][src] -= 1
             state[m][dst] += 1
             chain.append(terms())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.contracts import LayerShape, LayerTerms, PlanTerms
+from framework.contracts import LayerShape, LayerTerms, PlanTerms, block_saves, stage_activation_elements
 from framework.planner.constants import Constants, GiB
 
 
@@ -139,38 +139,26 @@ def _ffn(sh: Shapes) -> str | None:
     return block_ffn(sh.layers, sh.counts, sh.saved)
 
 
-def block_elements(sh: Shapes, keep_partial: dict) -> dict[str, dict[str, float]]:
-    """Activation elements one token saves in one block (mixer + FFN + norms) of each mixer kind, by
-    what the block keeps: "kept" all of them, "partial" ``keep_partial`` of each kind (norm inputs
-    kept), "recomputed" the block input only."""
-    f, saved = sh.f, sh.saved
-    ffn = _ffn(sh)
-    out = {}
-    for mixer in mixers(sh.layers):
-        parts = (mixer, ffn) if ffn else (mixer,)
-        out[mixer] = {"kept": sum(saved[k] for k in parts) + saved["norms"],
-                      "partial": sum(saved[k] * keep_partial.get(k, 0.5) for k in parts) + saved["norms"],
-                      "recomputed": float(f.dim)}
-    return out
-
-
-def _mixed_activations(sh: Shapes, rec: PlanTerms, in_flight: int) -> tuple[Term, dict[str, float]]:
-    """Saved activations of a per-block mix of policies (``rec.facts["blocks"]``), and the elements
-    the worst policy present reruns in one block of each mixer kind."""
+def _mixed_activations(sh: Shapes, rec: PlanTerms, in_flight: int) -> Term:
+    """Saved activations of a per-block mix of policies (``rec.facts["blocks"]``, placed layer by
+    layer as ``rec.facts["layers"]`` says): the block inputs full recompute saves, plus what the mix
+    adds to the stage's peak of saves and reruns over every block recomputed
+    (framework.contracts.block_saves, stage_activation_elements). With the working set below, every
+    block recomputed plans what recompute=full does."""
     Tt, c = sh.Tt, sh.c
-    ffn = _ffn(sh)
-    elems = block_elements(sh, rec.facts.get("keep", {}))
-    per_tok, redo, desc = 0.0, {}, []
-    for mixer, by_policy in rec.facts["blocks"].items():
-        for policy, n in by_policy.items():
-            if n:
-                per_tok += n * elems[mixer][policy] * (sh.layers[mixer].factor_with(ffn) if policy == "kept" else 1.0)
-                desc.append(f"{n:g} {mixer} {policy}")
-                redo[mixer] = max(redo.get(mixer, 0.0), elems[mixer]["kept"] - elems[mixer][policy])
-    term = Term("activations", in_flight * Tt * per_tok, c.act_bytes, "activations",
-                f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {per_tok:,.0f} saved elements per token per "
-                f"stage (blocks: {', '.join(desc)}; kept blocks x the fitted saves of their kind)")
-    return term, redo
+    elems = block_saves(sh.saved, sh.layers, rec.facts.get("keep", {}), float(sh.f.dim), _ffn(sh))
+    order = rec.facts.get("layers") or [(m, p) for m, by in rec.facts["blocks"].items()
+                                        for p, k in by.items() for _ in range(int(k))]
+    order = [(m, p) for m, p in order if m in elems]
+    _, peak = stage_activation_elements([elems[m][p] for m, p in order])
+    _, peak0 = stage_activation_elements([elems[m]["recomputed"] for m, _ in order])
+    inputs = len(order) * float(sh.f.dim)
+    per_tok = inputs + peak - peak0
+    desc = [f"{n:g} {mixer} {policy}" for mixer, by in rec.facts["blocks"].items() for policy, n in by.items() if n]
+    return Term("activations", in_flight * Tt * per_tok, c.act_bytes, "activations",
+                f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x ({inputs:,.0f} block inputs + {peak - peak0:,.0f} "
+                f"the kept blocks add to the stage's peak) elements per token (blocks: {', '.join(desc)}; "
+                "kept parts x the measured saves of their kind)")
 
 
 def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int) -> list[Term]:
@@ -183,10 +171,9 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
     ffn = _ffn(sh)
     block = [k for k in (mixer, ffn) if k is not None]
     block_elems = sum(saved[k] for k in block) + saved["norms"]
-    if "blocks" in rec.facts:
-        term, redo = _mixed_activations(sh, rec, in_flight)
-        t = [term]
-        redo_elems = max(redo.values(), default=0.0)
+    if "blocks" in rec.facts:  # the rerun of the largest block as full recompute plans it
+        t = [_mixed_activations(sh, rec, in_flight)]
+        redo_elems = sum(saved[k] for k in (*block, "norms"))
     elif rec.facts.get("inputs_only"):
         t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
@@ -194,9 +181,8 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
         redo_elems = sum(saved[k] * (1 - keep[k]) for k in (*block, "norms"))
     elif all(keep.get(k, 0) >= 1 for k in saved):  # every block kept: the blocks' fitted saves
         kept = {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
-        term, _ = _mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": kept}), in_flight)
-        t = [term]
-        redo_elems = 0.0
+        t = [_mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": kept}), in_flight)]
+        redo_elems = sum(saved[k] for k in (*block, "norms"))
     else:
         per_tok = sum(counts[k] * saved[k] * keep[k] for k in saved)
         t = [Term("activations", in_flight * Tt * per_tok, ab, "activations",
