@@ -124,7 +124,7 @@ def test_pipeline_stages_are_refused():
 
 
 def test_per_layer_policies_follow_the_counts_by_mixer():
-    from components.recompute.per_block import per_layer
+    from components.recompute.placement import per_layer
 
     mixers = ("linear_attention", "linear_attention", "linear_attention", "attention") * 2
     blocks = {"attention": {"kept": 1, "partial": 0, "recomputed": 1},

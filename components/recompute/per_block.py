@@ -24,8 +24,7 @@ from torchtitan.distributed.activation_checkpoint import (  # _disable_dynamo_lr
     _disable_dynamo_lru_cache,
 )
 
-from components.recompute.policies import per_layer
-
+from components.recompute.placement import per_layer
 
 # the FFN child of a torchtitan transformer block, by the names its models use
 FFN_CHILDREN = ("moe", "feed_forward")
