@@ -414,3 +414,33 @@ def test_a_block_rerunning_its_ffn_keeps_the_mixer_saves_and_drops_the_ffn_ones(
     assert ffn_moe == 0 and ffn_attn == pytest.approx(none_attn, rel=0.02)  # a shared storage counts once
     assert full_moe == 0 and full_attn == 0
     assert full < ffn < none and none - ffn >= none_moe * 0.9
+
+
+def test_blocks_are_marked_rerun_exactly_when_their_moe_counts_twice(one_thread):
+    """torchtitan's expert-bias update halves the token counts of a block marked as rerun
+    (checkpoint_impl NO_REENTRANT, components/recompute/per_block.RERUNS_MARK): after one forward and
+    backward, the blocks so marked are exactly those whose MoE counted every token twice, so the
+    routing bias moves as under recompute=full or none (a kept block halved drifted on the GPU)."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    from components.models import qwen3_5
+    from components.recompute.per_block import PerBlockAC
+    from framework import devices
+
+    devices.install()
+    torch.manual_seed(0)
+    model = qwen3_5.model_config("debug_moe").build()
+    model.init_states()
+    model.train()
+    PerBlockAC(PerBlockAC.Config(policies=["none", "ffn", "full", "selective"])).apply(model)
+    tokens, pos = torch.randint(0, 200, (1, 64)), torch.arange(64).unsqueeze(0)
+    model(tokens, positions=pos, attention_masks=model.get_attention_masks(pos)).float().mean().backward()
+    for name, block in model.layers.items():
+        moe = block.moe
+        counted, per_pass = int(moe.tokens_per_expert_E.sum()), 64 * int(moe.router.top_k)  # one forward
+        marked = getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+        assert counted in (per_pass, 2 * per_pass), (name, counted, per_pass)
+        assert marked == (counted == 2 * per_pass), (name, marked, counted, per_pass)
+    assert [getattr(b, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT for b in model.layers.values()] \
+        == [False, True, True, True]

@@ -29,6 +29,14 @@ from components.recompute.placement import per_layer
 # the FFN child of a torchtitan transformer block, by the names its models use
 FFN_CHILDREN = ("moe", "feed_forward")
 
+# torchtitan 0.3.0's auxiliary-loss-free MoE balancing (components/optimizer) takes a block whose
+# ``checkpoint_impl`` is CheckpointImpl.NO_REENTRANT for one whose forward reruns in backward, and
+# halves the expert token counts its MoE doubled before it updates the routing bias. A kept block's
+# wrapper sets ``checkpoint_impl`` to None: its MoE counts once, and halving them would change the
+# bias updates (and every routing after them) against recompute=full or none. An "ffn" block keeps
+# the mark: its MoE reruns.
+RERUNS_MARK = "checkpoint_impl"
+
 
 class PerBlockAC(ActivationCheckpointing):
     """One policy per transformer block (``layers.<i>`` gets ``policies[i]``)."""
@@ -64,6 +72,8 @@ class PerBlockAC(ActivationCheckpointing):
                 elif policy != "none":
                     raise ValueError(f"PerBlockAC: unknown policy {policy!r} for block layers.{name}")
                 block = checkpoint_wrapper(block, checkpoint_fn=_call)
+                if policy == "none":  # nothing reruns: see RERUNS_MARK
+                    block.checkpoint_impl = None
             layers.register_module(name, block)
 
 
