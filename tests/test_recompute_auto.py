@@ -460,3 +460,33 @@ def test_per_block_refuses_a_block_without_an_ffn():
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)})
     with pytest.raises(ValueError, match=r"unknown policy 'half' for block layers\.0"):
         PerBlockAC(PerBlockAC.Config(policies=["half"])).apply(model)
+
+
+def test_two_ranks_with_fsdp_and_ep_train_an_auto_mix_bitwise_like_full(tmp_path):
+    """Two CPU ranks (FSDP2 over dp_shard=2, experts over EP=2): a mix of a kept block, a block
+    rerunning its FFN alone (its MoE, expert-parallel and sharded, inside a checkpoint) and fully
+    recomputed blocks trains with the losses of recompute=full, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import read_metrics, run_cli
+
+    ranks = ["parallel.dp_shard=2", "parallel.gpus=2"]
+    r = resolve("qwen35_debug_moe", ["recompute=auto", *ranks], world_size=2, for_training=False)
+    assert r.layout.ep == 2 and r.layout.dp_shard == 2
+    totals = _chain_totals(r, 0)
+    i = next(k for k, (b, t) in enumerate(totals)
+             if b["attention"]["kept"] and b["linear_attention"]["ffn_rerun"] and b["linear_attention"]["recomputed"]
+             and totals[k + 1][1] > t)
+    budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / (1 - MARGIN) / GiB:.6f}"
+    common = ["recipe=qwen35_debug_moe", "nproc=2", *ranks, "training.steps=3", "checkpoint.enable=false",
+              "training.seed=3", "logging.tensorboard=false"]
+    runs = (("auto", ["recompute=auto", budget]), ("full", ["recompute=full"]))
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda x: run_cli(["train", *common, *x[1], f"output_dir={tmp_path / x[0]}"],
+                                                cwd=tmp_path, timeout=400, env={"OMP_NUM_THREADS": "1"}), runs))
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    derived = json.loads((tmp_path / "auto" / "layout.json").read_text())["derived"]["recompute"]
+    assert derived["blocks"] == totals[i][0]
+    losses = {name: [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m] for name, _ in runs}
+    assert len(losses["auto"]) == 3 and losses["auto"] == losses["full"], losses
