@@ -73,7 +73,7 @@ class PerBlockAC(ActivationCheckpointing):
                     raise ValueError(f"PerBlockAC: unknown policy {policy!r} for block layers.{name}")
                 block = checkpoint_wrapper(block, checkpoint_fn=_call)
                 if policy == "none":  # nothing reruns: see RERUNS_MARK
-                    block.checkpoint_impl = None
+                    setattr(block, RERUNS_MARK, None)
             layers.register_module(name, block)
 
 

@@ -216,7 +216,7 @@ class AutoRecompute(_Recompute):
             now, moves = activation_elements(), []
             for m in n:
                 for src, dst in steps:
-                    gain = (rerun[m][src] - rerun[m][dst]) if src in state[m] and dst in state[m] else 0.0
+                    gain = rerun[m][src] - rerun[m][dst]
                     if gain <= 0 or not state[m][src]:
                         continue
                     state[m][src] -= 1

@@ -235,7 +235,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"{(c.cuda_context_bytes + c.nccl_bytes) / GiB:.1f} GiB; verdict 'tight' under "
         f"{c.tight_fraction:.0%} headroom",
         "memory: compared with measured peaks on one H200 (torch max reserved): -0.8%..+5.4% for every recompute "
-        "setting and per-block mix at 32K-128K (+9.1% when auto keeps the last block), -2.6% with the optimizer "
+        "setting and per-block mix at 16K-128K (+0.4%..+5.4% since kept blocks go last), -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
         "docs/skills/preflight.md); step time: "

@@ -171,18 +171,15 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
     ffn = _ffn(sh)
     block = [k for k in (mixer, ffn) if k is not None]
     block_elems = sum(saved[k] for k in block) + saved["norms"]
-    if "blocks" in rec.facts:  # the rerun of the largest block as full recompute plans it
-        t = [_mixed_activations(sh, rec, in_flight)]
-        redo_elems = sum(saved[k] for k in (*block, "norms"))
+    if "blocks" in rec.facts or all(keep.get(k, 0) >= 1 for k in saved):  # a per-block mix, or every block kept
+        blocks = rec.facts.get("blocks") or {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
+        t = [_mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": blocks}), in_flight)]
+        redo_elems = sum(saved[k] for k in (*block, "norms"))  # the largest block's rerun, as full plans it
     elif rec.facts.get("inputs_only"):
         t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
                   f"dim {f.dim} (block inputs only)")]
         redo_elems = sum(saved[k] * (1 - keep[k]) for k in (*block, "norms"))
-    elif all(keep.get(k, 0) >= 1 for k in saved):  # every block kept: the blocks' fitted saves
-        kept = {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
-        t = [_mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": kept}), in_flight)]
-        redo_elems = sum(saved[k] for k in (*block, "norms"))
     else:
         per_tok = sum(counts[k] * saved[k] * keep[k] for k in saved)
         t = [Term("activations", in_flight * Tt * per_tok, ab, "activations",
