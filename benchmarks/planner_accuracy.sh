@@ -22,7 +22,7 @@ import json, statistics, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), [r.split("=", 1)[0] for r in sys.argv[2:]]
 G = 2**30
-print(f"\n{'run':14s} {'planned GiB':>11s} {'peak GiB':>9s} {'error':>7s} {'tok/s':>8s}  choice")
+print(f"\n{'run':14s} {'planned GiB':>11s} {'peak GiB':>9s} {'error':>7s} {'alloc GiB':>9s} {'retries':>7s} {'tok/s':>8s}  choice")
 for name in runs:
     d = out / f"e2e_{name}"
     f = d / "metrics.jsonl"
@@ -39,5 +39,7 @@ for name in runs:
     blocks = (derived.get("recompute") or {}).get("blocks") or {}
     choice = "; ".join(f"{m}: " + ", ".join(f"{n} {k}" for k, n in v.items() if n) for m, v in blocks.items())
     err = (planned - peak) / peak if peak else float("nan")
-    print(f"{name:14s} {planned / G:11.1f} {peak / G:9.1f} {err:+7.1%} {tps:8.0f}  {choice}")
+    alloc = max(r.get("peak_alloc_bytes", 0) for r in recs)  # live tensors' peak (CUDA); reserved - alloc: fragmentation
+    retries = recs[-1].get("alloc_retries", "-")
+    print(f"{name:14s} {planned / G:11.1f} {peak / G:9.1f} {err:+7.1%} {alloc / G:9.1f} {retries!s:>7s} {tps:8.0f}  {choice}")
 PY

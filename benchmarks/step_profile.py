@@ -73,6 +73,41 @@ def peak_sites(snapshot: dict, top: int = 25) -> tuple[int, list[tuple[str, int,
     return peak, rows[:top]
 
 
+def segment_lines(snapshot: dict, top: int = 15) -> list[str]:
+    """The caching allocator's reserve: each stream's segments (reserved, allocated now), and the
+    allocations that found no free block and made the reserve grow (a new segment, or an expandable
+    segment mapping more), by the first frame outside torch."""
+    by_stream: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for seg in snapshot.get("segments", []):
+        row = by_stream[seg.get("stream", 0)]
+        row[0] += int(seg.get("total_size", 0))
+        row[1] += int(seg.get("allocated_size", 0))
+        row[2] += 1
+    out = ["", f"{'reserve by stream (at the end of the recording)':50s} {'reserved GiB':>12s} {'allocated GiB':>13s} "
+               f"{'segments':>8s}"]
+    for stream, (total, alloc, n) in sorted(by_stream.items(), key=lambda kv: -kv[1][0]):
+        out.append(f"{'stream ' + hex(stream):50s} {total / 2**30:12.3f} {alloc / 2**30:13.3f} {n:8d}")
+    grow: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    cur = 0
+    sizes: dict[int, int] = {}
+    for ev in snapshot["device_traces"][0] if snapshot.get("device_traces") else []:
+        act = ev.get("action")
+        if act == "alloc":
+            sizes[ev.get("addr")] = int(ev.get("size", 0))
+            cur += sizes[ev.get("addr")]
+        elif act == "free_completed":
+            cur -= sizes.pop(ev.get("addr"), 0)
+        elif act in ("segment_alloc", "segment_map"):
+            row = grow[_site(ev.get("frames", []))]
+            row[0] += int(ev.get("size", 0))
+            row[1] += 1
+    out.append("")
+    out.append(f"{'reserve grew at (segment_alloc / segment_map during the recording)':100s} {'GiB':>8s} {'times':>7s}")
+    for site, (b, n) in sorted(grow.items(), key=lambda kv: -kv[1][0])[:top]:
+        out.append(f"{site[:100]:100s} {b / 2**30:8.3f} {n:7d}")
+    return out
+
+
 def block_parts(model) -> list[tuple[str, str, object]]:
     """(block, part name, module) for each direct part of each block of ``model.layers`` (through a
     checkpoint wrapper, where one is)."""
@@ -118,6 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones (compile, autotune)")
     p.add_argument("--steps", type=int, default=2, help="profiled steps")
     p.add_argument("--no-memory", action="store_true", help="skip the allocator history (it slows the step)")
+    p.add_argument("--memory-from-start", action="store_true",
+                   help="record the allocator history from the first step (where the reserved segments grow), not "
+                        "only in the last step")
     p.add_argument("--parts", action="store_true", help="time and memory of each block part (CUDA; last warm-up step)")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
@@ -151,11 +189,11 @@ def main(argv=None) -> int:
                                                                torch.profiler.ProfilerActivity.CUDA])
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
-        if not a.no_memory and step == a.warmup + a.steps + 1:
+        if not a.no_memory and step == (1 if a.memory_from_start else a.warmup + a.steps + 1):
             torch.cuda.synchronize()
             state["mem_before"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         if a.parts and step == a.warmup:
             box = {}
             state["parts"] = measure_parts(self.model_parts[0], lambda: box.setdefault("out", orig(self, data_iterator)),
@@ -216,6 +254,7 @@ def main(argv=None) -> int:
         lines.append(f"{'allocated at (alive at the step peak)':100s} {'GiB':>8s} {'blocks':>7s}")
         for site, b, n in rows:
             lines.append(f"{site[:100]:100s} {b / 2**30:8.3f} {n:7d}")
+        lines.extend(segment_lines(state["snapshot"]))
     if state.get("parts"):
         lines.append("")
         lines.append(f"block parts in forward (step {a.warmup}; a device sync around each part)")

@@ -83,6 +83,27 @@ def peak_memory_bytes() -> int:
     return int(rss_kib * 1024)
 
 
+def apply_allocator_default() -> None:
+    """A rank's allocator settings (framework.alloc_conf): the default goes into the environment for
+    this process and its children, and into torch's allocator when CUDA already started here (the
+    launching process's preflight may have asked the GPU's memory before this rank trains)."""
+    from framework import alloc_conf
+
+    if alloc_conf.set_default() and has_accelerator() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(alloc_conf.DEFAULT)
+
+
+def allocator_counters() -> dict:
+    """Peak bytes held by live tensors since the last reset and the caching allocator's retries so far
+    (a retry frees cached blocks and allocates again: slow, and a sign of fragmentation near the
+    limit); empty on CPU."""
+    if not has_accelerator():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"peak_alloc_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0))}
+
+
 def peak_memory_kind() -> str:
     return "cuda_max_memory_reserved" if has_accelerator() else "cpu_max_rss"
 

@@ -72,6 +72,7 @@ class JsonlLogger(BaseLogger):
             "elapsed_s": round(time.perf_counter() - self.t_start, 3),
             "peak_mem_bytes": devices.peak_memory_bytes(),
             "peak_mem_kind": devices.peak_memory_kind(),
+            **devices.allocator_counters(),  # CUDA: peak_alloc_bytes, alloc_retries
             "lr": next((v for k, v in metrics.items() if k.startswith("lr")), None),
             **{k: v for k, v in metrics.items() if k.startswith(("policy/", "data/", "publish/"))},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},

@@ -93,6 +93,7 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     from framework import devices  # reason: start-up time (imports torch; `train --help` and --cfg need none)
 
     devices.install()
+    devices.apply_allocator_default()  # before this rank's first CUDA allocation (framework.alloc_conf)
     kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
     autotune_table.install(resolved.cfg.training.autotune_configs)  # recorded: tune this GPU's known winners only
