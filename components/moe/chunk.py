@@ -41,6 +41,30 @@ def _backend(ctx) -> str:
     return ctx.components["moe_comm"].torchtitan_backend
 
 
+def _check_lean(options, ctx, chunked: bool) -> None:
+    """``moe.lean_combine=true`` where the lean scoring cannot run is refused (null: where it runs)."""
+    if options.lean_combine is not True:
+        return
+    if _backend(ctx) != "standard":
+        raise UserError("moe.lean_combine=true", f"the lean combine scores torchtitan's standard all-to-all "
+                        f"combine; moe.comm={options.comm} combines with its own kernels.",
+                        "Leave moe.lean_combine unset (null) or false with this moe.comm.")
+    layout = getattr(ctx, "layout", None)
+    if not chunked and layout is not None and layout.ep > 1:
+        raise UserError("moe.lean_combine=true", f"with moe.chunk=none and EP {layout.ep} torchtitan's own EP "
+                        "combine runs, which keeps its fp32 copies; the lean combine runs at EP 1 or in the "
+                        "chunked path.", "Use moe.chunk=auto (or chunk2..4), or leave moe.lean_combine unset.")
+
+
+def _use_lean(options, tc) -> None:
+    """``moe.lean_combine`` null or true: the built model scores with components.moe.lean_combine."""
+    if options.lean_combine is False:
+        return
+    from components.moe import lean_combine  # reason: torchtitan, at build only
+
+    lean_combine.use(tc)
+
+
 class NoChunk:
     """One dispatch -> grouped GEMM -> combine per MoE layer (the baseline)."""
 
@@ -53,11 +77,11 @@ class NoChunk:
 
     @staticmethod
     def check(options, ctx) -> None:
-        return None
+        _check_lean(options, ctx, chunked=False)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
-        return None
+        _use_lean(options, tc)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
@@ -90,9 +114,11 @@ class Chunked:
     def check(self, options, ctx) -> None:
         """Before any worker starts: refuse dispatchers this policy cannot chunk (UserError)."""
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+        _check_lean(options, ctx, chunked=True)
 
     def apply(self, options, tc, ctx) -> None:
         self.convert(tc.model_spec.model)
+        _use_lean(options, tc)
 
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
@@ -122,10 +148,12 @@ class AutoChunk:
     @staticmethod
     def check(options, ctx) -> None:
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
+        _check_lean(options, ctx, chunked=True)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
         AutoChunk.convert(tc.model_spec.model)
+        _use_lean(options, tc)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
