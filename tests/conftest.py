@@ -247,3 +247,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _default_allocator_settings(monkeypatch):
+    """Every test plans with apiary's default allocator settings (framework/alloc_conf.py), whatever the
+    shell exported: the planner's reserve follows them."""
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)

@@ -17,7 +17,7 @@ from components.recompute.policies import MARGIN
 from framework import planner
 from framework.errors import UserError
 from framework.planner.constants import Constants, GiB
-from framework.planner.estimate import Asked, ask_components, choices, shapes_and_context, stage_memory
+from framework.planner.estimate import Asked, ask_components, choices, run_constants, shapes_and_context, stage_memory
 from framework.resolve import resolve
 
 BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
@@ -25,11 +25,13 @@ BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "
 
 
 def _chain_totals(r, gpu_bytes: int):
-    """Every candidate's planned total, as the planner computes it."""
-    c = Constants()
-    hw = c.gpu("H200")
+    """Every candidate's planned total, as the planner computes it (with the constants of the run's
+    allocator and MoE combine settings, framework.planner.estimate.run_constants)."""
+    hw = Constants().gpu("H200")
+    ch = choices(r.cfg, loss=None, state=None, recompute=None, moe_chunk=None)
+    c = run_constants(r, Constants(), ch, hw)
     sh, pc = shapes_and_context(r, c, hw)
-    asked = ask_components(r, choices(r.cfg, loss=None, state=None, recompute=None, moe_chunk=None), pc, [])
+    asked = ask_components(r, ch, pc, [])
     cands = asked.terms["recompute"].facts["candidates"]
     out = []
     for cand in cands:
@@ -195,12 +197,13 @@ def _auto_mix(tmp_path, monkeypatch):
 
 def test_planner_counts_kept_blocks_with_the_fitted_factor(big):
     """recompute=none plans the measured saves of each kept block (layer_kinds' saved_activation_factor)
-    over full recompute's peak: against the measured 128.6 GiB at 32K (one H200) it is within 2%, high."""
+    over full recompute's peak: against the measured 107.0 GiB at 32K (one H200, 2026-11-28: lean MoE
+    combine, expandable segments) it is within 4%, high."""
     p = planner.plan(replace(big), gpu="H200", recompute="none")
-    assert 0 <= (p.torch_reserved_bytes / GiB - 128.6) / 128.6 < 0.02
+    assert 0 <= (p.torch_reserved_bytes / GiB - 107.0) / 107.0 < 0.04
     c = replace(Constants(), saved_activation_factor=1.0)
     low = planner.plan(big, gpu="H200", recompute="none", constants=c)
-    assert low.torch_reserved_bytes < p.torch_reserved_bytes * 0.92
+    assert low.torch_reserved_bytes < p.torch_reserved_bytes * 0.95
 
 
 # ----------------------------------------------------------------------------- the recipes' default
@@ -232,24 +235,27 @@ def test_the_long_context_recipes_default_to_auto_and_the_debug_ones_to_selectiv
 
 
 def test_the_recipe_on_h200_chooses_per_block(capsys):
-    """`gpu=H200`: the resolve of qwen35_35b_128k chooses per block (7 of the 10 attention blocks kept,
-    3 rerunning their FFN alone, the last GatedDeltaNet block kept and the other 29 fully recomputed),
-    says so on the run's first lines, and the trainer gets one policy per block, the kept ones last."""
+    """`gpu=H200`: the resolve of qwen35_35b_128k chooses per block (9 of the 10 attention blocks kept,
+    1 rerunning its FFN alone, the last GatedDeltaNet block kept and the other 29 fully recomputed),
+    says so on the run's first lines, and the trainer gets one policy per block, the kept ones last.
+    (EP 8 with moe.chunk=none: torchtitan's fp32 combine, planned with its constants; expandable
+    segments' reserve since 2026-11-28, hence two more attention blocks kept than before.)"""
     from components.recompute.per_block import PerBlockAC, per_layer
 
     r = resolve("qwen35_35b_128k", ["preflight.gpu=H200"], for_training=False)
     assert str(r.cfg.recompute.name) == "auto"
     d = r.ctx.derived["recompute"]
-    assert d["blocks"] == {"attention": {"kept": 7, "ffn_rerun": 3, "partial": 0, "recomputed": 0},
+    assert d["blocks"] == {"attention": {"kept": 9, "ffn_rerun": 1, "partial": 0, "recomputed": 0},
                            "linear_attention": {"kept": 1, "ffn_rerun": 0, "partial": 0, "recomputed": 29}}, d
     assert d["reason"].endswith("on H200 (preflight.gpu)") and f"of 140.0 GiB less the {MARGIN:.0%} margin" in d["reason"]
     line = next(x for x in r.data_summary.splitlines() if x.startswith("recompute per block:"))
-    assert line.startswith("recompute per block: attention blocks: 7 kept, 3 ffn rerun; "
+    assert line.startswith("recompute per block: attention blocks: 9 kept, 1 ffn rerun; "
                            "linear_attention blocks: 1 kept, 29 recomputed ("), line
-    assert "planned 126.3 GiB of 140.0 GiB" in line
+    assert "planned 126.2 GiB of 140.0 GiB" in line
     policies = per_layer(d["blocks"], r.facts.layer_mixers, r.facts.n_layers)
-    assert policies.count("none") == 8 and policies.count("ffn") == 3 and policies.count("full") == 29
-    assert policies[-2:] == ["none", "none"] and policies[:4] == ["full", "full", "full", "ffn"]
+    assert policies.count("none") == 10 and policies.count("ffn") == 1 and policies.count("full") == 29
+    assert policies[-2:] == ["none", "none"] and policies[:8] == ["full", "full", "full", "ffn", "full", "full",
+                                                                   "full", "none"]
     cfg = _config_of(r)
     assert isinstance(cfg, PerBlockAC.Config) and cfg.policies == policies
 

@@ -24,6 +24,13 @@ PLAN_CONSTANTS = {
         "recomputes elementwise ops and custom kernels' saves. Fitted to one H200 measurement (4-layer "
         "Qwen3.5-35B-A3B, 32K tokens: 98.7 GiB torch reserved against 97.2 with full recompute); 0.1 plans 99.7"),
     "saved_activation_factor": PlanConstant(
+        {f"{ATTENTION}+{MOE}": 1.42, f"{LINEAR_ATTENTION}+{MOE}": 1.56, MOE: 1.14},
+        "saved_activation_factor_fp32_combine's meaning, with the lean MoE combine (moe.lean_combine: the "
+        "MoE saves its bf16 expert outputs instead of an fp32 copy) and expandable segments. Fitted on one "
+        "H200 (2026-11-28; 4-layer Qwen3.5-35B-A3B): 32K candidates -3.6%..-0.3%, 64K two GatedDeltaNet "
+        "blocks kept +4.2%; candidates keeping one block at 64K stay +10..+21% (the stage-peak replay "
+        "moves the peak more than measured: +1.8 GiB allocated for a GatedDeltaNet block kept)."),
+    "saved_activation_factor_fp32_combine": PlanConstant(
         {f"{ATTENTION}+{MOE}": 1.85, f"{LINEAR_ATTENTION}+{MOE}": 2.0, MOE: 1.54},
         "what autograd really saves in a block kept whole (no recompute), over the elements counted for the "
         "block (mixer + FFN + norms), by the block's mixer + FFN kind (1.0 for a kind not listed; a number: "

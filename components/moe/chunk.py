@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from components.moe.auto_chunks import AUTO_MIN_EP
 from components.moe.comm import MoeOptions
+from framework import registry
 from framework.contracts import PlanConstant, PlanTerms
 from framework.errors import UserError
 
@@ -56,6 +57,18 @@ def _check_lean(options, ctx, chunked: bool) -> None:
                         "chunked path.", "Use moe.chunk=auto (or chunk2..4), or leave moe.lean_combine unset.")
 
 
+def _fp32_combine(options, ctx, chunked: bool) -> bool:
+    """Whether the MoE combine keeps torchtitan's fp32 copies (the planner's ``fp32_combine`` fact):
+    moe.lean_combine=false, another dispatcher, or torchtitan's own EP > 1 combine. The planner
+    passes no options for this kind (its section is ``moe:``): the recipe's ``moe:`` then."""
+    moe = options if options is not None and hasattr(options, "lean_combine") else ctx.cfg.moe
+    components = getattr(ctx, "components", None) or {}
+    backend = (components["moe_comm"] if "moe_comm" in components
+               else registry.resolve("moe_comm", str(moe.comm))).torchtitan_backend
+    ep = int(getattr(getattr(ctx, "layout", None), "ep", 1) or 1)
+    return moe.lean_combine is False or backend != "standard" or (not chunked and ep > 1)
+
+
 def _use_lean(options, tc) -> None:
     """``moe.lean_combine`` null or true: the built model scores with components.moe.lean_combine."""
     if options.lean_combine is False:
@@ -86,7 +99,8 @@ class NoChunk:
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
         """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
-        return PlanTerms(facts={"chunks": 1, "overlap": _overlap(ctx, "none")})
+        return PlanTerms(facts={"chunks": 1, "overlap": _overlap(ctx, "none"),
+                                "fp32_combine": _fp32_combine(opts, ctx, chunked=False)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -125,7 +139,8 @@ class Chunked:
 
     def plan_terms(self, opts, ctx) -> PlanTerms:
         """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
-        return PlanTerms(facts={"chunks": self.num_chunks, "overlap": _overlap(ctx, f"chunk{self.num_chunks}")})
+        return PlanTerms(facts={"chunks": self.num_chunks, "overlap": _overlap(ctx, f"chunk{self.num_chunks}"),
+                                "fp32_combine": _fp32_combine(opts, ctx, chunked=True)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -159,7 +174,8 @@ class AutoChunk:
     def plan_terms(opts, ctx) -> PlanTerms:
         """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
         all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
-        return PlanTerms(facts={"chunks": 2, "overlap": _overlap(ctx, "none" if ctx.layout.ep < AUTO_MIN_EP else "auto")})
+        return PlanTerms(facts={"chunks": 2, "overlap": _overlap(ctx, "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"),
+                                "fp32_combine": _fp32_combine(opts, ctx, chunked=True)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).

@@ -68,17 +68,27 @@ class Constants:
     act_bytes: float = _c(2.0, "bytes per saved activation element (bf16 compute).")
     grad_working_factor: float = _c(0.5, "backward working set of one block (activation gradients alive while "
                                     "a layer's backward runs), as a fraction of that layer's saved activations.")
-    moe_buffer_copies: float = _c(4.0, "transient [top_k x tokens, dim] bf16 tensors alive at a MoE layer's "
-                                  "peak beyond autograd's saves: dispatch send, dispatch receive, unpermuted "
-                                  "expert output, combine receive.")
+    moe_buffer_copies: float = _c(1.0, "transient [top_k x tokens, dim] bf16 tensors alive at a MoE layer's "
+                                  "peak beyond autograd's saves, with the lean combine (moe.lean_combine, "
+                                  "components/moe/lean_combine.py): its scored rows. Fitted on one H200 "
+                                  "(2026-11-28; 4-layer Qwen3.5-35B-A3B, full recompute 32K/64K/128K: +3.4%, "
+                                  "+1.9%, +0.3% with fragmentation_fraction 0).")
+    moe_buffer_copies_fp32_combine: float = _c(4.0, "the same with torchtitan's combine (moe.lean_combine=false, "
+                                               "or where the lean one does not run): its fp32 copy and product of "
+                                               "the expert outputs on top (the earlier fit).")
     ep_load_imbalance: float = _c(1.2, "tokens received by the busiest EP rank over the mean (no token "
                                   "dropping in torchtitan, so the busiest rank sizes buffers and time).")
     # ---- reserve ------------------------------------------------------------------------------
     cuda_context_bytes: float = _c(1.0 * GiB, "CUDA context, cuBLAS/cuDNN workspaces: outside torch's allocator.")
     nccl_bytes: float = _c(1.5 * GiB, "NCCL communicator buffers for the PP/DP/CP/EP/TP groups: outside "
                            "torch's allocator.")
-    fragmentation_fraction: float = _c(0.08, "torch caching-allocator reserve over allocated bytes (MoE's "
-                                       "variable shapes fragment; expandable_segments lowers it).")
+    fragmentation_fraction: float = _c(0.0, "torch caching-allocator reserve over the allocated terms with "
+                                       "expandable segments (framework/alloc_conf.py, the default): 0 because "
+                                       "the allocated terms already exceed the measured allocated peak by about "
+                                       "what the reserve adds (one H200, 2026-11-28: reserved / allocated 1.08-1.20, "
+                                       "planned / reserved +0.3%..+3.4% for full recompute).")
+    fragmentation_fraction_fixed: float = _c(0.08, "the same with torch's fixed segments "
+                                             "(expandable_segments:False): the earlier fit, with the fp32 combine.")
     tight_fraction: float = _c(0.07, "verdict 'tight' when headroom is below this fraction of GPU memory "
                                       "(the preflight's MEASURED_UNDER).")
 

@@ -3,9 +3,11 @@ chosen components' ``plan_terms`` (framework.planner.parts)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from framework import alloc_conf
 from framework.contracts import SELECT, Context, PlanContext, PlanTerms
 from framework.errors import UserError
 from framework.planner import parts
@@ -61,6 +63,34 @@ def constants_for(constants: Constants | None, calibration: dict | None, gpus_pe
             raise UserError(f"gpus_per_node={gpus_per_node}", "must be >= 1.")
         c = replace(c, gpus_per_node=int(gpus_per_node))
     return c
+
+
+def for_settings(c: Constants, *, expandable: bool, fp32_combine: bool) -> Constants:
+    """The constants for the allocator and MoE combine a run uses: the defaults' fit (expandable
+    segments; a MoE combine without fp32 copies), or the earlier fit's constants where a run has
+    torch's fixed segments or a combine that keeps fp32 copies (the moe_chunk component's
+    ``fp32_combine`` fact)."""
+    if expandable and not fp32_combine:
+        return c
+    c = copy.deepcopy(c)
+    if not expandable:
+        c.fragmentation_fraction = c.fragmentation_fraction_fixed
+    if fp32_combine:
+        c.moe_buffer_copies = c.moe_buffer_copies_fp32_combine
+        c.components["saved_activation_factor"] = c.components["saved_activation_factor_fp32_combine"]
+    return c
+
+
+def run_constants(resolved, base: Constants, ch: dict[str, str], hw: Hardware) -> Constants:
+    """``base`` for the settings this run uses (``for_settings``): the allocator's from the
+    environment its ranks start with, the MoE combine's from the moe_chunk component's
+    ``fp32_combine`` fact."""
+    c = for_settings(base, expandable=alloc_conf.expandable(), fp32_combine=False)
+    _, pc = shapes_and_context(resolved, c, hw)
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc)
+    moe = parts.ask("moe_chunk", ch["moe_chunk"], ctx, [])[1]
+    return for_settings(base, expandable=alloc_conf.expandable(), fp32_combine=True) \
+        if moe.facts.get("fp32_combine") else c
 
 
 def gpu_for(c: Constants, gpu: str | None, gpu_memory_bytes: int | None) -> tuple[Hardware, int]:
@@ -199,10 +229,11 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
     name; a name that is not registered (or has no ``plan_terms``) is planned as the defaults'
     choice of its kind, with a warning.
     """
-    c = constants_for(constants, calibration, gpus_per_node)
-    hw, mem_cap = gpu_for(c, gpu, gpu_memory_bytes)
     cfg, lay = resolved.cfg, resolved.layout
+    base = constants_for(constants, calibration, gpus_per_node)
+    hw, mem_cap = gpu_for(base, gpu, gpu_memory_bytes)
     ch = choices(cfg, loss=loss, state=state, recompute=recompute, moe_chunk=moe_chunk)
+    c = run_constants(resolved, base, ch, hw)
     sh, pc = shapes_and_context(resolved, c, hw)
     warnings = list(sh.warnings)
     asked = ask_components(resolved, ch, pc, warnings)
