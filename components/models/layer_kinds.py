@@ -25,11 +25,12 @@ PLAN_CONSTANTS = {
         "Qwen3.5-35B-A3B, 32K tokens: 98.7 GiB torch reserved against 97.2 with full recompute); 0.1 plans 99.7"),
     "saved_activation_factor": PlanConstant(
         {f"{ATTENTION}+{MOE}": 1.42, f"{LINEAR_ATTENTION}+{MOE}": 1.56, MOE: 1.14},
-        "saved_activation_factor_fp32_combine's meaning, with the lean MoE combine (moe.lean_combine: the "
-        "MoE saves its bf16 expert outputs instead of an fp32 copy) and expandable segments. Fitted on one "
-        "H200 (2026-11-28; 4-layer Qwen3.5-35B-A3B): 32K candidates -3.6%..-0.3%, 64K two GatedDeltaNet "
-        "blocks kept +4.2%; candidates keeping one block at 64K stay +10..+21% (the stage-peak replay "
-        "moves the peak more than measured: +1.8 GiB allocated for a GatedDeltaNet block kept)."),
+        "saved_activation_factor_fp32_combine's meaning where the MoE combine keeps no fp32 copies "
+        "(components/moe/lean_combine.py; the planner's fp32_combine fact false). Fitted on one H200 "
+        "(2026-11-28; 4-layer Qwen3.5-35B-A3B at full width, expandable segments, 11 measured runs from full "
+        "recompute to every block kept at 32K, 64K and 128K): planned +0.3%..+3.4% over torch's reserved "
+        "peak. The kept saves count about 1.4x the first fit here because the reserve's growth with kept "
+        "blocks (allocated 87 -> 106 GiB, reserved 95 -> 124 GiB at 64K) is folded into them."),
     "saved_activation_factor_fp32_combine": PlanConstant(
         {f"{ATTENTION}+{MOE}": 1.85, f"{LINEAR_ATTENTION}+{MOE}": 2.0, MOE: 1.54},
         "what autograd really saves in a block kept whole (no recompute), over the elements counted for the "
