@@ -26,11 +26,12 @@ from framework.planner.search import search
 
 GiB = 2**30
 # The planner's measured error on memory, as a fraction of the estimate, each way. One H200,
-# 2026-11-27 (docs/benchmarks.md, `benchmarks/planner_accuracy.sh`; qwen35_35b_128k, 4 layers): every
-# recompute setting and recompute=auto mix at 16K-128K within -0.8%..+5.4% (+0.4%..+5.4% since auto places
-# kept blocks last in the stage), optimizer offload -2.6%, many short RL sequences per row +0.5%, LoRA up to
-# +9.3% (the planner above the peak).
-# MEASURED_UNDER: how far below the peak a plan may be (largest measured 2.6%, with room): a plan
+# 2026-11-28 (docs/benchmarks.md, `benchmarks/planner_accuracy.sh`; qwen35_35b_128k, 4 layers): with the
+# defaults (expandable segments, the lean MoE combine) every recompute=auto candidate from full recompute
+# to every block kept at 32K-128K within +0.3%..+3.4%; with torch's fixed segments or torchtitan's fp32
+# combine -4.2%..+5.6%; optimizer offload -2.6%, many short RL sequences per row +0.5% (2026-11-27), LoRA
+# up to +9.3% (the planner above the peak).
+# MEASURED_UNDER: how far below the peak a plan may be (largest measured 4.2%, with room): a plan
 # within this fraction of the GPU's memory passes silently, and recompute=auto leaves the same
 # margin (components/recompute/policies.MARGIN). MEASURED_ERROR: how far above (largest 9.3%): a plan
 # above the memory by more than this is refused; between the two, a warning.

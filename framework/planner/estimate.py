@@ -265,8 +265,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"reserve: fragmentation {c.fragmentation_fraction:.0%} of allocated, CUDA context + NCCL "
         f"{(c.cuda_context_bytes + c.nccl_bytes) / GiB:.1f} GiB; verdict 'tight' under "
         f"{c.tight_fraction:.0%} headroom",
-        "memory: compared with measured peaks on one H200 (torch max reserved): -0.8%..+5.4% for every recompute "
-        "setting and per-block mix at 16K-128K (+0.4%..+5.4% since kept blocks go last), -2.6% with the optimizer "
+        "memory: compared with measured peaks on one H200 (torch max reserved): +0.3%..+3.4% for the defaults "
+        "(expandable segments, the lean MoE combine) from full recompute to every block kept at 32K-128K, "
+        "-4.2%..+5.6% with torch's fixed segments or torchtitan's fp32 combine, -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
         "docs/skills/preflight.md); step time: "
