@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from framework import compat
+from framework import alloc_conf, compat
 
 _INSTALLED = False
 
@@ -87,8 +87,6 @@ def apply_allocator_default() -> None:
     """A rank's allocator settings (framework.alloc_conf): the default goes into the environment for
     this process and its children, and into torch's allocator when CUDA already started here (the
     launching process's preflight may have asked the GPU's memory before this rank trains)."""
-    from framework import alloc_conf
-
     if alloc_conf.set_default() and has_accelerator() and torch.cuda.is_initialized():
         torch.cuda.memory._set_allocator_settings(alloc_conf.DEFAULT)
 

@@ -55,7 +55,7 @@ FREE = (
     "training.kernel_cache", "training.autotune_configs", "training.on_nonfinite", "training.max_skips",
     "data.num_workers", "data.wait_timeout", "loss", "state", "state.reshard_after_forward", "state.offload",
     "state.offload_threads", "precision", "moe.comm", "moe.chunk", "moe.load_balance_coeff",
-    "checkpoint", "lr.total_steps", "adapter.dropout", "optimizer.lr",
+    "moe.lean_combine", "checkpoint", "lr.total_steps", "adapter.dropout", "optimizer.lr",
 )
 
 

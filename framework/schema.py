@@ -111,7 +111,8 @@ class MoEConfig:
     chunk: str = "none"  # registry.yaml kind `moe_chunk`
     load_balance_coeff: Optional[float] = 1e-3
     routing_replay: bool = False  # route every MoE layer to the rollouts' routed_experts (docs/skills/routing_replay.md)
-    lean_combine: Optional[bool] = None  # score expert outputs without fp32 copies, same values (docs/skills/lean_combine.md); null: where it applies
+    # score the expert outputs without fp32 copies, same values (docs/skills/lean_combine.md); null: where it runs
+    lean_combine: Optional[bool] = None
 
 
 @dataclass

@@ -87,16 +87,15 @@ def test_explicit_true_is_refused_where_it_cannot_run():
 
     with pytest.raises(UserError, match="standard all-to-all"):
         NoChunk.check(opts(NoChunk, comm="deepep", chunk="none", lean_combine=True), ctx("deepep", 2))
-    with pytest.raises(UserError, match="moe.chunk=auto"):
-        NoChunk.check(opts(NoChunk, comm="alltoall", chunk="none", lean_combine=True), ctx("standard", 4))
-    NoChunk.check(opts(NoChunk, comm="alltoall", chunk="none", lean_combine=True), ctx("standard", 1))
+    for ep in (1, 4):  # torchtitan's standard combine at any EP size
+        NoChunk.check(opts(NoChunk, comm="alltoall", chunk="none", lean_combine=True), ctx("standard", ep))
     AutoChunk.check(opts(AutoChunk, comm="alltoall", chunk="auto", lean_combine=True), ctx("standard", 4))
     for value in (None, False):  # unset: where it runs; false: torchtitan's expression everywhere
         NoChunk.check(opts(NoChunk, comm="deepep", chunk="none", lean_combine=value), ctx("deepep", 4))
 
 
 RUNNER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     from components.moe import lean_combine
     from framework import run
     from framework.resolve import resolve
@@ -106,28 +105,32 @@ RUNNER = textwrap.dedent("""
         calls[0] += 1
         return original(*a, **k)
     lean_combine.score_rows = counted
-    base, counts = sys.argv[1], {}
-    for name, value in (("lean", "null"), ("plain", "false")):
-        calls[0] = 0
-        r = resolve("debug_moe", [f"moe.lean_combine={value}", "training.steps=3", f"output_dir={base}/{name}",
-                                  "checkpoint.enable=false", "model.n_layers=2", "training.seq_len=64",
-                                  "training.local_batch=2", "logging.tensorboard=false", "recompute=full"])
-        run.train(r, report=False)
-        counts[name] = calls[0]
-    open(f"{base}/counts.json", "w").write(json.dumps(counts))
+    base, name, value, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    r = resolve("debug_moe", [f"moe.lean_combine={value}", "training.steps=3", f"output_dir={base}/{name}",
+                              "checkpoint.enable=false", "model.n_layers=2", "training.seq_len=64",
+                              "training.local_batch=2", "logging.tensorboard=false", "recompute=full", *extra])
+    assert r.layout.ep == (2 if extra else 1), r.layout.ep
+    run.train(r, report=False)
+    rank = os.environ.get("RANK", "0")
+    open(f"{base}/{name}/calls{rank}.json", "w").write(json.dumps(calls[0]))
 """)
 
 
-def test_training_with_it_equals_training_without_bitwise(tmp_path):
-    """The CPU trainer (torchtitan's MoE at EP 1, full recompute): the lean combine runs in every MoE
-    layer's forward and recompute, and the losses equal moe.lean_combine=false's bit for bit."""
+@pytest.mark.parametrize("nproc,extra", [(1, []), (2, ["parallel.ep=2"])], ids=["ep1", "ep2"])
+def test_training_with_it_equals_training_without_bitwise(tmp_path, nproc, extra):
+    """The CPU trainer (torchtitan's MoE, full recompute; one rank, and two ranks with FSDP2 and EP 2,
+    where torchtitan's standard EP combine runs under its default spmd_types backend): the lean combine
+    runs in every MoE layer's forward and recompute, and the losses equal moe.lean_combine=false's bit
+    for bit."""
     script = tmp_path / "runner.py"
     script.write_text(RUNNER)
-    proc = run_ranks(script, [tmp_path], 1, cwd=tmp_path, env={"APIARY_DEVICE": "cpu"})
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    counts = json.loads((tmp_path / "counts.json").read_text())
-    assert counts["plain"] == 0
-    assert counts["lean"] == 3 * 2 * 2  # 3 steps x 2 MoE layers x (forward + recompute)
+    for name, value in (("lean", "null"), ("plain", "false")):
+        proc = run_ranks(script, [tmp_path, name, value, *extra], nproc, cwd=tmp_path,
+                         env={"APIARY_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-4000:])
+        for rank in range(nproc):
+            calls = json.loads((tmp_path / name / f"calls{rank}.json").read_text())
+            assert calls == (3 * 2 * 2 if name == "lean" else 0), (name, rank, calls)  # 3 steps x 2 layers x 2
     lean, plain = read_metrics(tmp_path / "lean"), read_metrics(tmp_path / "plain")
     assert [r["loss"] for r in lean] == [r["loss"] for r in plain]
     assert [r["grad_norm"] for r in lean] == [r["grad_norm"] for r in plain]

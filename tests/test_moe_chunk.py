@@ -112,11 +112,12 @@ def _wrap(moe, recompute: str):
     return moe
 
 
-def _layer_case(moe_cfg, policy, mesh, rank, ref_state, x, g, recompute, skew):
+def _layer_case(moe_cfg, policy, mesh, rank, ref_state, x, g, recompute, skew, lean=False):
     import copy
 
     import torch
 
+    from components.moe import lean_combine
     from framework import devices
 
     cfg = copy.deepcopy(moe_cfg)
@@ -125,6 +126,8 @@ def _layer_case(moe_cfg, policy, mesh, rank, ref_state, x, g, recompute, skew):
     moe.load_state_dict(ref_state)
     _ep_shard(moe, mesh, rank, WORLD)
     devices.after_parallelize(moe)  # CPU: torchtitan's dispatcher through gloo's all_to_all_single
+    if lean:  # moe.lean_combine (unset or true): the scoring without fp32 copies, at EP 2 here
+        assert lean_combine.install(moe) == 1
     if skew:
         with torch.no_grad():  # every token picks experts 0..3: all rows go to rank 0
             moe.expert_bias_E.copy_(torch.tensor([10.0] * 4 + [0.0] * 4))
@@ -200,8 +203,41 @@ def _check_layer(rank, mesh):
                             continue
                         assert b[key].abs().max() > 0, (tag, key)
                         assert _max_rel_err(r[key], b[key]) < 2e-2, (tag, key, _max_rel_err(r[key], b[key]))
+            _check_lean_at_ep2(moe_cfg, mesh, rank, ref_state, x, g, skew, base)
     finally:
         auto_chunks.AUTO_TOKEN_TABLE, auto_chunks.AUTO_MIN_ROWS_PER_EXPERT, auto_chunks.AUTO_MIN_EP = table, floor, min_ep
+
+
+def _check_lean_at_ep2(moe_cfg, mesh, rank, ref_state, x, g, skew, base):
+    """moe.lean_combine at EP 2 (components/moe/lean_combine.py): torchtitan's standard EP combine
+    (moe.chunk=none) with the lean scoring equals it bit for bit, and the chunked path with it
+    equals the chunked path without it bit for bit; the lean scoring ran in every forward."""
+    import torch
+
+    from components.moe import chunk as chunk_mod
+    from components.moe import chunked_experts, lean_combine
+
+    calls = []
+    originals = lean_combine.score_rows, chunked_experts.score_rows
+
+    def counted(*a, **k):
+        calls.append(1)
+        return originals[0](*a, **k)
+
+    lean_combine.score_rows = chunked_experts.score_rows = counted
+    try:
+        for rc in ("none", "full"):
+            for name, policy, ref in (("none", chunk_mod.NoChunk, base[rc]),
+                                      ("chunk2", chunk_mod.chunk2,
+                                       _layer_case(moe_cfg, chunk_mod.chunk2, mesh, rank, ref_state, x, g, rc, skew))):
+                del calls[:]
+                r = _layer_case(moe_cfg, policy, mesh, rank, ref_state, x, g, rc, skew, lean=True)
+                tag = ("lean", name, f"recompute={rc}", "skew" if skew else "random", f"rank{rank}")
+                assert len(calls) == (1 if rc == "none" else 2), (tag, len(calls))  # forward (+ recompute)
+                for key in ("out", "dx", "gate", "w1", "w2", "w3", "counts"):
+                    assert torch.equal(r[key], ref[key]), (tag, key)
+    finally:
+        lean_combine.score_rows, chunked_experts.score_rows = originals
 
 
 def _check_model(rank, mesh):

@@ -37,6 +37,16 @@ def _with(r, **dims):
     return replace(r, layout=replace(r.layout, **dims))
 
 
+def _with_moe(r, **keys):
+    """The same resolved recipe with other ``moe:`` keys (a copy of its config)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(r.cfg))
+    for k, v in keys.items():
+        cfg.moe[k] = v
+    return replace(r, cfg=cfg)
+
+
 def _run(capsys, argv):
     rc = plan_main(argv)
     out, err = capsys.readouterr()
@@ -105,15 +115,17 @@ def test_zero1_params_follow_pp_and_ep(base):
 
 
 @pytest.mark.parametrize("alloc,fragmentation", [("expandable_segments:True", 0.0), ("expandable_segments:False", 0.08)])
-def test_full_recompute_terms_by_hand(base, monkeypatch, alloc, fragmentation):
-    """EP 8 with moe.chunk=none runs torchtitan's fp32 combine (4 buffer copies); the allocator's
-    reserve follows its setting (framework/alloc_conf.py)."""
+@pytest.mark.parametrize("lean,copies", [(None, 1), (False, 4)])
+def test_full_recompute_terms_by_hand(base, monkeypatch, alloc, fragmentation, lean, copies):
+    """The MoE's transient buffers follow the combine (the lean one: 1 copy; torchtitan's fp32 one,
+    moe.lean_combine=false: 4), the allocator's reserve its setting (framework/alloc_conf.py)."""
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc)
+    base = _with_moe(base, lean_combine=lean)
     p = planner.plan(base, loss="linear_ce")
     T, d, L, k = 131072 // 4, 2048, 40, 8
     assert p.memory_bytes["activations"] == T * L * d * 2  # block inputs only
-    assert p.memory_bytes["moe_dispatch_combine"] == round(T * k * d * 4 * 1.2 * 2)
+    assert p.memory_bytes["moe_dispatch_combine"] == round(T * k * d * copies * 1.2 * 2)
     head = 248320 * 2048 + 2048  # the lm_head unit (+ final norm), the largest FSDP unit
     assert p.memory_bytes["fsdp_reduce_scatter"] == head * 6
     assert p.memory_bytes["cp_kv_allgather"] == 131072 * 2 * (2 * 256) * 2 * 2

@@ -180,12 +180,12 @@ def _count_compose(monkeypatch) -> list:
                                "loss=chunked (94.9 GiB, 41,887 tok/s/GPU est.)",
                                "loss=linear_ce recompute=none (112.4 GiB, 55,756 tok/s/GPU est.)"]),
     ([*B, "training.seq_len=65536", "state=zero1"], 4, "H100", 80,
-     ["loss=linear_ce (73.5 GiB, 42,638 tok/s/GPU est.)",
-      "loss=linear_ce state=fsdp2 (70.5 GiB, 42,881 tok/s/GPU est.)",
-      "loss=linear_ce recompute=auto (73.6 GiB, 42,638 tok/s/GPU est.)"]),
+     ["loss=linear_ce (63.1 GiB, 42,638 tok/s/GPU est.)",
+      "loss=chunked (68.6 GiB, 37,142 tok/s/GPU est.)",
+      "parallel.ep=2 loss=linear_ce (67.6 GiB, 44,230 tok/s/GPU est.)"]),
     ([*B, "training.seq_len=262144", "parallel.cp=8"], 8, "H100", 80,
-     ["loss=linear_ce (63.6 GiB, 24,977 tok/s/GPU est.)", "loss=chunked (69.0 GiB, 22,984 tok/s/GPU est.)",
-      "parallel.ep=2 loss=linear_ce (64.2 GiB, 25,915 tok/s/GPU est.)"]),
+     ["loss=linear_ce (53.1 GiB, 24,977 tok/s/GPU est.)", "loss=chunked (58.5 GiB, 22,984 tok/s/GPU est.)",
+      "parallel.ep=2 loss=linear_ce (53.7 GiB, 25,915 tok/s/GPU est.)"]),
 ])
 def test_preflight_suggestions_are_the_same_without_resolving_again(workdir, monkeypatch, overrides, gpus, gpu, mem,
                                                                     expected):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from components.moe.auto_chunks import AUTO_MIN_EP
 from components.moe.comm import MoeOptions
-from framework import registry
 from framework.contracts import PlanConstant, PlanTerms
 from framework.errors import UserError
 
@@ -42,31 +41,22 @@ def _backend(ctx) -> str:
     return ctx.components["moe_comm"].torchtitan_backend
 
 
-def _check_lean(options, ctx, chunked: bool) -> None:
+def _check_lean(options, ctx) -> None:
     """``moe.lean_combine=true`` where the lean scoring cannot run is refused (null: where it runs)."""
-    if options.lean_combine is not True:
-        return
-    if _backend(ctx) != "standard":
+    if options.lean_combine is True and _backend(ctx) != "standard":
         raise UserError("moe.lean_combine=true", f"the lean combine scores torchtitan's standard all-to-all "
                         f"combine; moe.comm={options.comm} combines with its own kernels.",
                         "Leave moe.lean_combine unset (null) or false with this moe.comm.")
-    layout = getattr(ctx, "layout", None)
-    if not chunked and layout is not None and layout.ep > 1:
-        raise UserError("moe.lean_combine=true", f"with moe.chunk=none and EP {layout.ep} torchtitan's own EP "
-                        "combine runs, which keeps its fp32 copies; the lean combine runs at EP 1 or in the "
-                        "chunked path.", "Use moe.chunk=auto (or chunk2..4), or leave moe.lean_combine unset.")
 
 
-def _fp32_combine(options, ctx, chunked: bool) -> bool:
+def _fp32_combine(options, ctx) -> bool:
     """Whether the MoE combine keeps torchtitan's fp32 copies (the planner's ``fp32_combine`` fact):
-    moe.lean_combine=false, another dispatcher, or torchtitan's own EP > 1 combine. The planner
-    passes no options for this kind (its section is ``moe:``): the recipe's ``moe:`` then."""
+    moe.lean_combine=false or another dispatcher. The planner passes no options for this kind (its
+    section is ``moe:``): the recipe's ``moe:`` then."""
     moe = options if options is not None and hasattr(options, "lean_combine") else ctx.cfg.moe
-    components = getattr(ctx, "components", None) or {}
-    backend = (components["moe_comm"] if "moe_comm" in components
-               else registry.resolve("moe_comm", str(moe.comm))).torchtitan_backend
-    ep = int(getattr(getattr(ctx, "layout", None), "ep", 1) or 1)
-    return moe.lean_combine is False or backend != "standard" or (not chunked and ep > 1)
+    chosen = getattr(ctx, "components", None) or {}
+    backend = chosen["moe_comm"].torchtitan_backend if "moe_comm" in chosen else "standard"
+    return moe.lean_combine is False or backend != "standard"
 
 
 def _use_lean(options, tc) -> None:
@@ -90,7 +80,7 @@ class NoChunk:
 
     @staticmethod
     def check(options, ctx) -> None:
-        _check_lean(options, ctx, chunked=False)
+        _check_lean(options, ctx)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
@@ -100,7 +90,7 @@ class NoChunk:
     def plan_terms(opts, ctx) -> PlanTerms:
         """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
         return PlanTerms(facts={"chunks": 1, "overlap": _overlap(ctx, "none"),
-                                "fp32_combine": _fp32_combine(opts, ctx, chunked=False)})
+                                "fp32_combine": _fp32_combine(opts, ctx)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -128,7 +118,7 @@ class Chunked:
     def check(self, options, ctx) -> None:
         """Before any worker starts: refuse dispatchers this policy cannot chunk (UserError)."""
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
-        _check_lean(options, ctx, chunked=True)
+        _check_lean(options, ctx)
 
     def apply(self, options, tc, ctx) -> None:
         self.convert(tc.model_spec.model)
@@ -140,7 +130,7 @@ class Chunked:
     def plan_terms(self, opts, ctx) -> PlanTerms:
         """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
         return PlanTerms(facts={"chunks": self.num_chunks, "overlap": _overlap(ctx, f"chunk{self.num_chunks}"),
-                                "fp32_combine": _fp32_combine(opts, ctx, chunked=True)})
+                                "fp32_combine": _fp32_combine(opts, ctx)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -163,7 +153,7 @@ class AutoChunk:
     @staticmethod
     def check(options, ctx) -> None:
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
-        _check_lean(options, ctx, chunked=True)
+        _check_lean(options, ctx)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
@@ -175,7 +165,7 @@ class AutoChunk:
         """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
         all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
         return PlanTerms(facts={"chunks": 2, "overlap": _overlap(ctx, "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"),
-                                "fp32_combine": _fp32_combine(opts, ctx, chunked=True)})
+                                "fp32_combine": _fp32_combine(opts, ctx)})
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).

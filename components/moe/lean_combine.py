@@ -15,10 +15,11 @@ autograd runs for torchtitan's expression, so forward and both gradients are bit
 per-row sum runs the same reduction over ``dim`` for any number of rows; tests/test_lean_combine.py
 pairs it with ``score_rows_reference``, torchtitan's expression, bit for bit).
 
-Where it applies: the EP=1 combine of torchtitan's local and standard all-to-all dispatchers
-(an instance-level ``combine`` installed when the model is parallelized) and the chunked EP path's
-scoring (components/moe/chunked_experts.py). torchtitan's EP>1 unchunked combine
-(``moe.chunk=none`` with EP>1), DeepEP and HybridEP keep their own arithmetic.
+Where it applies: the combine of torchtitan's local and standard all-to-all dispatchers at any EP
+size (an instance-level ``combine`` installed when the model is parallelized: at EP > 1 it runs the
+dispatcher's own unpermute and combine all-to-all, then scores) and the chunked EP path's scoring
+(components/moe/chunked_experts.py). DeepEP and HybridEP keep their own arithmetic, and so does the
+standard combine under spmd_types type checking (a debug mode).
 """
 
 from __future__ import annotations
@@ -71,13 +72,28 @@ def score_rows_reference(out_RD: torch.Tensor, scores_R: torch.Tensor) -> torch.
     return (out_RD.to(torch.float32) * scores_R.reshape(-1, 1)).to(out_RD.dtype)
 
 
-def _local_combine(dispatcher, original):
-    """``dispatcher.combine`` with the lean scoring where the dispatcher combines locally (EP=1)."""
-    from torchtitan.ops.scatter_add import deterministic_scatter_add  # reason: torchtitan, at build only
+def _lean_combine(dispatcher, original):
+    """``dispatcher.combine`` with the lean scoring: at EP 1 the local combine; at EP > 1 the
+    dispatcher's own unpermute and combine all-to-all first (its methods, on the EP group it would
+    use under either SPMD backend), then the lean scoring and the same scatter-add. Under spmd_types
+    type checking (a debug mode): torchtitan's own combine."""
+    import spmd_types as spmd  # reason: torchtitan's dependency, at build only
+    from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh  # reason: as above
+    from torchtitan.distributed.utils import get_spmd_backend  # reason: as above
+    from torchtitan.ops.scatter_add import deterministic_scatter_add  # reason: as above
 
     def combine(routed_output_RD, metadata, x_TD):
-        if getattr(dispatcher, "ep_mesh", None) is not None:  # EP > 1: torchtitan's own path
-            return original(routed_output_RD, metadata, x_TD)
+        mesh = getattr(dispatcher, "ep_mesh", None)
+        if mesh is not None:
+            typed = get_spmd_backend() == "spmd_types"
+            if (typed and spmd.is_type_checking()) or not hasattr(metadata, "input_splits"):
+                return original(routed_output_RD, metadata, x_TD)
+            with maybe_set_sparse_mesh():
+                group = current_spmd_mesh().get_group("ep") if typed else mesh.get_group()
+                routed_output_RD = dispatcher._unpermute(routed_output_RD, metadata.input_shape,
+                                                         metadata.permuted_indices)
+                routed_output_RD = dispatcher._combine_token_exchange(routed_output_RD, group, metadata.input_splits,
+                                                                      metadata.output_splits)
         scored = score_rows(routed_output_RD, metadata.topk_scores_experts_sorted_N)
         idx = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
         return deterministic_scatter_add(torch.zeros_like(x_TD), idx, scored)
@@ -87,18 +103,18 @@ def _local_combine(dispatcher, original):
 
 
 def install(model: torch.nn.Module) -> int:
-    """Lean scoring on every MoE layer of ``model``; returns the layers changed. torchtitan's local
-    and standard all-to-all dispatchers (exactly those classes) get the instance-level combine; the
-    chunked experts (components.moe.chunked_experts) score with ``score_rows``."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    """Lean scoring on every MoE layer of ``model``; returns the dispatchers changed. torchtitan's
+    local and standard all-to-all dispatchers (exactly those classes) get the instance-level
+    combine; the chunked experts (components.moe.chunked_experts) score with ``score_rows``."""
+    from torchtitan.models.common import token_dispatcher as td  # reason: torchtitan, at build only
 
     changed = 0
     for m in model.modules():
         if getattr(m, "LEAN_SCORING", None) is False:  # ChunkedRoutedExperts: its chunked path
             m.LEAN_SCORING = True
         d = getattr(m, "token_dispatcher", None)
-        if type(d) in (LocalTokenDispatcher, AllToAllTokenDispatcher) and not getattr(d.combine, "lean", False):
-            d.combine = _local_combine(d, d.combine)
+        if type(d) in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher) and not getattr(d.combine, "lean", False):
+            d.combine = _lean_combine(d, d.combine)
             changed += 1
     return changed
 

@@ -81,13 +81,19 @@ def for_settings(c: Constants, *, expandable: bool, fp32_combine: bool) -> Const
     return c
 
 
+def _chosen(resolved) -> dict:
+    """The components resolve chose (kind -> object), for plan_terms that read another kind's choice."""
+    return dict(resolved.ctx.components) if getattr(resolved, "ctx", None) is not None else {}
+
+
 def run_constants(resolved, base: Constants, ch: dict[str, str], hw: Hardware) -> Constants:
     """``base`` for the settings this run uses (``for_settings``): the allocator's from the
     environment its ranks start with, the MoE combine's from the moe_chunk component's
     ``fp32_combine`` fact."""
     c = for_settings(base, expandable=alloc_conf.expandable(), fp32_combine=False)
     _, pc = shapes_and_context(resolved, c, hw)
-    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc)
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc,
+                  components=_chosen(resolved))
     moe = parts.ask("moe_chunk", ch["moe_chunk"], ctx, [])[1]
     return for_settings(base, expandable=alloc_conf.expandable(), fp32_combine=True) \
         if moe.facts.get("fp32_combine") else c
@@ -130,7 +136,8 @@ class Asked:
 
 def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list[str]) -> Asked:
     """precision, recompute and moe_chunk once; the state backend per stage (see stage_memory)."""
-    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc)
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc,
+                  components=_chosen(resolved))
     prec_name = str(getattr(resolved.cfg.get("precision"), "name", parts.defaults()["precision"]))
     asked = Asked(names=dict(ch))
     asked.names["precision"], asked.terms["precision"] = parts.ask("precision", prec_name, ctx, warnings)
