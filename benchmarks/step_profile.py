@@ -88,16 +88,8 @@ def segment_lines(snapshot: dict, top: int = 15) -> list[str]:
     for stream, (total, alloc, n) in sorted(by_stream.items(), key=lambda kv: -kv[1][0]):
         out.append(f"{'stream ' + hex(stream):50s} {total / 2**30:12.3f} {alloc / 2**30:13.3f} {n:8d}")
     grow: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    cur = 0
-    sizes: dict[int, int] = {}
     for ev in snapshot["device_traces"][0] if snapshot.get("device_traces") else []:
-        act = ev.get("action")
-        if act == "alloc":
-            sizes[ev.get("addr")] = int(ev.get("size", 0))
-            cur += sizes[ev.get("addr")]
-        elif act == "free_completed":
-            cur -= sizes.pop(ev.get("addr"), 0)
-        elif act in ("segment_alloc", "segment_map"):
+        if ev.get("action") in ("segment_alloc", "segment_map"):
             row = grow[_site(ev.get("frames", []))]
             row[0] += int(ev.get("size", 0))
             row[1] += 1

@@ -76,7 +76,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from components.moe.auto_chunks import auto_num_chunks
-from components.moe.lean_combine import score_rows
+from components.moe.lean_combine import score_rows, score_rows_reference
 
 # torchtitan's GroupedExperts runs its grouped GEMMs in bf16 whatever the activation dtype.
 GEMM_DTYPE = torch.bfloat16
@@ -352,10 +352,8 @@ class ChunkedRoutedExperts(RoutedExperts):
         ex = self.inner_experts
         routed_out_N = _ChunkedExperts.apply(routed_in_N, _local(ex.w1_EFD), _local(ex.w2_EDF),
                                              _local(ex.w3_EFD), plan)
-        if self.LEAN_SCORING:  # moe.lean_combine (components/moe/lean_combine.py): same values, bf16 saves
-            routed_out_N = score_rows(routed_out_N, scores_N)
-        else:
-            routed_out_N = (routed_out_N.to(torch.float32) * scores_N.reshape(-1, 1)).to(routed_out_N.dtype)
+        # moe.lean_combine (components/moe/lean_combine.py): the same values with bf16 saves
+        routed_out_N = (score_rows if self.LEAN_SCORING else score_rows_reference)(routed_out_N, scores_N)
         out_TD = deterministic_scatter_add(torch.zeros_like(x_TD), token_N.reshape(-1, 1).expand(-1, D),
                                            routed_out_N)
         self.schedule_runs += 1
