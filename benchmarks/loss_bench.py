@@ -30,6 +30,10 @@ Time: median of --iters timed runs after --warmup runs (CUDA events on GPU, perf
 Memory: torch.cuda.max_memory_allocated() during one fwd+bwd minus the allocation before it
 (inputs and any earlier .grad freed); gradients of hidden and weight are counted. CPU: n/a.
 Ratio: row time / gemms time at the same shape.
+Gradient check (every cross-entropy row: ce, chunked, linear_ce*, liger, cce, quack): after timing,
+one more fwd+bwd, and the relative error ||g - g_ref|| / ||g_ref|| of d(hidden) and d(weight) against an
+fp32 reference (logits in fp32, summed cross-entropy, computed in chunks); a row whose error exceeds
+--grad-tol (default 2e-2 in bf16, 1e-4 in fp32) is reported as status "wrong" and loses its time.
 """
 
 from __future__ import annotations
@@ -239,6 +243,37 @@ def fwdgrad_knob_sets(args):
     return out
 
 
+CE_ROWS = {"ce", "chunked", "linear_ce", "linear_ce_fused", "liger", "cce", "quack", "linear_ce_fwdgrad"}
+
+
+def reference_grads(h, w, labels, chunk: int = 4096):
+    """d(hidden), d(weight) of the summed fp32 cross-entropy of logits h w^T, in fp32, chunk by chunk
+    over tokens (the baseline every cross-entropy row's gradients are checked against)."""
+    w32 = w.detach().float()
+    dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dw = torch.zeros_like(w32)
+    for s in range(0, h.shape[0], chunk):
+        hc = h.detach()[s:s + chunk].float()
+        z = hc @ w32.T
+        dz = torch.softmax(z, dim=-1)
+        del z
+        dz[torch.arange(hc.shape[0], device=h.device), labels[s:s + chunk]] -= 1.0
+        dh[s:s + chunk] = dz @ w32
+        dw.addmm_(dz.T, hc)
+        del dz
+    return dh, dw
+
+
+def grad_error(h, w, ref) -> float:
+    """The larger relative error of h.grad and w.grad against ``ref`` (inf if one is missing)."""
+    errs = []
+    for g, r in ((h.grad, ref[0]), (w.grad, ref[1])):
+        if g is None:
+            return float("inf")
+        errs.append(((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return max(errs)
+
+
 # ---- measurement ------------------------------------------------------------------------------
 
 
@@ -264,7 +299,7 @@ class Timer:
         return time.perf_counter() - t
 
 
-def bench_row(name, h, w, labels, args, timer: Timer, knobs=None) -> dict:
+def bench_row(name, h, w, labels, args, timer: Timer, knobs=None, ref=None) -> dict:
     def zero():
         h.grad = None
         w.grad = None
@@ -293,10 +328,16 @@ def bench_row(name, h, w, labels, args, timer: Timer, knobs=None) -> dict:
         run()
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
+    err = None
+    if ref is not None:
+        zero()
+        run()
+        timer.sync()
+        err = grad_error(h, w, ref)
     zero()
     del keep
     return {"time_ms": statistics.median(times) * 1e3, "times_ms": [t * 1e3 for t in times],
-            "extra_peak_bytes": extra}
+            "extra_peak_bytes": extra, "grad_rel_err": err}
 
 
 def main(argv=None) -> int:
@@ -320,6 +361,9 @@ def main(argv=None) -> int:
     p.add_argument("--fwdgrad-warps", type=int, nargs="+", default=[16], help="row kernel num_warps")
     p.add_argument("--fwdgrad-streams", type=int, nargs="+", default=[1], choices=[1, 2],
                    help="2: dH/dW GEMMs of chunk i on a side stream, overlapping chunk i+1 (two logits buffers)")
+    p.add_argument("--grad-tol", type=float, default=None,
+                   help="largest relative gradient error of a cross-entropy row (default 2e-2 bf16, 1e-4 fp32)")
+    p.add_argument("--no-grad-check", action="store_true", help="skip the fp32 reference and the gradient check")
     p.add_argument("--row-timeout", type=float, default=300.0, help="seconds per row (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -333,6 +377,7 @@ def main(argv=None) -> int:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
+    tol = args.grad_tol if args.grad_tol is not None else (2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4)
     timer = Timer(args.device)
     env = {"torch": torch.__version__, "device": args.device,
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
@@ -360,6 +405,7 @@ def main(argv=None) -> int:
         labels = torch.randint(0, vocab, (n,), generator=g).to(args.device)
         h.requires_grad_(True)
         w.requires_grad_(True)
+        ref = None if args.no_grad_check or not any(j[1] in CE_ROWS for j in jobs) else reference_grads(h, w, labels)
         gemm_ms = None
         for label, name, knobs in jobs:
             row = {"row": label, "tokens": n, "hidden": hidden, "vocab": vocab, "dtype": args.dtype}
@@ -367,8 +413,11 @@ def main(argv=None) -> int:
                 row["knobs"] = knobs
             try:
                 with time_limit(args.row_timeout):
-                    row.update(bench_row(name, h, w, labels, args, timer, knobs))
+                    row.update(bench_row(name, h, w, labels, args, timer, knobs, ref if name in CE_ROWS else None))
                 row["status"] = "ok"
+                if row.get("grad_rel_err") is not None and not row["grad_rel_err"] <= tol:
+                    row.update(status="wrong", note=f"gradients off the fp32 reference by {row['grad_rel_err']:.2e} "
+                                                    f"(tolerance {tol:.0e})")
             except ImportError as e:
                 row.update(status="skipped", note=f"not installed: {e}")
             except RowTimeout as e:
@@ -389,7 +438,7 @@ def main(argv=None) -> int:
             if row.get("status") == "ok" and gemm_ms:
                 row["ratio_to_gemms"] = row["time_ms"] / gemm_ms
             results.append(row)
-        del h, w, labels
+        del h, w, labels, ref
     from components.losses.lm_head import fwdgrad
 
     env["fwdgrad_cublas_fallbacks"] = sorted(fwdgrad.FALLBACKS)  # [] = bf16-in/fp32-out GEMMs ran in place
@@ -406,7 +455,7 @@ def _print_table(report) -> None:
     from rich.table import Table
 
     t = Table(title=f"LM head + loss fwd+bwd ({report['env']['device_name']}, {report['args']['dtype']})")
-    for col in ("H", "V", "tokens", "row", "time (ms)", "x 3 GEMMs", "extra peak (GiB)", "status"):
+    for col in ("H", "V", "tokens", "row", "time (ms)", "x 3 GEMMs", "extra peak (GiB)", "grad err", "status"):
         t.add_column(col)
     for r in report["results"]:
         ok = r.get("status") == "ok"
@@ -414,6 +463,7 @@ def _print_table(report) -> None:
                   f"{r['time_ms']:.2f}" if ok else "-",
                   f"{r['ratio_to_gemms']:.2f}" if ok and "ratio_to_gemms" in r else "-",
                   f"{r['extra_peak_bytes'] / 2**30:.2f}" if ok and r.get("extra_peak_bytes") is not None else "n/a",
+                  f"{r['grad_rel_err']:.1e}" if r.get("grad_rel_err") is not None else "-",
                   r.get("status", "?") + (f": {r['note']}" if r.get("note") else ""))
     Console(width=200).print(t)
 

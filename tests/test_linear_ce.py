@@ -389,3 +389,42 @@ def test_loss_bench_cpu_smoke(tmp_path):
     for name in ("liger", "cce"):  # guarded imports: a note, not a crash
         assert rows[name]["status"] in ("ok", "skipped"), rows[name]
     assert "linear_ce" in proc.stdout  # the rich table
+    for name in ("ce", "chunked", "linear_ce", "linear_ce_fused"):  # checked against the fp32 reference
+        assert rows[name]["grad_rel_err"] < 1e-5, rows[name]
+    assert rows["gemms"]["grad_rel_err"] is None and rows["logprob"]["grad_rel_err"] is None  # other objectives
+
+
+def _load_loss_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loss_bench_under_test", ROOT / "benchmarks" / "loss_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_loss_bench_reference_gradients_and_a_wrong_row(tmp_path, monkeypatch):
+    """The bench's fp32 reference equals autograd's gradients of the summed cross-entropy, and a row whose
+    gradients are off (here: 3% too large) is reported as wrong instead of timed."""
+    lb = _load_loss_bench()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 50, (37,), generator=g)
+    F.cross_entropy(h @ w.T, y, reduction="sum").backward()
+    dh, dw = lb.reference_grads(h, w, y, chunk=8)  # uneven last chunk
+    torch.testing.assert_close(dh.double(), h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw.double(), w.grad, rtol=1e-5, atol=1e-6)
+
+    def make_off(h, w, labels):
+        def run():
+            (1.03 * F.cross_entropy((h @ w.T).float(), labels, reduction="sum")).backward()
+        return run
+
+    monkeypatch.setitem(lb.MAKERS, "ce", make_off)
+    out = tmp_path / "lb.json"
+    assert lb.main(["--device", "cpu", "--tokens", "64", "--vocab", "256", "--hidden", "32", "--iters", "1",
+                    "--warmup", "0", "--rows", "gemms", "ce", "linear_ce", "--out", str(out)]) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["ce"]["status"] == "wrong" and "off the fp32 reference by 3.00e-02" in rows["ce"]["note"], rows["ce"]
+    assert rows["linear_ce"]["status"] == "ok" and rows["linear_ce"]["grad_rel_err"] < 1e-5
