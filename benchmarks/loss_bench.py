@@ -15,7 +15,8 @@ Rows (each in its own try/except, with a per-row time limit):
   liger      Liger-Kernel's fused linear cross-entropy (skipped with a note if not installed)
   cce        Cut Cross-Entropy (skipped with a note if not installed)
   quack      quack-kernels' chunked linear cross-entropy (its default: the scaled-exp pipeline on
-             SM90 with bf16 and V % 128 == 0; skipped with a note if not installed)
+             SM90 with bf16 and V % 128 == 0; skipped with a note if not installed; measured with
+             quack-kernels==0.6.0 and the nvidia-cutlass-dsl==4.6.0 it pins, docs/skills/linear_ce.md)
 Rows of the gradient-in-forward schedule (backend "fwdgrad", three GEMM passes; opt-in with
 --rows, one row per combination of the --fwdgrad-* knobs, named with the knob values):
   linear_ce_fwdgrad  linear_cross_entropy(backend="fwdgrad")
@@ -33,7 +34,8 @@ Ratio: row time / gemms time at the same shape.
 Gradient check (every cross-entropy row: ce, chunked, linear_ce*, liger, cce, quack): after timing,
 one more fwd+bwd, and the relative error ||g - g_ref|| / ||g_ref|| of d(hidden) and d(weight) against an
 fp32 reference (logits in fp32, summed cross-entropy, computed in chunks); a row whose error exceeds
---grad-tol (default 2e-2 in bf16, 1e-4 in fp32) is reported as status "wrong" and loses its time.
+--grad-tol (default 2e-2 in bf16, 1e-4 in fp32; 5e-2 for cce, whose default gradient filtering is a
+published approximation) is reported as status "wrong" and loses its time.
 """
 
 from __future__ import annotations
@@ -244,6 +246,10 @@ def fwdgrad_knob_sets(args):
 
 
 CE_ROWS = {"ce", "chunked", "linear_ce", "linear_ce_fused", "liger", "cce", "quack", "linear_ce_fwdgrad"}
+# A row's own gradient tolerance where its published default is an approximation: Cut-CE's gradient
+# filtering (filter_eps="auto") drops softmax entries below bf16 resolution from the backward; measured
+# 2.15e-2 off the fp32 reference on an H200 at 8K and 32K tokens (every exact row: 1.7e-3 to 2.3e-3).
+ROW_GRAD_TOL = {"cce": 5e-2}
 
 
 def reference_grads(h, w, labels, chunk: int = 4096):
@@ -415,9 +421,10 @@ def main(argv=None) -> int:
                 with time_limit(args.row_timeout):
                     row.update(bench_row(name, h, w, labels, args, timer, knobs, ref if name in CE_ROWS else None))
                 row["status"] = "ok"
-                if row.get("grad_rel_err") is not None and not row["grad_rel_err"] <= tol:
+                row_tol = tol if args.grad_tol is not None else max(tol, ROW_GRAD_TOL.get(name, 0.0))
+                if row.get("grad_rel_err") is not None and not row["grad_rel_err"] <= row_tol:
                     row.update(status="wrong", note=f"gradients off the fp32 reference by {row['grad_rel_err']:.2e} "
-                                                    f"(tolerance {tol:.0e})")
+                                                    f"(tolerance {row_tol:.0e})")
             except ImportError as e:
                 row.update(status="skipped", note=f"not installed: {e}")
             except RowTimeout as e:
