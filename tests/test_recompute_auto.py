@@ -251,7 +251,7 @@ def test_the_recipe_on_h200_chooses_per_block(capsys):
     line = next(x for x in r.data_summary.splitlines() if x.startswith("recompute per block:"))
     assert line.startswith("recompute per block: attention blocks: 10 kept; "
                            "linear_attention blocks: 3 kept, 1 ffn rerun, 26 recomputed ("), line
-    assert "planned 128.6 GiB of 140.0 GiB" in line
+    assert "planned 128.6 GiB (torch reserved 126.1 + CUDA context and NCCL 2.5) of 140.0 GiB" in line
     policies = per_layer(d["blocks"], r.facts.layer_mixers, r.facts.n_layers)
     assert policies.count("none") == 13 and policies.count("ffn") == 1 and policies.count("full") == 26
     assert policies[-6:] == ["ffn", "none", "none", "none", "none", "none"]  # the kept ones last

@@ -205,9 +205,12 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
     mem_cap = int(rec.facts.get("budget_bytes") or mem_cap)
     budget = mem_cap * (1 - float(rec.facts.get("margin", 0.0)))
 
-    def total(i):
+    def items(i):
         trial = Asked(names=asked.names, terms={**asked.terms, "recompute": cands[i]})
-        return sum(x.bytes for x in stage_memory(resolved, sh, trial, pc, [])[1])
+        return stage_memory(resolved, sh, trial, pc, [])[1]
+
+    def total(i):
+        return sum(x.bytes for x in items(i))
 
     lo, hi = 0, len(cands) - 1
     if total(lo) > budget:
@@ -218,7 +221,9 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
             lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
         best, fits = lo, True
     chosen = cands[best]
-    why = (f"planned {total(best) / GiB:,.1f} GiB of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
+    outside = sum(x.bytes for x in items(best) if x.name == "cuda_context_nccl")  # not in torch's reserve
+    why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
+           f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
            f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
     asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why},
                                        notes=[*chosen.notes, why])
