@@ -1,11 +1,13 @@
-"""state.offload_overlap=true (components/state/offload.py) against state.offload=optimizer without
-overlap and against state.offload=none, on CPU gloo ranks.
+"""state.offload_overlap=true and state.offload_update=device (components/state/offload.py) against
+state.offload=optimizer without overlap and against state.offload=none, on CPU gloo ranks.
 
 One spawn of 2 worker processes (one 2-rank world, FSDP2 over 2 ranks, EP 2) trains the debug_moe
 recipe for 3 steps with gradient accumulation 2 (local batch 1, global batch 4) and a clip that
 clips every step (training.max_norm far below the grad norm), checkpointing at step 2:
   none: offload=none; off: offload=optimizer; ovl: offload=optimizer + offload_overlap, with small
-  host-update chunks; ovl->resume: ovl's step-2 checkpoint resumed to step 3.
+  host-update chunks; ovl->resume: ovl's step-2 checkpoint resumed to step 3; dev: offload=optimizer
+  with offload_update=device (moments on the host, the update on the device, in small chunks);
+  dev->resume: dev's step-2 checkpoint resumed with dev; none->dev: none's resumed with dev.
 On CPU the overlap's copies are synchronous, but the path is the GPU's: FSDP2 calls the hooks after
 each reduce-scatter, the clip goes through framework.compat's GRAD_SCALE_OWNER and the host update
 runs chunk by chunk.
@@ -64,7 +66,7 @@ def _run_job(job: dict, rank: int, port: int) -> dict:
     if rank == 0:
         run.write_run_files(r)
     tc = trainer_config(r)
-    if "overlap=true" in " ".join(job["overrides"]):
+    if "overlap=true" in " ".join(job["overrides"]) or "offload_update=device" in " ".join(job["overrides"]):
         tc.optimizer.chunk_bytes = CHUNK_BYTES
     trainer = tc.build()
     try:
@@ -72,6 +74,13 @@ def _run_job(job: dict, rank: int, port: int) -> dict:
         opt = trainer.optimizers
         out = {"model": _locals({k: v for m in trainer.model_parts for k, v in m.state_dict().items()}),
                "optim": _locals(opt.state_dict()), "grad_accum": None, "copies": None}
+        if type(opt).__name__ == "DeviceUpdateOptimizers":
+            states = [(p, opt._opt_of[id(p)].state[p]) for p in opt._params]
+            out.update(chunk_steps=opt.chunk_steps, chunks=len(opt._chunks), n_params=len(opt._params),
+                       host_moments=len(opt._host),
+                       # between steps every moment is the host tensor the optimizer keeps, not a device one
+                       moments_are_host=all(st[k] is opt._host[(id(p), k)] for p, st in states
+                                            for k in ("exp_avg", "exp_avg_sq")))
         if type(opt).__name__ == "HostOptimizers":
             out.update(grad_accum=opt.grad_accum, copies=opt.copies, late_copies=opt.late_copies,
                        n_params=len(opt._pairs), chunks=len(opt._chunks) if opt.overlap else 0)
@@ -109,12 +118,18 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("overlap")
     ovl = ["state.offload=optimizer", "state.offload_overlap=true"]
+    dev = ["state.offload=optimizer", "state.offload_update=device"]
     jobs = [
         {"name": "none", "overrides": ["state.offload=none"], "out": str(base / "none")},
         {"name": "off", "overrides": ["state.offload=optimizer"], "out": str(base / "off")},
         {"name": "ovl", "overrides": ovl, "out": str(base / "ovl")},
         {"name": "ovl->resume", "overrides": [*ovl, "checkpoint.resume=true"], "out": str(base / "ovl_resume"),
          "copy_from": str(base / "ovl")},
+        {"name": "dev", "overrides": dev, "out": str(base / "dev")},
+        {"name": "dev->resume", "overrides": [*dev, "checkpoint.resume=true"], "out": str(base / "dev_resume"),
+         "copy_from": str(base / "dev")},
+        {"name": "none->dev", "overrides": [*dev, "checkpoint.resume=true"], "out": str(base / "none_dev"),
+         "copy_from": str(base / "none")},
     ]
     procs = spawn_ranks(_worker, 2, jobs, [free_port() for _ in jobs], str(base), join=False)
     deadline = time.time() + 600
@@ -317,3 +332,62 @@ def test_nonfinite_norm_reaches_the_guard_and_a_skipped_step_leaves_no_trace():
         if overlap:
             assert opt.copies == 3 * len(params) and opt.late_copies == 0 and len(opt._chunks) >= 2
     assert all(torch.equal(a, b) for a, b in zip(final[False], final[True]))
+
+
+def test_device_update_is_bit_equal_to_offload_none(runs):
+    """offload_update=device steps torch's AdamW (the same optimizer objects offload=none builds) on the
+    same device parameters, one chunk at a time: parameters, moments, losses and norms equal bit for bit,
+    and between steps every moment is the host tensor the optimizer keeps."""
+    for rank in (0, 1):
+        dev, none = runs["dev"][rank], runs["none"][rank]
+        _assert_states(dev["model"], none["model"])
+        _assert_states(dev["optim"], none["optim"])
+        assert [r["loss"] for r in dev["metrics"]] == [r["loss"] for r in none["metrics"]]
+        assert [r["grad_norm"] for r in dev["metrics"]] == [r["grad_norm"] for r in none["metrics"]]
+        assert dev["chunks"] > 2 and dev["chunk_steps"] == 3 * dev["chunks"]  # every chunk, every step
+        assert dev["host_moments"] == 2 * dev["n_params"] and dev["moments_are_host"]
+
+
+def test_device_update_checkpoints_interchange_with_offload_none(runs):
+    """dev's step-2 checkpoint resumed with dev reaches dev's step 3, and none's step-2 checkpoint resumed
+    with dev reaches none's step 3: bit for bit (the checkpoint layout is offload=none's)."""
+    for rank in (0, 1):
+        for resumed, whole in (("dev->resume", "dev"), ("none->dev", "none")):
+            res, ref = runs[resumed][rank], runs[whole][rank]
+            assert [r["step"] for r in res["metrics"]] == [3]
+            assert res["metrics"][0]["loss"] == ref["metrics"][2]["loss"], resumed
+            _assert_states(res["model"], ref["model"])
+            _assert_states(res["optim"], ref["optim"])
+            assert res["chunk_steps"] == res["chunks"]  # the resumed run stepped once
+
+
+def test_device_update_settings_are_checked():
+    from components.state.fsdp2 import FSDP2
+
+    for offload in ("none", "all"):
+        with pytest.raises(ValueError, match=f"state.offload_update=device .* has state.offload={offload}.* "
+                                             "Set state.offload=optimizer, or drop state.offload_update"):
+            FSDP2.Options(offload=offload, offload_update="device")
+    for extra in ({"offload_overlap": True}, {"offload_threads": 4}):
+        with pytest.raises(ValueError, match="settings of the host update.* would do nothing"):
+            FSDP2.Options(offload="optimizer", offload_update="device", **extra)
+    FSDP2.Options(offload="optimizer", offload_update="device")
+    p = run_cli(["train", "state.offload_update=device", "--cfg", "job"], cwd=ROOT)
+    assert p.returncode == 2 and "Set state.offload=optimizer, or drop state.offload_update" in p.stdout + p.stderr
+
+
+def test_device_update_plans_its_moment_window():
+    """The plan is the host update's (fp32 master on the device, moments on the host) plus the window of
+    chunks whose moments are on the device at once."""
+    from components.state.fsdp2 import DEVICE_UPDATE_CHUNK_BYTES
+    from framework import planner
+    from framework.resolve import resolve
+
+    ov = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
+          "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=full",
+          "state.offload=optimizer"]
+    host = planner.plan(resolve("qwen35_35b_128k", ov, for_training=False), gpu="H200")
+    dev = planner.plan(resolve("qwen35_35b_128k", ov + ["state.offload_update=device"], for_training=False), gpu="H200")
+    window = dev.memory_bytes.pop("offload_moment_window")
+    assert window == 3 * DEVICE_UPDATE_CHUNK_BYTES * 2  # 3 chunks x (fp32 parameter bytes x 2 moments)
+    assert dev.memory_bytes == host.memory_bytes

@@ -168,6 +168,9 @@ def _plan(base: Path) -> dict:
                                                        *bf16], "out": str(base / "zbo")},
         {"name": "fbo", "kind": "train", "overrides": ["state=fsdp2", "state.offload=optimizer", *bf16],
          "out": str(base / "fbo")},
+        {"name": "fbd", "kind": "train", "overrides": ["state=fsdp2", "state.offload=optimizer",
+                                                       "state.offload_update=device", *bf16],
+         "out": str(base / "fbd")},
         {"name": "fbo->fsdp2", "kind": "train", "skip_dataloader_state": True,
          "overrides": ["state=fsdp2", "training.local_batch=2", "training.dtype=bfloat16", "training.steps=3",
                        *resume], "out": str(base / "fbo_f2"), "copy_from": str(base / "fbo"), "drop_steps": [3]},
@@ -210,7 +213,7 @@ def runs(tmp_path_factory):
     for name, by_rank in results.items():
         out[name] = dict(by_rank[0])
         out[name]["static_all"] = [by_rank[r]["static"] for r in sorted(by_rank)]
-        run_dir = {"F": "F", "Z": "Z", "F->zero1": "FZ", "Z->fsdp2": "ZF", "zb": "zb", "zbo": "zbo", "fbo": "fbo",
+        run_dir = {"F": "F", "Z": "Z", "F->zero1": "FZ", "Z->fsdp2": "ZF", "zb": "zb", "zbo": "zbo", "fbo": "fbo", "fbd": "fbd",
                    "fbo->fsdp2": "fbo_f2", "fbo->zero1x4": "fbo_z4"}[name]
         out[name]["metrics"] = read_metrics(base / run_dir)
     return out
@@ -264,6 +267,8 @@ def test_bf16_mixed_precision_and_optimizer_offload(runs):
     # the same bf16 value or to its neighbour, which is a perturbation of the same kind)
     _same_curve(zb, zbo)
     _same_curve(zb, fbo)
+    _same_curve(zb, fbd := runs["fbd"]["metrics"])
+    assert [r["loss"] for r in fbd] == [r["loss"] for r in fbo]  # host or device update: the same Adam
     assert zb[0]["loss"] != runs["F"]["metrics"][0]["loss"]  # it really ran in bf16
 
 
@@ -286,18 +291,20 @@ def _expect(name: str, runs) -> dict[str, float]:
     n, n_e = r["n_params"], r["n_expert_params"]
     world, ep = r["world"], r["layout"]["ep"]
     local = (n - n_e) + n_e / ep  # parameters a rank holds after EP (PP = TP = 1)
-    bf16 = name in ("zb", "zbo", "fbo", "fbo->zero1x4", "fbo->fsdp2")
-    if name.startswith(("F", "fbo")) and "zero1" not in name:  # fsdp2: everything sharded over all ranks
+    bf16 = name in ("zb", "zbo", "fbo", "fbd", "fbo->zero1x4", "fbo->fsdp2")
+    if name.startswith(("F", "fbo", "fbd")) and "zero1" not in name:  # fsdp2: everything sharded over all ranks
         e = {"params": 4 * n / world, "grads": 4 * n / world, "optimizer": 8 * n / world, "host": 0}
     else:  # zero1: params + grads follow EP, optimizer (+ fp32 master in bf16) sharded over DP
         e = {"params": (2 if bf16 else 4) * local, "grads": 4 * local,
              "optimizer": (12 if bf16 else 8) * n / world, "host": 0}
     if name in ("zbo", "fbo"):  # offload=optimizer: master + moments + grad staging on the host
         e["host"], e["optimizer"] = 16 * n / world, 0
+    if name == "fbd":  # offload_update=device: only the moments on the host, the fp32 shards are the master
+        e["host"], e["optimizer"] = 8 * n / world, 0
     return e
 
 
-@pytest.mark.parametrize("name", ["F", "Z", "zb", "zbo", "fbo", "fbo->zero1x4"])
+@pytest.mark.parametrize("name", ["F", "Z", "zb", "zbo", "fbo", "fbd", "fbo->zero1x4"])
 def test_static_bytes_follow_the_formulas(runs, name):
     want = _expect(name, runs)
     for got in runs[name]["static_all"]:

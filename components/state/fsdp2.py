@@ -30,7 +30,11 @@ PLAN_CONSTANTS = {
     "fsdp_unsharded_grad_bytes": PlanConstant(2.0, "unsharded gradient of one unit in the param dtype (bf16)."),
     "fsdp_reduce_bytes": PlanConstant(4.0, "reduce-scatter input of one unit in the fp32 reduce dtype."),
     "fsdp_overlap": PlanConstant(0.85, "fraction of FSDP all-gather/reduce-scatter hidden by prefetching."),
+    "offload_device_window_chunks": PlanConstant(3, "state.offload_update=device: chunks whose Adam moments are on "
+                                                    "the device at once (the one updating, the next arriving, the "
+                                                    "last leaving)."),
 }
+DEVICE_UPDATE_CHUNK_BYTES = 256 << 20  # state.offload_update=device: fp32 parameter bytes per chunk
 
 
 def _grad_accum(tc, ctx) -> int:
@@ -59,6 +63,10 @@ class FSDP2:
         offload_overlap: bool = False
         """offload=optimizer only: gradients leave the device during the backward, the host update runs
         in chunks whose shards travel back while the next chunk updates (not yet measured on a GPU)"""
+        offload_update: Literal["host", "device"] = "host"
+        """offload=optimizer only: where the update runs. host: Adam on the CPU (fp32 master, gradient
+        staging and moments in host memory); device: only the moments live on the host and stream to the
+        device in chunks after the backward, the update is offload=none's"""
 
         def __post_init__(self):
             check_choices(self, "state.", " for fsdp2")
@@ -70,6 +78,18 @@ class FSDP2:
                     f"the optimizer runs on the device and there is nothing to overlap, and with offload=all "
                     f"FSDP2 itself moves the gradients to the host. Set state.offload=optimizer, or drop "
                     f"state.offload_overlap.")
+            if self.offload_update == "device":
+                if self.offload != "optimizer":
+                    raise ValueError(
+                        f"state.offload_update=device runs the update of state.offload=optimizer on the device "
+                        f"with the Adam moments kept on the host, but this run has state.offload={self.offload}, "
+                        f"which has no offloaded moments to stream. Set state.offload=optimizer, or drop "
+                        f"state.offload_update.")
+                if self.offload_overlap or int(self.offload_threads):
+                    raise ValueError(
+                        "state.offload_update=device updates on the device, so state.offload_overlap and "
+                        "state.offload_threads (settings of the host update) would do nothing. Drop them, or "
+                        "use state.offload_update=host.")
 
     @staticmethod
     def check(options: "FSDP2.Options", ctx=None) -> None:
@@ -80,7 +100,17 @@ class FSDP2:
         opts, tt_config = options, tc
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
-        if opts.offload == "optimizer":
+        if opts.offload == "optimizer" and opts.offload_update == "device":
+            from components.state.offload import DeviceUpdateOptimizers  # reason: start-up time (torch, torchtitan)
+
+            o = tt_config.optimizer
+            tt_config.optimizer = DeviceUpdateOptimizers.Config(
+                param_groups=list(o.param_groups),
+                implementation=o.implementation,
+                optimizer_factory_kwargs_by_name=dict(o.optimizer_factory_kwargs_by_name),
+                chunk_bytes=DEVICE_UPDATE_CHUNK_BYTES,
+            )
+        elif opts.offload == "optimizer":
             from components.state.offload import HostOptimizers  # reason: start-up time (torch, torchtitan)
 
             o = tt_config.optimizer
@@ -118,6 +148,12 @@ class FSDP2:
                     f"{how} x {ob_here:g} B ("
                     + ("fp32 master; the Adam moments on the host: state.offload=optimizer)" if host_adam else
                        "master + Adam)" + (" (offloaded to CPU)" if offload else "")))]
+        if host_adam and str(getattr(opts, "offload_update", "host")) == "device":
+            window = min(local, int(c.offload_device_window_chunks) * DEVICE_UPDATE_CHUNK_BYTES / 4)  # params
+            mem.append(Term("offload_moment_window", window, c.adam_bytes, "buffers",
+                            f"state.offload_update=device: {int(c.offload_device_window_chunks)} chunks of "
+                            f"{DEVICE_UPDATE_CHUNK_BYTES >> 20} MiB of fp32 parameters x {c.adam_bytes:g} B of "
+                            f"Adam moments on the device at once (at most the rank's own)"))
         # buffers: the embedding and the lm_head are never gathered together; the prefetched neighbour is a block
         split = pc.split
         block = split["dense_blocks"] / f.n_layers / tp + split["experts"] / f.n_layers / max(ep, 1)

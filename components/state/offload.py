@@ -29,6 +29,16 @@ host does not block) for the last copy before the next forward. A gradient the h
 step (``late_copies``): a wrong count costs overlap, not correctness.
 On CPU the same path runs with synchronous copies.
 
+``state.offload_update=device`` (``DeviceUpdateOptimizers``) keeps only the Adam moments on the host
+(pinned) and runs the update on the device: after the backward (and the trainer's clip, on the device as
+without offload) the parameters step in chunks of ``chunk_bytes`` in the model's forward order; each
+chunk's moments arrive on one side stream while the previous chunk updates and leave on another after
+their update, so the host never blocks and no host core computes. The fp32 shards, their gradients and
+the optimizer's arithmetic are those of ``offload=none`` (the same torch AdamW kernel on the same device
+tensors, one chunk's parameters at a time: Adam is elementwise), so its numerics are offload=none's.
+Transfers: the moments' bytes in and out per step (16 bytes per parameter with fp32 moments), which PCIe
+bandwidth bounds; the device holds a few chunks' moments at a time.
+
 ``state.offload=all`` is torchtitan's ``training.enable_cpu_offload`` (FSDP2's
 CPUOffloadPolicy: parameters and gradients live on the host too).
 """
@@ -52,6 +62,44 @@ def _like(template, t):
         return DTensor.from_local(t, template.device_mesh, template.placements, shape=template.shape,
                                   stride=template.stride(), run_check=False)
     return t
+
+
+def flat_state_dict(optimizers, device_param) -> dict:
+    """torchtitan's flat FQN-keyed optimizer state (``state.{fqn}.{key}``, ``param_groups.{fqn}.{key}``),
+    each tensor state wrapped in the placements of its parameter's device DTensor (``device_param(q)``
+    for the optimizer's parameter ``q``), so offloaded and on-device checkpoints interchange."""
+    out = {}
+    for opt in optimizers:
+        for g in opt.param_groups:
+            for q, fqn in zip(g["params"], g["param_names"]):
+                p = device_param(q)
+                for k, v in opt.state[q].items():
+                    out[f"state.{fqn}.{k}"] = _like(p, v) if isinstance(v, torch.Tensor) and v.dim() else v
+                for k, v in g.items():
+                    if k not in ("params", "param_names"):
+                        out[f"param_groups.{fqn}.{k}"] = v
+    return out
+
+
+def load_flat_state_dict(optimizers, state_dict) -> None:
+    """Copies a ``flat_state_dict`` layout into the optimizers' existing state tensors (in place: DCP
+    may already have loaded into them) and param-group values; KeyError naming a missing key."""
+    for opt in optimizers:
+        for g in opt.param_groups:
+            for q, fqn in zip(g["params"], g["param_names"]):
+                for k, v in opt.state[q].items():
+                    key = f"state.{fqn}.{k}"
+                    if key not in state_dict:
+                        raise KeyError(f"optimizer state {key} missing from the checkpoint")
+                    src = local(state_dict[key]) if isinstance(state_dict[key], torch.Tensor) else state_dict[key]
+                    if isinstance(v, torch.Tensor) and not (src.numel() and src.data_ptr() == local(v).data_ptr()):
+                        local(v).copy_(src)
+            if g["param_names"]:
+                for k in [k for k in g if k not in ("params", "param_names")]:
+                    key = f"param_groups.{g['param_names'][0]}.{k}"
+                    if key not in state_dict:
+                        raise KeyError(f"optimizer param group key {key} missing from the checkpoint")
+                    g[k] = state_dict[key]
 
 
 class HostOptimizers(OptimizersContainer):
@@ -236,38 +284,186 @@ class HostOptimizers(OptimizersContainer):
     # checkpoints: torchtitan's flat FQN layout, states wrapped in the parameters' placements
     def state_dict(self):
         materialize_state(self.optimizers)
-        out = {}
-        for opt in self.optimizers:
-            for g in opt.param_groups:
-                for master, fqn in zip(g["params"], g["param_names"]):
-                    p = self._param_of[id(master)]
-                    for k, v in opt.state[master].items():
-                        out[f"state.{fqn}.{k}"] = _like(p, v) if isinstance(v, torch.Tensor) and v.dim() else v
-                    for k, v in g.items():
-                        if k not in ("params", "param_names"):
-                            out[f"param_groups.{fqn}.{k}"] = v
-        return out
+        return flat_state_dict(self.optimizers, lambda q: self._param_of[id(q)])
 
     def load_state_dict(self, state_dict) -> None:
         materialize_state(self.optimizers)
-        for opt in self.optimizers:
-            for g in opt.param_groups:
-                for master, fqn in zip(g["params"], g["param_names"]):
-                    for k, v in opt.state[master].items():
-                        key = f"state.{fqn}.{k}"
-                        if key not in state_dict:
-                            raise KeyError(f"optimizer state {key} missing from the checkpoint")
-                        src = local(state_dict[key]) if isinstance(state_dict[key], torch.Tensor) else state_dict[key]
-                        if isinstance(v, torch.Tensor) and not (src.numel() and src.data_ptr() == v.data_ptr()):
-                            v.copy_(src)
-                if g["param_names"]:
-                    for k in [k for k in g if k not in ("params", "param_names")]:
-                        key = f"param_groups.{g['param_names'][0]}.{k}"
-                        if key not in state_dict:
-                            raise KeyError(f"optimizer param group key {key} missing from the checkpoint")
-                        g[k] = state_dict[key]
+        load_flat_state_dict(self.optimizers, state_dict)
 
     def static_tensors(self) -> dict[str, list]:
         states = [t for opt in self.optimizers for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor)]
         return {"optimizer": [], "host": [m for _, m, _ in self._pairs] + [s for _, _, s in self._pairs] + states}
+
+
+class DeviceUpdateOptimizers(OptimizersContainer):
+    """torchtitan's optimizer container with the Adam moments in host memory between steps and the update
+    on the device, chunk by chunk (``state.offload_update=device``; module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        chunk_bytes: int = 256 << 20  # fp32 parameter bytes per chunk (its moments travel together)
+
+    def __init__(self, config: Config, *, model_parts) -> None:
+        super().__init__(config, model_parts=model_parts)
+        trainable = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+        stepped = {id(q) for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
+        self._params = [p for p in trainable if id(p) in stepped]  # the model's forward (registration) order
+        self._opt_of = {id(q): opt for opt in self.optimizers for g in opt.param_groups for q in g["params"]}
+        self._chunks: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(self._params):
+            n = local(p).numel() * 4
+            if self._chunks[-1] and size + n > int(config.chunk_bytes):
+                self._chunks.append([])
+                size = 0
+            self._chunks[-1].append(i)
+            size += n
+        cuda = devices.has_accelerator() and any(local(p).is_cuda for p in self._params)
+        self._h2d = torch.cuda.Stream() if cuda else None  # moments in
+        self._d2h = torch.cuda.Stream() if cuda else None  # moments out
+        self._written = None  # the last step's final device->host copy (CUDA event)
+        self._host: dict = {}  # (id(param), state key) -> its host tensor
+        self._grads: list = []
+        self.chunk_steps = 0  # chunks stepped so far (tests, benchmarks)
+
+    @staticmethod
+    def _moment(p, v) -> bool:
+        """A state tensor with one value per element of the local shard (Adam's moments; not ``step``)."""
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and local(v).numel() == local(p).numel()
+
+    def _to_host(self, p, st: dict) -> None:
+        """Replace ``p``'s device moments in ``st`` by its host tensors (allocated on first use), copied on
+        the device->host stream after the current stream's work so far (the caller orders the streams)."""
+        for k, v in list(st.items()):
+            if not self._moment(p, v) or v is self._host.get((id(p), k)):
+                continue
+            src = local(v).detach()
+            host = self._host.get((id(p), k))
+            if host is None:
+                host = self._host[(id(p), k)] = devices.host_empty(src.shape, src.dtype)
+            if self._d2h is None:
+                host.copy_(src)
+            else:
+                with torch.cuda.stream(self._d2h):
+                    host.copy_(src, non_blocking=True)
+                src.record_stream(self._d2h)  # its memory is reused only after this copy
+            st[k] = host
+
+    def _fetch(self, ci: int):
+        """Enqueue chunk ``ci``'s moments host->device: ({parameter index: {key: device state}}, event)."""
+        got = {}
+        for i in self._chunks[ci]:
+            p = self._params[i]
+            if self._grads[i] is None:
+                continue
+            dev = {}
+            for k, v in self._opt_of[id(p)].state.get(p, {}).items():
+                if not self._moment(p, v):
+                    continue
+                if self._h2d is None:
+                    d = v.clone()
+                else:
+                    with torch.cuda.stream(self._h2d):
+                        d = torch.empty(v.shape, dtype=v.dtype, device=local(p).device)
+                        d.copy_(v, non_blocking=True)
+                    d.record_stream(torch.cuda.current_stream())  # the update reads and writes it there
+                dev[k] = _like(p, d)
+            got[i] = dev
+        return got, (self._h2d.record_event() if self._h2d is not None else None)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "DeviceUpdateOptimizers does not support closures"
+        self._grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        if self._written is not None and self._h2d is not None:
+            self._h2d.wait_event(self._written)  # the last step's host copies are complete
+        try:
+            nxt = self._fetch(0)
+            for ci, chunk in enumerate(self._chunks):
+                (dev, event), nxt = nxt, (self._fetch(ci + 1) if ci + 1 < len(self._chunks) else None)
+                live = [i for i in chunk if self._grads[i] is not None]
+                if not live:
+                    continue
+                if event is not None:
+                    torch.cuda.current_stream().wait_event(event)
+                opts = {}
+                for i in live:
+                    p = self._params[i]
+                    p.grad = self._grads[i]
+                    opt = opts.setdefault(id(self._opt_of[id(p)]), self._opt_of[id(p)])
+                    opt.state[p].update(dev[i])
+                for opt in opts.values():
+                    opt.step()  # only this chunk's parameters hold a gradient
+                if self._d2h is not None:
+                    self._d2h.wait_stream(torch.cuda.current_stream())
+                for i in live:
+                    p = self._params[i]
+                    p.grad = None
+                    self._to_host(p, self._opt_of[id(p)].state[p])
+                self.chunk_steps += 1
+        finally:
+            for p, g in zip(self._params, self._grads):
+                p.grad = g
+            self._grads = []
+        if self._d2h is not None:
+            self._written = self._d2h.record_event()
+        return None
+
+    @torch.no_grad()
+    def _materialize(self) -> None:
+        """Create missing Adam state as materialize_state does (one zero-gradient, zero-lr step, so
+        checkpoints match offload=none's), one chunk at a time, each chunk's moments moved to the host
+        before the next is created (the device never holds more than a chunk's); then wait for every
+        host copy (checkpoints read them)."""
+        missing = [i for i, p in enumerate(self._params) if not self._opt_of[id(p)].state.get(p)]
+        if missing:
+            saved = [p.grad for p in self._params]
+            for opt in self.optimizers:
+                for g in opt.param_groups:
+                    g["_lr"], g["lr"] = g["lr"], (torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0)
+            try:
+                for p in self._params:
+                    p.grad = None
+                todo = set(missing)
+                for chunk in self._chunks:
+                    live = [i for i in chunk if i in todo]
+                    if not live:
+                        continue
+                    opts = {}
+                    for i in live:
+                        p = self._params[i]
+                        p.grad = torch.zeros_like(p)
+                        opts.setdefault(id(self._opt_of[id(p)]), self._opt_of[id(p)])
+                    for opt in opts.values():
+                        opt.step()
+                    if self._d2h is not None:
+                        self._d2h.wait_stream(torch.cuda.current_stream())
+                    for i in live:
+                        p = self._params[i]
+                        p.grad = None
+                        self._to_host(p, self._opt_of[id(p)].state[p])
+            finally:
+                for p, g in zip(self._params, saved):
+                    p.grad = g
+                for opt in self.optimizers:
+                    for g in opt.param_groups:
+                        g["lr"] = g.pop("_lr")
+            if self._d2h is not None:
+                self._written = self._d2h.record_event()
+        if self._written is not None:
+            self._written.synchronize()
+
+    def state_dict(self):
+        self._materialize()
+        return flat_state_dict(self.optimizers, lambda q: q)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._materialize()
+        load_flat_state_dict(self.optimizers, state_dict)
+
+    def static_tensors(self) -> dict[str, list]:
+        self._materialize()
+        return {"optimizer": [], "host": list(self._host.values())}
