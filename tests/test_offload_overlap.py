@@ -388,6 +388,10 @@ def test_device_update_plans_its_moment_window():
           "state.offload=optimizer"]
     host = planner.plan(resolve("qwen35_35b_128k", ov, for_training=False), gpu="H200")
     dev = planner.plan(resolve("qwen35_35b_128k", ov + ["state.offload_update=device"], for_training=False), gpu="H200")
+    from components.state.fsdp2 import PLAN_CONSTANTS
+    from components.state.offload import DeviceUpdateOptimizers
+
     window = dev.memory_bytes.pop("offload_moment_window")
     assert window == 3 * DEVICE_UPDATE_CHUNK_BYTES * 2  # 3 chunks x (fp32 parameter bytes x 2 moments)
+    assert DeviceUpdateOptimizers.WINDOW == PLAN_CONSTANTS["offload_device_window_chunks"].value == 3
     assert dev.memory_bytes == host.memory_bytes

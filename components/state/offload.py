@@ -304,6 +304,8 @@ class DeviceUpdateOptimizers(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         chunk_bytes: int = 256 << 20  # fp32 parameter bytes per chunk (its moments travel together)
 
+    WINDOW = 3  # chunks whose moments may be on the device at once: arriving, updating, leaving
+
     def __init__(self, config: Config, *, model_parts) -> None:
         super().__init__(config, model_parts=model_parts)
         trainable = [p for m in model_parts for p in m.parameters() if p.requires_grad]
@@ -380,9 +382,12 @@ class DeviceUpdateOptimizers(OptimizersContainer):
             p.grad = None
         if self._written is not None and self._h2d is not None:
             self._h2d.wait_event(self._written)  # the last step's host copies are complete
+        done: dict = {}  # chunk index -> its device->host copies' event
         try:
             nxt = self._fetch(0)
             for ci, chunk in enumerate(self._chunks):
+                if ci + 1 < len(self._chunks):
+                    self._throttle(done, ci + 1)
                 (dev, event), nxt = nxt, (self._fetch(ci + 1) if ci + 1 < len(self._chunks) else None)
                 live = [i for i in chunk if self._grads[i] is not None]
                 if not live:
@@ -403,6 +408,8 @@ class DeviceUpdateOptimizers(OptimizersContainer):
                     p = self._params[i]
                     p.grad = None
                     self._to_host(p, self._opt_of[id(p)].state[p])
+                if self._d2h is not None:
+                    done[ci] = self._d2h.record_event()
                 self.chunk_steps += 1
         finally:
             for p, g in zip(self._params, self._grads):
@@ -411,6 +418,16 @@ class DeviceUpdateOptimizers(OptimizersContainer):
         if self._d2h is not None:
             self._written = self._d2h.record_event()
         return None
+
+    def _throttle(self, done: dict, k: int) -> None:
+        """Before chunk ``k``'s moments are allocated on the device: wait (on the host) until chunk
+        ``k - WINDOW``'s have left it. The host enqueues far ahead of the device, and the caching allocator
+        reuses a freed block only once the copies recorded on it have run, so without this wait every
+        chunk's moments would be allocated at once. With it at most WINDOW chunks' are (planner:
+        ``offload_device_window_chunks``)."""
+        e = done.pop(k - self.WINDOW, None)
+        if e is not None:
+            e.synchronize()
 
     @torch.no_grad()
     def _materialize(self) -> None:
@@ -427,11 +444,12 @@ class DeviceUpdateOptimizers(OptimizersContainer):
             try:
                 for p in self._params:
                     p.grad = None
-                todo = set(missing)
-                for chunk in self._chunks:
+                todo, done = set(missing), {}
+                for ci, chunk in enumerate(self._chunks):
                     live = [i for i in chunk if i in todo]
                     if not live:
                         continue
+                    self._throttle(done, ci)
                     opts = {}
                     for i in live:
                         p = self._params[i]
@@ -445,6 +463,8 @@ class DeviceUpdateOptimizers(OptimizersContainer):
                         p = self._params[i]
                         p.grad = None
                         self._to_host(p, self._opt_of[id(p)].state[p])
+                    if self._d2h is not None:
+                        done[ci] = self._d2h.record_event()
             finally:
                 for p, g in zip(self._params, saved):
                     p.grad = g
