@@ -149,11 +149,16 @@ class FSDP2:
                     + ("fp32 master; the Adam moments on the host: state.offload=optimizer)" if host_adam else
                        "master + Adam)" + (" (offloaded to CPU)" if offload else "")))]
         if host_adam and str(getattr(opts, "offload_update", "host")) == "device":
-            window = min(local, int(c.offload_device_window_chunks) * DEVICE_UPDATE_CHUNK_BYTES / 4)  # params
+            # a chunk never splits a parameter: the one holding the largest (the embedding or the LM head
+            # shard) is that big, and the window holds it with its neighbours
+            chunk = DEVICE_UPDATE_CHUNK_BYTES / 4  # fp32 parameters per chunk
+            big = max([pc.split["emb"]] * pc.first + [pc.split["head"]] * pc.last + [0.0]) / shard
+            w = int(c.offload_device_window_chunks)
+            window = min(local, max(big, chunk) + (w - 1) * chunk)  # parameters whose moments are on the device
             mem.append(Term("offload_moment_window", window, c.adam_bytes, "buffers",
-                            f"state.offload_update=device: {int(c.offload_device_window_chunks)} chunks of "
-                            f"{DEVICE_UPDATE_CHUNK_BYTES >> 20} MiB of fp32 parameters x {c.adam_bytes:g} B of "
-                            f"Adam moments on the device at once (at most the rank's own)"))
+                            f"state.offload_update=device: {w} chunks of {DEVICE_UPDATE_CHUNK_BYTES >> 20} MiB of "
+                            f"fp32 parameters (the largest parameter's chunk among them) x {c.adam_bytes:g} B of "
+                            f"Adam moments on the device at once"))
         # buffers: the embedding and the lm_head are never gathered together; the prefetched neighbour is a block
         split = pc.split
         block = split["dense_blocks"] / f.n_layers / tp + split["experts"] / f.n_layers / max(ep, 1)
