@@ -394,22 +394,7 @@ class DeviceUpdateOptimizers(OptimizersContainer):
                     continue
                 if event is not None:
                     torch.cuda.current_stream().wait_event(event)
-                opts = {}
-                for i in live:
-                    p = self._params[i]
-                    p.grad = self._grads[i]
-                    opt = opts.setdefault(id(self._opt_of[id(p)]), self._opt_of[id(p)])
-                    opt.state[p].update(dev[i])
-                for opt in opts.values():
-                    opt.step()  # only this chunk's parameters hold a gradient
-                if self._d2h is not None:
-                    self._d2h.wait_stream(torch.cuda.current_stream())
-                for i in live:
-                    p = self._params[i]
-                    p.grad = None
-                    self._to_host(p, self._opt_of[id(p)].state[p])
-                if self._d2h is not None:
-                    done[ci] = self._d2h.record_event()
+                done[ci] = self._step_chunk(live, lambda i: self._grads[i], dev)
                 self.chunk_steps += 1
         finally:
             for p, g in zip(self._params, self._grads):
@@ -418,6 +403,26 @@ class DeviceUpdateOptimizers(OptimizersContainer):
         if self._d2h is not None:
             self._written = self._d2h.record_event()
         return None
+
+    def _step_chunk(self, live: list[int], grad_of, dev: dict | None = None):
+        """Step the parameters ``live`` (indices) alone: each gets ``grad_of(i)`` and its device moments
+        ``dev[i]`` (none: torch creates them), the optimizers step (a parameter without a gradient is left
+        alone), then the moments leave for the host. Returns the device->host copies' event (CUDA)."""
+        opts = {}
+        for i in live:
+            p = self._params[i]
+            p.grad = grad_of(i)
+            opt = opts.setdefault(id(self._opt_of[id(p)]), self._opt_of[id(p)])
+            opt.state[p].update(dev[i] if dev else {})
+        for opt in opts.values():
+            opt.step()
+        if self._d2h is not None:
+            self._d2h.wait_stream(torch.cuda.current_stream())
+        for i in live:
+            p = self._params[i]
+            p.grad = None
+            self._to_host(p, self._opt_of[id(p)].state[p])
+        return self._d2h.record_event() if self._d2h is not None else None
 
     def _throttle(self, done: dict, k: int) -> None:
         """Before chunk ``k``'s moments are allocated on the device: wait (on the host) until chunk
@@ -450,21 +455,7 @@ class DeviceUpdateOptimizers(OptimizersContainer):
                     if not live:
                         continue
                     self._throttle(done, ci)
-                    opts = {}
-                    for i in live:
-                        p = self._params[i]
-                        p.grad = torch.zeros_like(p)
-                        opts.setdefault(id(self._opt_of[id(p)]), self._opt_of[id(p)])
-                    for opt in opts.values():
-                        opt.step()
-                    if self._d2h is not None:
-                        self._d2h.wait_stream(torch.cuda.current_stream())
-                    for i in live:
-                        p = self._params[i]
-                        p.grad = None
-                        self._to_host(p, self._opt_of[id(p)].state[p])
-                    if self._d2h is not None:
-                        done[ci] = self._d2h.record_event()
+                    done[ci] = self._step_chunk(live, lambda i: torch.zeros_like(self._params[i]))
             finally:
                 for p, g in zip(self._params, saved):
                     p.grad = g
