@@ -13,7 +13,8 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 RUNS=("$@")
 if [ ${#RUNS[@]} -eq 0 ]; then
   RUNS=("full=recompute=full" "selective=recompute=selective" "none=recompute=none" "auto=recompute=auto"
-        "offload=state.offload=optimizer" "grpo_short=loss=grpo,data.format=rollouts")
+        "offload=state.offload=optimizer" "offload_dev=state.offload=optimizer,state.offload_update=device"
+        "grpo_short=loss=grpo,data.format=rollouts")
 fi
 OUT="$OUT" PY="$PY" bash "$(dirname "$0")/loss_e2e_bench.sh" "${RUNS[@]}" > "$OUT/loss_e2e_table.txt"
 cat "$OUT/loss_e2e_table.txt"
