@@ -299,6 +299,9 @@ class ApiaryTrainer(Trainer):
 
     def _check_state_finite(self) -> None:
         """Before any checkpoint is written: every model and optimizer tensor is finite (all ranks)."""
+        ready = getattr(self.optimizers, "host_state_ready", None)  # state.offload_update=device: copies in flight
+        if ready is not None:
+            ready()
         flags = []
         for m in self.model_parts:
             for p in m.parameters():

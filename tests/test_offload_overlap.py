@@ -399,3 +399,55 @@ def test_device_update_plans_its_moment_window():
     assert window == (248320 * 2048 + 2048 + 2 * DEVICE_UPDATE_CHUNK_BYTES / 4) * 8
     assert DeviceUpdateOptimizers.WINDOW == PLAN_CONSTANTS["offload_device_window_chunks"].value == 3
     assert dev.memory_bytes == host.memory_bytes
+
+
+def test_offloaded_state_stays_on_the_host_in_its_checkpoint_wrapper(tmp_path):
+    """Checkpoints wrap offloaded state (host tensors) in its parameter's DTensor placements; the wrapper
+    must not copy it to the mesh's device (DTensor.from_local would: a device copy of every moment at
+    each save, the memory the offload frees). A CUDA mesh is built without a GPU (no backend), so on this
+    machine the copy would fail and on a GPU machine it would land on the device."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}", RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo")
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from components.state.offload import _like, flat_state_dict
+        mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+        spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(torch.Size([4, 3]), (3, 1), torch.float32))
+        p = DTensor(torch.zeros(4, 3), spec, requires_grad=False)  # a parameter shard of a CUDA mesh
+        host = torch.randn(4, 3)
+        w = _like(p, host)
+        assert isinstance(w, DTensor) and w._local_tensor.data_ptr() == host.data_ptr(), w._local_tensor.device
+        assert w.device_mesh is mesh and w.placements == p.placements and w.shape == p.shape
+        assert w.dtype == host.dtype and _like(host, host) is host
+        dist.destroy_process_group()
+        print("wrapped in place")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0 and "wrapped in place" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_finite_check_waits_for_the_host_copies(monkeypatch):
+    """The trainer's finite-state check reads the optimizer's host moments before a checkpoint: with the
+    device update it first waits for the copies still in flight (host_state_ready)."""
+    from framework.trainer import ApiaryTrainer
+
+    calls = []
+
+    class Opt:
+        optimizers = []
+
+        def host_state_ready(self):
+            calls.append("ready")
+
+    t = ApiaryTrainer.__new__(ApiaryTrainer)
+    t.model_parts, t.optimizers = [], Opt()
+    monkeypatch.setattr(ApiaryTrainer, "_agree", lambda self, flags: flags, raising=False)
+    t._check_state_finite()
+    assert calls == ["ready"]

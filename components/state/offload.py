@@ -45,6 +45,7 @@ CPUOffloadPolicy: parameters and gradients live on the host too).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +58,15 @@ from framework import compat, devices
 
 
 def _like(template, t):
-    """``t`` (a local shard) wrapped with ``template``'s DTensor placements, or ``t``."""
+    """``t`` (a local shard) wrapped with ``template``'s DTensor placements, or ``t``; ``t`` stays where it
+    is. (``DTensor.from_local`` would copy a host tensor to the mesh's device: a checkpoint of offloaded
+    state would then build a device copy of every moment, the memory offloading frees, and load into it.
+    FSDP2's own CPU offload keeps host shards in DTensors of a CUDA mesh the same way.)"""
     if isinstance(template, DTensor):
-        return DTensor.from_local(t, template.device_mesh, template.placements, shape=template.shape,
-                                  stride=template.stride(), run_check=False)
+        from torch.distributed.tensor._dtensor_spec import TensorMeta  # reason: torch internals, one place
+
+        meta = TensorMeta(template.shape, template.stride(), t.dtype)
+        return DTensor(t, dataclasses.replace(template._spec, tensor_meta=meta), requires_grad=False)
     return t
 
 
@@ -363,12 +369,16 @@ class DeviceUpdateOptimizers(OptimizersContainer):
             for k, v in self._opt_of[id(p)].state.get(p, {}).items():
                 if not self._moment(p, v):
                     continue
+                src = local(v)
                 if self._h2d is None:
-                    d = v.clone()
+                    d = src.clone()
                 else:
+                    if src.is_cuda:  # left on the device by a step that failed mid-chunk
+                        self._h2d.wait_stream(torch.cuda.current_stream())
+                        src.record_stream(self._h2d)
                     with torch.cuda.stream(self._h2d):
-                        d = torch.empty(v.shape, dtype=v.dtype, device=local(p).device)
-                        d.copy_(v, non_blocking=True)
+                        d = torch.empty(src.shape, dtype=src.dtype, device=local(p).device)
+                        d.copy_(src, non_blocking=True)
                     d.record_stream(torch.cuda.current_stream())  # the update reads and writes it there
                 dev[k] = _like(p, d)
             got[i] = dev
@@ -400,9 +410,15 @@ class DeviceUpdateOptimizers(OptimizersContainer):
             for p, g in zip(self._params, self._grads):
                 p.grad = g
             self._grads = []
-        if self._d2h is not None:
-            self._written = self._d2h.record_event()
+            if self._d2h is not None:  # every host copy enqueued so far, also after an error
+                self._written = self._d2h.record_event()
         return None
+
+    def host_state_ready(self) -> None:
+        """Wait until the moments on the host hold the last step's values (the trainer's finite-state
+        check reads them before a checkpoint)."""
+        if self._written is not None:
+            self._written.synchronize()
 
     def _step_chunk(self, live: list[int], grad_of, dev: dict | None = None):
         """Step the parameters ``live`` (indices) alone: each gets ``grad_of(i)`` and its device moments
@@ -462,10 +478,9 @@ class DeviceUpdateOptimizers(OptimizersContainer):
                 for opt in self.optimizers:
                     for g in opt.param_groups:
                         g["lr"] = g.pop("_lr")
-            if self._d2h is not None:
-                self._written = self._d2h.record_event()
-        if self._written is not None:
-            self._written.synchronize()
+                if self._d2h is not None:
+                    self._written = self._d2h.record_event()
+        self.host_state_ready()
 
     def state_dict(self):
         self._materialize()
