@@ -456,7 +456,9 @@ class DeviceUpdateOptimizers(OptimizersContainer):
         checkpoints match offload=none's), one chunk at a time, each chunk's moments moved to the host
         before the next is created (the device never holds more than a chunk's); then wait for every
         host copy (checkpoints read them)."""
-        missing = [i for i, p in enumerate(self._params) if not self._opt_of[id(p)].state.get(p)]
+        # as materialize_state: only an optimizer without any state yet (a parameter that never had a
+        # gradient keeps none, as offload=none's checkpoint has none for it)
+        missing = [i for i, p in enumerate(self._params) if not self._opt_of[id(p)].state]
         if missing:
             saved = [p.grad for p in self._params]
             for opt in self.optimizers:
