@@ -76,6 +76,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "components/precision/policies.py",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset": "components/state/zero1_optimizer.py",
     "torch.distributed.tensor.placement_types:_StridedShard": "components/state/zero1_optimizer.py",
+    "torch.distributed.tensor._dtensor_spec:TensorMeta": "components/state/offload.py (_like: a DTensor of host state "
+                                                         "without from_local's copy to the mesh's device)",
     "torchtitan.components.lora:_make_frozen_config": "components/adapters/modules.py",
     "torchtitan.components.loss:_DecoderOutputGradientBackProp": "components/losses/lm_head/head_loss.py",
     "torchtitan.models.qwen3_5.sharding:_GROUPED_EXPERTS_PARAM_LAYOUT": "components/models/qwen3_5_model.py",
