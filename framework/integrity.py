@@ -182,6 +182,15 @@ def unverifiable_error(step_dir: Path, previous: int | None, where: str, pick: s
                      "written by a version before manifests); loading it could use damaged weights unnoticed.", fix)
 
 
+def manifest_step(step_dir: Path) -> int | None:
+    """The step a folder's manifest says it holds (None: no readable manifest, or no step in it)."""
+    try:
+        step = json.loads((Path(step_dir) / MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def latest_with_manifest(checkpoint_dir: Path, before: int) -> int | None:
     """The latest complete step below ``before`` that has a manifest (None: none)."""
     ok = [n for n, p in step_dirs(checkpoint_dir).items() if n < before and (p / MANIFEST).is_file()]
@@ -198,6 +207,16 @@ def check_step(step_dir: Path, where: str, *, unverified_ok: bool = False, pick:
         if unverified_ok:
             return
         raise unverifiable_error(step_dir, latest_with_manifest(step_dir.parent, n), where, pick, override)
+    saved = manifest_step(step_dir)
+    if saved is not None and saved != n:  # another step's folder copied or renamed onto this name
+        earlier = [s for s in complete_steps(step_dir.parent) if s < n and manifest_step(step_dir.parent /
+                                                                                        f"step-{s}") in (s, None)]
+        fix = (f"{pick.format(n=earlier[-1], step_dir=step_dir)}." if earlier
+               else f"No earlier complete step exists: move {step_dir} aside and {fresh}.")
+        raise UserError(where, f"{step_dir} holds the checkpoint of step {saved}, not step {n} (its {MANIFEST} "
+                        f"says step {saved}): the folder was copied or renamed from step-{saved}. Loading it would "
+                        f"train on from step {saved}'s weights, optimizer and data position while counting from "
+                        f"step {n + 1}.", f"{fix} Nothing on disk was changed.")
     problem = verify(step_dir)
     if problem is not None:
         earlier = [s for s in complete_steps(step_dir.parent) if s < n]

@@ -120,6 +120,21 @@ def test_truncated_deleted_or_extra_file_is_refused(run, damage, file, what):
     assert _snapshot(run) == before
 
 
+def test_a_step_folder_copied_over_another_is_refused(run):
+    """step-2 copied onto step-4: every file matches the copied manifest, but it holds step 2 (was:
+    "step-4 verified ... training from step 5" on step 2's weights and data position)."""
+    ck = run / "checkpoint"
+    shutil.rmtree(ck / "step-4")
+    shutil.copytree(ck / "step-2", ck / "step-4")
+    before = _snapshot(run)
+    err = " ".join(_resolve_error(run, "lr.total_steps=6").split())
+    assert f"{ck / 'step-4'} holds the checkpoint of step 2, not step 4" in err, err
+    assert "copied or renamed from step-2" in err and "checkpoint.load_step=2" in err, err
+    assert _snapshot(run) == before  # everything saved is kept
+    err = " ".join(_resolve_error(run, "lr.total_steps=6", "checkpoint.load_step=4").split())
+    assert "holds the checkpoint of step 2, not step 4" in err, err
+
+
 def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run):
     ck = run / "checkpoint"
     # a save of step 6 killed after writing its data: it never got its manifest nor its name
