@@ -13,7 +13,11 @@ Atomicity: a version is written to ``DIR/.step-V.tmp``, every file fsync'ed, the
 temporary file and ``os.replace``. A reader that reads ``latest`` and then the folder it names
 never sees a partial version. The newest ``publish.keep`` versions stay (never the one ``latest``
 names is deleted); a deleted version is renamed aside first, so ``step-V`` is there whole or not
-at all.
+at all. Only folders publication wrote are pruned or replaced: a ``step-V`` folder without an
+``apiary_version.json`` of version V (a checkpoint, anything a user put there) is never counted as a
+version, deleted or written over; publishing over one stops the run with a UserError naming it
+(framework/resolve.py refuses a publish.dir that overlaps the checkpoint folder or data.path before
+launch).
 
 Getting the weights: the model is sharded (FSDP2 DTensors, expert parallel), so every rank calls
 ``publish`` (a collective): each model part's ``state_dict()`` (the checkpoint's names), each
@@ -45,6 +49,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+
+from framework.errors import UserError
 
 BACKGROUND_PARAMS = 1_000_000_000  # auto: larger models always write in the background
 BACKGROUND_SHARE = 0.10  # auto: background once a write took more than this share of the mean step time
@@ -117,14 +123,27 @@ def read_latest(directory) -> Path | None:
     return Path(directory) / name if name else None
 
 
+def is_published(folder) -> bool:
+    """Whether ``folder`` (``DIR/step-V``) is a version publication wrote: a folder holding an
+    ``apiary_version.json`` whose version is V. Anything else in DIR is not publication's to touch."""
+    folder = Path(folder)
+    v = folder.name[len("step-"):] if folder.name.startswith("step-") else ""
+    if not (v.isdigit() and folder.is_dir()):
+        return False
+    try:
+        body = json.loads((folder / VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("version") == int(v) and not isinstance(body.get("version"), bool)
+
+
 def versions(directory) -> list[int]:
-    """The complete versions in ``directory`` (step-V folders), oldest first."""
+    """The complete versions in ``directory`` (step-V folders publication wrote), oldest first."""
     d = Path(directory)
     out = []
     for p in d.glob("step-*") if d.is_dir() else []:
-        v = p.name[len("step-"):]
-        if p.is_dir() and v.isdigit():
-            out.append(int(v))
+        if is_published(p):
+            out.append(int(p.name[len("step-"):]))
     return sorted(out)
 
 
@@ -191,6 +210,11 @@ def write_version(directory, version: int, tensors: dict, hf_config: dict, *, ru
     d.mkdir(parents=True, exist_ok=True)
     name = f"step-{version}"
     tmp, final = d / f".{name}.tmp", d / name
+    if (final.exists() or final.is_symlink()) and not is_published(final):
+        raise UserError(f"publish.dir={d}", f"{final} exists and publication did not write it (it holds no "
+                        f"{VERSION_FILE} of version {version}: a checkpoint, or another program's folder); it is "
+                        f"left untouched and version {version} is not published.", "Point publish.dir at a folder "
+                        "of its own (left out it is OUTPUT_DIR/weights), or move that folder aside, then resume.")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -238,7 +262,8 @@ def point_latest(directory: Path, name: str) -> None:
 
 def prune(directory, keep: int, *, newer_than: int | None = None) -> list[int]:
     """Delete all but the newest ``keep`` versions (never the one ``latest`` names); with
-    ``newer_than``, first every version above it (an earlier run's, past the step a resume loaded)."""
+    ``newer_than``, first every version above it (an earlier run's, past the step a resume loaded).
+    Only versions publication wrote (``versions``) are counted or deleted: any other folder stays."""
     d = Path(directory)
     latest = read_latest(d)
     protect = latest.name if latest is not None else None
@@ -389,6 +414,8 @@ class Publisher:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, UserError):
+                raise e
             raise RuntimeError(f"apiary: publishing weights to {self.dir} failed: {e}") from e
 
     def close(self) -> None:

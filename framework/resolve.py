@@ -331,6 +331,47 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
     _writable_folder(where, f"publish.dir={where}", "no weights could be published")
 
 
+def _check_overlaps(cfg) -> None:
+    """The folders a run writes or reads must be apart: publish.dir (with publish.interval > 0), the
+    run's checkpoint folder (OUTPUT_DIR/checkpoint, with checkpoint.enable) and data.path. Equal, or
+    one inside the other, is refused (exit 2): published versions and checkpoints share the step-N
+    names (a publish.keep prune deleted checkpoints, a republication replaced one, `latest` named a
+    DCP folder), and a data folder holding either would be read, written and pruned together."""
+    def where(path) -> Path:
+        return Path(os.path.expanduser(str(path))).absolute().resolve()
+
+    out = Path(str(cfg.output_dir))
+    folders = []  # (name, the key to change, its folder, what it holds)
+    if cfg.publish.interval > 0:
+        pub = cfg.publish.dir if cfg.publish.dir is not None else out / "weights"
+        folders.append(("publish", f"publish.dir={pub}", where(pub), "the published weights"))
+    if cfg.checkpoint.enable:
+        folders.append(("checkpoint", f"output_dir={cfg.output_dir}", where(out / "checkpoint"),
+                        "the run's checkpoints"))
+    if cfg.data.path is not None:
+        folders.append(("data", f"data.path={cfg.data.path}", where(cfg.data.path), "the training data"))
+    why = {("publish", "checkpoint"): "published versions and checkpoints would share the step-N names: pruning "
+                                      "versions (publish.keep) would delete checkpoints, republishing a version "
+                                      "would replace a checkpoint, and `latest` could name a checkpoint",
+           ("publish", "data"): "publication would write and prune its step-N folders among the data, and the data "
+                                "would be read together with the published files",
+           ("checkpoint", "data"): "the checkpoints' files would be read as data, and saving and pruning "
+                                   "checkpoints would write and delete among the data"}
+    for i, (name_a, key_a, a, what_a) in enumerate(folders):
+        for name_b, key_b, b, what_b in folders[i + 1:]:
+            if a == b:
+                how = f"{a} would hold both {what_a} and {what_b}"
+            elif b in a.parents:
+                how = f"{what_a} would go in {a}, inside {b}, which holds {what_b}"
+            elif a in b.parents:
+                how = f"{what_b} would go in {b}, inside {a}, which holds {what_a}"
+            else:
+                continue
+            raise UserError(f"{key_a} {key_b}", f"{how}; {why[name_a, name_b]}.",
+                            f"Keep them apart: point {key_a.split('=')[0]} or {key_b.split('=')[0]} elsewhere "
+                            "(publish.dir left out is OUTPUT_DIR/weights; the checkpoints are OUTPUT_DIR/checkpoint).")
+
+
 # Values every recipe must keep in range: (key, test, rule, fix). Checked before anything starts.
 _RANGES = [
     ("training.steps", lambda v: v >= 1, "must be >= 1", "Set training.steps to the number of optimizer steps."),
@@ -613,6 +654,8 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
         step = _check_outputs(cfg)
         _check_writable(cfg)
     _check_publish(cfg, ctx, layout, for_training)
+    if for_training:
+        _check_overlaps(cfg)
     OmegaConf.set_struct(cfg, True)
     if for_training and step is not None:  # what this resume loads and what changed since the last launch
         plan = resume.check(cfg, Path(cfg.output_dir), step)

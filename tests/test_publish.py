@@ -217,6 +217,60 @@ def test_sharded_write_and_latest_pointer(tmp_path, monkeypatch):
     assert publish.versions(tmp_path / "w") == [5] and publish.read_latest(tmp_path / "w").name == "step-5"
 
 
+def test_prune_and_republication_never_touch_a_folder_publication_did_not_write(tmp_path):
+    """A checkpoint step-N (or any folder) in the publication folder: not a version, never pruned,
+    never replaced, and `latest` never names it (was: publish.keep deleted checkpoints, a resume's
+    republication replaced one with an HF folder)."""
+    from framework.errors import UserError
+
+    w, t = tmp_path / "w", {"w": torch.ones(3)}
+
+    def foreign(name):
+        (w / name).mkdir(parents=True)
+        (w / name / ".metadata").write_bytes(b"dcp")
+        (w / name / "manifest.json").write_text(json.dumps({"step": int(name[5:])}))
+
+    foreign("step-1")
+    foreign("step-9")
+    (w / "step-5").mkdir()  # another version's file copied in: not this version's
+    (w / "step-5" / publish.VERSION_FILE).write_text(json.dumps({"version": 3, "step": 3, "run": "r"}))
+    for v in (2, 3, 4):
+        publish.write_version(w, v, t, {"model_type": "x"})
+    assert publish.versions(w) == [2, 3, 4]
+    assert publish.prune(w, 1) == [2, 3]
+    assert publish.prune(w, 1, newer_than=2) == []  # step-9 and step-5 are not versions past 2
+    with pytest.raises(UserError) as e:
+        publish.write_version(w, 1, t, {"model_type": "x"})
+    assert f"{w / 'step-1'} exists and publication did not write it" in str(e.value)
+    assert sorted(p.name for p in w.iterdir()) == ["latest", "step-1", "step-4", "step-5", "step-9"]
+    for name in ("step-1", "step-9"):
+        assert sorted(p.name for p in (w / name).iterdir()) == [".metadata", "manifest.json"]
+    assert publish.read_latest(w).name == "step-4"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["publish.dir=run/checkpoint"], "would hold both the published weights and the run's checkpoints"),
+    (["publish.dir=run/checkpoint/weights"], "the published weights would go in"),
+    (["publish.dir=run"], "the run's checkpoints would go in"),
+    (["publish.dir=corpus/weights", "data.path=corpus"], "among the data"),
+    (["data.path=corpus", "output_dir=corpus", "publish.dir=elsewhere"], "checkpoints' files would be read as data"),
+])
+def test_publication_checkpoints_and_data_in_one_folder_are_refused(capsys, workdir, argv, needle):
+    from framework.cli import train_main
+
+    (workdir / "corpus").mkdir()
+    (workdir / "corpus" / "a.jsonl").write_text('{"text": "hello world, a short document"}\n' * 50)
+    code = train_main(["recipe=debug_moe", "output_dir=run", "publish.interval=1", "publish.keep=2",
+                       "checkpoint.interval=1", "checkpoint.keep_latest_k=0", "training.steps=4", *argv])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert "Keep them apart" in err and needle in err and "Traceback" not in err, err
+    if "publish.dir=run/checkpoint" in argv:  # the issue's: versions and checkpoints share step-N
+        assert "pruning versions (publish.keep) would delete checkpoints" in err, err
+    assert sorted(p.name for p in workdir.iterdir()) == ["corpus"]  # nothing started, nothing written
+    assert [p.name for p in (workdir / "corpus").iterdir()] == ["a.jsonl"]
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["publish.interval=-1"], ["publish.interval=-1", "must be >= 0"]),
     (["publish.interval=2", "publish.keep=0"], ["publish.keep=0", "must be >= 1"]),
