@@ -303,21 +303,22 @@ class _Pending:
             return not self.thread.is_alive()
         return all(p.is_file() for p in self.parts())
 
-    def finish(self) -> None:
-        """Rank 0: merge the ranks' parts into manifest.json and rename .partial-N to step-N."""
+    def finish(self) -> bool:
+        """Rank 0: merge the ranks' parts into manifest.json and rename .partial-N to step-N (True once
+        renamed; other ranks: whether their share was hashed)."""
         if self.rank != 0:
-            return
+            return self.error is None
         if self.error is not None:
             print(f"apiary: checkpoint step {self.step}: computing its manifest failed ({self.error}); the step "
                   f"stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
-            return
+            return False
         merged, hash_s = {}, 0.0
         for r, p in enumerate(self.parts()):
             body = json.loads(p.read_text())
             if "error" in body:
                 print(f"apiary: checkpoint step {self.step}: rank {r} could not compute its checksums "
                       f"({body['error']}); the step stays incomplete in {self.tmp}", file=sys.stderr, flush=True)
-                return
+                return False
             merged.update(body["files"])
             hash_s = max(hash_s, body["hash_s"])
         write_manifest(self.tmp, self.step, merged, save_s=self.save_s, hash_s=hash_s)
@@ -329,6 +330,7 @@ class _Pending:
         os.rename(self.tmp, self.final)
         _fsync_dir(self.final.parent)
         shutil.rmtree(aside, ignore_errors=True)
+        return True
 
 
 class AtomicSaves:
@@ -350,6 +352,7 @@ class AtomicSaves:
         self.rank = dist.get_rank() if self.group is not None else 0
         self.world = dist.get_world_size() if self.group is not None else 1
         self.pending: list[_Pending] = []
+        self.landed: set[int] = set()  # steps finish() renamed to step-N (rank 0), or hashed its share (others)
         self._dcp_save, self._save = compat.wrap_checkpoint_saves(checkpointer, self.dcp_save, self.save)
         checkpointer._apiary_atomic = self
 
@@ -375,7 +378,8 @@ class AtomicSaves:
                           f"{self.wait_s:.0f} s; the step stays incomplete in {head.tmp}", file=sys.stderr, flush=True)
                     self.pending.clear()
                 return
-            head.finish()
+            if head.finish():
+                self.landed.add(head.step)
             self.pending.pop(0)
 
     def save(self, curr_step, last_step=False):
@@ -384,6 +388,21 @@ class AtomicSaves:
 
     def finish(self) -> None:
         self.poll(wait=True)
+
+    def complete(self, step: int) -> bool:
+        """Every rank, together (a stop after a save: nothing may claim the step before it is
+        visible): wait for the pending saves to become step-N now, rather than at the next step
+        boundary, and return on every rank whether ``step`` did (rank 0's answer, all-reduced)."""
+        self.finish()
+        ok = step in self.landed
+        if self.group is not None:
+            import torch  # reason: start-up time (the CLI reads manifests without torch)
+            import torch.distributed as dist  # reason: as above
+
+            t = torch.tensor([int(ok)], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            ok = bool(t.item())
+        return ok
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         from torchtitan.components.checkpoint import AsyncMode  # reason: start-up time of the CLI (import ~0.4s)
@@ -421,6 +440,13 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def complete_save(checkpointer, step: int) -> bool | None:
+    """After a save of ``step`` (every rank): whether it is now complete as ``step-N`` (waits for its
+    manifest and rename); None for a checkpointer without apiary's atomic save."""
+    atomic = getattr(checkpointer, "_apiary_atomic", None)
+    return None if atomic is None else atomic.complete(step)
 
 
 def install_atomic_save(checkpointer, before_save=None) -> AtomicSaves:

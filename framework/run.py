@@ -97,7 +97,7 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
     kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
     autotune_table.install(resolved.cfg.training.autotune_configs)  # recorded: tune this GPU's known winners only
-    preempt.arm()  # SIGUSR1/SIGTERM/SIGINT: checkpoint at the next step boundary, exit 75 (requeue)
+    preempt.arm()  # SIGUSR1/SIGTERM/SIGINT/SIGHUP: checkpoint at the next step boundary, exit 75 (requeue)
     _single_process_env()
     rank = int(os.environ["RANK"])
     if rank == 0:

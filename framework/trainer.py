@@ -206,8 +206,9 @@ class ApiaryTrainer(Trainer):
             note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"
         elif self.step == self._start_step:
             note = f"no step trained since the start (step {self.step}); the checkpoint it started from stays"
-        elif guard is not None and guard.last_saved == self.step:
-            note = f"checkpoint step-{self.step} already written"
+        elif guard is not None and guard.last_saved == self.step:  # complete once renamed to step-N
+            note = (f"checkpoint step-{self.step} already written" if preempt.complete(ck, self.step)
+                    else f"checkpoint step-{self.step} NOT saved")
         else:
             note = (f"checkpoint step-{self.step} saved" if preempt.force_save(ck, self.step)
                     else f"checkpoint step-{self.step} NOT saved")

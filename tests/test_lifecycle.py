@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from framework import integrity
+
 from conftest import ROOT, run_cli
 
 TRAIN = ["recipe=debug_moe", "logging.tensorboard=false"]
@@ -208,6 +210,35 @@ def test_second_ctrl_c_stops_now_without_traceback(tmp_path):
 def test_sigint_in_process_checkpoints_and_exits_75(tmp_path):
     code, out, run = _signal_run(tmp_path, signal.SIGINT, nproc=1)
     _check_checkpointed(code, out, run, nproc=1)
+
+
+@slow
+def test_sighup_in_process_checkpoints_and_exits_75(tmp_path):
+    """A closed terminal with nproc=1 (was: exit 129, no checkpoint, no message; nproc=2's parent
+    forwards it as SIGTERM)."""
+    code, out, run = _signal_run(tmp_path, signal.SIGHUP, nproc=1)
+    _check_checkpointed(code, out, run, nproc=1)
+    assert "got SIGHUP; checkpointing at the next step boundary" in out, out[-4000:]
+
+
+@slow
+def test_second_ctrl_c_in_process_claims_no_checkpoint_it_did_not_complete(tmp_path):
+    """Two SIGINTs 1 s apart, nproc=1 (was: "checkpoint step-6 saved" with only .partial-6 on disk):
+    a step said to be saved is complete; the second SIGINT stops without a traceback."""
+    run = tmp_path / "run"
+    proc = _start([*TRAIN, "nproc=1", "training.steps=400", "checkpoint.interval=200", f"output_dir={run}"],
+                  tmp_path)
+    _wait_for_steps(proc, run, 2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode in (75, 130), out[-4000:]
+    claimed = {int(n) for n in re.findall(r"checkpoint step-(\d+) (?:saved|already written)", out)}
+    assert claimed <= set(integrity.complete_steps(run / "checkpoint")), out[-4000:]
+    if proc.returncode == 130:
+        assert "stopping now" in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
 
 
 @slow

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
+
+from framework import integrity
 
 from conftest import ROOT, run_ranks
 
@@ -33,8 +37,8 @@ class _FakeCheckpointer:
 class _FakeTrainer:
     """torchtitan's loop shape: should_continue_training / step / checkpointer.save."""
 
-    def __init__(self, steps, interval, signal_at=None):
-        self.step, self.steps, self.signal_at = 0, steps, signal_at
+    def __init__(self, steps, interval, signal_at=None, sig=signal.SIGUSR1):
+        self.step, self.steps, self.signal_at, self.sig = 0, steps, signal_at, sig
         self.checkpointer = _FakeCheckpointer(interval)
 
     def should_continue_training(self):
@@ -44,7 +48,7 @@ class _FakeTrainer:
         while self.should_continue_training():
             self.step += 1
             if self.step == self.signal_at:
-                os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step
+                os.kill(os.getpid(), self.sig)  # arrives mid-step
             self.checkpointer.save(self.step, last_step=self.step == self.steps)
 
 
@@ -70,6 +74,64 @@ def test_preempt_checkpoints_at_the_step_boundary(preempt, capsys, interval, sig
     with pytest.raises(SystemExit) as e:
         preempt.exit_if_stopped(guard)
     assert e.value.code == preempt.EXIT_CODE == 75
+
+
+def test_sighup_checkpoints_like_sigterm(preempt, capfd):
+    """A closed terminal (SIGHUP) with nproc=1 (was: exit 129, no checkpoint, no message; nproc=2's
+    parent already forwarded it as SIGTERM)."""
+    assert signal.SIGHUP in preempt.SIGNALS  # checked first: unhandled, SIGHUP would end the test process
+    t = _FakeTrainer(steps=10, interval=100, signal_at=3, sig=signal.SIGHUP)
+    guard = preempt.install(t)
+    t.train()
+    assert guard.stopped_at == 3 and guard.saved and t.checkpointer.saved == [3]
+    err = capfd.readouterr().err  # the handler writes to fd 2 (os.write: safe in a signal handler)
+    assert "got SIGHUP; checkpointing at the next step boundary" in err, err
+    assert "preempted (SIGHUP) after step 3; checkpoint step-3 saved" in err, err
+    with pytest.raises(SystemExit) as e:
+        preempt.exit_if_stopped(guard)
+    assert e.value.code == 75
+
+
+class _AtomicCheckpointer(_FakeCheckpointer):
+    """Saves through apiary's atomic save (framework/integrity.py): into .partial-N, hashed in the
+    background, renamed to step-N at a later save or the trainer's close."""
+
+    def __init__(self, folder, interval):
+        super().__init__(interval)
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True)
+        integrity.install_atomic_save(self)
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        Path(checkpoint_id, "__0_0.distcp").write_bytes(b"x" * 4096)
+        Path(checkpoint_id, ".metadata").write_bytes(b"meta")
+
+    def save(self, curr_step, last_step=False):
+        from torchtitan.components.checkpoint import AsyncMode
+
+        if last_step or curr_step % self.interval == 0:
+            self.dcp_save({}, str(self.folder / f"step-{curr_step}"), AsyncMode.DISABLED)
+            self.saved.append(curr_step)
+            return True
+        return False
+
+
+@pytest.mark.parametrize("interval", [100, 3])  # the stop's own save; the interval's save of that step
+def test_saved_is_said_only_once_the_step_is_complete(preempt, capsys, tmp_path, interval):
+    """A second Ctrl-C right after the stop's message ends the process at once (os._exit), before the
+    trainer's close would complete the last save; so the message waits for step-N (was: "checkpoint
+    step-6 saved" with only .partial-6 on disk, and a resume found no checkpoint)."""
+    t = _FakeTrainer(steps=10, interval=interval, signal_at=3)
+    t.checkpointer = _AtomicCheckpointer(tmp_path / "checkpoint", interval)
+    guard = preempt.install(t)
+    t.train()
+    err = capsys.readouterr().err
+    assert guard.stopped_at == 3 and guard.saved and t.checkpointer.saved == [3]
+    assert re.search(r"after step 3; checkpoint step-3 (saved|already written this step)", err), err
+    # as a second Ctrl-C would leave it: nothing finished the save after the message
+    ck = tmp_path / "checkpoint"
+    assert integrity.complete_steps(ck) == [3] and integrity.verify(ck / "step-3") is None
+    assert not list(ck.glob(".partial-*"))
 
 
 def test_preempt_before_any_step_saves_nothing(preempt):

@@ -1,6 +1,6 @@
 """Preemption: a signal asks training to checkpoint at the next step boundary and exit.
 
-``arm()`` installs a SIGUSR1/SIGTERM/SIGINT handler that sets a flag (before any trainer is hooked,
+``arm()`` installs a SIGUSR1/SIGTERM/SIGINT/SIGHUP handler that sets a flag (before any trainer is hooked,
 there is nothing to save: it exits at once with ``EXIT_CODE``). A second SIGINT (Ctrl-C again,
 more than ``SAME_DELIVERY_S`` after the first) stops the process at once with code 130, without
 a checkpoint or a traceback. Under a supervising ``train`` parent each rank also writes its exit
@@ -8,8 +8,11 @@ code for the parent (framework/lifecycle.py). ``install(trainer)`` wraps
 the trainer's ``should_continue_training`` (on the instance): at every step boundary the flag is
 all-reduced (MAX) over all ranks, so when ANY rank was signalled every rank stops after the same
 step. The stopping ranks save a full, resumable checkpoint of that step (unless the step's regular
-save already wrote it), then the loop ends normally. The worker then exits with ``EXIT_CODE``
-(75, EX_TEMPFAIL: "try again"), which the Slurm script reads as "requeue me".
+save already wrote it) and wait until it is complete as ``step-N`` (manifest written, folder renamed:
+framework/integrity.py) before saying it was saved, then the loop ends normally. SIGHUP (a closed
+terminal) is a stop request like SIGTERM, as the supervising parent of an nproc > 1 run treats it.
+The worker then exits with ``EXIT_CODE`` (75, EX_TEMPFAIL: "try again"), which the Slurm script
+reads as "requeue me".
 
 Two ways in:
 * ``python -m framework.preempt train ARGS`` (the Slurm template's worker command) arms the
@@ -28,12 +31,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from framework import compat, lifecycle
+from framework import compat, integrity, lifecycle
 from framework.errors import EXIT_PREEMPTED, EXIT_STOP_NOW
 
 EXIT_CODE = EXIT_PREEMPTED  # stopped on request with a checkpoint; run it again
 STOP_NOW_EXIT_CODE = EXIT_STOP_NOW  # a second SIGINT: stop at once, no checkpoint
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SAME_DELIVERY_S = 0.3  # a SIGINT this soon after the first is the same one relayed twice (srun + torchrun)
 
 
@@ -54,7 +57,10 @@ def _handler(signum, frame) -> None:
     if not first and signum == signal.SIGINT and time.time() - _FLAG.at > SAME_DELIVERY_S:
         # Ctrl-C again: stop now. os._exit: no traceback, no waiting on a collective or a save.
         lifecycle.write_status(STOP_NOW_EXIT_CODE)
-        os.write(2, f"apiary: rank {rank}: second SIGINT; stopping now without a checkpoint (exit "
+        done = [g.stopped_at for g in _GUARDS if g.saved and g.stopped_at is not None]
+        what = (f"without a further checkpoint (step-{done[-1]} is complete)" if done else
+                "without a checkpoint")
+        os.write(2, f"apiary: rank {rank}: second SIGINT; stopping now {what} (exit "
                     f"{STOP_NOW_EXIT_CODE})\n".encode())
         os._exit(STOP_NOW_EXIT_CODE)
     if first:
@@ -159,9 +165,10 @@ class Guard:
             note = "checkpointing is off: a rerun starts over"
         elif step == self.start_step:
             note = f"no step trained since start (step {step}); the checkpoint it started from stays"
-        elif self.last_saved == step:
-            note = f"checkpoint step-{step} already written this step"
-            self.saved = True
+        elif self.last_saved == step:  # the interval's save: complete once renamed to step-N
+            self.saved = complete(ck, step)
+            note = (f"checkpoint step-{step} already written this step" if self.saved
+                    else f"checkpoint step-{step} NOT saved")
         else:
             self.saved = force_save(ck, step)
             note = f"checkpoint step-{step} saved" if self.saved else f"checkpoint step-{step} NOT saved"
@@ -183,8 +190,16 @@ def _cpu_group():
         return None
 
 
+def complete(ck, step: int) -> bool:
+    """Whether the save of ``step`` is complete on disk (every rank calls it together): with apiary's
+    atomic save, after waiting for its manifest and its rename to step-N; else as the save said."""
+    done = integrity.complete_save(ck, step)
+    return True if done is None else done
+
+
 def force_save(ck, step: int) -> bool:
-    """A full (resumable) checkpoint of ``step`` off the interval: same path, same async mode."""
+    """A full (resumable) checkpoint of ``step`` off the interval: same path, same async mode. True
+    only once it is complete on disk (``step-N``, never a ``.partial-N`` a stop now would leave)."""
     ck.maybe_wait_for_saving()
     interval = getattr(ck, "interval", None)
     try:
@@ -195,7 +210,7 @@ def force_save(ck, step: int) -> bool:
         if interval is not None:
             ck.interval = interval
     ck.maybe_wait_for_saving()  # an async save must land before the process exits
-    return bool(saved)
+    return complete(ck, step) and bool(saved)
 
 
 def install(trainer, *, check_every: int = 1, signals=SIGNALS) -> Guard:
