@@ -134,6 +134,7 @@ class ApiaryMetrics(MetricsProcessor):
 
     extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
     max_loss_source = None  # callable -> max loss over data parallel, replacing torchtitan's (under CP)
+    stage_loss_source = None  # callable(loss) -> the last pipeline stage's loss on every stage (with PP)
     _jsonl = None  # rank 0's JsonlLogger
 
     def __init__(self, config, **kwargs):
@@ -177,6 +178,11 @@ class ApiaryMetrics(MetricsProcessor):
                          **{f"first_step/{k}": v for k, v in first_step.STATE.record().items()},
                          **{f"publish/{k}": v for k, v in publish.LOG.take().items()}}
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        if self.stage_loss_source is not None:  # a collective: every rank validates and calls this
+            loss = self.stage_loss_source(loss)
+        return super().log_validation(loss=loss, step=step, extra_metrics=extra_metrics)
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):
         inner = super()._build_metric_logger(config=config, parallel_dims=parallel_dims, **kwargs)

@@ -59,6 +59,9 @@ def write_run_files(resolved) -> None:
 # lspci to name the GPU, falls back to an A100's peak for its MFU (apiary's is framework.devices'),
 # and looks for an HF index in the run folder that a run saving DCP checkpoints never has
 QUIET_LOG_LINES = ("Error running lspci", "Peak flops undefined for", "model.safetensors.index.json not found at")
+# ... and, with pipeline stages, its note that the loss is only visible on the last stage's rank (in
+# color codes): apiary logs that stage's loss on every rank (framework/trainer.py)
+QUIET_LOG_PARTS = ("Pipeline Parallel loss is not visible",)
 # ... and its note that it sets an environment variable, when the value stays the same or replaces
 # torchrun's own default (TORCH_NCCL_ASYNC_ERROR_HANDLING=1 -> 3, docs/launching.md); a value a user
 # exported that it overrides is still shown
@@ -69,7 +72,7 @@ _TORCHRUN_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
 class _QuietLogLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        if msg.startswith(QUIET_LOG_LINES):
+        if msg.startswith(QUIET_LOG_LINES) or any(part in msg for part in QUIET_LOG_PARTS):
             return False
         m = _ENV_OVERRIDE.match(msg)
         return not (m and (m.group(2) == m.group(3) or (m.group(1), m.group(2)) in _TORCHRUN_DEFAULTS))

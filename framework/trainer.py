@@ -119,6 +119,9 @@ class ApiaryTrainer(Trainer):
             self.metrics_processor.extra_source = self._extra_metrics
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
+        if self.parallel_dims.pp_enabled:  # the held-out loss too: only the last stage computes it
+            self.metrics_processor.stage_loss_source = lambda v: float(
+                self._last_stage_loss(torch.as_tensor(float(v), device=self.device)))
         self._follow_source = self._follow_stop = None
         self._ledger_started, self._waited_s, self._start_step = False, 0.0, None
         self._publisher, self._published_initial = None, False
@@ -331,6 +334,8 @@ class ApiaryTrainer(Trainer):
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
+        if self.parallel_dims.pp_enabled and self.metrics_processor.should_log(self.step):
+            loss = self._last_stage_loss(loss)
         bad = ~torch.isfinite(loss.detach().float()).all()  # stays on device: no sync here
         self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
         if self.config.on_nonfinite == "skip":  # only the logged copy: torchtitan raises on a NaN it logs
@@ -350,6 +355,15 @@ class ApiaryTrainer(Trainer):
             self._rank_tokens = self._rank_tokens + (labels != IGNORE_INDEX).sum()  # before CP sharding
             self._global_tokens = global_valid_tokens
         return loss
+
+    def _last_stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """With pipeline stages only the last one computes the loss (torchtitan returns -1 on the
+        others, which rank 0, a first stage, logged; its validator likewise): the last stage's loss,
+        summed over the stage group with 0 from the others, so every stage logs the real loss. One
+        scalar all-reduce, on the steps that are logged and at each validation."""
+        mine = loss.detach().float().sum() if self.pp_has_last_stage else torch.zeros((), device=loss.device)
+        dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())
+        return mine
 
     def _extra_metrics(self) -> dict[str, float]:
         """The step's extra scalars: policy metrics (a collective), and what a followed stream consumed."""

@@ -78,3 +78,30 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
         assert abs(a["loss"] - b["loss"]) <= TRAJ_LOSS_REL * abs(a["loss"]), (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"]
     assert one[-1]["loss"] < one[0]["loss"]
+
+
+def test_pipeline_stages_log_the_last_stages_loss(workdir):
+    """parallel.pp=2 nproc=2: only the last stage computes the loss; rank 0 (the first stage) logged
+    torchtitan's -1.0 in metrics.jsonl, the console and summary.json, and the held-out loss as
+    -1/tokens. From one seed checkpoint, the pipeline's logged losses are the 1-rank run's."""
+    steps = ["training.steps=3", "checkpoint.interval=100", "validation.interval=2", "validation.fraction=0.1",
+             "logging.tensorboard=false"]
+    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
+    with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
+        f1 = pool.submit(run_cli, ["train", *steps, seed, "output_dir=one"], cwd=workdir, env={"OMP_NUM_THREADS": "1"})
+        f2 = pool.submit(run_cli, ["train", *steps, seed, "parallel.pp=2", "nproc=2", "output_dir=pp"], cwd=workdir)
+        p1, p2 = f1.result(), f2.result()
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    assert json.loads((workdir / "pp" / "layout.json").read_text())["dims"]["pp"] == 2
+    one, pp = read_metrics(workdir / "one"), read_metrics(workdir / "pp")
+    assert [r["step"] for r in pp] == [1, 2, 3]
+    for a, b in zip(one, pp):
+        for key in ("loss", "max_loss", "val_loss"):
+            assert abs(a[key] - b[key]) <= TRAJ_LOSS_REL * abs(a[key]), (key, a, b)
+    summary = json.loads((workdir / "pp" / "summary.json").read_text())
+    assert summary["loss_first"] == pp[0]["loss"] > 1 and summary["val_loss_last"] == pp[-1]["val_loss"] > 1
+    assert "loss -1.0000" not in p2.stdout and "loss 5." in p2.stdout, p2.stdout[-3000:]
+    assert "Pipeline Parallel loss is not visible" not in p2.stdout + p2.stderr
