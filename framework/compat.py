@@ -57,6 +57,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "lock_autotune_disk_cache": ("triton.runtime.autotuner:Autotuner.check_disk_cache",),
     "set_autotuning_listener": ("triton.knobs:autotuning.listener",),
     "cache_existing_autotuners": ("triton.runtime.autotuner:Autotuner",),
+    "plain_cuda_segments": ("torch.cuda.memory:_set_allocator_settings",),  # a context manager, not a patch
     "hydra_args_parser": ("hydra._internal.utils:get_args_parser",),
     "hydra_for_config_dir": ("hydra._internal.hydra:Hydra.create_main_hydra2",
                              "hydra._internal.utils:create_config_search_path"),
@@ -564,6 +565,26 @@ def cache_existing_autotuners() -> int:
 # ---------------------------------------------------------------------------------- Hydra
 # hydra-core 1.3.8: `train` uses Hydra's own argument parser, its Hydra object and its basic
 # sweeper's expansion, which Hydra exposes only under hydra._internal.
+
+
+@contextlib.contextmanager
+def plain_cuda_segments():
+    """CUDA allocations made inside are plain segments, not expandable ones (apiary's default
+    ``expandable_segments:True``, framework/alloc_conf.py): CUDA IPC exports a tensor's whole
+    cudaMalloc'd segment, which expandable segments do not have. Used for the buckets an in-memory
+    transport shares with a colocated engine (components/transport/vllm.py). torch 2.14.1's private
+    ``torch.cuda.memory._set_allocator_settings``; restores expandable segments when they were on."""
+    import torch  # reason: imported when a transport allocates its buckets
+
+    from framework import alloc_conf  # reason: compat imports no framework module at load time
+    was = torch.cuda.is_available() and alloc_conf.expandable()
+    if was:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if was:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def hydra_args_parser():

@@ -50,7 +50,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from framework import schema
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
-KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher")
+KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher",
+         "transport")
 # The order is part of the contract: model sets the model spec; adapter, precision and moe_chunk then
 # convert it in this order, each reading the spec (and chaining the post-optimizer hook) the one before
 # left; data sets the batch keys the loss reads; state comes last because it wraps the spec's
@@ -63,7 +64,8 @@ APPLY_ORDER = ("model", "adapter", "precision", "moe_chunk", "data", "loss", "re
 SELECT = {"model": ("model", "family"), "adapter": ("adapter", "name"), "precision": ("precision", "name"),
           "moe_comm": ("moe", "comm"),
           "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
-          "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name")}
+          "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name"),
+          "transport": ("publish", "transport")}
 GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
 
 # apiary compare's tolerance kinds (toolkit.compare documents each).
@@ -378,6 +380,18 @@ class MoeComm(Component, Protocol):
     torchtitan_backend: str
 
 
+class Transport(Component, Protocol):
+    """kind ``transport`` (``publish.transport``): how published weights reach the generator.
+    ``IN_MEMORY``: False for HF folders only (framework/publish.py writes every version); True when
+    ``sender(options, settings, trainer)`` (called on every rank once the trainer is built;
+    ``settings``: framework.publish.PublishSettings) returns an object whose ``publish(trainer,
+    version)`` (a collective) hands every version after the first to the engine, and ``close()``."""
+
+    IN_MEMORY: ClassVar[bool]
+
+    def sender(self, options: Any, settings: Any, trainer: Any) -> Any: ...
+
+
 class MoeChunk(Component, Planned, Protocol):
     """kind ``moe_chunk``: edits the model spec's routed experts (overlap schedule)."""
 
@@ -649,7 +663,7 @@ def make_options(component: Any, node: Any) -> Any:
 
 PROTOCOLS: dict[str, type] = {
     "model": ModelFamily, "adapter": Adapter, "loss": Loss, "recompute": Recompute, "state": State, "moe_comm": MoeComm,
-    "moe_chunk": MoeChunk, "precision": Precision, "data": Data, "launcher": Launcher,
+    "moe_chunk": MoeChunk, "precision": Precision, "data": Data, "launcher": Launcher, "transport": Transport,
 }
 
 
@@ -688,6 +702,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
               "layout": None},  # runs the degrees layout.derive chose
     "launcher": {**_SHARED_OPTIONAL, "check_options": None, "preflight": None, "render": None, "TEMPLATE": None},
+    "transport": {**_SHARED_OPTIONAL},
     "loss_fn": {"set_batch": None, "metrics": MappingProxyType({}), "metric_weight": None},
 }
 

@@ -36,6 +36,7 @@ Each publication logs one line on rank 0 and its times go to the next metrics re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -76,6 +77,9 @@ class PublishSettings:
     tokenizer_dir: str | None = None  # an HF tokenizer folder whose files are copied into each version
     n_params: int = 0  # the model's parameters (auto: background above BACKGROUND_PARAMS)
     dtype: str | None = None  # publish.dtype: floating tensors cast to it (on their device, before the copy)
+    transport: Any = None  # the publish.transport component (contracts.Transport); None or IN_MEMORY False: folders
+    transport_options: Any = None  # its options (the publish section)
+    log: Any = None  # where a sender puts its times for the next metrics record: LOG (set below)
 
 
 def settings(cfg, ctx, facts) -> PublishSettings | None:
@@ -90,7 +94,8 @@ def settings(cfg, ctx, facts) -> PublishSettings | None:
     return PublishSettings(interval=int(p.interval), dir=str(Path(p.dir).absolute() if p.dir is not None else out / "weights"),
                            keep=int(p.keep), background=str(p.background).lower(), convert=convert,
                            run=str(out), tokenizer_dir=tok_dir, n_params=int(facts.n_params or 0),
-                           dtype=None if p.dtype is None else str(p.dtype))
+                           dtype=None if p.dtype is None else str(p.dtype),
+                           transport=ctx.components.get("transport"), transport_options=ctx.options.get("transport"))
 
 
 class PublishLog:
@@ -111,6 +116,10 @@ class PublishLog:
 
 
 LOG = PublishLog()
+
+
+def _with_log(s: PublishSettings) -> PublishSettings:
+    return s if s.log is not None else dataclasses.replace(s, log=LOG)
 
 
 def read_latest(directory) -> Path | None:
@@ -288,7 +297,7 @@ class Publisher:
     rank 0 converts and writes."""
 
     def __init__(self, settings: PublishSettings, trainer: Any = None):
-        self.s = settings
+        self.s = _with_log(settings)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.dir = Path(settings.dir)
         self._thread: threading.Thread | None = None
@@ -298,6 +307,7 @@ class Publisher:
         self._step_times: list[float] = []
         self._mark: float | None = None  # when the last step ended (step time = between two maybe_publish calls)
         self._first = True
+        self._sender = None  # an in-memory transport's sender (publish.transport), made at its first version
         self.records: list[dict] = []  # rank 0: one per publication (version, blocked_s, write_s, background)
         self._pinned: dict[str, torch.Tensor] = {}  # rank 0 on CUDA: the host copies (pinned: ~20 GB/s, not ~3)
         self._waited = self._gathered = 0.0  # the last publication: waiting for the previous write; gathering
@@ -332,6 +342,13 @@ class Publisher:
         """Publish the current weights as ``version`` (a collective: every rank calls it)."""
         if version == self._last_version:
             return
+        if not initial and self._in_memory():  # every version after the first goes to the engine in memory
+            if self._sender is None:
+                self._join()
+                self._sender = self.s.transport.sender(self.s.transport_options, self.s, trainer)
+            self._sender.publish(trainer, version)
+            self._last_version = version
+            return
         t0 = time.perf_counter()
         self._join()  # the previous background write lands first (bounded host memory, ordered versions)
         self._waited = time.perf_counter() - t0
@@ -353,6 +370,9 @@ class Publisher:
         else:
             self._write(version, sd, blocked, False, stale)
         self._last_version = version
+        if initial and self._in_memory() and self._sender is None:  # the link file, for the engine that loads it
+            self._join()
+            self._sender = self.s.transport.sender(self.s.transport_options, self.s, trainer)
 
     def _gather(self, trainer) -> dict:
         """Full tensors of every model part on rank 0's host (an empty dict elsewhere). The modules'
@@ -418,9 +438,18 @@ class Publisher:
                 raise e
             raise RuntimeError(f"apiary: publishing weights to {self.dir} failed: {e}") from e
 
+    def _in_memory(self) -> bool:
+        t = self.s.transport
+        return t is not None and bool(t.IN_MEMORY)
+
     def close(self) -> None:
-        """Wait for a background write to land (and raise its error, if any)."""
-        self._join()
+        """Wait for a background write or transfer to land (and raise its error, if any)."""
+        try:
+            self._join()
+        finally:
+            if self._sender is not None:
+                sender, self._sender = self._sender, None
+                sender.close()
 
 
 def _detach_from(sd: dict, parts) -> dict:

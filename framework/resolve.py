@@ -535,6 +535,13 @@ def _check_warmup(cfg, overrides: list[str], ctx: contracts.Context) -> None:
 # Given on the command line while the other is off, the key would be ignored: refused. (A recipe may keep
 # such a value for the times the other is on: `train recipe=R checkpoint.enable=false` is not refused for
 # the recipe's checkpoint.interval.)
+def _in_memory(cfg) -> bool:
+    """Whether publish.transport hands weights over in memory (its component's ``IN_MEMORY``)."""
+    name = str(cfg.publish.transport)
+    return bool(contracts.member(registry.resolve("transport", name, where=f"publish.transport={name}"),
+                                 "transport", "IN_MEMORY"))
+
+
 _NEEDS = [
     ("training.max_skips", "training.on_nonfinite=skip", lambda c: c.training.on_nonfinite != "skip",
      "how many non-finite steps in a row are skipped before the run stops"),
@@ -544,7 +551,11 @@ _NEEDS = [
      "the batches of each validation pass"),
     *((f"publish.{k}", "publish.interval=N", lambda c: c.publish.interval == 0, what) for k, what in (
         ("dir", "where published weights go"), ("keep", "how many published versions stay"),
-        ("background", "how published weights are written"), ("dtype", "the dtype of published weights"))),
+        ("background", "how published weights are written"), ("dtype", "the dtype of published weights"),
+        ("transport", "how published weights reach the generator"))),
+    *((f"publish.{k}", "an in-memory publish.transport", lambda c: not _in_memory(c), what) for k, what in (
+        ("engine", "where the trainer listens for the engine"), ("bucket_mb", "the size of a transfer bucket"),
+        ("engine_timeout", "how long the trainer waits for the engine"))),
     *((f"checkpoint.{k}", "checkpoint.enable=true", lambda c: not c.checkpoint.enable, what) for k, what in (
         ("interval", "the steps between saves"), ("keep_latest_k", "how many saved steps stay"),
         ("model_only_last", "what the last save holds"))),

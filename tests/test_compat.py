@@ -18,6 +18,7 @@ from conftest import ROOT
 
 # target -> the parameter names the patch expects (None: an attribute whose presence is the contract)
 SIGNATURES = {
+    "torch.cuda.memory:_set_allocator_settings": ["env"],
     "torch.cpu:current_device": [],
     "torch._utils:_get_available_device_type": [],
     "torch.distributed.tensor.experimental._context_parallel._attention:_compiled_create_block_mask": None,
@@ -222,7 +223,8 @@ def _apply(name, monkeypatch):
     return fn, args.get(name, ())
 
 
-@pytest.mark.parametrize("name", [n for n in PATCHES if n not in ("fsdp_wrappers_disabled", "compile_flex_attention")])
+@pytest.mark.parametrize("name", [n for n in PATCHES if n not in ("fsdp_wrappers_disabled", "compile_flex_attention",
+                                                                   "plain_cuda_segments")])
 def test_each_patch_is_idempotent(name, monkeypatch):
     _unpatched(monkeypatch, name)
     fn, args = _apply(name, monkeypatch)

@@ -538,6 +538,11 @@ class HFWriter:
                     "tokens differently; train with moe.load_balance_coeff=null for routing that matches.")
         return to_hf_tensors(state_dict, self.config, self.adapter_cls), self.hf_config
 
+    def to_hf(self, state_dict: dict) -> dict:
+        """HF name -> tensor for (part of) a torchtitan state dict, where the tensors are (no copy to
+        the host; meta tensors give the names and shapes): what an in-memory transport sends."""
+        return self.adapter_cls(self.config, None).to_hf(state_dict)
+
 
 def hf_writer(family_mod, options, ctx) -> HFWriter:
     """``hf_writer(options, ctx)`` of a family with ``model_config``, ``arch_from_config``,

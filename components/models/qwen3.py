@@ -98,6 +98,9 @@ FLAVORS: dict[str, Arch] = {  # torchtitan 0.3.0's qwen3 flavors, then apiary's
     "235B-A22B": _moe(4096, 94, 64, 4, 128, 1536, rope_theta=5_000_000.0),
     "tiny_moe": Arch(**_TINY, num_experts=8, top_k=2, moe_hidden_dim=64),
     "tiny_dense": Arch(**_TINY, ffn_hidden_dim=192),
+    # tiny_moe with head_dim 64 and dim 256: small enough for a CPU, shaped for vLLM's GPU kernels
+    "vllm_tiny_moe": Arch(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, vocab_size=320, max_seq_len=4096,
+                          num_experts=8, top_k=2, moe_hidden_dim=128),
 }
 FLAVORS.update({f"{base}-yarn": replace(FLAVORS[base], max_seq_len=QWEN3_YARN.max_seq_len, yarn=QWEN3_YARN)
                 for base in ("30B-A3B", "235B-A22B")})

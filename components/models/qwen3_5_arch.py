@@ -62,6 +62,11 @@ FLAVORS = {
                       linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                       num_experts=8, top_k=2, moe_hidden_dim=32, shared_expert_hidden_dim=32, vocab_size=320,
                       mrope_section=(1, 1, 0), max_seq_len=4096),
+    # debug_moe's layer kinds at head dims vLLM's GPU kernels take (attention 128, GatedDeltaNet 64)
+    "vllm_debug_moe": Arch(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=128, rotary_dim=32,
+                           linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                           num_experts=8, top_k=2, moe_hidden_dim=128, shared_expert_hidden_dim=128, vocab_size=320,
+                           mrope_section=(6, 5, 5), max_seq_len=4096),
     "debug_dense": Arch(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=4,
                         linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                         ffn_hidden_dim=128, vocab_size=320, mrope_section=(1, 1, 0), max_seq_len=4096),

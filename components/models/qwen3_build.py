@@ -70,16 +70,21 @@ def with_yarn(config, yarn: YaRN):
     return config
 
 
-def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard") -> Qwen3Model.Config:
-    dim, head_dim, vocab, n_layers = 64, 16, 320, 2
-    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1_000_000.0)
-    shared = dict(n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
+def _tiny(moe: bool, attn_backend: str, moe_comm_backend: str = "standard", flavor: str | None = None
+          ) -> Qwen3Model.Config:
+    """apiary's small flavors (tiny_moe, tiny_dense, vllm_tiny_moe) from their Arch in qwen3.FLAVORS."""
+    from components.models.qwen3 import FLAVORS  # reason: the family module imports this one
+    a = FLAVORS[flavor or ("tiny_moe" if moe else "tiny_dense")]
+    dim, head_dim, vocab, n_layers = a.dim, a.head_dim, a.vocab_size, a.n_layers
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta)
+    shared = dict(n_layers=n_layers, dim=dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=head_dim,
                   attn_backend=attn_backend, rope=rope, fuse_qkv=True)
     if moe:
         layers = tt_qwen3._build_qwen3_moe_layers(
-            moe_hidden_dim=64, num_experts=8, top_k=2, moe_comm_backend=moe_comm_backend, **shared)
+            moe_hidden_dim=a.moe_hidden_dim, num_experts=a.num_experts, top_k=a.top_k,
+            moe_comm_backend=moe_comm_backend, **shared)
     else:
-        layers = tt_qwen3._build_qwen3_layers(hidden_dim=192, **shared)
+        layers = tt_qwen3._build_qwen3_layers(hidden_dim=a.ffn_hidden_dim, **shared)
     return Qwen3Model.Config(
         vocab_size=vocab,
         dim=dim,
@@ -95,6 +100,8 @@ TT_FLAVORS = {  # flavor -> torchtitan config builder (qwen3.FLAVORS holds the s
     **tt_qwen3.qwen3_configs,
     "tiny_moe": lambda attn_backend, moe_comm_backend="standard": _tiny(True, attn_backend, moe_comm_backend),
     "tiny_dense": lambda attn_backend: _tiny(False, attn_backend),
+    "vllm_tiny_moe": lambda attn_backend, moe_comm_backend="standard": _tiny(True, attn_backend, moe_comm_backend,
+                                                                             "vllm_tiny_moe"),
     **{f"{base}-yarn": (lambda base: lambda attn_backend, moe_comm_backend="standard": with_yarn(
         tt_qwen3.qwen3_configs[base](attn_backend=attn_backend, moe_comm_backend=moe_comm_backend), QWEN3_YARN))(base)
        for base in ("30B-A3B", "235B-A22B")},

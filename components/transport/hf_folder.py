@@ -1,0 +1,28 @@
+"""``publish.transport=hf_folder`` (the baseline): every version is an HF folder (framework/publish.py)."""
+
+from __future__ import annotations
+
+from components.transport.vllm import PublishOptions
+
+
+class HFFolder:
+    """HF folders in publish.dir, a `latest` pointer; any generator reloads them from disk."""
+
+    Options = PublishOptions
+    IN_MEMORY = False
+    SKILL = "transport"
+    # apiary compare: the trained weights are the same whichever way they are handed over
+    NUMERICS = {"": "exact"}
+
+    @staticmethod
+    def check(options, ctx=None) -> None:
+        return None
+
+    @staticmethod
+    def apply(options, tc, ctx=None) -> None:
+        return None
+
+    @staticmethod
+    def sender(options, settings, trainer):
+        """No in-memory sender: framework/publish.py writes the folders."""
+        return None

@@ -1,0 +1,275 @@
+"""In-memory weight hand-off (publish.transport, components/transport/): what can run without a GPU.
+
+The buckets hold exactly the published folder's tensors (names, shapes, dtype, values), the bucket
+plan covers every tensor once within its size, the engine link's protocol (hello, refusals, the
+version a finish carries), and the refusals before launch. tests/gpu/test_vllm_gpu.py runs the real
+engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from components.transport import link as link_mod
+from components.transport import snapshot
+from framework import api, publish
+from framework.errors import UserError
+from framework.resolve import resolve
+
+
+def _writer(recipe: str, *extra):
+    r = resolve(recipe, ["publish.interval=1", *extra], world_size=1, for_training=False)
+    return r.ctx.components["model"].hf_writer(r.ctx.options["model"], r.ctx)
+
+
+def _folder_tensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["debug_moe", "qwen35_debug_moe"])
+def test_buckets_hold_the_published_folder(tmp_path, recipe):
+    """Names (in order), shapes, dtype and values of the buckets equal the folder publication writes
+    for the same weights at publish.dtype=bfloat16, with buckets small enough to split the model."""
+    torch.manual_seed(0)
+    model = api.build_model(recipe)
+    writer = _writer(recipe)
+    sd = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    tensors, hf_config = writer(sd)
+    folder = publish.write_version(tmp_path / "weights", 1, tensors, hf_config)
+    want = _folder_tensors(folder)
+
+    p = snapshot.plan(snapshot.meta_state([model]), writer.to_hf, torch.bfloat16, bucket_bytes=64 * 1024)
+    assert len(p.buckets) > 2
+    names = [e.name for e in p.entries()]
+    assert len(names) == len(set(names)) and set(names) == set(want) == set(tensors)
+    snap = snapshot.Snapshot(p, torch.device("cpu"), holder=True)
+    assert snap.fill([model], writer.to_hf) == len(want)
+    for name, t in want.items():
+        got = snap.view(name)
+        assert got.dtype == t.dtype == torch.bfloat16, name
+        assert tuple(got.shape) == tuple(t.shape), name
+        assert torch.equal(got, t), name
+    # an engine rebuilds each bucket's tensors from names, shapes, sizes alone (vLLM's packed format)
+    for i, b in enumerate(p.buckets):
+        pieces = snap.buffers[i][: sum(b.sizes)].split(b.sizes)
+        for name, shape, piece in zip(b.names, b.shapes, pieces):
+            assert torch.equal(piece.view(p.dtype).view(shape), want[name]), name
+
+
+def test_a_later_fill_follows_the_model():
+    model = api.build_model("debug_moe")
+    writer = _writer("debug_moe")
+    p = snapshot.plan(snapshot.meta_state([model]), writer.to_hf, torch.float32, bucket_bytes=2**20)
+    snap = snapshot.Snapshot(p, torch.device("cpu"), holder=True)
+    snap.fill([model], writer.to_hf)
+    before = snap.view("lm_head.weight").clone()
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.add_(1.0)
+    snap.fill([model], writer.to_hf)
+    assert torch.equal(snap.view("lm_head.weight"), before + 1.0)
+
+
+def test_bucket_plan_covers_every_tensor_once_within_its_size():
+    meta = {"tok_embeddings.weight": torch.empty(100, 8, device="meta"),
+            **{f"layers.{i}.w{j}": torch.empty(10, 10 * (j + 1), device="meta") for i in range(3) for j in range(3)},
+            "norm.weight": torch.empty(8, device="meta"), "output.weight": torch.empty(100, 8, device="meta")}
+    p = snapshot.plan(meta, lambda g: dict(g), torch.bfloat16, bucket_bytes=1000)
+    names = [e.name for e in p.entries()]
+    assert names == list(meta)  # layer by layer, in order, each once
+    for b in p.buckets:
+        assert b.nbytes == sum(b.sizes)
+        assert [e.offset for e in b.entries] == [sum(b.sizes[:i]) for i in range(len(b.entries))]
+        assert b.nbytes <= 1000 or len(b.entries) == 1  # a tensor larger than a bucket travels alone
+    big = [b for b in p.buckets if b.nbytes > 1000]
+    assert [b.names for b in big] == [["tok_embeddings.weight"], ["output.weight"]]
+    assert p.nbytes == sum(t.numel() * 2 for t in meta.values())
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        snapshot.plan(meta, dict, torch.bfloat16, bucket_bytes=0)
+
+
+def test_layer_groups_keep_each_layer_whole_and_the_rest_around_them():
+    keys = ["tok_embeddings.weight", "layers.0.a", "layers.0.b", "layers.1.a", "layers.10.a", "norm.weight",
+            "output.weight"]
+    assert snapshot.layer_groups(keys) == [["tok_embeddings.weight"], ["layers.0.a", "layers.0.b"], ["layers.1.a"],
+                                           ["layers.10.a"], ["norm.weight", "output.weight"]]
+
+
+# -- the engine link ---------------------------------------------------------------------------------
+
+HF = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 320}
+
+
+class FakeEngine(threading.Thread):
+    """A generator's side of the link: connects with the file's key, says hello, records requests."""
+
+    def __init__(self, directory: Path, hf_config: dict, key: bytes | None = None, fail: str | None = None):
+        super().__init__(daemon=True)
+        self.info = json.loads((directory / link_mod.LINK_FILE).read_text())
+        self.hf_config, self.key, self.fail = hf_config, key, fail
+        self.calls: list = []
+        self.answer = None
+
+    def run(self):
+        key = self.key or bytes.fromhex(self.info["authkey"])
+        try:
+            conn = Client((self.info["host"], self.info["port"]), authkey=key)
+        except Exception as e:  # noqa: BLE001 - the trainer refused the key
+            self.answer = e
+            return
+        conn.send({"hello": 1, "gpu_uuids": ["GPU-x"], "world_size": 1, "hf_config": self.hf_config})
+        self.answer = conn.recv()
+        if "error" in self.answer:
+            return
+        while True:
+            method, arg = conn.recv()
+            self.calls.append((method, arg))
+            if method == "close":
+                return
+            conn.send(("error", "boom") if method == self.fail else ("ok", 0.25))
+
+
+def test_link_drives_the_protocol_and_reports_the_engine_time(tmp_path):
+    link = link_mod.EngineLink(tmp_path, "127.0.0.1:0", HF, transport="vllm_ipc")
+    assert oct((tmp_path / link_mod.LINK_FILE).stat().st_mode & 0o777) == "0o600"  # the key is the user's
+    eng = FakeEngine(tmp_path, {**HF, "model_type": "qwen3_moe"})
+    eng.start()
+    hello = link.accept(timeout=10)
+    assert hello["world_size"] == 1
+    link.init_weight_transfer_engine({"packed": True})
+    link.start_weight_update()
+    link.update_weights({"names": ["a"]})
+    link.finish_weight_update("7")
+    assert link.take_engine_s() == pytest.approx(1.0)
+    link.close()
+    eng.join(5)
+    assert eng.answer == {"ok": True}
+    assert [m for m, _ in eng.calls] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                         "finish_weight_update", "close"]
+    assert eng.calls[3][1] == "7"  # the version the engine's records then carry
+    assert not (tmp_path / link_mod.LINK_FILE).exists()
+
+
+def test_an_engine_serving_another_model_is_refused_at_hello(tmp_path):
+    link = link_mod.EngineLink(tmp_path, "127.0.0.1:0", HF, transport="vllm_nccl")
+    eng = FakeEngine(tmp_path, {**HF, "hidden_size": 128, "num_hidden_layers": 4})
+    eng.start()
+    with pytest.raises(link_mod.EngineError, match=r"hidden_size: trainer 64 != engine 128.*num_hidden_layers"):
+        link.accept(timeout=10)
+    eng.join(5)
+    assert "error" in eng.answer
+    link.close()
+
+
+def test_no_engine_and_a_wrong_key_are_errors_that_name_the_link_file(tmp_path):
+    link = link_mod.EngineLink(tmp_path, "127.0.0.1:0", HF, transport="vllm_ipc")
+    with pytest.raises(link_mod.EngineError, match=r"no engine connected .* within 0 s .*engine_link.json"):
+        link.accept(timeout=0.2)
+    eng = FakeEngine(tmp_path, HF, key=b"not the key")
+    eng.start()
+    with pytest.raises(link_mod.EngineError, match="without the key"):
+        link.accept(timeout=10)
+    eng.join(5)
+    link.close()
+
+
+def test_an_engine_error_names_the_request(tmp_path):
+    link = link_mod.EngineLink(tmp_path, "127.0.0.1:0", HF, transport="vllm_ipc")
+    eng = FakeEngine(tmp_path, HF, fail="update_weights")
+    eng.start()
+    link.accept(timeout=10)
+    link.start_weight_update()
+    with pytest.raises(link_mod.EngineError, match="the engine failed update_weights: boom"):
+        link.update_weights({})
+    link.close()
+
+
+def test_config_differences_ignore_the_text_suffix_and_keys_one_side_lacks():
+    assert link_mod.config_differences({"model_type": "qwen3_5_moe_text", "hidden_size": 8},
+                                       {"model_type": "qwen3_5_moe", "text_config": {"hidden_size": 8}}) == []
+    assert link_mod.config_differences({"vocab_size": 320}, {"vocab_size": 2048}) == [
+        "vocab_size: trainer 320 != engine 2048"]
+
+
+# -- refusals before launch --------------------------------------------------------------------------
+
+def _vllm_installed() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_vllm_installed(), reason="checks the refusal without vLLM")
+def test_an_in_memory_transport_without_vllm_is_refused_before_launch():
+    with pytest.raises(UserError) as e:
+        resolve("debug_grpo_live", ["publish.transport=vllm_ipc"], world_size=1, for_training=True)
+    msg = str(e.value)
+    assert "publish.transport=vllm_ipc" in msg and "pip install -e '.[vllm]'" in msg
+
+
+@pytest.mark.parametrize("override, match", [
+    ("publish.engine=nohost", "not HOST:PORT"),
+    ("publish.bucket_mb=0", "MiB per transfer bucket"),
+    ("publish.engine_timeout=-1", "must be > 0 seconds"),
+    ("publish.transport=vllm_tcp", "vllm_tcp"),
+])
+def test_bad_transport_settings_are_refused(override, match):
+    with pytest.raises(UserError, match=match):
+        resolve("debug_grpo_live", ["publish.transport=vllm_ipc", override], world_size=1, for_training=False)
+
+
+def test_engine_settings_with_files_are_refused_as_without_effect():
+    with pytest.raises(UserError, match="publish.engine"):
+        resolve("debug_grpo_live", ["publish.engine=127.0.0.1:5000"], world_size=1, for_training=False)
+
+
+def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
+    """The run's first version is a folder the engine starts from; the link is open from then on (a
+    generator that connects before the first in-memory version is answered at once, so it can sample
+    the rollouts the trainer waits for), and each later version arrives as start / one update per
+    bucket / finish(version) with the published folder's names."""
+    from types import SimpleNamespace
+
+    from components.transport.vllm import VllmIPC
+
+    model = api.build_model("debug_moe")
+    writer = _writer("debug_moe")
+    r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", "publish.bucket_mb=1", "publish.dtype=bfloat16",
+                                    f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
+    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="auto", convert=writer,
+                                dtype="bfloat16", transport=VllmIPC, transport_options=r.ctx.options["transport"])
+    trainer = SimpleNamespace(model_parts=[model])
+    pub = publish.Publisher(s)
+    pub.publish(trainer, 0, initial=True)
+    assert (tmp_path / "w" / "step-0" / "model.safetensors").is_file()
+    eng = FakeEngine(tmp_path / "w", writer.hf_config)
+    eng.start()
+    assert link_mod.wait_for(lambda: eng.answer is not None, 10), "the engine's hello went unanswered"
+    assert eng.answer == {"ok": True}
+    folder = set(_folder_tensors(tmp_path / "w" / "step-0"))
+    for v in (1, 2):
+        pub.publish(trainer, v)
+    buckets = len(pub._sender.plan.buckets)
+    pub.close()
+    eng.join(10)
+    methods = [m for m, _ in eng.calls]
+    assert methods[0] == "init_weight_transfer_engine" and methods[-1] == "close"
+    assert [a for m, a in eng.calls if m == "finish_weight_update"] == ["1", "2"]
+    first = methods.index("finish_weight_update")
+    sent = [n for m, a in eng.calls[:first] if m == "update_weights" for n in a["names"]]
+    assert len(sent) == len(set(sent)) and set(sent) == folder  # every tensor of the folder, once
+    assert methods.count("update_weights") == 2 * buckets and methods.count("start_weight_update") == 2
+    assert not (tmp_path / "w" / "step-1").exists()  # in memory: no folder for the later versions
