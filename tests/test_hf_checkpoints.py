@@ -106,6 +106,22 @@ def test_build_model_gives_transformers_logits(hf_dirs, name):
         assert {v.dtype for v in _sd(d).values()} == {torch.bfloat16}
 
 
+
+@pytest.mark.parametrize("name", ["debug_moe", "debug_dense", "llama3:debugmodel"])
+def test_build_model_of_a_recipe_maps_ids_to_causal_logits(name):
+    """README's Python API: build_model(RECIPE)(ids) with no masks gives logits, attending causally
+    (debug_moe and debug_dense stopped in the CPU dense-mask attention for want of masks)."""
+    torch.manual_seed(0)
+    model = build_model(name, n_layers=1) if ":" in name else build_model(name)
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        logits = model(ids)
+        later = ids.clone()
+        later[:, -1] = (later[:, -1] + 1) % 100
+        changed = model(later)
+    assert logits.shape == (2, 12, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert torch.equal(logits[:, :-1], changed[:, :-1]) and not torch.equal(logits[:, -1], changed[:, -1])
+
 def _export(model, family, out):
     if family is qwen3_5:
         return qwen3_5_hf.save_hf(model.state_dict(), qwen3_5_hf.arch_from_hf_config(model.config.hf_checkpoint),

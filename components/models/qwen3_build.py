@@ -126,6 +126,7 @@ def model_config(flavor: str, *, attn_backend: str = "flex", moe_comm_backend: s
     config = common.resize_layers(config, n_layers)
     config = common.set_vocab(config, vocab_size)
     config = common.set_load_balance(config, load_balance_coeff)
+    config = common.replace_config(config, HFQwen3Model.Config)  # called without masks (build_model), attend causally
     return common.use_device_attention(config)
 
 
