@@ -20,7 +20,22 @@ import yaml
 from framework.contracts import GROUP_KINDS  # noqa: F401  (kinds whose choice is a config group)
 from framework.errors import UserError, did_you_mean
 
-ROOT = Path(__file__).resolve().parents[1]
+CODE_ROOT = Path(__file__).resolve().parents[1]  # where framework/, components/ and toolkit/ are
+
+
+def _data_root() -> Path:
+    """Where registry.yaml, recipes/, docs/skills/ and launchers/ are: the source tree (a clone, an
+    editable install), else the folder a wheel installs them to (``share/apiary`` under the
+    environment's prefix, or the user's base for ``pip install --user``)."""
+    import site
+
+    for d in (CODE_ROOT, Path(sys.prefix) / "share" / "apiary", Path(site.getuserbase()) / "share" / "apiary"):
+        if (d / "registry.yaml").is_file():
+            return d
+    return CODE_ROOT
+
+
+ROOT = _data_root()
 REGISTRY_PATH = ROOT / "registry.yaml"
 ENV_VAR = "APIARY_REGISTRY"
 _USED: list[Path] = []  # user registry files merged so far, in order

@@ -34,7 +34,10 @@ from framework.contracts import LaunchEnv
 from framework.errors import EXIT_PREEMPTED, UserError
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "launchers" / "slurm" / "train.sbatch.j2"
+# the source tree's template, else the one a wheel installs under the environment's share/apiary
+TEMPLATE = next((d / "launchers" / "slurm" / "train.sbatch.j2" for d in (ROOT, Path(sys.prefix) / "share" / "apiary")
+                 if (d / "launchers" / "slurm" / "train.sbatch.j2").is_file()),
+                ROOT / "launchers" / "slurm" / "train.sbatch.j2")
 SCRIPT_NAME = "train.sbatch"
 # Keys that choose or configure the launcher: the submitting side consumes them; workers do not
 # see them (a worker learns its world from torchrun's environment).
