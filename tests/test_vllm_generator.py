@@ -1,0 +1,145 @@
+"""examples/rl_loop/vllm_generator.py without vLLM: a stand-in ``vllm`` module (an LLM that records the
+weight-sync calls and samples deterministic tokens, log-probs and routed experts in vLLM's output
+layout) drives the generator's own code against the trainer's real engine link. It answers the
+trainer at once (no deadlock with a trainer waiting for rollouts), applies an update between shards,
+stamps the next shard with the version the update's finish named, and writes records apiary's
+rollout reader accepts, routed experts included. tests/gpu/test_vllm_gpu.py runs the real engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from components.data.rollouts import read_rollouts
+from components.transport import link as link_mod
+from conftest import ROOT
+
+LAYERS, K = 2, 2
+
+
+class _Logprob:
+    def __init__(self, v):
+        self.logprob = v
+
+
+class _Completion:
+    def __init__(self, prompt, n_new, seed):
+        rng = np.random.default_rng(seed)
+        self.token_ids = [int(t) for t in rng.integers(0, 256, n_new)]
+        self.logprobs = [{t: _Logprob(-float(rng.random()))} for t in self.token_ids]
+        # vLLM: every token but the last, [len(prompt) + n_new - 1, layers, k]
+        self.routed_experts = rng.integers(0, 8, (len(prompt) + n_new - 1, LAYERS, K)).astype(np.uint8)
+
+
+class FakeLLM:
+    calls: list = []
+
+    def __init__(self, model, **kw):
+        self.kw = kw
+        FakeLLM.calls.append(("LLM", kw.get("weight_transfer_config")))
+
+    def init_weight_transfer_engine(self, request):
+        FakeLLM.calls.append(("init", request["init_info"]))
+
+    def start_weight_update(self):
+        FakeLLM.calls.append(("start", None))
+
+    def update_weights(self, request):
+        FakeLLM.calls.append(("update", request["update_info"]["names"]))
+
+    def finish_weight_update(self, weight_version=None):
+        FakeLLM.calls.append(("finish", weight_version))
+
+    def reset_prefix_cache(self):
+        FakeLLM.calls.append(("reset", None))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        out = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            ids = p["prompt_token_ids"]
+            out.append(types.SimpleNamespace(outputs=[_Completion(ids, sp.max_tokens, (sp.seed or 0) * 100 + i * 10 + j)
+                                                      for j in range(sp.n)]))
+        return out
+
+
+class FakeSamplingParams:
+    def __init__(self, n=1, temperature=1.0, max_tokens=8, seed=None, **kw):
+        self.n, self.temperature, self.max_tokens, self.seed = n, temperature, max_tokens, seed
+
+
+@pytest.fixture
+def generator(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams))
+    FakeLLM.calls = []
+    spec = importlib.util.spec_from_file_location("vllm_generator", ROOT / "examples" / "rl_loop" / "vllm_generator.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _first_folder(weights: Path) -> dict:
+    d = weights / "step-0"
+    d.mkdir(parents=True)
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": LAYERS, "vocab_size": 320}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "apiary_version.json").write_text(json.dumps({"version": 0, "step": 0}))
+    (weights / "latest").write_text("step-0\n")
+    return cfg
+
+
+def test_generator_links_applies_updates_between_shards_and_writes_readable_records(tmp_path, generator):
+    weights, out = tmp_path / "weights", tmp_path / "rollouts"
+    cfg = _first_folder(weights)
+    link = link_mod.EngineLink(weights, "127.0.0.1:0", cfg, transport="vllm_ipc")
+    link.start_accepting(30)  # as the trainer does from its first publication on
+    seen = {}
+
+    def trainer():  # the trainer's side; the generator runs in the main thread (it sets a signal handler)
+        try:
+            seen["hello"] = link.wait_connected()  # answered although the trainer has sent nothing yet
+            seen["first"] = link_mod.wait_for(lambda: (out / "000000.jsonl").is_file(), 30)
+            # the trainer's first in-memory version, as InMemorySender sends it
+            link.init_weight_transfer_engine({"packed": True})
+            link.start_weight_update()
+            link.update_weights({"names": ["model.embed_tokens.weight"]})
+            link.finish_weight_update("1")
+            seen["second"] = link_mod.wait_for(lambda: (out / "000001.jsonl").is_file(), 30)
+        finally:
+            link.close()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    rc = generator.main(["--weights", str(weights), "--out", str(out), "--shards", "2", "--prompts", "2", "--group",
+                         "3", "--prompt-tokens", "4", "--new-tokens", "5", "--routing", "--patience", "30",
+                         "--wait", "30"])
+    t.join(30)
+    assert rc == 0 and seen["hello"]["hf_config"]["hidden_size"] == 256 and seen["first"] and seen["second"]
+    assert [c[0] for c in FakeLLM.calls] == ["LLM", "init", "start", "update", "finish", "reset"]
+    assert FakeLLM.calls[0][1] == {"backend": "ipc"}
+    shards = [[json.loads(x) for x in (out / f"00000{i}.jsonl").read_text().splitlines()] for i in (0, 1)]
+    assert {r["policy_version"] for r in shards[0]} == {0} and {r["policy_version"] for r in shards[1]} == {1}
+    r = shards[0][0]
+    assert len(r["input_ids"]) == len(r["loss_mask"]) == len(r["old_logprobs"]) == len(r["routed_experts"]) == 9
+    assert r["loss_mask"] == [0] * 4 + [1] * 5 and all(lp <= 0 for lp in r["old_logprobs"])
+    batch = read_rollouts(out)  # apiary's reader takes the shards as written, routed experts included
+    assert batch["input_ids"].shape[0] == 12 and batch["routed_experts"].shape[-2:] == (LAYERS, K)
+
+
+def test_generator_refused_by_the_trainer_says_why(tmp_path, generator):
+    weights = tmp_path / "weights"
+    cfg = _first_folder(weights)
+    link = link_mod.EngineLink(weights, "127.0.0.1:0", {**cfg, "hidden_size": 64}, transport="vllm_ipc")
+    link.start_accepting(30)
+    with pytest.raises(SystemExit, match="the trainer refused this engine: .*hidden_size: trainer 64 != engine 256"):
+        generator.main(["--weights", str(weights), "--out", str(tmp_path / "r"), "--shards", "1", "--wait", "30"])
+    with pytest.raises(link_mod.EngineError):
+        link.wait_connected()
+    link.close()
