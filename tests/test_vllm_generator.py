@@ -19,6 +19,7 @@ import pytest
 
 from components.data.rollouts import read_rollouts
 from components.transport import link as link_mod
+
 from conftest import ROOT
 
 LAYERS, K = 2, 2
