@@ -85,7 +85,13 @@ def recipe_path(name: str) -> Path:
     p = Path(name)
     if p.suffix in (".yaml", ".yml") or "/" in name:
         if not p.is_file():
-            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
+            other = p.with_suffix(".yaml" if p.suffix == ".yml" else ".yml") if p.suffix else p.with_suffix(".yaml")
+            hint = f" There is {other}: recipe={other}." if other.is_file() else ""
+            raise UserError(f"recipe={name}", f"no recipe file at {p}.{hint}", "Copy one with `apiary cp NAME path`.")
+        if p.suffix != ".yaml":
+            raise UserError(f"recipe={name}", f"a recipe file is read by Hydra, which finds only files named *.yaml, "
+                            f"and {p.name} ends in {p.suffix or 'no suffix'}.",
+                            f"Rename it: mv {p} {p.with_suffix('.yaml')}, then recipe={p.with_suffix('.yaml')}.")
         return p.resolve()
     path = RECIPES_DIR / f"{name}.yaml"
     if not path.is_file():
@@ -155,6 +161,11 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
                             f"Sweep with -m (train -m {raw}); or, for one value that holds a comma, quote it: "
                             f"'{key}=\"...\"' (a list: {key}=[a,b]).")
         if key in registry.GROUP_KINDS:
+            if ov.is_add() or ov.is_force_add():
+                plain = raw.lstrip("+")
+                raise UserError(f"override {raw}", f"'+' adds a config group a recipe lacks, and every recipe already "
+                                f"chooses a {key} (apiary's defaults do), so there is nothing to add.",
+                                f"Choose the option without '+': {plain}.")
             if ov.is_delete():
                 raise UserError(f"override {raw}", f"{key} is a component group every recipe needs; it cannot "
                                 "be deleted.", f"Choose another option: {key}={'|'.join(registry.names(key))}.")
@@ -163,6 +174,8 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             group_overrides.append(raw)
         else:
             value_overrides.append((raw, ov))
+    group_overrides, extra = _file_group_choices(path, group_overrides)
+    overrides = [*[g for g in group_overrides if g not in overrides], *overrides, *extra]
     try:
         base = _compose(path, group_overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -188,16 +201,19 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         if (ov.is_add() or ov.is_force_add()) and key not in known:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
-            hint = did_you_mean(key, siblings) or did_you_mean(key, known)
+            value = raw.partition("=")[2]
+            owner = _option_of(key)
+            hits = [h for h in closest(key, siblings) or closest(key, known) if h != key]
+            if owner:
+                hint = f"{key} is an option of {owner}: write {owner} {key}={value}."
+            elif hits:
+                hint = f"Did you mean {hits[0]!r}? Write {hits[0]}={value}."
+            else:
+                hint = "Run `train recipe=X --cfg job` to list the keys."
             raise UserError(f"override {raw}", f"adds a key {key!r} that recipe {recipe} does not have, and no "
-                            "part of apiary reads a key it does not declare, so the setting would be ignored.",
-                            (f"{hint} Set it without '+'." if hint else
-                             "Run `train recipe=X --cfg job` to list the keys."))
-        if ov.is_add() and key in known:  # Hydra's rule: '+' adds a key that is not there
-            raise UserError(f"override {raw}", f"'+' adds a key, and recipe {recipe} already has {key!r}.",
-                            f"Set it without '+': {raw[1:]} (or '++' to add-or-override).")
+                            "part of apiary reads a key it does not declare, so the setting would be ignored.", hint)
         if ov.is_add() or ov.is_force_add():
-            continue
+            continue  # '+key=v' on a key the recipe has: set it, as key=v (rewritten below)
         if key not in known:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent in known else known
@@ -207,6 +223,8 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         if ov.is_delete():
             deletions[raw] = _deletion(base, raw, ov)
     overrides = [deletions.get(o, o) for o in overrides]
+    overrides = [o[1:] if o.startswith("+") and not o.startswith("++") and o[1:].partition("=")[0] in known else o
+                 for o in overrides]
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -258,12 +276,18 @@ def _check_tilde(overrides: list[str]) -> None:
                             f"{key.lstrip('+')}='{value}' (apiary expands a quoted ~/ in paths).")
 
 
-def _check_yaml(path: Path, seen: set | None = None) -> None:
-    """A recipe (and each recipe it extends) must parse as YAML: say file:line, not a traceback."""
+def _check_yaml(path: Path, seen: set | None = None, chain: tuple = ()) -> None:
+    """A recipe (and each recipe it extends) must parse as YAML: say file:line, not a traceback; and
+    no recipe may extend itself, directly or through another (Hydra recurses until Python stops it)."""
     seen = set() if seen is None else seen
+    if path.resolve() in chain:
+        names = " -> ".join(p.stem for p in (*chain[chain.index(path.resolve()):], path.resolve()))
+        raise UserError(f"recipe {chain[0]}", f"its `defaults:` list extends itself ({names}), so it never ends.",
+                        "Name another recipe there (e.g. `defaults: [debug_moe, _self_]`), or _defaults.")
     if path in seen or not path.is_file():
         return
     seen.add(path)
+    chain = (*chain, path.resolve())
     try:
         data = _read_yaml(path)
     except _DuplicateKey as e:
@@ -290,7 +314,7 @@ def _check_yaml(path: Path, seen: set | None = None) -> None:
     for entry in (data or {}).get("defaults", []) or []:
         if isinstance(entry, str) and entry != "_self_":
             extended = path.parent / f"{entry}.yaml"
-            _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen)
+            _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen, chain)
 
 
 class _DuplicateKey(yaml.constructor.ConstructorError):
@@ -337,6 +361,60 @@ def _not_extending(path: Path, data: dict, why: str) -> UserError:
     return UserError(f"recipe {path}", f"{what}, so it does not extend apiary's defaults, {why}.", _EXTEND_HINT)
 
 
+def _file_group_choices(path: Path, group_overrides: list[str]) -> tuple[list[str], list[str]]:
+    """A recipe that chooses a component in its own section (``loss: {name: chunked, num_chunks: 4}``):
+    the same choice as ``defaults: [..., override /loss: chunked]``, so the section's other keys are
+    that component's options. A group the command line chooses wins; the section's ``name`` then
+    follows it. Returns the group overrides to compose with, and value overrides to add."""
+    given = {g.partition("=")[0] for g in group_overrides}
+    groups, extra = list(group_overrides), []
+    for kind, (section, where) in _section_choices(path).items():
+        if kind in given:
+            chosen = [g.partition("=")[2] for g in group_overrides if g.partition("=")[0] == kind][-1]
+            extra.append(f"{kind}.name={chosen}")
+            continue
+        registry.check(kind, section, where=f"recipe {where}: {kind}.name={section}")
+        groups.insert(0, f"{kind}={section}")
+    return groups, extra
+
+
+def _section_choices(path: Path, seen: tuple = ()) -> dict[str, tuple[str, Path]]:
+    """kind -> (name, file) for each group whose choice, in the recipe's chain, comes last from a file's
+    own section (``loss: {name: ...}``) rather than from a ``defaults:`` entry (``override /loss: ...``,
+    which Hydra applies itself): the files it extends first, then its defaults' overrides, then its
+    own sections (merged at _self_)."""
+    if path in seen or not path.is_file():
+        return {}
+    data = _read_yaml(path) or {}
+    out: dict = {}
+    for entry in data.get("defaults", []) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            extended = path.parent / f"{entry}.yaml"
+            out.update(_section_choices(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml",
+                                        (*seen, path)))
+        elif isinstance(entry, dict):
+            for k in entry:
+                out.pop(str(k).removeprefix("override").strip().lstrip("/"), None)
+    for kind in registry.GROUP_KINDS:
+        section = data.get(kind)
+        if isinstance(section, dict) and isinstance(section.get("name"), str):
+            out[kind] = (section["name"], path)
+    return out
+
+
+def _option_of(key: str) -> str:
+    """``KIND=NAME`` for a ``KIND.OPTION`` key that an option of a component group declares (the first
+    name that has it), else ''."""
+    kind, _, leaf = key.partition(".")
+    if kind not in registry.GROUP_KINDS or not leaf or "." in leaf:
+        return ""
+    for name in registry.names(kind):
+        opts = getattr(registry.resolve(kind, name), "Options", None)
+        if opts is not None and dataclasses.is_dataclass(opts) and leaf in {f.name for f in dataclasses.fields(opts)}:
+            return f"{kind}={name}"
+    return ""
+
+
 def _schema_keys() -> list[str]:
     """Every key a recipe may set: the schema's, and each component group's options (all its names)."""
     out: list[str] = []
@@ -369,7 +447,14 @@ def _unknown_key_in_file(path: Path, e: Exception) -> None:
     key = m.group(1)
     within = re.match(r"In '([^']+)'", msg)
     src = f" (set in {within.group(1)}.yaml)" if within and within.group(1) != path.stem else ""
-    known = _schema_keys()
+    owner = _option_of(key)
+    if owner:
+        kind, name = owner.split("=")
+        raise UserError(f"recipe {path}", f"sets {key!r}{src}, an option of {owner}, and the recipe chooses another "
+                        f"{kind}.", f"Choose {name} where the option is set: `{kind}: {{name: {name}, ...}}` in that "
+                        f"section, or `override /{kind}: {name}` in the `defaults:` list before _self_ "
+                        f"(or {owner} on the command line).") from None
+    known = [k for k in _schema_keys() if k != key]
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
     raise UserError(f"recipe {path}", f"sets {key!r}{src}, a key apiary does not have, so the setting would "

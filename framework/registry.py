@@ -78,6 +78,10 @@ def _merge(out: dict, path: Path, where: str) -> None:
         if kind not in out:
             raise UserError(where, f"unknown component kind {kind!r} in {path}; kinds: {', '.join(out)}.",
                             did_you_mean(str(kind), out))
+        if names is not None and not isinstance(names, dict):
+            raise UserError(f"{where}: {kind}", f"in {path}, {kind} must map each name to {{target: module:attr, "
+                            f"doc: ...}}, not a {type(names).__name__}.",
+                            f"For example:\n{kind}:\n  my_name:\n    target: my_module:MyClass")
         for name, e in (names or {}).items():
             if not isinstance(e, dict) or not isinstance(e.get("target"), str) or not e["target"].strip():
                 raise UserError(f"{where}: {kind}.{name}", f"needs `target: module:attr` in {path}.",
@@ -141,3 +145,13 @@ def resolve(kind: str, name: str, where: str | None = None):
     except (ImportError, AttributeError) as err:
         raise UserError(where or f"{kind}={name}", f"cannot import {e['target']} (from {e['source']}): {err}.",
                         f"Put {module}.py beside {e['source']} or on PYTHONPATH.") from None
+    except UserError:
+        raise
+    except SystemExit as err:  # sys.exit() at import: the whole command would end, silently
+        raise UserError(where or f"{kind}={name}", f"importing {e['target']} (from {e['source']}) called "
+                        f"sys.exit({err.code!r}): a module a registry names may not end the process on import.",
+                        f"Move that code of {module} under `if __name__ == \"__main__\":`.") from None
+    except Exception as err:  # noqa: BLE001 (any error in the user's module at import)
+        raise UserError(where or f"{kind}={name}", f"importing {e['target']} (from {e['source']}) raised "
+                        f"{type(err).__name__}: {err}.", f"Fix {module}; `python -c 'import {module}'` beside "
+                        f"{e['source']} shows the traceback.") from None

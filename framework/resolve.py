@@ -97,6 +97,20 @@ def _as_user_error(kind: str, name: str, component=None):
         yield
     except ValueError as e:
         raise UserError(_where(kind, name), f"{e}.".replace("..", "."), _see(kind, name, component)) from None
+    except UserError:
+        raise
+    except Exception as e:  # a user's component failing in its own code: its error, where it was raised
+        source = registry.entries().get(kind, {}).get(name, {}).get("source", "registry.yaml")
+        if source == "registry.yaml":
+            raise
+        import traceback  # the user's frame only on this path
+
+        frames = traceback.extract_tb(e.__traceback__)
+        at = next((f for f in reversed(frames) if not f.filename.startswith(str(registry.CODE_ROOT))), frames[-1])
+        raise UserError(_where(kind, name), f"{kind} {name!r} (bound by {source}) raised {type(e).__name__}: "
+                        f"{e} (at {at.filename}:{at.lineno}, in {at.name}).",
+                        "Fix the component's code there; a value it refuses is a ValueError, which apiary "
+                        "reports as the component's one-line reason.") from None
 
 
 def model_kwargs(cfg, ctx: contracts.Context | None = None) -> dict:
