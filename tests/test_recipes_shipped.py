@@ -103,11 +103,19 @@ def test_recipe_plans_prints_and_renders_its_launch(recipe, workdir, capsys, tok
 
 
 def test_gpu_recipes_need_only_the_documented_tokenizer_folder(workdir, capsys):
-    """Without the tokenizer folder a launch stops naming data.tokenizer and the fix; the recipe
-    file and docs/recipes.md say how to supply it."""
-    code, _, err = _run(_launch, ["recipe=qwen3_30b_a3b_64k", "nodes=2", "gpus_per_node=8"], capsys)
+    """Without the tokenizer folder a launch stops naming data.tokenizer and the fix, while a dry run
+    (README's Slurm line) renders the script and warns that the job needs it; the recipe file and
+    docs/recipes.md say how to supply it."""
+    from toolkit.launch import launch_main
+
+    argv = ["recipe=qwen3_30b_a3b_64k", "nodes=2", "gpus_per_node=8"]
+    code, script, err = _run(_launch, argv, capsys)
+    assert code == 0 and "#SBATCH --nodes=2" in script, err
+    assert ("warning data.tokenizer=./assets/hf/Qwen3-30B-A3B does not exist on this machine; the job needs it "
+            "where it runs, or it stops with exit 2 before training. Download the model's tokenizer") in err, err
+    code, _, err = _run(launch_main, ["launcher=slurm", *argv], capsys)
     assert code == 2 and "data.tokenizer=./assets/hf/Qwen3-30B-A3B: no tokenizer folder there" in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and not (workdir / "runs").exists()
     for r in RECIPES:
         text = (ROOT / "recipes" / f"{r}.yaml").read_text()
         if "tokenizer: ./assets/" in text:

@@ -73,7 +73,6 @@ def test_cpu_device_mode(capsys, workdir):
 @pytest.mark.parametrize("argv,needles", [
     (["parallel.ep=3"], ["parallel.ep=3", "EP 3 must divide", "world size 8"]),
     (["parallel.dp_shard=4"], ["not the world size 8"]),
-    (["data.path=/nonexistent/corpus.jsonl"], ["data.path=/nonexistent/corpus.jsonl", "no jsonl"]),
     (["checkpoint.load_path=/nonexistent/step-0"], ["not a DCP checkpoint folder"]),
     (["launcher.nodez=2"], ["unknown key 'launcher.nodez'", "launcher.nodes"]),
     (["nodes=0"], ["launcher.nodes=0", "must be >= 1"]),
@@ -93,6 +92,21 @@ def test_preflight_errors(capsys, workdir, argv, needles):
     for n in needles:
         assert n in err, (n, err)
     assert not (workdir / "runs").exists()
+
+
+def test_dry_run_warns_of_inputs_missing_here(capsys, workdir):
+    """A dry run renders the script though the data and tokenizer are not on this machine (they may
+    be on the cluster's filesystem), warning for each; other errors still stop it."""
+    argv = ["launcher=slurm", "nodes=1", "gpus_per_node=8", "data.path=/nonexistent/corpus.jsonl",
+            "data.tokenizer=/nonexistent/tok", "--dry-run"]
+    code, script, err = _launch(capsys, argv)
+    assert code == 0 and "#SBATCH --nodes=1" in script, err
+    for key in ("data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent/tok"):
+        assert f"warning {key} does not exist on this machine; the job needs it where it runs" in err, err
+    code, _, err = _launch(capsys, [*argv, "parallel.ep=3"])
+    assert code == 2 and "EP 3 must divide" in err
+    code, _, err = _launch(capsys, argv[:-1])  # a submission: refused before anything is written
+    assert code == 2 and "data.tokenizer=/nonexistent/tok: no tokenizer folder" in err and not (workdir / "runs").exists()
 
 
 def test_no_sbatch_is_a_user_error(capsys, workdir, monkeypatch):

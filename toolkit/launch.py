@@ -18,12 +18,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 from rich.text import Text
 
 from framework import contracts, recipes, registry, run, runlock
 from framework.errors import UserError, did_you_mean
-from framework.resolve import resolve
+from framework.resolve import default_output_dir, resolve
 from framework.schema import RecipeConfig
 from toolkit import argparsing
 from toolkit.argparsing import Parser, overrides_arg
@@ -126,6 +127,38 @@ def _worker_argv(recipe, overrides, r, flags) -> list[str]:
     return argv
 
 
+JOB_INPUTS = ("data.tokenizer", "data.path", "validation.path")  # files the job reads where it runs
+
+
+def _missing_inputs(cfg) -> list[str]:
+    """``key=PATH`` for each input file or folder of JOB_INPUTS that this machine does not have."""
+    out = []
+    for key in JOB_INPUTS:
+        value = OmegaConf.select(cfg, key)
+        if value not in (None, "", "byte") and not Path(str(value)).exists():
+            out.append(f"{key}={value}")
+    return out
+
+
+def _resolve(recipe, overrides, world_size, *, dry_script: bool):
+    """The launch resolved, and its warnings. A dry run of a batch-script launcher (slurm) renders its
+    script although an input the job reads (a tokenizer, data) is missing here (a login node, a laptop):
+    each missing one becomes a warning naming what the job will need, since the job checks them again
+    where it runs."""
+    try:
+        return resolve(recipe, overrides, world_size=world_size), []
+    except UserError as e:
+        if not dry_script or not any(e.where == m for m in _missing_inputs(recipes.load(recipe, overrides))):
+            raise
+        hint = e.suggestion
+    r = resolve(recipe, overrides, world_size=world_size, for_training=False)  # every check but the job's files
+    if r.cfg.output_dir is None:
+        with open_dict(r.cfg):
+            r.cfg.output_dir = default_output_dir(r.cfg.recipe)
+    return r, [f"{m} does not exist on this machine; the job needs it where it runs, or it stops with exit 2 "
+               f"before training. {hint if i == 0 else ''}".strip() for i, m in enumerate(_missing_inputs(r.cfg))]
+
+
 def launch_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -156,12 +189,12 @@ def launch_args(ns) -> int:
                 check_options(cfg.launcher)
             return int(cls.world_size(cfg.launcher))
 
-        r = resolve(recipe, overrides, world_size=world_size)
+        r, warnings = _resolve(recipe, overrides, world_size, dry_script="dry_run" in flags and
+                               contracts.member(cls, "launcher", "render") is not None)
         opts, world = r.cfg.launcher, r.layout.world_size
-        warnings = []
         preflight = contracts.member(cls, "launcher", "preflight")
         if preflight is not None:
-            warnings = preflight(opts, r, dry_run="dry_run" in flags) or []
+            warnings += preflight(opts, r, dry_run="dry_run" in flags) or []
         if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
             warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "
                             f"{world} ranks, so its dims are derived for {world}.")
