@@ -29,8 +29,9 @@ def test_the_built_wheel_trains_from_another_folder(tmp_path):
     site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path)
     # the fresh environment sees this one's dependencies (torch, torchtitan, ...) but not its apiary
     (tmp_path / site.stdout.strip() / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    r = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--prefix", str(env_dir),
-              str(whl)], cwd=tmp_path)
+    # --ignore-installed: never touch this environment's own (editable) apiary while installing elsewhere
+    r = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
+              "--prefix", str(env_dir), str(whl)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -46,3 +47,5 @@ def test_the_built_wheel_trains_from_another_folder(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert (work / "run" / "metrics.jsonl").read_text().count("\n") == 2
     assert (work / "run" / "checkpoint" / "step-2").is_dir()
+    mine = _run([sys.executable, "-c", "import framework; print(framework.__file__)"], cwd=work)
+    assert str(ROOT) in mine.stdout, mine.stdout + mine.stderr  # this environment's apiary is still the checkout's
