@@ -117,6 +117,9 @@ class PlanTerms:
     memory: list[Term] = field(default_factory=list)
     # multiplies the time of a compute part ("lm_head", "dense", "experts", "attention", ...)
     time_factor: dict[str, float] = field(default_factory=dict)
+    # multiplies the model FLOPs of a compute part (fwd + bwd with weight gradients, 3 x fwd), and so
+    # its time and the TFLOPs a run logs (kind adapter: a frozen base's GEMMs have no weight gradient)
+    flops_factor: dict[str, float] = field(default_factory=dict)
     # extra forward FLOPs as a fraction of a part's fwd+bwd FLOPs (recompute)
     extra_compute: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed as assumptions

@@ -183,7 +183,7 @@ class LoRA:
         optimizer state); the adapters: parameters, fp32 gradients and Adam states like any trained
         parameter. Replaces the state backend's gradients and optimizer states, scales its gradient
         reduce-scatter (buffer and traffic) to the adapters; the base's GEMMs skip their weight gradient (2/3 of their
-        fwd+bwd time) and the adapters add their own FLOPs."""
+        fwd+bwd FLOPs, and so of their time and of the run's logged TFLOPs) and the adapters add their own FLOPs."""
         opts = opts if opts is not None else LoRA.Options()
         c, f, lay, pc = ctx.plan.constants, ctx.facts, ctx.layout, ctx.plan
         split = pc.split
@@ -224,7 +224,7 @@ class LoRA:
                 f"adapter params ({trainable:.3%} of the model; {active_ad / 1e6:,.1f}M active per token); frozen "
                 "base: fp32 storage only, its GEMMs skip the weight gradient (x2/3 + the adapters' FLOPs)")
         ag, rb = c.fsdp_allgather_bytes, c.fsdp_reduce_bytes  # FSDP2 still all-gathers the base, fwd and bwd
-        return PlanTerms(memory=memory, time_factor=factor, notes=[note],
+        return PlanTerms(memory=memory, flops_factor=factor, notes=[note],
                          facts={"replace": replace, "trainable_fraction": trainable, "summary": f"lora rank {opts.rank}",
                                 # a frozen LM head has no weight gradient: the fused head skips its dW accumulator
                                 "drop_loss_terms": () if "lm_head" in opts.targets else ("loss_dw_accum",),

@@ -33,7 +33,7 @@ the model's layer kinds through ``LayerKind.plan_terms(shape) -> LayerTerms``. M
 
 from framework.errors import UserError
 from framework.planner.constants import HARDWARE, Constants, GiB, Hardware, MiB
-from framework.planner.estimate import Plan, plan
+from framework.planner.estimate import Plan, model_flops_per_token, plan
 from framework.planner.memory import Term, layer_counts, param_split, per_token_saved
 from framework.planner.records import detect_gpu, estimate_for_run, merge_into_last_record
 from framework.planner.search import search
@@ -41,5 +41,5 @@ from framework.planner.search import search
 _param_split = param_split  # the name tests and benchmarks have used
 
 __all__ = ["GiB", "HARDWARE", "MiB", "Constants", "Hardware", "Plan", "Term", "UserError", "detect_gpu",
-           "estimate_for_run", "layer_counts", "merge_into_last_record", "param_split", "per_token_saved",
-           "plan", "search"]
+           "estimate_for_run", "layer_counts", "merge_into_last_record", "model_flops_per_token", "param_split",
+           "per_token_saved", "plan", "search"]

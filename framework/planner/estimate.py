@@ -13,7 +13,7 @@ from framework.errors import UserError
 from framework.planner import parts
 from framework.planner.constants import Constants, GiB, Hardware
 from framework.planner.memory import Shapes, Term, stage_terms
-from framework.planner.time import StepInputs, link_bw, step_time
+from framework.planner.time import StepInputs, flops_per_token, link_bw, step_time
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Plan:
     time_s: dict[str, float] = field(default_factory=dict)  # compute and exposed comm by part
     choices: dict[str, Any] = field(default_factory=dict)  # gpu, loss, state, recompute, moe_chunk, stage
     warnings: list[str] = field(default_factory=list)
+    flops_per_token: float = 0.0  # model FLOPs per trained token (model_flops_per_token)
 
     @property
     def torch_reserved_bytes(self) -> int:
@@ -45,6 +46,7 @@ class Plan:
             "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits, "verdict": self.verdict,
             "headroom_bytes": self.headroom_bytes, "step_time_s": self.step_time_s,
             "tflops_per_gpu": self.tflops_per_gpu, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "flops_per_token": self.flops_per_token,
             "torch_reserved_bytes": self.torch_reserved_bytes, "choices": self.choices,
             "time_s": self.time_s, "assumptions": self.assumptions, "warnings": self.warnings,
             "terms": [{"name": t.name, "count": t.count, "bytes_per": t.bytes_per, "bytes": t.bytes,
@@ -143,9 +145,29 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
     asked.names["precision"], asked.terms["precision"] = parts.ask("precision", prec_name, ctx, warnings)
     asked.names["recompute"], asked.terms["recompute"] = parts.ask("recompute", ch["recompute"], ctx, warnings)
     asked.terms["moe_chunk"] = parts.ask("moe_chunk", ch["moe_chunk"], ctx, warnings)[1]
-    adapter_name = str(getattr(resolved.cfg.get("adapter"), "name", parts.defaults()["adapter"]))
-    asked.names["adapter"], asked.terms["adapter"] = parts.ask("adapter", adapter_name, ctx, warnings)
+    asked.names["adapter"], asked.terms["adapter"] = ask_adapter(resolved, ctx, warnings)
     return asked
+
+
+def ask_adapter(resolved, ctx: Context, warnings: list[str]) -> tuple[str, PlanTerms]:
+    adapter_name = str(getattr(resolved.cfg.get("adapter"), "name", parts.defaults()["adapter"]))
+    return parts.ask("adapter", adapter_name, ctx, warnings)
+
+
+def model_flops_per_token(resolved) -> float:
+    """Model FLOPs per trained token of ``resolved`` (framework.resolve.Resolved), the planner's
+    convention (``time.flops_per_token``): 6 x active parameters without the embedding, each
+    mixer layer kind's own (a causal one at half the full score and value FLOPs), an adapter's
+    frozen base at forward + input gradient (no weight gradient) plus the adapters; no recompute.
+    What a run's logged ``tflops_per_gpu`` and ``mfu_pct`` count (framework/build.py computes it
+    once per rank for framework/metrics.py). FLOPs depend on no GPU and no calibrated efficiency:
+    the default constants' shapes."""
+    c = Constants()
+    sh, pc = shapes_and_context(resolved, c, c.gpu("H100"))
+    ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=pc,
+                  components=_chosen(resolved))
+    per_part, _ = flops_per_token(sh, ask_adapter(resolved, ctx, [])[1])
+    return float(sum(per_part.values()))
 
 
 def with_adapter(state: PlanTerms, adapter: PlanTerms | None) -> PlanTerms:
@@ -291,6 +313,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 verdict=verdict, headroom_bytes=headroom, step_time_s=step,
                 tflops_per_gpu=st.model_flops_gpu / step / 1e12 if step else 0.0,
                 tokens_per_s_per_gpu=st.tokens_step / W / step if step else 0.0, assumptions=assumptions,
+                flops_per_token=st.model_flops_gpu * W / st.tokens_step if st.tokens_step else 0.0,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
                                                         **({"recompute_blocks": asked.terms["recompute"].facts["blocks"],
                                                             "recompute_reason": asked.terms["recompute"].facts.get("reason", "")}

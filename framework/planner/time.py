@@ -46,10 +46,14 @@ def link_bw(hw: Hardware, per_node: int):
     return lambda group, stride: hw.ib_bw if spans(group, stride, per_node) else hw.nvlink_bw
 
 
-def flops_per_token(sh: Shapes) -> tuple[dict[str, float], float]:
+def flops_per_token(sh: Shapes, adapter: PlanTerms | None = None) -> tuple[dict[str, float], float]:
     """Model FLOPs per token by part (fwd + bwd = 3 x fwd; 2 FLOPs per multiply-add): the dense
-    and routed-expert parameters, each mixer layer kind's own FLOPs (its part), the LM head; and
-    the active expert parameters."""
+    and routed-expert parameters, each mixer layer kind's own FLOPs (its part, ``LayerTerms.
+    flops_per_token``; a causal mixer counts only the (query, key) pairs it computes: half of the
+    full square's score and value FLOPs), the LM head, each times the
+    adapter's ``flops_factor`` (a frozen base: forward and input gradient only, plus the adapters'
+    own FLOPs); and the active expert parameters. No recompute: these are the FLOPs the model
+    needs, which a run's logged TFLOPs/GPU and MFU count (``model_flops_per_token``)."""
     f, split = sh.f, sh.split
     expert_active = split["experts"] * f.top_k / f.num_experts if f.num_experts else 0.0
     parts = {"dense": 6 * split["dense_blocks"], "experts": 6 * expert_active}
@@ -57,7 +61,8 @@ def flops_per_token(sh: Shapes) -> tuple[dict[str, float], float]:
         t = sh.layers[k]
         parts[k] = t.flops_per_token * t.layers
     parts["lm_head"] = 6 * split["head"]
-    return parts, expert_active
+    factor = adapter.flops_factor if adapter is not None else {}
+    return {k: v * factor.get(k, 1.0) for k, v in parts.items()}, expert_active
 
 
 def efficiencies(sh: Shapes) -> tuple[dict[str, float], float]:
@@ -71,8 +76,9 @@ def efficiencies(sh: Shapes) -> tuple[dict[str, float], float]:
 
 
 def compute_times(inp: StepInputs, parts: dict[str, float], eff: dict[str, float], per_gpu_tokens: float) -> dict:
-    """Seconds per part: FLOPs x (1 + recompute's extra) / (peak x efficiency), times the
-    precision's and then the loss's factor of that part."""
+    """Seconds per part: FLOPs (``flops_per_token``, the adapter's factor in) x (1 + recompute's
+    extra) / (peak x efficiency), times the precision's, the adapter's and then the loss's time
+    factor of that part."""
     extra = inp.recompute.extra_compute
     out = {}
     for k, fl in parts.items():
@@ -122,7 +128,7 @@ def step_time(inp: StepInputs) -> StepTime:
     c, lay, split = sh.c, sh.lay, sh.split
     W, dps, cp, pp, tp = lay.world_size, lay.dp_shard, lay.cp, lay.pp, lay.tp
     tokens_step = sh.local_batch * sh.seq * lay.dp_replicate * dps * sh.grad_accum  # global tokens per optimizer step
-    parts, expert_active = flops_per_token(sh)
+    parts, expert_active = flops_per_token(sh, inp.adapter)
     eff, scale = efficiencies(sh)
     per_gpu_tokens = tokens_step / W
     time_s = compute_times(inp, parts, eff, per_gpu_tokens)
@@ -156,7 +162,11 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
         f"{params_text(expert_active)} + lm_head {params_text(split['head'])})"
         + "".join(f" + {k} {t.layers} layers x {t.flops_how or f'{t.flops_per_token:,.0f}'}"
                   for k, t in sh.layers.items() if k in parts)
-        + f" = {sum(parts.values()) / 1e9:.1f} GFLOP/token; TFLOPs/GPU counts model FLOPs (no recompute)",
+        + (" (" + ", ".join(f"{k} x {v:.3g}" for k, v in inp.adapter.flops_factor.items())
+           + ": the adapter's frozen GEMMs without weight gradients, plus the adapters)"
+           if inp.adapter is not None and inp.adapter.flops_factor else "")
+        + f" = {sum(parts.values()) / 1e9:.1f} GFLOP/token; TFLOPs/GPU counts model FLOPs (no recompute), "
+        "as a run's logged tflops_per_gpu and MFU do",
         f"recompute {names['recompute']}: " + "; ".join(inp.recompute.notes)
         + f"; loss layer x {loss_factor:g} of its GEMM time ({names['loss']})",
         f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}",
