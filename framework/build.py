@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from framework import contracts, devices, resume
+from framework import contracts, devices, planner, resume
 from framework.errors import UserError
 from framework.resolve import Resolved
 
@@ -87,6 +87,8 @@ def trainer_config(r: Resolved):
             log_freq=cfg.logging.log_freq, enable_tensorboard=cfg.logging.tensorboard,
             enable_wandb=cfg.logging.wandb, disable_color_printing=not cfg.logging.color,
             jsonl_path=str(out / "metrics.jsonl"), total_steps=cfg.training.steps,
+            # the logged TFLOPs/GPU and MFU: the planner's model FLOPs per token, counted once here
+            flops_per_token=planner.model_flops_per_token(r),
         ),
         training=TrainingConfig(
             local_batch_size=cfg.training.local_batch,

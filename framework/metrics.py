@@ -19,6 +19,42 @@ from framework import devices, first_step, kernel_cache, progress, publish
 _console = Console(highlight=False, soft_wrap=True)
 
 
+TORCHTITAN_TFLOPS = "tflops_torchtitan"  # torchtitan's own figure, kept beside apiary's "tflops"
+
+
+def counted(metrics: dict, flops_per_token: float | None, peak_flops: float | None, quantized: bool) -> dict:
+    """torchtitan's step metrics with apiary's FLOPs count: ``tflops`` = ``flops_per_token`` (the
+    planner's model FLOPs per trained token: causal attention at half the full score and value
+    FLOPs, an adapter's frozen GEMMs without weight gradients; framework.planner.model_flops_per_token)
+    x tokens/s per GPU, and ``mfu(%)`` from it against ``peak_flops`` (the device's dense BF16 peak;
+    none without one or with quantized GEMMs). torchtitan's ``tflops`` (6 x parameters + full
+    attention) stays as ``tflops_torchtitan``. Without a count (None), no ``tflops`` or ``mfu(%)``:
+    torchtitan's alone would pass for apiary's. Records without ``tflops`` (validation) pass as they are."""
+    if "tflops" not in metrics:
+        return metrics
+    out = {k: v for k, v in metrics.items() if k not in ("tflops", "mfu(%)")}
+    out[TORCHTITAN_TFLOPS] = metrics["tflops"]
+    if flops_per_token:
+        flops = flops_per_token * metrics["throughput(tps)"]  # tps: tokens/s per GPU
+        out["tflops"] = flops / 1e12
+        if peak_flops and not quantized:
+            out["mfu(%)"] = 100 * flops / peak_flops
+    return out
+
+
+class Counted(BaseLogger):
+    """Every logger of the run (metrics.jsonl, TensorBoard, W&B) gets ``counted``'s metrics."""
+
+    def __init__(self, inner: BaseLogger, flops_per_token: float | None, peak_flops: float | None, quantized: bool):
+        self.inner, self.flops_per_token, self.peak_flops, self.quantized = inner, flops_per_token, peak_flops, quantized
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.inner.log(counted(metrics, self.flops_per_token, self.peak_flops, self.quantized), step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class JsonlLogger(BaseLogger):
     def _log_validation(self, metrics: dict, step: int) -> None:
         """val_loss (and its throughput) joins the step's record: one record per step stays true."""
@@ -64,8 +100,10 @@ class JsonlLogger(BaseLogger):
             "tokens_per_s": metrics["throughput(tps)"] * self.world_size,
             "tokens_per_s_per_gpu": metrics["throughput(tps)"],
             "tokens": self.pending_tokens,
-            "tflops_per_gpu": metrics["tflops"] if devices.has_accelerator() else None,  # no GPU: no claim
-            "mfu_pct": metrics.get("mfu(%)"),  # against peak_tflops_per_gpu; None where no peak is known
+            # apiary's count (counted): no GPU, no claim
+            "tflops_per_gpu": metrics.get("tflops") if devices.has_accelerator() else None,
+            "tflops_per_gpu_torchtitan": metrics.get(TORCHTITAN_TFLOPS) if devices.has_accelerator() else None,
+            "mfu_pct": metrics.get("mfu(%)"),  # apiary's count against peak_tflops_per_gpu; None without a peak
             "peak_tflops_per_gpu": self.peak_flops / 1e12 if self.peak_flops else None,
             "device": self.device,
             "step_time_s": metrics["time_metrics/end_to_end(s)"],
@@ -131,6 +169,9 @@ class ApiaryMetrics(MetricsProcessor):
     class Config(MetricsProcessor.Config):
         jsonl_path: str = "metrics.jsonl"
         total_steps: int = 0
+        flops_per_token: float | None = None
+        """model FLOPs per trained token, the planner's count (framework.planner.model_flops_per_token,
+        computed once by framework.build): the logged tflops_per_gpu and mfu_pct; None: none logged"""
 
     extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
     max_loss_source = None  # callable -> max loss over data parallel, replacing torchtitan's (under CP)
@@ -143,6 +184,8 @@ class ApiaryMetrics(MetricsProcessor):
         # fallback; no known peak (the CPU, an unlisted GPU): no MFU, through torchtitan's own switch
         # for quantized runs (whose MFU against the BF16 peak it already leaves out)
         peak = devices.peak_flops()
+        # apiary's FLOPs count in every logger; torchtitan's kept beside it, labelled
+        self.logger = Counted(self.logger, config.flops_per_token, peak, quantized=self.has_quantization)
         if peak is None:
             self.has_quantization = True
         else:

@@ -11,8 +11,11 @@ The numbers (docs/skills/progress.md):
 * tokens: the sum of the records' ``tokens`` (every data-parallel rank's);
 * mean tok/s: tokens over time of each launch after its first logged step (the first step compiles
   and warms up), so ``sum(tokens[1:]) / (elapsed_s[-1] - elapsed_s[0])`` per launch;
-* TFLOPs/GPU and MFU: the same intervals' time-weighted means of ``tflops_per_gpu`` and ``mfu_pct``,
-  or the reason there are none (no GPU; no known peak for the device; quantized GEMMs);
+* TFLOPs/GPU and MFU: the same intervals' time-weighted means of ``tflops_per_gpu`` (apiary's count:
+  the planner's model FLOPs per token, causal attention halved, frozen weights without weight
+  gradients) and ``mfu_pct`` (from it), torchtitan's count (``tflops_per_gpu_torchtitan``) beside
+  them, or the reason there are none (no GPU; no known peak for the device; quantized GEMMs;
+  records of an apiary that logged torchtitan's count as ``tflops_per_gpu``);
 * peak memory: the largest ``peak_mem_bytes``, labelled by ``peak_mem_kind``;
 * loss: the first, last and lowest (finite) training loss, and the last ``val_loss``;
 * checkpoint: the last complete ``checkpoint/step-N`` (framework/integrity.py), or none.
@@ -100,6 +103,14 @@ def _weighted(intervals, key: str) -> float | None:
     return sum(v * dt for v, dt in vals) / total if total > 0 else None
 
 
+def _counts_labelled(r: dict) -> dict:
+    """A record whose ``tflops_per_gpu`` and ``mfu_pct`` are torchtitan's count (written before
+    apiary logged its own beside ``tflops_per_gpu_torchtitan``), with them moved under that label."""
+    if "tflops_per_gpu" not in r or "tflops_per_gpu_torchtitan" in r:
+        return r
+    return {**r, "tflops_per_gpu": None, "mfu_pct": None, "tflops_per_gpu_torchtitan": r["tflops_per_gpu"]}
+
+
 def _quote(s) -> str:
     return shlex.quote(str(s))
 
@@ -157,6 +168,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     cfg = _config(run_dir)
     records = read_records(run_dir)
     train = [r for r in records if "loss" in r]
+    older = any("tflops_per_gpu" in r and "tflops_per_gpu_torchtitan" not in r for r in train)
+    train = [_counts_labelled(r) for r in train]
     vals = [r for r in records if _finite(r.get("val_loss"))]
     launches = _launches(train)
     last = train[-1] if train else {}
@@ -174,6 +187,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     peak_tflops = last.get("peak_tflops_per_gpu")
     on_gpu = device not in (None, "cpu")
     tflops = _weighted(intervals, "tflops_per_gpu") if on_gpu else None
+    tflops_tt = _weighted(intervals, "tflops_per_gpu_torchtitan") if on_gpu else None
     mfu = _weighted(intervals, "mfu_pct") if on_gpu and peak_tflops else None
     if not on_gpu:
         why = f"no known peak for {device or 'this device'}"
@@ -181,6 +195,10 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         why = f"no known peak for {device}"
     elif not intervals:
         why = "one logged step: the first step (compile, warm-up) is left out"
+    elif older:
+        why = "records of an older apiary, which logged torchtitan's FLOPs count only"
+    elif tflops is None:
+        why = "no model FLOPs count from the planner"
     else:
         why = "quantized GEMMs (FP8): no comparable BF16 peak"
 
@@ -227,6 +245,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
             "one logged step" if not intervals else "records without tokens (an older apiary's)"),
         "device": device,
         "tflops_per_gpu_mean": round(tflops, 3) if tflops is not None else None,
+        "tflops_per_gpu_torchtitan_mean": round(tflops_tt, 3) if tflops_tt is not None else None,
         "mfu_pct_mean": round(mfu, 3) if mfu is not None else None,
         "peak_tflops_per_gpu": peak_tflops,
         "mfu_missing_because": None if mfu is not None else why,
@@ -268,8 +287,12 @@ def lines(s: dict) -> list[tuple[str, str]]:
     rows.append(("tok/s (mean)", f"{s['tokens_per_s_mean']:,.0f} (first step left out: compile, warm-up)"
                  if s["tokens_per_s_mean"] is not None else f"n/a ({s['tokens_per_s_missing_because']})"))
     if s["device"] not in (None, "cpu"):
-        rows.append(("TFLOPs/GPU", _fmt(s["tflops_per_gpu_mean"], ",.1f")))
-    peak = f" of {s['peak_tflops_per_gpu']:,.0f} peak ({s['device']})" if s["peak_tflops_per_gpu"] else ""
+        tt = s.get("tflops_per_gpu_torchtitan_mean")
+        rows.append(("TFLOPs/GPU", f"{_fmt(s['tflops_per_gpu_mean'], ',.1f')} apiary's count (causal attention "
+                     "halved, frozen weights without weight gradients)"
+                     + (f" · {tt:,.1f} torchtitan's count (full attention)" if _finite(tt) else "")))
+    peak = f" of {s['peak_tflops_per_gpu']:,.0f} peak ({s['device']}, dense BF16; apiary's count)" \
+        if s["peak_tflops_per_gpu"] else ""
     rows.append(("MFU", f"{s['mfu_pct_mean']:.1f}%{peak}" if s["mfu_pct_mean"] is not None
                  else f"n/a ({s['mfu_missing_because']})"))
     if s["peak_mem_bytes"] is not None:

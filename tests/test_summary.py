@@ -41,8 +41,10 @@ def _run(tmp_path, records, steps=4, checkpoints=(), incomplete=(), tb=True, ext
 
 def _rec(step, loss, elapsed, tokens=1000, tflops=400.0, mfu=40.0, device=H100, peak=989.0, mem=10 * 2**30,
          kind="cuda_max_memory_reserved"):
+    """A record as framework/metrics.py writes it: apiary's count (``tflops``) and torchtitan's, here 1.5x."""
     return {"step": step, "loss": loss, "grad_norm": 1.0, "tokens_per_s": 1.0, "tokens": tokens,
-            "tflops_per_gpu": tflops, "mfu_pct": mfu, "peak_tflops_per_gpu": peak, "device": device,
+            "tflops_per_gpu": tflops, "tflops_per_gpu_torchtitan": 1.5 * tflops if tflops is not None else None,
+            "mfu_pct": mfu, "peak_tflops_per_gpu": peak, "device": device,
             "step_time_s": 1.0, "elapsed_s": elapsed, "peak_mem_bytes": mem, "peak_mem_kind": kind}
 
 
@@ -66,6 +68,7 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
     # after the first record: 5000 tokens in 40 - 30 = 10 s; intervals of 2, 6 and 2 s weigh the means
     assert s["tokens_per_s_mean"] == pytest.approx(500.0)
     assert s["tflops_per_gpu_mean"] == pytest.approx((400 * 2 + 300 * 6 + 500 * 2) / 10)
+    assert s["tflops_per_gpu_torchtitan_mean"] == pytest.approx(1.5 * (400 * 2 + 300 * 6 + 500 * 2) / 10)
     assert s["mfu_pct_mean"] == pytest.approx((40 * 2 + 30 * 6 + 50 * 2) / 10)
     assert s["mfu_missing_because"] is None and s["peak_tflops_per_gpu"] == 989.0
     assert s["peak_mem_bytes"] == 12 * 2**30 and s["peak_mem_label"] == "torch max reserved on rank 0's GPU"
@@ -84,11 +87,25 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
     assert json.loads(summary.write(s).read_text()) == s and (d / "summary.json").is_file()
     text = _text(s)
     for line in ("steps         4/4", "tokens        6,000", "tok/s (mean)  500 (first step left out",
-                 "TFLOPs/GPU    360.0", f"MFU           36.0% of 989 peak ({H100})",
+                 "TFLOPs/GPU    360.0 apiary's count (causal attention halved, frozen weights without weight "
+                 "gradients) · 540.0 torchtitan's count (full attention)",
+                 f"MFU           36.0% of 989 peak ({H100}, dense BF16; apiary's count)",
                  "peak memory   12.00 GiB (torch max reserved on rank 0's GPU)",
                  "loss          first 6.0000 · last 4.7000 · best 4.5000 (step 3)", "val_loss      4.9000 (step 3)",
                  f"checkpoint    {d / 'checkpoint' / 'step-4'}", f"resume        {s['next']['resume']}"):
         assert line in text, (line, text)
+
+
+def test_records_of_an_older_apiary_show_torchtitans_count_as_torchtitans(tmp_path):
+    """Before apiary logged its own count, ``tflops_per_gpu`` and ``mfu_pct`` were torchtitan's (full
+    attention): the summary shows them under torchtitan's label and claims no MFU."""
+    recs = [{k: v for k, v in _rec(n, 6.0 - n, 2.0 * n, tflops=500.0, mfu=50.0).items()
+             if k != "tflops_per_gpu_torchtitan"} for n in (1, 2, 3)]
+    s = summary.summarize(_run(tmp_path, recs, steps=3))
+    assert s["tflops_per_gpu_mean"] is None and s["tflops_per_gpu_torchtitan_mean"] == pytest.approx(500.0)
+    assert s["mfu_pct_mean"] is None and "older apiary" in s["mfu_missing_because"]
+    text = _text(s)
+    assert "TFLOPs/GPU    n/a apiary's count" in text and "500.0 torchtitan's count" in text, text
 
 
 def test_cpu_run_claims_no_tflops_or_mfu(tmp_path):

@@ -16,8 +16,10 @@ def test_default_trains_and_resumes(workdir):
     run = runs[0]
     m = read_metrics(run)
     assert [r["step"] for r in m] == list(range(1, 21))
-    for key in ("loss", "grad_norm", "tokens_per_s", "tflops_per_gpu", "peak_mem_bytes"):
+    for key in ("loss", "grad_norm", "tokens_per_s", "tflops_per_gpu", "tflops_per_gpu_torchtitan", "peak_mem_bytes"):
         assert all(key in r for r in m)
+    # both FLOPs counts labelled, neither claimed without a GPU (tests/test_flops_count.py: a GPU's record)
+    assert all(r["tflops_per_gpu"] is None and r["tflops_per_gpu_torchtitan"] is None for r in m)
     assert all(r["autotuned_kernels"] == 0 and r["autotune_s"] == 0 for r in m)  # no Triton on CPU
     first, last = m[0]["loss"], sum(r["loss"] for r in m[-3:]) / 3
     assert last < first - 1.0, (first, last)  # byte-level LM learns fast on the packaged corpus
