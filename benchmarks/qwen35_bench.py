@@ -113,7 +113,9 @@ def summary(run: str, a) -> dict | None:
     return dict(run=run, steps=len(steady), tokens_per_s=med("tokens_per_s"),
                 tokens_per_s_per_gpu=med("tokens_per_s_per_gpu"),
                 model_tflops_per_gpu=med("tokens_per_s_per_gpu") * flops_per_token / 1e12,
-                tt_tflops_per_gpu=med("tflops_per_gpu"), flops_per_token=flops_per_token,
+                # torchtitan's count: its own key since apiary logs the planner's count as tflops_per_gpu
+                tt_tflops_per_gpu=med("tflops_per_gpu_torchtitan" if "tflops_per_gpu_torchtitan" in steady[0]
+                                      else "tflops_per_gpu"), flops_per_token=flops_per_token,
                 peak_gib=max(x["peak_mem_bytes"] for x in steady) / 2**30, plan_gib=plan_bytes / 2**30,
                 loss=steady[-1]["loss"])
 
