@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One GPU sitting for the vLLM loop (two H200s; docs/rl.md, docs/skills/transport.md), in two parts that
+# each fit a 10-minute command, writing small result files under $OUT:
+#   PART=1: tests/gpu/test_vllm_gpu.py (qwen3 and qwen3_5, IPC; NCCL to the second GPU) and
+#           benchmarks/weight_sync_bench.py (the 4-layer Qwen3.5-35B-A3B width: IPC, NCCL, the folder).
+#   PART=2: the live loop with vLLM generating (benchmarks/rl_loop_vllm.sh: learn, lr=0, routing replay;
+#           then the tiny Qwen3.5 MoE with and without replay), and `apiary logprobs` against the engine's
+#           own log-probs on the first shard of the learn run (same weights, version 0).
+#   PART=3: training tok/s at the 4-layer width with an in-memory update every step against none, on
+#           static synthetic rollouts (the engine, --serve, only takes the updates).
+# The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
+# is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
+#   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
+set -uo pipefail
+OUT=${OUT:-bench_out/vllm}; mkdir -p "$OUT"; PART=${PART:-1}
+export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+errors() { for f in "$@"; do [ -f "$f" ] && { echo "== $f"; grep -E "Error|Traceback" "$f" | tail -6; }; done; }
+case "$PART" in
+1)
+  timeout 330 $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt tests/gpu/test_vllm_gpu.py 2>&1 \
+    | grep -v INFO | tee "$OUT/gpu_test.log" | grep -E "passed|failed|logprob diff" | tail -6
+  errors /tmp/pt/*/engine_*.log > "$OUT/engine_errors.log"
+  timeout 240 $PY benchmarks/weight_sync_bench.py --out /tmp/ws --updates 4 2>&1 | grep -v INFO | tee "$OUT/ws.log" | tail -8
+  cp /tmp/ws/weight_sync.json "$OUT/" 2>/dev/null
+  ;;
+2)
+  OUT=/tmp/rl STEPS=16 TLIMIT=150 PY=$PY bash benchmarks/rl_loop_vllm.sh "learn=" "flat=optimizer.lr=0" \
+    "replay=moe.routing_replay=true:--routing" 2>&1 | tail -6 | tee "$OUT/rl_qwen3.table"
+  # the same loop with the Qwen3.5 MoE (recipe qwen35_debug_grpo_vllm)
+  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
+  OUT=/tmp/rl35 STEPS=12 TLIMIT=150 PY=$PY bash /tmp/rl35.sh "learn=" "replay=moe.routing_replay=true:--routing" 2>&1 \
+    | tail -5 | tee "$OUT/rl_qwen35.table"
+  # apiary logprobs on the engine's first shard, with the weights that sampled it (version 0)
+  $PY -m toolkit.cli logprobs /tmp/rl/learn/weights/step-0 /tmp/rl/learn/rollouts/000000.jsonl --out /tmp/lp \
+    > "$OUT/logprobs.log" 2>&1
+  $PY - /tmp/lp/000000.jsonl >> "$OUT/logprobs.log" 2>&1 <<'PY'
+import json, sys
+d = []
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    d += [abs(a - b) for a, b, m in zip(r["ref_logprobs"], r["old_logprobs"], r["loss_mask"]) if m]
+print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / len(d):.3g}, max {max(d):.3g}")
+PY
+  tail -1 "$OUT/logprobs.log"
+  for n in learn flat replay; do cp /tmp/rl/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null; done
+  errors /tmp/rl/*/generator.log /tmp/rl35/*/generator.log /tmp/rl*/*/train.log > "$OUT/rl_errors.log"
+  ;;
+3)
+  $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
+  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false)
+  timeout 200 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
+  timeout 260 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w > /tmp/tp_every.log 2>&1 &
+  tp=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 260 $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
+    --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
+  wait $tp
+  $PY - /tmp/tp > "$OUT/throughput.table" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+for name in ("none", "every"):
+    f = Path(sys.argv[1]) / name / "metrics.jsonl"
+    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
+    steady = [r for r in recs if r["step"] >= 4]
+    tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
+    bl = [r["publish/blocked_s"] for r in recs if "publish/blocked_s" in r]
+    print(f"{name:6s} tok/s {tps:10.0f}  publications {len(bl)}  blocked median {statistics.median(bl) if bl else 0:.3f} s")
+PY
+  cat "$OUT/throughput.table"
+  errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
+  ;;
+esac
