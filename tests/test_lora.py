@@ -339,11 +339,17 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
     rollouts.write_text("\n".join(PACKAGED_ROLLOUTS.read_text().splitlines()[:3]) + "\n")
     outs = {}
     for name, argv in (("adapter", [str(base), str(rollouts), "--adapter", str(peft_dir)]),
-                       ("merged", [str(merged), str(rollouts)]), ("base", [str(base), str(rollouts)])):
+                       ("merged", [str(merged), str(rollouts)]), ("base", [str(base), str(rollouts)]),
+                       ("run", [str(work / "lora"), str(rollouts)])):
         assert apiary_main(["logprobs", *argv, "--out", str(work / f"lp_{name}")]) == 0
         outs[name] = [json.loads(x)["ref_logprobs"] for x in (work / f"lp_{name}" / rollouts.name).read_text().splitlines()]
     flat = {k: torch.tensor([x for r in v for x in r]) for k, v in outs.items()}
     assert (flat["adapter"] - flat["merged"]).abs().max() < 1e-4
+    assert torch.equal(flat["run"], flat["merged"])  # the LoRA run folder itself: its base + adapters
+    assert "step 8 (adapter=lora folded into its base)" in capsys.readouterr().out
+    assert apiary_main(["logprobs", str(work / "lora"), str(rollouts), "--step", "4", "--out", str(work / "lp_s4")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "latest step (8) only" in err and f"apiary export {work / 'lora'} --hf OUT --merged" in err, err
     assert (flat["adapter"] - flat["base"]).abs().max() > 1e-3
     assert apiary_main(["logprobs", str(work / "lora"), str(rollouts), "--adapter", str(peft_dir), "--out",
                         str(work / "lp_bad")]) == 2

@@ -3,7 +3,8 @@ written into rollout records (``ref_logprobs``, the KL term of the policy losses
 
 MODEL is a HuggingFace folder (config.json; the family whose ``HF_MODEL_TYPES`` holds its
 ``model_type`` builds it with ``hf_checkpoint=``) or an apiary run folder (config.yaml; its latest
-complete checkpoint, or ``--step N``, loaded into the run's own model, routing bias included).
+complete checkpoint, or ``--step N``, loaded into the run's own model, routing bias included; a run
+that trained adapters (adapter=lora): its base with the latest step's adapters folded in).
 ROLLOUTS is a rollout .jsonl / .parquet file or a folder of them (components/data/rollouts.py).
 Each record is written back as jsonl under DIR with the same relative name (``x.parquet`` ->
 ``x.jsonl``), every field kept, ``ref_logprobs`` set: ``ref_logprobs[t] = log p(input_ids[t] |
@@ -103,6 +104,9 @@ def _run_model(run: Path, step: int | None, device, where: str, unverified: bool
     elif step not in steps:
         raise UserError(f"{where} --step {step}", f"no complete checkpoint of that step; complete: "
                         f"{', '.join(map(str, sorted(steps)))}.", "Pick one of those steps.")
+    adapter = str(OmegaConf.select(cfg, "adapter.name", default="none") or "none")
+    if adapter != "none":
+        return _adapter_run_model(run, cfg, adapter, step, max(steps), device, where)
     kw = model_kwargs(cfg)
     kw["moe_comm_backend"] = "standard"  # one process: no expert-parallel dispatch
     model = build_model(f"{cfg.model.family}:{cfg.model.flavor}", device=str(device), **kw)
@@ -120,6 +124,33 @@ def _run_model(run: Path, step: int | None, device, where: str, unverified: bool
     dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
     model.load_state_dict(sd, strict=False)
     return model.eval(), f"{run} checkpoint step {step}"
+
+
+def _adapter_run_model(run: Path, cfg, adapter: str, step: int, latest: int, device, where: str):
+    """A run that trained adapters (adapter=lora) on a frozen base: its checkpoints hold the adapters
+    alone, so the model scored is the base with the adapters folded in, written by the adapter's own
+    exporter (what `apiary export RUN --hf OUT --merged` writes) to a temporary folder and loaded
+    from there."""
+    import tempfile  # reason: only for adapter runs
+
+    how = (f"Export the merged model and score it: apiary export {run} --hf OUT --merged, then apiary logprobs "
+           "OUT ROLLOUTS --out DIR.")
+    export = contracts.member(registry.resolve("adapter", adapter), "adapter", "export_hf")
+    if export is None:
+        raise UserError(where, f"the run trained adapters (adapter={adapter}), whose component has no exporter "
+                        "(export_hf) to fold them into the base.", "Score the base (its HF folder) instead.")
+    if step != latest:
+        raise UserError(f"{where} --step {step}", f"the run trained adapters (adapter={adapter}); the base with "
+                        f"its adapters is scored at the latest step ({latest}) only.", f"Drop --step. {how}")
+    family = registry.resolve("model", cfg.model.family)
+    with tempfile.TemporaryDirectory(prefix="apiary-merged-") as tmp:
+        try:
+            folder, _ = export(str(run), str(Path(tmp) / "merged"), family, merged=True)
+        except UserError as e:
+            raise UserError(where, f"the run trained adapters (adapter={adapter}) on a base, and the base with "
+                            f"them cannot be built: {e.reason}", e.suggestion) from None
+        model, _ = load_model(str(folder), None, device)
+    return model, f"{run} checkpoint step {step} (adapter={adapter} folded into its base)"
 
 
 # -------------------------------------------------------------------------------- scoring
