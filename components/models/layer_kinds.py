@@ -99,8 +99,8 @@ class Attention:
             saved_per_token=d + 2 * q + 3 * kv + 2 * kv * (s.cp - 1) + 2 * q + 2 * self.n_heads,
             partial_keep=_keep(c, self.name), saved_factor=_factors(c, self.name),
             flops_per_token=6 * s.seq * q,  # = 12 x seq x heads x head_dim / 2 (causal)
-            flops_how=f"12 x seq x {self.n_heads} heads x {self.head_dim} / 2 (causal; torchtitan's logged "
-                      "tflops does not halve it)",
+            flops_how=f"12 x seq x {self.n_heads} heads x {self.head_dim} / 2 (causal; torchtitan's count, "
+                      "logged as tflops_per_gpu_torchtitan, does not halve it)",
             efficiency=float(c.eff_attention),
             # projections (q with its gate), then QK^T and PV over a causal context
             forward_flops_per_token=2 * (d * (2 * q + 2 * kv) + q * d) + 2 * s.seq * q,
