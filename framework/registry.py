@@ -27,7 +27,7 @@ def _data_root() -> Path:
     """Where registry.yaml, recipes/, docs/skills/ and launchers/ are: the source tree (a clone, an
     editable install), else the folder a wheel installs them to (``share/apiary`` under the
     environment's prefix, or the user's base for ``pip install --user``)."""
-    import site
+    import site  # reason: only needed when the source tree is not where the code is
 
     for d in (CODE_ROOT, Path(sys.prefix) / "share" / "apiary", Path(site.getuserbase()) / "share" / "apiary"):
         if (d / "registry.yaml").is_file():
