@@ -669,6 +669,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     _check_warmup(cfg, overrides, ctx)
     _check_no_effect(cfg, overrides, ctx)
     _check_decay(cfg, overrides, ctx)
+    resume.check_tail(cfg)
     grad_accum = check_batch(cfg.training, layout)
     given_parallel = OmegaConf.to_container(cfg.parallel)
     OmegaConf.set_struct(cfg, False)

@@ -136,6 +136,20 @@ def lr_at(cfg, step: int) -> float:
                                               float(lr["min_lr_factor"]))
 
 
+def check_tail(cfg) -> None:
+    """Steps past the schedule's horizon (``lr.total_steps`` < ``training.steps``) keep its final
+    learning rate; where that is 0 they would train nothing: refused (a fresh run or a resume alike),
+    naming the horizon that covers them."""
+    total, steps = horizon(cfg), int(cfg["training"]["steps"])
+    if steps <= total or lr_at(cfg, total + 1) != 0:
+        return
+    raise UserError(f"lr.total_steps={total}", f"the learning-rate schedule ends at step {total} with lr 0 "
+                    f"(lr.min_lr_factor={cfg['lr']['min_lr_factor']}), so steps {total + 1}-{steps} of "
+                    f"training.steps={steps} would train nothing.",
+                    f"Use lr.total_steps={steps} (the schedule over every step; on a resume it stretches what "
+                    f"is left of it), or training.steps={total}.")
+
+
 @dataclass
 class ResumePlan:
     step: int  # the checkpoint step loaded
@@ -219,7 +233,9 @@ def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan) -> None
         f"the learning-rate schedule spans the run's steps: it was trained over {old_total} steps (step {step} used "
         f"lr {was:.3g}); over {new_total} steps step {nxt} would use lr {now:.3g}.",
         f"Choose one: lr.total_steps={new_total} stretches the schedule over the new steps (lr {was:.3g} -> "
-        f"{now:.3g} at step {nxt}); lr.total_steps={old_total} keeps the schedule trained so far (steps after "
-        f"{old_total} keep its final lr {keep:.3g}"
-        + (", which trains nothing: start a new run from the weights with checkpoint.load_path=... instead"
-           if keep == 0 else "") + ").")
+        f"{now:.3g} at step {nxt}); " + (
+            f"lr.total_steps={old_total} keeps the schedule trained so far (steps after {old_total} keep its final "
+            f"lr {keep:.3g})." if keep != 0 else
+            f"keeping the schedule trained so far (lr.total_steps={old_total}) is refused: its final lr is 0, "
+            "which trains nothing; to train on from the weights at another rate, start a new run with "
+            "checkpoint.load_path=..."))

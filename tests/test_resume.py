@@ -123,8 +123,8 @@ def test_more_steps_on_a_decaying_schedule_asks_for_a_choice(tmp_path):
     with pytest.raises(Exception) as e:
         resume.check(new, tmp_path, 20)
     msg = " ".join(str(e.value).split())
-    assert "lr.total_steps=30 stretches" in msg and "lr.total_steps=20 keeps" in msg, msg
-    assert "which trains nothing" in msg  # the default schedule decays to 0
+    assert "lr.total_steps=30 stretches" in msg, msg
+    assert "(lr.total_steps=20) is refused: its final lr is 0, which trains nothing" in msg  # decays to 0
     # a constant rate after warm-up: the next step's rate is the same under both horizons
     (tmp_path / "config.yaml").unlink()
     new = _saved(tmp_path, **{"training.steps": 30, "lr.min_lr_factor": 1.0})
@@ -133,6 +133,21 @@ def test_more_steps_on_a_decaying_schedule_asks_for_a_choice(tmp_path):
     saved.lr.min_lr_factor = 1.0
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert "spans 30 steps" in resume.check(new, tmp_path, 20).lines(tmp_path)[-1]
+
+
+@pytest.mark.parametrize("extra", [[], ["checkpoint.resume=true"]])
+def test_steps_past_a_horizon_that_ends_at_lr_0_are_refused(extra, tmp_path):
+    """lr.total_steps=30 with training.steps=60 (a 30-step run extended to 60) would train steps 31-60 at
+    lr 0: refused before launch naming the horizon that covers them; a final rate above 0 is kept."""
+    from framework.errors import UserError
+    from framework.resolve import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve("debug_moe", ["training.steps=60", "lr.total_steps=30", f"output_dir={tmp_path}", *extra],
+                for_training=False)
+    msg = " ".join(str(e.value).split())
+    assert "steps 31-60 of training.steps=60 would train nothing" in msg and "Use lr.total_steps=60" in msg, msg
+    resolve("debug_moe", ["training.steps=60", "lr.total_steps=30", "lr.min_lr_factor=0.1"], for_training=False)
 
 
 def test_launch_configs_are_numbered_and_the_first_is_kept(tmp_path):
