@@ -383,12 +383,14 @@ class MoeComm(Component, Protocol):
     torchtitan_backend: str
 
 
-class Transport(Component, Protocol):
+class Transport(Component, Planned, Protocol):
     """kind ``transport`` (``publish.transport``): how published weights reach the generator.
     ``IN_MEMORY``: False for HF folders only (framework/publish.py writes every version); True when
     ``sender(options, settings, trainer)`` (called on every rank once the trainer is built;
     ``settings``: framework.publish.PublishSettings) returns an object whose ``publish(trainer,
-    version)`` (a collective) hands every version after the first to the engine, and ``close()``."""
+    version)`` (a collective) hands every version after the first to the engine, and ``close()``.
+    Its ``plan_terms`` memory is what rank 0 holds for the hand-off (the planner adds it to the
+    first stage)."""
 
     IN_MEMORY: ClassVar[bool]
 
@@ -705,7 +707,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
               "layout": None},  # runs the degrees layout.derive chose
     "launcher": {**_SHARED_OPTIONAL, "check_options": None, "preflight": None, "render": None, "TEMPLATE": None},
-    "transport": {**_SHARED_OPTIONAL},
+    "transport": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "loss_fn": {"set_batch": None, "metrics": MappingProxyType({}), "metric_weight": None},
 }
 

@@ -273,3 +273,20 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
     assert len(sent) == len(set(sent)) and set(sent) == folder  # every tensor of the folder, once
     assert methods.count("update_weights") == 2 * buckets and methods.count("start_weight_update") == 2
     assert not (tmp_path / "w" / "step-1").exists()  # in memory: no folder for the later versions
+
+
+def test_the_plan_counts_the_hand_offs_buffers_on_rank_0():
+    """The preflight sees the buckets (the model once in the wire dtype) and NCCL's two send buffers;
+    folders add nothing on the GPU."""
+    from framework.planner import plan
+
+    def terms(*over):
+        r = resolve("debug_grpo_vllm", list(over), world_size=1, for_training=False)
+        return {t.name: t.bytes for t in plan(r).terms}, r.facts.n_params
+
+    folder, n = terms("publish.transport=hf_folder")
+    ipc, _ = terms()
+    nccl, _ = terms("publish.transport=vllm_nccl", "publish.bucket_mb=1")
+    assert "transfer_buckets" not in folder
+    assert ipc["transfer_buckets"] == n * 2  # publish.dtype=bfloat16
+    assert nccl["transfer_send_buffers"] == 2 * min(n * 2, 2**20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from components.transport.vllm import PublishOptions
+from framework.contracts import PlanTerms
 
 
 class HFFolder:
@@ -21,6 +22,11 @@ class HFFolder:
     @staticmethod
     def apply(options, tc, ctx=None) -> None:
         return None
+
+    @staticmethod
+    def plan_terms(options, ctx) -> PlanTerms:
+        """Nothing on the GPU: a folder's tensors are gathered one at a time onto the host."""
+        return PlanTerms()
 
     @staticmethod
     def sender(options, settings, trainer):

@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import base64
 import pickle
-from functools import cached_property
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
 from components.transport import link as link_mod
 from components.transport import snapshot
+from framework.contracts import PlanTerms, Term
 from framework.errors import UserError
 
 
@@ -85,6 +86,22 @@ class _InMemory:
     @staticmethod
     def apply(options, tc, ctx=None) -> None:
         return None
+
+    @classmethod
+    def plan_terms(cls, options, ctx) -> PlanTerms:
+        """Rank 0's buckets: the model once in the wire dtype (publish.dtype, else the trained fp32);
+        NCCL adds vLLM's two send buffers of one bucket each."""
+        p = ctx.cfg.publish
+        wire = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(p.dtype), 4) if p.dtype else 4
+        n = float(ctx.facts.n_params or 0)
+        terms = [Term("transfer_buckets", n, wire, "buffers",
+                      f"{n:,.0f} params x {wire} B ({p.dtype or 'float32'}), rank 0: the hand-off's buckets")]
+        if cls.BACKEND == "nccl":
+            bucket = min(n * wire, float(p.bucket_mb) * 2**20)
+            terms.append(Term("transfer_send_buffers", 2, bucket, "buffers",
+                              f"2 x one bucket ({bucket / 2**30:.2f} GiB), vLLM's NCCL sender"))
+        return PlanTerms(memory=terms, notes=[f"publish.transport={cls.NAME}: rank 0 holds the weights once more "
+                                              "for the engine"])
 
     @classmethod
     def sender(cls, options, settings, trainer):

@@ -146,6 +146,10 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
     asked.names["recompute"], asked.terms["recompute"] = parts.ask("recompute", ch["recompute"], ctx, warnings)
     asked.terms["moe_chunk"] = parts.ask("moe_chunk", ch["moe_chunk"], ctx, warnings)[1]
     asked.names["adapter"], asked.terms["adapter"] = ask_adapter(resolved, ctx, warnings)
+    publish = resolved.cfg.get("publish")
+    if publish is not None and int(publish.get("interval") or 0) > 0:  # the weight hand-off's buffers
+        asked.names["transport"], asked.terms["transport"] = parts.ask("transport", str(publish.transport), ctx,
+                                                                       warnings)
     return asked
 
 
@@ -206,7 +210,8 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
             loss = replace(loss, memory=[t for t in loss.memory if t.name not in drop])
         stages[stage] = stage_terms(sh, state=state, recompute=asked.names["recompute"],
                                     rec=asked.terms["recompute"], chunking=asked.terms["moe_chunk"],
-                                    precision=asked.terms["precision"], loss=loss, in_flight=in_flight)
+                                    precision=asked.terms["precision"], loss=loss, in_flight=in_flight,
+                                    transport=asked.terms.get("transport") if first else None)
         if is_last:
             last = {"state": state, "loss": loss}
     stage, terms = max(stages.items(), key=lambda kv: sum(x.bytes for x in kv[1]))

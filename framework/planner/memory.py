@@ -226,12 +226,16 @@ def of_category(pt: PlanTerms, *categories: str) -> list[Term]:
 
 
 def stage_terms(sh: Shapes, *, state: PlanTerms, recompute: str, rec: PlanTerms, chunking: PlanTerms,
-                precision: PlanTerms, loss: PlanTerms | None, in_flight: int) -> list[Term]:
-    """Every memory term of one stage (``loss`` None: the stage holds no LM head)."""
+                precision: PlanTerms, loss: PlanTerms | None, in_flight: int,
+                transport: PlanTerms | None = None) -> list[Term]:
+    """Every memory term of one stage (``loss`` None: the stage holds no LM head; ``transport``: the
+    weight hand-off's buffers, on the stage of rank 0)."""
     t = of_category(state, "static")
     t += activation_terms(sh, recompute, rec, in_flight)
     t += moe_terms(sh, chunking)
     t += [Term.of(x) for x in precision.memory]
+    if transport is not None:
+        t += [Term.of(x) for x in transport.memory]
     if loss is not None:
         t += [Term.of(x) for x in loss.memory]
     t += of_category(state, "buffers", "activations", "loss")
