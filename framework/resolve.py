@@ -38,6 +38,7 @@ class Resolved:
     resume_lines: list = field(default_factory=list)  # a resume: the step it loads, what changed (printed next)
     ctx: contracts.Context | None = None  # the components' context (check ran with it; build applies with it)
     given_parallel: dict = field(default_factory=dict)  # the parallel section as composed, before derivation
+    launch: dict | None = None  # {"recipe": as given, "overrides": [...]}: what a resume keeps (resume.LAUNCHES)
 
     @property
     def output_dir(self) -> Path:
@@ -655,6 +656,11 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     the ranks to lay it out for (an int, or a function of the composed config); None: the launcher's."""
     _check_environment()
     cfg = recipes.load(recipe, overrides)
+    kept = resume.kept_overrides(cfg.output_dir or latest_run_dir(cfg.recipe), overrides) \
+        if for_training and cfg.checkpoint.resume else []
+    if kept:  # a resume keeps the launch's overrides, unless given again
+        overrides = [*kept, *overrides]
+        cfg = recipes.load(recipe, overrides)
     _check_values(cfg)
     _check_paths(cfg)
     ctx = context(cfg, for_training)
@@ -688,8 +694,12 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
         _check_resume_load_path(cfg, ctx, plan)
         plan.verified = (Path(cfg.output_dir) / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
         resume_lines = plan.lines(cfg.output_dir)
+        if kept:
+            resume_lines.append(f"resume: keeps the last launch's overrides {' '.join(kept)} (give one again to "
+                                "change it)")
     r = Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=grad_accum, given_parallel=given_parallel,
-                 data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
+                 data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines,
+                 launch={"recipe": recipe, "overrides": list(overrides)})
     choose_by_budget(r, for_training)
     r.data_summary = "\n".join(ctx.summary)
     if for_training:
@@ -771,7 +781,7 @@ def write_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
     doc = {"format": _FORMAT, "argv": list(argv), "cfg": OmegaConf.to_container(r.cfg, resolve=False),
            "layout": {"world_size": r.layout.world_size, "dims": r.layout.dims, "rules": dict(r.layout.rules)},
            "grad_accum": int(r.grad_accum), "data_summary": r.data_summary, "resume_lines": list(r.resume_lines),
-           "given_parallel": dict(r.given_parallel),
+           "given_parallel": dict(r.given_parallel), "launch": r.launch,
            "derived": dict(ctx.derived) if ctx is not None else {},
            "shared": _json_values(ctx.shared) if ctx is not None else {}}
     text = yaml.safe_dump(doc, sort_keys=False).encode()
@@ -828,4 +838,4 @@ def load_resolved(argv: list[str], env=os.environ) -> Resolved:
     ctx.summary[:] = summary.splitlines()
     return Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=int(doc["grad_accum"]), data_summary=summary,
                     resume_lines=list(doc.get("resume_lines") or []), ctx=ctx,
-                    given_parallel=dict(doc.get("given_parallel") or {}))
+                    given_parallel=dict(doc.get("given_parallel") or {}), launch=doc.get("launch"))

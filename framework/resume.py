@@ -23,6 +23,7 @@ A schema key in neither list fails tests/test_resume.py: each new key must be cl
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ from omegaconf import OmegaConf
 from framework.errors import UserError
 
 FIRST = "config.yaml"
+LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": the recipe as given, "overrides": [...]}
+# overrides a resume does not keep from the launch before it: what it sets itself, or what starts a run
+NOT_KEPT = ("recipe", "output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step",
+            "checkpoint.load_path", "checkpoint.create_seed")
 _LAUNCH = re.compile(r"config\.resume-(\d+)\.yaml$")
 
 # prefixes (a section, or one key) whose change a resume refuses
@@ -134,6 +139,43 @@ def lr_at(cfg, step: int) -> float:
     warmup = warmup_steps(cfg)
     return float(opt["lr"]) * schedule_factor(step, horizon(cfg), warmup, lr["decay_ratio"], lr["decay_type"],
                                               float(lr["min_lr_factor"]))
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def last_launch(run_dir) -> dict | None:
+    """The newest launch's recipe (as given) and overrides from ``LAUNCHES``, or None (a run of an older
+    apiary, or an unreadable file)."""
+    f = Path(run_dir) / LAUNCHES
+    try:
+        lines = [x for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+        last = json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+    return last if isinstance(last, dict) and isinstance(last.get("overrides"), list) else None
+
+
+def kept_overrides(run_dir, given: list[str]) -> list[str]:
+    """The newest launch's overrides that a resume with ``given`` keeps: all but NOT_KEPT, those given
+    again (the new value wins) and the keys of a component group given another option."""
+    last = last_launch(run_dir) if run_dir is not None else None
+    if last is None:
+        return []
+    keys = {_key(o) for o in given}
+    before = {_key(o): o for o in last["overrides"]}
+    regrouped = {k for k in keys if "." not in k and next((o for o in given if _key(o) == k), None) != before.get(k)}
+    return [o for o, k in ((o, _key(o)) for o in last["overrides"])
+            if k not in keys and k not in NOT_KEPT and not k.startswith("hydra.")
+            and not ("." in k and k.split(".", 1)[0] in regrouped)]
+
+
+def write_launch(run_dir, launch: dict | None) -> None:
+    """Append this launch's recipe and overrides to ``LAUNCHES`` (what the next resume keeps)."""
+    if launch is not None:
+        with open(Path(run_dir) / LAUNCHES, "a") as h:
+            h.write(json.dumps(launch) + "\n")
 
 
 def check_tail(cfg) -> None:

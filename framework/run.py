@@ -50,6 +50,7 @@ def write_run_files(resolved) -> None:
     # the first launch's config is config.yaml; a resume's goes beside it (framework/resume.py)
     name = resume.config_path_for_launch(out) if resolved.cfg.checkpoint.resume else out / resume.FIRST
     name.write_text(OmegaConf.to_yaml(resolved.cfg))
+    resume.write_launch(out, resolved.launch)  # the recipe and overrides a later resume keeps
     derived = resolved.ctx.derived if resolved.ctx is not None else {}
     (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules,
                                                  **({"derived": derived} if derived else {})}, indent=2))

@@ -135,19 +135,21 @@ def _value(v) -> str:
     return s if re.fullmatch(r"[\w./:@+-]+", s) else "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def run_overrides(cfg) -> list[str] | None:
+def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
     """The overrides that make the run's recipe give its config again (a resume must repeat what its
     checkpoint depends on, framework/resume.py): each component group whose option differs
     (``loss=NAME``), then every key that differs from that composition (``+key`` where the
     recipe has none); layout dims the recipe leaves unset are derived again. None when the recipe
-    cannot be composed any more (moved or edited into an error)."""
+    cannot be composed any more (moved or edited into an error). ``recipe``: the recipe as given at
+    launch (a file's path), default the config's recipe name."""
+    recipe = recipe or cfg.recipe
     try:
         extra = [f"registry={cfg.registry}"] if cfg.get("registry") else []
-        base = recipes.load(cfg.recipe, extra)
+        base = recipes.load(recipe, extra)
         groups = [f"{g}={cfg[g].name}" for g in registry.GROUP_KINDS
                   if g in cfg and g in base and cfg[g].name != base[g].name]
         if groups:
-            base = recipes.load(cfg.recipe, extra + groups)
+            base = recipes.load(recipe, extra + groups)
         old, new = resume.leaves(base), resume.leaves(cfg)
     except Exception:  # noqa: BLE001  (a UserError, Hydra's or OmegaConf's: the summary still prints)
         return None
@@ -210,18 +212,24 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     checkpoint = str(run_dir / "checkpoint" / f"step-{steps[-1]}") if steps else None
 
     recipe = cfg.recipe if cfg is not None else "RECIPE"
+    launch = resume.last_launch(run_dir)
+    given = (launch or {}).get("recipe") or recipe  # a recipe file by its path, as given at launch
     out = str(run_dir)
     commands = {}
     if checkpoint is not None:
-        overrides = run_overrides(cfg) if cfg is not None else None
+        overrides = run_overrides(cfg, given) if cfg is not None else None
+        if overrides is None and launch is not None:  # the recipe no longer composes: the launch's own
+            overrides = resume.kept_overrides(run_dir, [])
+        unknown = overrides is None
+        overrides = overrides or []
         to = total_steps
         if stop is None and total_steps is not None:  # it finished: train on, the schedule stretched over the
             to = 2 * total_steps                      # new steps (a resume asks for that choice, framework/resume.py)
-            if overrides is not None and "lr" in cfg and "total_steps" in cfg.lr:
+            if "lr" in cfg and "total_steps" in cfg.lr:
                 overrides = [o for o in overrides if not o.startswith("lr.total_steps=")] + [f"lr.total_steps={to}"]
-        commands["resume"] = (f"train recipe={_quote(recipe)} output_dir={_quote(out)} checkpoint.resume=true "
-                              f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides or ())
-                              + (" (and this run's overrides)" if overrides is None else ""))
+        commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
+                              f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
+                              + (" (and this run's overrides)" if unknown else ""))
         commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
     if records:
         commands["plot"] = f"apiary plot {_quote(out)}"

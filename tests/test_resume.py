@@ -162,10 +162,16 @@ def test_launch_configs_are_numbered_and_the_first_is_kept(tmp_path):
 def test_extending_a_finished_run(tmp_path):
     """6 steps, then `training.steps=9`: refused with the choices (nothing written); a changed
     seed refused; `lr.total_steps=9` trains steps 7-9 at the rates the stretched schedule gives,
-    says which checkpoint it loaded, and keeps the first config."""
+    says which checkpoint it loaded, and keeps the first config. The launch's own override
+    (optimizer.lr=0.002) is in the printed resume command and kept by a resume that does not give it
+    again; given again, the new value wins."""
     run = tmp_path / "run"
-    p = run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run}"], cwd=tmp_path, timeout=300)
+    p = run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run}", "optimizer.lr=0.002"], cwd=tmp_path,
+                timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+    printed = next(x for x in p.stdout.splitlines() if x.strip().startswith("resume "))
+    assert f"train recipe=debug_moe output_dir={run} checkpoint.resume=true training.steps=12" in printed
+    assert "optimizer.lr=0.002" in printed and "lr.total_steps=12" in printed and "overrides)" not in printed
     first = (run / "config.yaml").read_text()
     # refused before launch (resolve, as `train` runs it first): no choice of schedule, a changed seed
     from framework.errors import UserError
@@ -182,9 +188,10 @@ def test_extending_a_finished_run(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resume: {run}/checkpoint/step-6 verified against its manifest" in p.stdout
     assert "training.steps 6 -> 9" in p.stdout and "spans 9 steps (it spanned 6)" in p.stdout
+    assert "resume: keeps the last launch's overrides optimizer.lr=0.002 (give one again to change it)" in p.stdout
     assert (run / "config.yaml").read_text() == first
     launch2 = OmegaConf.load(run / "config.resume-1.yaml")
-    assert launch2.training.steps == 9 and launch2.lr.total_steps == 9
+    assert launch2.training.steps == 9 and launch2.lr.total_steps == 9 and launch2.optimizer.lr == 0.002
     recs = read_metrics(run)
     assert [r["step"] for r in recs] == list(range(1, 10))
     cfg1, cfg2 = (OmegaConf.to_container(OmegaConf.load(run / n)) for n in ("config.yaml", "config.resume-1.yaml"))
@@ -197,7 +204,7 @@ def test_extending_a_finished_run(tmp_path):
     p = run_cli(["train", *SMALL, "training.steps=12", f"output_dir={run}", "checkpoint.resume=true",
                  "lr.total_steps=12", "optimizer.lr=0", "moe.load_balance_coeff=null"], cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "optimizer.lr 0.003 -> 0.0" in p.stdout and (run / "config.resume-2.yaml").is_file()
+    assert "optimizer.lr 0.002 -> 0.0" in p.stdout and (run / "config.resume-2.yaml").is_file()
     assert [r["lr"] for r in read_metrics(run)[9:]] == [0.0, 0.0, 0.0]
     at9, at12 = _weights(run / "checkpoint" / "step-9"), _weights(run / "checkpoint" / "step-12")
     assert at9.keys() == at12.keys() and all(torch.equal(at9[k], at12[k]) for k in at9)

@@ -96,6 +96,34 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
         assert line in text, (line, text)
 
 
+def test_resume_command_of_a_recipe_file_runs(tmp_path, monkeypatch):
+    """A run of `train recipe=my_recipe.yaml optimizer.lr=1e-2`: the resume command names the file as
+    given (the config holds its stem, an unknown recipe), repeats the override and stretches the
+    schedule; with no overrides it claims none."""
+    from framework import resume
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_recipe.yaml").write_text((recipes.RECIPES_DIR / "debug_moe.yaml").read_text())
+    recs = [_rec(n, 6.0 - n, 2.0 * n) for n in (1, 2, 3, 4)]
+    for over, want in ((["optimizer.lr=1e-2"], " optimizer.lr=0.01 lr.total_steps=8"), ([], " lr.total_steps=8")):
+        d = tmp_path / "run"
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        d.mkdir()
+        cfg = recipes.load("my_recipe.yaml", ["training.steps=4", "output_dir=run", *over])
+        assert cfg.recipe == "my_recipe" and "my_recipe" not in recipes.recipe_names()
+        OmegaConf.save(cfg, d / "config.yaml")
+        resume.write_launch(d, {"recipe": "my_recipe.yaml", "overrides": ["training.steps=4", "output_dir=run", *over]})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (d / "checkpoint" / "step-4").mkdir(parents=True)
+        (d / "checkpoint" / "step-4" / "manifest.json").write_text("{}")
+        s = summary.summarize("run")
+        assert s["next"]["resume"] == ("train recipe=my_recipe.yaml output_dir=run checkpoint.resume=true "
+                                       "training.steps=8" + want), s["next"]["resume"]
+
+
 def test_records_of_an_older_apiary_show_torchtitans_count_as_torchtitans(tmp_path):
     """Before apiary logged its own count, ``tflops_per_gpu`` and ``mfu_pct`` were torchtitan's (full
     attention): the summary shows them under torchtitan's label and claims no MFU."""
