@@ -93,6 +93,11 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
         Skip("samples from the weights the live trainer publishes, so it runs beside it for minutes; "
              "tests/test_rl_loop.py runs the pair"),
     "torchrun --nproc_per_node 8 $(which train) recipe=qwen3_30b_a3b_64k": Skip("needs 8 GPUs of 141 GB"),
+    "pip install -e '.[vllm]'": Skip("installs vLLM from the package registry (network)"),
+    "train recipe=debug_grpo_vllm output_dir=live/run &": Run(drop=("&",), add=("--cfg", "job")),
+    "python examples/rl_loop/vllm_generator.py --weights live/weights --out live/rollouts":
+        Skip("needs vLLM and a GPU (tests/gpu/test_vllm_gpu.py); tests/test_vllm_generator.py runs its loop with a "
+             "stand-in for vLLM's LLM"),
     "apiary ls": RUN,
     "apiary show debug_moe": RUN,
     "apiary cp debug_moe my_recipe.yaml": RUN,
