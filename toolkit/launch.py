@@ -69,9 +69,11 @@ def _split(ns):
     return recipe, launcher, flags, tokens
 
 
-def _launcher_class(name: str | None, recipe: str | None):
+def _launcher_class(name: str | None, recipe: str | None, tokens: list[str] = ()):
     if name is None:
-        name = str(recipes.load(recipe, []).launcher.name)
+        name = str(recipes.load(recipe, list(tokens)).launcher.name)
+    else:  # user registries (the recipe's `registry:`, `registry=`) first: they may bind the launcher's name
+        recipes.use_registries(recipes.recipe_path(recipe or recipes.DEFAULT_RECIPE), list(tokens))
     registry.check("launcher", name, where=f"launcher={name}")
     return name, registry.resolve("launcher", name)
 
@@ -173,7 +175,7 @@ def launch_main(argv: list[str] | None = None) -> int:
 def launch_args(ns) -> int:
     try:
         recipe, name, flags, tokens = _split(ns)
-        name, cls = _launcher_class(name, recipe)
+        name, cls = _launcher_class(name, recipe, tokens)
         fields = {f.name for f in dataclasses.fields(cls.Options)} - {"name"}
         _check_shorthands(tokens, name, fields)
         overrides = [f"launcher={name}", *_expand(tokens, fields)]
