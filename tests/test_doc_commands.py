@@ -181,9 +181,8 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
              "(tests/test_precision.py::test_compare_fp8_refused_on_cpu)"),
     "apiary plan recipe=qwen3_30b_a3b_64k precision=fp8": RUN,
     # docs/skills/lora.md
-    "train recipe=debug_moe adapter=lora moe.load_balance_coeff=null": CFG,
-    "train recipe=debug_moe adapter=lora moe.load_balance_coeff=null adapter.rank=8 adapter.targets=[q,k,v,o,experts] "
-    "nproc=2": CFG,
+    "train recipe=debug_moe adapter=lora": CFG,
+    "train recipe=debug_moe adapter=lora adapter.rank=8 adapter.targets=[q,k,v,o,experts] nproc=2": CFG,
     "apiary plan recipe=qwen35_35b_lora_128k": RUN,
     "apiary export RUN --hf OUT": Skip("exports a LoRA run on an HF base (tests/test_lora.py trains one, exports it "
                                        "and loads it with PEFT)"),

@@ -8,6 +8,7 @@ planner counts the frozen base once. Two ranks (FSDP2 + EP) against one: opt-in 
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -433,6 +434,27 @@ def test_a_resume_trains_on_and_another_base_is_refused(runs, capsys):
 # ---------------------------------------------------------------- refusals, planner
 
 
+@pytest.mark.parametrize("recipe", ["debug_moe", "qwen35_debug_moe"])
+def test_lora_on_an_moe_recipe_freezes_the_routing_bias_and_counts_the_adapters(recipe, workdir):
+    """`train adapter=lora` on a shipped MoE recipe (moe.load_balance_coeff set): the routing bias is
+    frozen with the base, said in one line, and the model is built without its load-balancing updates;
+    the first lines count the trainable parameters."""
+    from framework.build import trainer_config
+    from framework.resolve import resolve
+
+    r = resolve(recipe, ["adapter=lora", "output_dir=run"])
+    assert r.cfg.moe.load_balance_coeff is not None
+    lines = r.data_summary.splitlines()
+    lora = next(x for x in lines if x.startswith("adapter: LoRA"))
+    assert re.search(r"; [\d,]+ trainable parameters \([\d.e-]+% of the base's [\d,]+\); frozen base", lora), lora
+    assert any(x.startswith("adapter: the MoE routing bias is frozen with the base (moe.load_balance_coeff=")
+               for x in lines), lines
+    from torchtitan.models.common.moe import MoE
+
+    moes = [m for _, m, _, _ in trainer_config(r).model_spec.model.traverse(MoE.Config)]
+    assert moes and all(m.load_balance_coeff is None for m in moes)
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["adapter=lora", "adapter.rank=0"], ["adapter=lora: adapter.rank must be >= 1"]),
     (["adapter=lora", "adapter.rank=40", "adapter.targets=[k]"],
@@ -444,7 +466,6 @@ def test_a_resume_trains_on_and_another_base_is_refused(runs, capsys):
     (["adapter.rank=8", "adapter.dropout=0.1"],
      ["adapter=none: adapter.rank=8, adapter.dropout=0.1 configures LoRA adapters", "would be ignored",
       "Add adapter=lora"]),
-    (["adapter=lora"], ["moe.load_balance_coeff=0.001 trains the MoE routing bias", "moe.load_balance_coeff=null"]),
     (["adapter=lora", "moe.load_balance_coeff=null", "adapter.targets=[q,lm_head]", "loss=linear_ce"],
      ["loss=linear_ce reads lm_head.weight", "would be ignored"]),
     (["adapter=lora", "moe.load_balance_coeff=null", "state=zero1"], ["state=zero1 is not. Use state=fsdp2"]),

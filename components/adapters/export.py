@@ -86,7 +86,7 @@ def _family_config(family_mod, cfg):
     """The run's model config (its flavor, or the architecture of its model.hf_checkpoint)."""
     m = cfg.model
     return family_mod.model_config(m.flavor, n_layers=m.get("n_layers"), vocab_size=m.get("vocab_size"),
-                                   load_balance_coeff=cfg.moe.get("load_balance_coeff"),
+                                   load_balance_coeff=None,  # an adapter run's routing bias is the base's, frozen
                                    hf_checkpoint=m.get("hf_checkpoint"))
 
 

@@ -148,7 +148,12 @@ class LoRA:
                 base.check_resume(cfg, now)
             ctx.shared["adapter_base"] = now
             ctx.summary.append(f"adapter: LoRA rank {options.rank} alpha {options.alpha:g} on "
-                               f"{', '.join(options.targets)}; frozen base: {base.describe(now)}")
+                               f"{', '.join(options.targets)}{_trainable(options, ctx)}; frozen base: "
+                               f"{base.describe(now)}")
+            if _bias_frozen(ctx):
+                ctx.summary.append(f"adapter: the MoE routing bias is frozen with the base (moe.load_balance_coeff="
+                                   f"{cfg.moe.load_balance_coeff} not applied: an adapter checkpoint, a resume and "
+                                   "an export carry the adapters only)")
 
     @staticmethod
     def apply(options: "LoRA.Options", tc, ctx) -> None:
@@ -159,6 +164,10 @@ class LoRA:
         spec = modules.LoRASpec(rank=options.rank, alpha=float(options.alpha), dropout=float(options.dropout),
                                 init=options.init, dtype=options.dtype, seed=int(cfg.training.seed))
         tc.model_spec.model, _ = modules.convert(tc.model_spec.model, spec, options.targets)
+        if _bias_frozen(ctx):  # the routing bias is the base's: no load-balancing updates (said at check)
+            from components.models.common import set_load_balance  # reason: start-up time (torchtitan)
+
+            set_load_balance(tc.model_spec.model, None)
         # the base from a DCP step is loaded by the adapter at every launch (torchtitan's initial load
         # would look for the adapters in it), then the base's checksum is taken
         load_path = tc.checkpoint.initial_load_path
@@ -260,11 +269,6 @@ def _check_combinations(options, ctx) -> None:
     if "experts" in options.targets and str(cfg.moe.chunk) != "none":
         raise ValueError(f"adapter.targets=experts adapts the routed experts' grouped GEMMs, which moe.chunk="
                          f"{cfg.moe.chunk} reschedules; use moe.chunk=none, or drop experts from adapter.targets")
-    facts = ctx.facts
-    if facts is not None and facts.num_experts and cfg.moe.load_balance_coeff is not None:
-        raise ValueError(f"moe.load_balance_coeff={cfg.moe.load_balance_coeff} trains the MoE routing bias, a part of "
-                         "the base that adapter=lora keeps frozen (an adapter checkpoint, a resume and a PEFT export "
-                         "carry the adapters only). Set moe.load_balance_coeff=null")
     if "lm_head" in options.targets and str(cfg.loss.name) not in LM_HEAD_MODULE_LOSSES:
         raise ValueError(f"adapter.targets=lm_head adapts the lm_head module, and loss={cfg.loss.name} reads "
                          f"lm_head.weight in its own fused GEMMs, so the adapter would be ignored; use loss="
@@ -277,6 +281,23 @@ def _check_combinations(options, ctx) -> None:
         raise ValueError("checkpoint.create_seed=true writes a shared starting point for full training; an adapter "
                          "checkpoint holds adapters only. Create the seed with adapter=none and give it to LoRA runs "
                          "as their base: checkpoint.load_path=RUN/checkpoint/step-0")
+
+
+def _bias_frozen(ctx) -> bool:
+    """An MoE model whose recipe trains the routing bias (moe.load_balance_coeff): with adapter=lora the
+    bias is part of the frozen base."""
+    f = ctx.facts
+    return f is not None and bool(f.num_experts) and ctx.cfg.moe.get("load_balance_coeff") is not None
+
+
+def _trainable(options, ctx) -> str:
+    """'; N trainable parameters (P% of the model's M)' for the run's first lines (the planner's count)."""
+    f = ctx.facts
+    if f is None:
+        return ""
+    c = adapter_counts(f, list(options.targets), int(options.rank))
+    n = int(c["dense"] + c["experts"])
+    return f"; {n:,} trainable parameters ({100 * n / max(f.n_params, 1):.2g}% of the base's {f.n_params:,})"
 
 
 def _widths(ctx) -> dict | None:
