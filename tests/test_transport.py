@@ -290,3 +290,24 @@ def test_the_plan_counts_the_hand_offs_buffers_on_rank_0():
     assert "transfer_buckets" not in folder
     assert ipc["transfer_buckets"] == n * 2  # publish.dtype=bfloat16
     assert nccl["transfer_send_buffers"] == 2 * min(n * 2, 2**20)
+
+
+def test_a_busy_engine_port_is_refused_before_launch(monkeypatch):
+    import socket
+
+    from components.transport import vllm as vllm_transport
+
+    monkeypatch.setattr(vllm_transport, "_vllm_or_refuse", lambda name: None)  # past the port check only
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(UserError, match=rf"publish.engine=127.0.0.1:{port}: rank 0 cannot listen there"):
+            resolve("debug_grpo_vllm", [f"publish.engine=127.0.0.1:{port}"], world_size=1, for_training=True)
+
+
+def test_an_ipc_engine_on_another_gpu_is_refused_before_any_transfer():
+    from components.transport.vllm import same_gpu_or_refuse
+
+    same_gpu_or_refuse("ipc", "GPU-a", {"gpu_uuids": ["GPU-a"]})
+    same_gpu_or_refuse("nccl", "GPU-a", {"gpu_uuids": ["GPU-b"]})  # NCCL: other GPUs are the point
+    with pytest.raises(UserError, match=r"not on the trainer's rank-0 GPU GPU-a.*publish.transport=vllm_nccl"):
+        same_gpu_or_refuse("ipc", "GPU-a", {"gpu_uuids": ["GPU-b"]})

@@ -55,6 +55,19 @@ def _vllm_or_refuse(name: str) -> None:
                         "publish.transport=hf_folder.") from None
 
 
+def _port_free_or_refuse(address: str) -> None:
+    """A fixed ``publish.engine`` port that something else holds: refused before launch."""
+    host, port = link_mod.parse_address(address)
+    if port == 0:
+        return
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise UserError(f"publish.engine={address}", f"rank 0 cannot listen there for the engine ({e}).",
+                        "Choose a free port, or port 0 (a free one, written to engine_link.json).") from None
+
+
 class _InMemory:
     Options = PublishOptions
     IN_MEMORY = True
@@ -78,6 +91,7 @@ class _InMemory:
                             "For example publish.engine_timeout=600.")
         # checked where the ranks start: a job rendered here for a cluster (launcher=slurm) is checked on its nodes
         if ctx is not None and ctx.for_training and str(ctx.cfg.launcher.name) == "local":
+            _port_free_or_refuse(options.engine)
             _vllm_or_refuse(name)
             if not torch.cuda.is_available():
                 raise UserError(f"publish.transport={name}", "hands weights to a vLLM engine on a GPU, and this "
@@ -149,7 +163,11 @@ class InMemorySender:
             self.snap = snapshot.Snapshot(self.plan, device, holder=self.rank == 0)
         self.link = None
         if self.rank == 0:
-            self.link = link_mod.EngineLink(settings.dir, options.engine, settings.convert.hf_config, transport=name)
+            try:
+                self.link = link_mod.EngineLink(settings.dir, options.engine, settings.convert.hf_config, transport=name)
+            except link_mod.EngineError as e:
+                raise UserError(f"publish.engine={options.engine}", f"{e}.", "Choose a free port (port 0 picks one), "
+                                "or stop what listens there.") from None
             self.link.start_accepting(self.timeout)
             print(f"publish.transport={name}: {len(self.plan.buckets)} bucket(s), "
                   f"{self.plan.nbytes / 2**30:.2f} GiB of {self.plan.dtype_name} on {device}; the engine connects "
@@ -174,11 +192,14 @@ class InMemorySender:
             torch.cuda.current_stream().synchronize()  # the copies have landed before the engine reads them
         if not self.link.connected:
             try:
-                self.link.wait_connected()
+                hello = self.link.wait_connected()
             except link_mod.EngineError as e:
                 raise UserError(f"publish.transport={self.name}", f"{e}.",
                                 f"Start the generator (it loads {self.settings.dir}/latest, then connects), or raise "
                                 "publish.engine_timeout; the run's checkpoints are kept.") from None
+            if self.snap.device.type == "cuda":
+                same_gpu_or_refuse(self.backend, str(torch.cuda.get_device_properties(self.snap.device.index).uuid),
+                                   hello)
         blocked = time.perf_counter() - t0
         if self.background:
             self._thread = threading.Thread(target=self._send_guarded, args=(version, blocked, waited),
@@ -261,6 +282,16 @@ class InMemorySender:
                 self._nccl.shutdown()
             if self.link is not None:
                 self.link.close()
+
+
+def same_gpu_or_refuse(backend: str, trainer_uuid: str, hello: dict) -> None:
+    """CUDA IPC shares memory on one GPU: an IPC engine whose GPUs (its hello's ``gpu_uuids``) do not
+    include rank 0's is refused before any transfer (it could not open a handle)."""
+    if backend == "ipc" and trainer_uuid not in (hello.get("gpu_uuids") or []):
+        raise UserError("publish.transport=vllm_ipc", f"the engine runs on GPU(s) {hello.get('gpu_uuids')}, not on the "
+                        f"trainer's rank-0 GPU {trainer_uuid}, and CUDA IPC shares memory within one GPU.",
+                        "Start the generator on the trainer's GPU (CUDA_VISIBLE_DEVICES), or hand weights to an "
+                        "engine on other GPUs with publish.transport=vllm_nccl (generator --backend nccl).")
 
 
 def _ipc_handle(buf: torch.Tensor) -> dict:
