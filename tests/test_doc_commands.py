@@ -355,6 +355,13 @@ def test_suite_commands_name_tests_that_exist(text):
     for k, tok in enumerate(argv[:-1]):
         if tok == "-m" and argv[k + 1] != "pytest":  # a marker: declared in pyproject.toml
             assert re.search(rf"['\"]{argv[k + 1]}:", (ROOT / "pyproject.toml").read_text()), argv[k + 1]
+    if argv[0] == "ruff":  # the suite runs it (tests/test_lint.py) on what the command names, as configured
+        assert argv[1] == "check" and all((ROOT / a).exists() for a in argv[2:] if not a.startswith("-")), text
+        lint = (ROOT / "tests" / "test_lint.py").read_text()
+        assert '"ruff", "check"' in lint and "str(ROOT)" in lint, "tests/test_lint.py no longer runs ruff check"
+        assert "[tool.ruff.lint]" in (ROOT / "pyproject.toml").read_text()
+    else:
+        assert any(t.startswith("tests") for t in argv) or argv[:3] == ["python", "-m", "pytest"], text
 
 
 # ------------------------------------------------------------------------ running
