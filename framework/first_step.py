@@ -2,7 +2,10 @@
 and recorded in that step's metrics.jsonl record.
 
 * ``first_step_build_s``: from the start of ``framework.run.train`` to the first step (model init,
-  parallelize, optimizer, dataloader, checkpoint load); not part of the step's wall time.
+  parallelize, optimizer, dataloader, checkpoint load); not part of the step's wall time, nor are:
+* ``first_step_data_wait_s``: follow mode (``data.follow=true``), the time the first step waited
+  for its rollouts (the generator's first shard);
+* ``first_step_publish_s``: with ``publish``, writing the starting weights (``step-0``) before it.
 * ``first_step_wall_s``: the first step, from ``train_step`` to its metrics record.
 * ``first_step_compile_s``: Dynamo/Inductor compile time inside that step (torch's own timers,
   ``torch._dynamo.utils.compilation_time_metrics``: each frame's ``_compile.compile_inner`` plus
@@ -45,6 +48,7 @@ class FirstStep:
 
     def reset(self) -> None:
         self.t_begin = self.t_step = None
+        self.data_wait = self.publish = 0.0  # before the first step, not building the trainer
         self.compile0 = self.autotune0 = self.wait0 = 0.0
         self.tuned0 = self.table0 = 0
         self.by_kernel0: dict[str, float] = {}
@@ -55,6 +59,13 @@ class FirstStep:
         """The trainer starts to be built (framework.run.train)."""
         self.reset()
         self.t_begin = time.perf_counter()
+
+    def before_first_step(self, *, data_wait_s: float = 0.0, publish_s: float = 0.0) -> None:
+        """Time spent before the first step that is not building the trainer: waiting for the first
+        rollouts (follow mode), publishing the starting weights. Ignored once a step started."""
+        if self.t_step is None and not self.done:
+            self.data_wait += max(data_wait_s, 0.0)
+            self.publish += max(publish_s, 0.0)
 
     def step_started(self) -> None:
         """A train step starts; only the first one counts."""
@@ -75,12 +86,16 @@ class FirstStep:
         self.slowest = self._slowest()  # not a scalar: metrics.jsonl only (JsonlLogger), not the other loggers
         now = time.perf_counter()
         wall = now - self.t_step
-        build = self.t_step - self.t_begin if self.t_begin is not None else 0.0
+        before = self.t_step - self.t_begin if self.t_begin is not None else 0.0
+        build = max(before - self.data_wait - self.publish, 0.0)
         compile_s = min(max(compile_seconds() - self.compile0, 0.0), wall)
         wait = max(kernel_cache.LOG.total_wait_seconds - self.wait0, 0.0)
         autotune = min(max(kernel_cache.LOG.total_seconds - self.autotune0, 0.0) + wait, wall - compile_s)
         other = max(wall - compile_s - autotune, 0.0)
-        return {"first_step_build_s": round(build, 3), "first_step_wall_s": round(wall, 3),
+        waits = {"first_step_data_wait_s": round(self.data_wait, 3)} if self.data_wait else {}
+        if self.publish:
+            waits["first_step_publish_s"] = round(self.publish, 3)
+        return {"first_step_build_s": round(build, 3), **waits, "first_step_wall_s": round(wall, 3),
                 "first_step_compile_s": round(compile_s, 3), "first_step_autotune_s": round(autotune, 3),
                 "first_step_autotuned_kernels": kernel_cache.LOG.total_tuned - self.tuned0,
                 "first_step_autotune_wait_s": round(min(wait, autotune), 3),
@@ -111,8 +126,12 @@ def describe(rec: dict) -> str:
             detail.append("longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()))
         parts.append(f"autotuning {rec['first_step_autotune_s']:.1f} s ({'; '.join(detail)})")
     split = (" = " + " + ".join(parts + [f"other {rec['first_step_other_s']:.1f} s"])) if parts else ""
-    return (f"first step: {rec['first_step_wall_s']:.1f} s{split}; building the trainer before it took "
-            f"{rec['first_step_build_s']:.1f} s")
+    before = [f"building the trainer before it took {rec['first_step_build_s']:.1f} s"]
+    if rec.get("first_step_publish_s"):
+        before.append(f"publishing the starting weights {rec['first_step_publish_s']:.1f} s")
+    if rec.get("first_step_data_wait_s"):
+        before.append(f"waiting for the first rollouts {rec['first_step_data_wait_s']:.1f} s")
+    return f"first step: {rec['first_step_wall_s']:.1f} s{split}; " + ", ".join(before)
 
 
 STATE = FirstStep()

@@ -140,11 +140,14 @@ class ApiaryTrainer(Trainer):
     def train_step(self, data_iterator):
         if self._publisher is not None and not self._published_initial:  # the weights this run starts from
             self._published_initial = True
+            t0 = time.monotonic()
             self._publisher.publish(self, self.step - 1, initial=True)
+            first_step.STATE.before_first_step(publish_s=time.monotonic() - t0)  # not the trainer's build
         if self._start_step is None:
             self._start_step = self.step - 1  # the step this process started from (0, or the resumed one)
         if self.config.follow_wait_timeout > 0:
             self._wait_for_data()
+            first_step.STATE.before_first_step(data_wait_s=self._waited_s)  # counted only before the first step
         first_step.STATE.step_started()  # the first step's breakdown (framework/first_step.py)
         # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
         self._policy_sums, self._policy_tokens = {}, 0.0

@@ -57,6 +57,27 @@ def test_breakdown_parts_are_clamped_to_the_wall_time(monkeypatch):
     assert s.record() == {}
 
 
+def test_waiting_for_the_first_rollouts_is_not_build_time(monkeypatch):
+    clock = iter([0.0, 40.0, 41.0])  # begin, step started, record
+    monkeypatch.setattr(first_step.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(first_step, "compile_seconds", lambda: 0.0)
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    s = first_step.FirstStep()
+    s.begin()
+    s.before_first_step(publish_s=0.5)  # the starting weights
+    s.before_first_step(data_wait_s=37.2)  # the generator's first shard
+    s.step_started()
+    s.before_first_step(data_wait_s=5.0)  # a later step's wait is not the first step's
+    rec = s.record()
+    assert rec["first_step_build_s"] == 2.3 and rec["first_step_data_wait_s"] == 37.2
+    assert rec["first_step_publish_s"] == 0.5 and rec["first_step_wall_s"] == 1.0
+    line = first_step.describe(rec)
+    assert line.endswith("building the trainer before it took 2.3 s, publishing the starting weights 0.5 s, "
+                         "waiting for the first rollouts 37.2 s"), line
+    plain = {k: v for k, v in rec.items() if k not in ("first_step_data_wait_s", "first_step_publish_s")}
+    assert first_step.describe(plain).endswith("; building the trainer before it took 2.3 s")  # no wait, no publish
+
+
 def test_waiting_for_another_process_tuning_counts_as_autotuning(tmp_path, monkeypatch):
     clock = iter([0.0, 1.0, 2.0])
     monkeypatch.setattr(first_step.time, "perf_counter", lambda: next(clock))
