@@ -171,6 +171,10 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
             raise UserError(f"train -m {o}", "each job of a sweep gets its own directory under the sweep "
                             "directory.", "Set hydra.sweep.dir=PATH instead (jobs go to PATH/0, PATH/1, ...).")
     jobs = sweep_jobs(overrides)
+    if not jobs:
+        raise UserError("train -m " + " ".join(overrides), "the sweep expands to no jobs (an empty range or "
+                        "list), so nothing would run.", "Give each swept key at least one value: range(a,b) "
+                        "with b > a, or key=A,B.")
     for job in jobs:  # bad input in any job stops the sweep before the first one starts
         resolve(recipe, job, for_training=True)
     extra = sweep_dir(recipe, overrides)

@@ -197,6 +197,10 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     for raw, ov in value_overrides:
         key = ov.key_or_group
         if key.startswith("hydra"):
+            if key.startswith("hydra.run.") or key == "hydra.run":
+                raise UserError(f"override {raw}", "apiary does not use Hydra's run directory: a run writes "
+                                "to output_dir.", f"Set output_dir={raw.partition('=')[2] or 'PATH'} instead "
+                                "(a -m sweep: hydra.sweep.dir=PATH).")
             continue
         if (ov.is_add() or ov.is_force_add()) and key not in known:
             parent = key.rsplit(".", 1)[0] if "." in key else ""

@@ -387,9 +387,11 @@ def _check_overlaps(cfg) -> None:
                             "(publish.dir left out is OUTPUT_DIR/weights; the checkpoints are OUTPUT_DIR/checkpoint).")
 
 
+_MAX_STEPS = 2 ** 63 - 1  # torch's int64: the step counters a checkpoint and the LR scheduler keep
 # Values every recipe must keep in range: (key, test, rule, fix). Checked before anything starts.
 _RANGES = [
-    ("training.steps", lambda v: v >= 1, "must be >= 1", "Set training.steps to the number of optimizer steps."),
+    ("training.steps", lambda v: 1 <= v <= _MAX_STEPS, "must be >= 1 and at most 2**63-1 (the largest step a "
+     "checkpoint records)", "Set training.steps to the number of optimizer steps."),
     ("training.seq_len", lambda v: v >= 2, "must be >= 2 (a token and its next)", "For example training.seq_len=256."),
     ("training.local_batch", lambda v: v >= 1, "must be >= 1", "For example training.local_batch=2."),
     ("training.global_batch", lambda v: v is None or v >= 1, "must be >= 1 (or null: local x data-parallel)", ""),
@@ -409,8 +411,8 @@ _RANGES = [
     ("lr.warmup_steps", lambda v: v >= 0, "must be >= 0", "Set 0 for no warm-up."),
     ("lr.decay_ratio", lambda v: v is None or 0 <= v <= 1, "must be in [0, 1] (or null)", ""),
     ("lr.min_lr_factor", lambda v: 0 <= v <= 1, "must be in [0, 1]", ""),
-    ("lr.total_steps", lambda v: v is None or v >= 1, "must be >= 1 (the steps the schedule spans) or null "
-     "(training.steps)", ""),
+    ("lr.total_steps", lambda v: v is None or 1 <= v <= _MAX_STEPS, "must be >= 1 and at most 2**63-1 (the "
+     "steps the schedule spans) or null (training.steps)", ""),
     ("checkpoint.interval", lambda v: v >= 1, "must be >= 1 (steps between saves)",
      "To save no checkpoints, set checkpoint.enable=false."),
     ("checkpoint.keep_latest_k", lambda v: v == 0 or v >= 2, "must be 0 (keep all) or >= 2 (the newest steps "
@@ -473,6 +475,21 @@ _PATH_KEYS = {
 }
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes: a file name, a whole path (Linux; the OS refuses longer with ENAMETOOLONG)
+
+
+def _check_name_lengths(key: str, value: str) -> None:
+    """A path whose file name or whole length the OS refuses: one paragraph, not an OSError traceback."""
+    long = [part for part in Path(value).parts if len(part.encode()) > NAME_MAX]
+    if long:
+        raise UserError(f"{key}={value[:60]}...", f"names a file or folder of {len(long[0].encode())} bytes "
+                        f"({long[0][:40]}...); the file system takes at most {NAME_MAX} bytes per name.",
+                        f"Use a shorter name (or nest folders: a/b/c) for {key}.")
+    if len(value.encode()) >= PATH_MAX:
+        raise UserError(f"{key}={value[:60]}...", f"is {len(value.encode())} bytes long; the OS takes paths of "
+                        f"fewer than {PATH_MAX} bytes.", f"Use a shorter path for {key}.")
+
+
 def _check_paths(cfg) -> None:
     """An empty path, or an empty data.name, is refused (it named the current folder, or fell back to
     a default, silently); ``~/...`` is expanded (what the training processes read too)."""
@@ -486,6 +503,10 @@ def _check_paths(cfg) -> None:
                             f"Give a path, or {key}={default} ({null_means}).")
         if str(value).startswith("~"):
             OmegaConf.update(cfg, key, os.path.expanduser(str(value)))
+    for key in ("output_dir", *_PATH_KEYS):
+        value = OmegaConf.select(cfg, key)
+        if value is not None:
+            _check_name_lengths(key, str(value))
     if not str(cfg.data.name).strip():
         raise UserError("data.name=", "is empty: it names no source of text.", "Use data.name=packaged (the packaged "
                         "corpus), data.name=local with data.path=PATH, or a HuggingFace dataset name.")
@@ -605,6 +626,17 @@ def _check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
                             "and this run does not have it, so the setting would be ignored.",
                             f"Add {needs}, or drop {key}.")
+    model = cfg.model
+    if "model.flavor" in given and model.get("hf_checkpoint") and ctx.facts is not None:
+        mod = ctx.components["model"]
+        flavor_moe = bool(mod.facts(model.flavor).num_experts)
+        if flavor_moe != bool(ctx.facts.num_experts):
+            kinds = ("an MoE", "a dense") if flavor_moe else ("a dense", "an MoE")
+            raise UserError(f"model.flavor={model.flavor} with model.hf_checkpoint={model.hf_checkpoint}",
+                            f"the flavor is {kinds[0]} model, and the checkpoint's config.json describes {kinds[1]} "
+                            "one, which is what would load (with hf_checkpoint the architecture comes from "
+                            "config.json; the flavor only supplies defaults).",
+                            "Drop model.flavor, or point model.hf_checkpoint at the model you mean.")
     if ctx.facts is not None and not ctx.facts.num_experts:
         for key in ("moe.chunk", "moe.comm", "moe.load_balance_coeff"):
             if key in given:

@@ -96,6 +96,18 @@ def files(workdir, monkeypatch):
     (["recipe=far.yaml"], ["sets 'loss.num_chunks', an option of loss=chunked", "`loss: {name: chunked, ...}`",
                            "`override /loss: chunked` in the `defaults:` list"]),
     (["recipe=chunked.yaml", "loss=ce"], ["sets 'loss.num_chunks', an option of loss=chunked"]),
+    # values accepted silently
+    (["training.steps=99999999999999999999"], ["training.steps=99999999999999999999", "at most 2**63-1"]),
+    (["lr.total_steps=99999999999999999999"], ["lr.total_steps=99999999999999999999", "at most 2**63-1"]),
+    (["-m", "training.steps=range(1,0)"], ["the sweep expands to no jobs"]),
+    (["hydra.run.dir=out"], ["override hydra.run.dir=out", "Set output_dir=out instead"]),
+    # paths the OS refuses (was: OSError traceback)
+    ([f"output_dir=out/{'a' * 300}"], ["names a file or folder of 300 bytes", "at most 255 bytes per name"]),
+    ([f"data.path={'b' * 256}.jsonl"], ["data.path=", "names a file or folder of 262 bytes"]),
+    # values that trained into exit 76
+    (["adapter=lora", "moe.load_balance_coeff=null", "adapter.alpha=inf"], ["adapter.alpha=inf with adapter.rank=16",
+                                                                            "at most 10000"]),
+    (["adapter=lora", "moe.load_balance_coeff=null", "adapter.alpha=1e30"], ["adapter.alpha=1e+30", "6.25e+28"]),
 ])
 def test_bad_input_is_refused_before_launch(files, capsys, argv, needles):
     code = train_main(argv)
@@ -118,3 +130,83 @@ def test_a_recipe_section_that_names_its_component_chooses_it(files, capsys):
         assert "name: chunked" in out and "num_chunks: 4" in out, out
     assert train_main(["recipe=chunked.yaml", "loss.num_chunks=2", "--cfg", "job"]) == 0
     assert "num_chunks: 2" in capsys.readouterr().out
+
+
+def _moe_folder(d, **change):
+    """A tiny qwen3_moe HF folder written by hand (config.json and model.safetensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    V, D, H, KV, hd, E, MF = 260, 32, 2, 1, 16, 4, 16
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=g) * 0.05
+
+    p = "model.layers.0."
+    t = {"model.embed_tokens.weight": r(V, D), "model.norm.weight": torch.ones(D), "lm_head.weight": r(V, D),
+         p + "input_layernorm.weight": torch.ones(D), p + "post_attention_layernorm.weight": torch.ones(D),
+         p + "self_attn.q_proj.weight": r(H * hd, D), p + "self_attn.k_proj.weight": r(KV * hd, D),
+         p + "self_attn.v_proj.weight": r(KV * hd, D), p + "self_attn.o_proj.weight": r(D, H * hd),
+         p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+         p + "mlp.gate.weight": r(E, D)}
+    for e in range(E):
+        t.update({f"{p}mlp.experts.{e}.{w}_proj.weight": r(MF, D) for w in ("gate", "up")})
+        t[f"{p}mlp.experts.{e}.down_proj.weight"] = r(D, MF)
+    c = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=H,
+             num_key_value_heads=KV, head_dim=hd, intermediate_size=64, max_position_embeddings=512, rope_theta=1e4,
+             tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=E, num_experts_per_tok=2,
+             moe_intermediate_size=MF, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    c.update(change)
+    d.mkdir(parents=True)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+@pytest.mark.parametrize("change,needles", [
+    (dict(rms_norm_eps=-1), ["rms_norm_eps=-1 (must be a finite number > 0)"]),
+    (dict(rope_theta=0), ["rope_theta=0 (must be a finite number > 0)"]),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), ["rope_theta=0"]),
+])
+def test_config_json_values_that_make_the_loss_non_finite_are_refused(workdir, capsys, change, needles):
+    """An epsilon of -1 or a RoPE base of 0 in config.json (was: exit 76 at step 1, blamed on the learning
+    rate): exit 2 naming the file and the field."""
+    d = _moe_folder(workdir / "m", **change)
+    code = train_main([f"model.hf_checkpoint={d}", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, f"{d}/config.json has", *needles)
+
+
+def test_a_dense_flavor_with_an_moe_checkpoint_is_refused(workdir, capsys):
+    """`model.flavor=tiny_dense` with an MoE hf_checkpoint (was: loaded the MoE, printed tiny_dense)."""
+    d = _moe_folder(workdir / "m")
+    code = train_main([f"model.hf_checkpoint={d}", "model.flavor=tiny_dense", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, "model.flavor=tiny_dense with model.hf_checkpoint=",
+             "the flavor is a dense model, and the checkpoint's config.json describes an MoE one")
+    assert train_main([f"model.hf_checkpoint={d}", "model.flavor=tiny_moe", "--cfg", "job"]) == 0
+
+
+def test_an_unreadable_config_json_is_refused(workdir, capsys, monkeypatch):
+    """config.json that cannot be read (was: PermissionError traceback). Tests run as root, who reads any
+    file: a folder in its place, and a read that fails as it would for another user."""
+    import pathlib
+
+    d = _moe_folder(workdir / "m")
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    code = train_main([f"model.hf_checkpoint={d}", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, f"{d}/config.json is a folder, not a file")
+    (d / "config.json").rmdir()
+    (d / "config.json").write_text("{}")
+    real = pathlib.Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    code = train_main([f"model.hf_checkpoint={d}", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, f"{d}/config.json cannot be read: Permission denied")

@@ -27,6 +27,8 @@ from framework.errors import UserError, did_you_mean
 
 # losses that call the lm_head module (the others read lm_head.weight in their own fused GEMMs)
 LM_HEAD_MODULE_LOSSES = ("ce", "ce_zloss", "chunked")
+# the largest alpha / rank accepted: the adapters' update is scaled by it (PEFT's usual 0.5 to 16)
+MAX_SCALE = 1e4
 
 
 class NoAdapter:
@@ -101,6 +103,12 @@ class LoRA:
                 raise ValueError(f"adapter.rank must be >= 1 (the adapters' rank), got {self.rank}")
             if not self.alpha > 0:
                 raise ValueError(f"adapter.alpha must be > 0 (the update is alpha / rank x B A), got {self.alpha}")
+            if not self.alpha / self.rank <= MAX_SCALE:
+                raise ValueError(f"adapter.alpha={self.alpha:g} with adapter.rank={self.rank} scales the adapters' "
+                                 f"update by {self.alpha / self.rank:g}; at most {MAX_SCALE:g} is accepted (PEFT's "
+                                 "usual scales are 0.5 to 16; the scale multiplies each step's change of the "
+                                 "outputs, and alpha=1e30 made step 1's loss non-finite: exit 76). Lower "
+                                 "adapter.alpha")
             if not 0 <= self.dropout < 1:
                 raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout}")
             if not self.targets:

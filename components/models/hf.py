@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import re
 import struct
 from collections import defaultdict
@@ -68,6 +69,9 @@ def read_config(path, *, text: bool = True) -> dict:
             raise UserError(_where(path), "is a file; apiary loads a HuggingFace model folder "
                             "(config.json + *.safetensors).", f"Point it at the folder, e.g. {p.parent}.")
         cfg = p / "config.json"
+        if cfg.exists() and not cfg.is_file():
+            raise UserError(_where(path), f"{cfg} is a folder, not a file, so the architecture is unknown.",
+                            "Put the model's config.json there (transformers' save_pretrained writes one).")
         if not cfg.is_file():
             raise UserError(_where(path), "no config.json there, so the architecture is unknown.",
                             "Point it at a HuggingFace model folder (config.json + *.safetensors).")
@@ -76,6 +80,9 @@ def read_config(path, *, text: bool = True) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(_where(path), f"{cfg} is not JSON ({e}).",
                             "Restore the file from the model's original folder.") from None
+        except OSError as e:
+            raise UserError(_where(path), f"{cfg} cannot be read: {e.strerror or e}.",
+                            "Give this user read access to it (chmod a+r), or point at a copy it can read.") from None
         if not isinstance(c, dict):
             raise UserError(_where(path), f"{cfg} is not a JSON object.", "Restore the file from the model's "
                             "original folder.")
@@ -93,6 +100,9 @@ _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
              "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval")
 _NON_NEGATIVE = ("num_experts", "num_local_experts", "shared_expert_intermediate_size")
+# config.json reals that must be finite and > 0 (an epsilon of -1 or a RoPE base of 0 made step 1's
+# loss NaN: exit 76, blamed on the learning rate)
+_POSITIVE_REAL = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "rope_theta")
 
 
 def check_dims(c: dict, path) -> None:
@@ -114,6 +124,10 @@ def check_dims(c: dict, path) -> None:
         if v is not None and not (is_int(v) and v >= least):
             rule = f">= 1 in an MoE model, model_type={c['model_type']}" if least else ">= 0"
             bad.append(f"{k}={json.dumps(v)} (must be an integer {rule})")
+    for k in _POSITIVE_REAL:
+        v = rope_params(c).get(k) if k == "rope_theta" else c.get(k)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
+            bad.append(f"{k}={json.dumps(v)} (must be a finite number > 0)")
     heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
     if is_int(heads) and is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
         bad.append(f"num_attention_heads={heads} with num_key_value_heads={kv} (the query heads must split evenly "
