@@ -284,10 +284,12 @@ def _what_is(path: Path) -> str:
     return "an existing file"
 
 
-def _writable_folder(path, key: str, what: str) -> None:
+def writable_folder(path, key: str, what: str) -> None:
     """``path`` (or its nearest existing parent) is a folder this process can write; else a UserError
     naming ``key``. ``what`` says what could not be written. The probe (a temporary folder, removed at
-    once) leaves nothing behind: os.access alone says yes to root on a read-only mount."""
+    once) leaves nothing behind: os.access alone says yes to root on a read-only mount. The tools'
+    output folders (`apiary logprobs --out`, `apiary export --hf`) are checked here too."""
+    _check_name_lengths(key, str(path))
     probe = Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -307,7 +309,7 @@ def _writable_folder(path, key: str, what: str) -> None:
 
 def _check_writable(cfg) -> None:
     """output_dir (or its nearest existing parent) must be a folder this process can write."""
-    _writable_folder(cfg.output_dir, f"output_dir={cfg.output_dir}", "the run could save no config, metrics or checkpoint")
+    writable_folder(cfg.output_dir, f"output_dir={cfg.output_dir}", "the run could save no config, metrics or checkpoint")
 
 
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
@@ -343,7 +345,7 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
                         "pipeline stage; publication gathers the whole model on rank 0 from one stage only.",
                         "Use parallel.pp=1 (the table's default) or publish.interval=0.")
     where = p.dir if p.dir is not None else str(Path(cfg.output_dir) / "weights")
-    _writable_folder(where, f"publish.dir={where}", "no weights could be published")
+    writable_folder(where, f"publish.dir={where}", "no weights could be published")
 
 
 def _check_overlaps(cfg) -> None:

@@ -210,3 +210,28 @@ def test_an_unreadable_config_json_is_refused(workdir, capsys, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "read_text", denied)
     code = train_main([f"model.hf_checkpoint={d}", "output_dir=out"])
     _refused(code, capsys.readouterr().err, workdir, f"{d}/config.json cannot be read: Permission denied")
+
+
+def test_apiary_output_folders_that_cannot_be_made_are_refused(workdir, capsys):
+    """`apiary logprobs --out` and `apiary export --hf` that is a file, under a file or cannot be created
+    (was: FileExistsError / NotADirectoryError / OSError tracebacks, after the model loaded): exit 2
+    before anything loads."""
+    import json
+
+    from toolkit.cli import apiary_main
+
+    (workdir / "r.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    (workdir / "notes.txt").write_text("x")
+    (workdir / "run").mkdir()
+    (workdir / "run" / "config.yaml").write_text("model:\n  family: qwen3\n")
+    cases = [("notes.txt", "notes.txt is an existing file, not a folder"),
+             ("notes.txt/sub", "notes.txt is an existing file, not a folder"),
+             ("/proc/x/y", "/proc is not writable by this user"),
+             (f"o/{'c' * 300}", "names a file or folder of 300 bytes")]
+    for out, needle in cases:
+        code = apiary_main(["logprobs", "no_model_needed", "r.jsonl", "--out", out])
+        _refused(code, capsys.readouterr().err, workdir, f"apiary logprobs --out {out}"[:40], needle)
+        if out == "notes.txt":
+            continue  # export refuses a file as "not an empty folder" already
+        code = apiary_main(["export", "run", "--hf", out])
+        _refused(code, capsys.readouterr().err, workdir, "apiary export run --hf", needle)

@@ -22,6 +22,7 @@ from rich.text import Text
 from framework import autotune_table, contracts, integrity, recipes, registry
 from framework.cli import _fail, console
 from framework.errors import UserError, did_you_mean
+from framework.resolve import writable_folder
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
 
 
@@ -109,6 +110,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
+    writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")
     what = ""
     if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
         export_adapter = contracts.member(registry.resolve("adapter", adapter), "adapter", "export_hf")

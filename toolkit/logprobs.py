@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from components.data.rollouts import _located_records, _where, rollout_files
 from framework import contracts, integrity, registry
 from framework.errors import UserError
-from framework.resolve import model_kwargs
+from framework.resolve import model_kwargs, writable_folder
 
 if TYPE_CHECKING:  # annotations only: torch and the model load when a model is scored (start-up time)
     import torch
@@ -302,6 +302,7 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
     if clash:
         raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.",
                         "Write to another folder.")
+    writable_folder(dest, f"apiary logprobs --out {out}", "no scored rollouts could be written")
     import torch  # reason: start-up time (the checks above need no torch)
 
     from framework import devices  # reason: start-up time (torch)
