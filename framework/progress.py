@@ -3,7 +3,8 @@ per logged step, and in a terminal a live progress line under them.
 
 * In a terminal (stdout is a TTY, ``SLURM_JOB_ID`` unset, ``TERM`` not ``dumb``): each logged step's
   line is printed as it comes, and a rich ``Live`` line at the bottom is redrawn in place once a
-  second: step/total with a bar, elapsed, ETA, tok/s, loss (and val_loss once a record has one).
+  second: step/total with a bar, elapsed, ETA, tok/s, loss (and val_loss once a record has one;
+  an RL run's mean reward once a record has one).
 * Piped, redirected or under Slurm: the same per-step lines with elapsed and ETA appended, one
   line per logged step, never a control code (log files stay greppable).
 
@@ -69,7 +70,7 @@ def _num(x) -> bool:
 
 def step_text(rec: dict, total: int) -> str:
     """One logged step as text (without elapsed and ETA)."""
-    parts = [f"step {rec['step']:>5}/{total}", f"loss {rec['loss']:.4f}"]
+    parts = [f"step {rec['step']:>5}/{total}", f"loss {rec['loss']:.4f}", *rl_parts(rec)]
     if _num(rec.get("val_loss")):
         parts.append(f"val_loss {rec['val_loss']:.4f}")
     if _num(rec.get("grad_norm")):
@@ -85,6 +86,24 @@ def step_text(rec: dict, total: int) -> str:
     if _num(rec.get("step_time_s")):
         parts.append(f"{rec['step_time_s']:.3f} s/step")
     return "  ".join(parts) + autotune_note(rec)
+
+
+def rl_parts(rec: dict) -> list[str]:
+    """An RL step's own numbers, those the record has: the mean reward of the records it trained
+    (``data/reward_mean``), their lag behind the trainer's version (follow mode: mean, max), the
+    training-inference mismatch (``policy/mismatch_abs_mean``: mean |logp_gen - logp_train|) and the KL
+    to the reference (``policy/kl_mean``, with a KL term)."""
+    parts = []
+    if _num(rec.get("data/reward_mean")):
+        parts.append(f"reward {rec['data/reward_mean']:.4g}")
+    if _num(rec.get("data/lag_mean")):
+        parts.append(f"lag {rec['data/lag_mean']:.2g}" + (f" (max {rec['data/lag_max']:g})"
+                                                          if _num(rec.get("data/lag_max")) else ""))
+    if _num(rec.get("policy/mismatch_abs_mean")):
+        parts.append(f"mismatch {rec['policy/mismatch_abs_mean']:.2e}")
+    if _num(rec.get("policy/kl_mean")):
+        parts.append(f"kl {rec['policy/kl_mean']:.2e}")
+    return parts
 
 
 def autotune_note(rec: dict) -> str:
@@ -115,7 +134,7 @@ class Progress:
         self.total, self.color, self.clock = int(total_steps), color, clock
         self.t_start = clock() if t_start is None else t_start
         self._first: tuple[int, float] | None = None  # (step, elapsed) of this process's first record
-        self.step = self.loss = self.tok_s = self.val_loss = None
+        self.step = self.loss = self.tok_s = self.val_loss = self.reward = None
         self._eta, self._eta_at = None, None
         self._live: Live | None = None
         self._moved: list = []  # (log handler, its own stream) while the live line runs
@@ -148,6 +167,8 @@ class Progress:
         elapsed = self.elapsed()
         self._update_eta(rec, elapsed)
         self.step, self.loss, self.tok_s = int(rec["step"]), rec["loss"], rec.get("tokens_per_s")
+        if _num(rec.get("data/reward_mean")):
+            self.reward = rec["data/reward_mean"]
         if _num(rec.get("val_loss")):
             self.val_loss = rec["val_loss"]
         line = step_text(rec, self.total)
@@ -203,6 +224,8 @@ class Progress:
         if _num(self.tok_s):
             parts.append(f"{self.tok_s:,.0f} tok/s")
         parts.append(f"loss {self.loss:.4f}")
+        if _num(self.reward):
+            parts.append(f"reward {self.reward:.4g}")
         if _num(self.val_loss):
             parts.append(f"val_loss {self.val_loss:.4f}")
         return "  ".join(parts)

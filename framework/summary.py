@@ -17,7 +17,11 @@ The numbers (docs/skills/progress.md):
   them, or the reason there are none (no GPU; no known peak for the device; quantized GEMMs;
   records of an apiary that logged torchtitan's count as ``tflops_per_gpu``);
 * peak memory: the largest ``peak_mem_bytes``, labelled by ``peak_mem_kind``;
-* loss: the first, last and lowest (finite) training loss, and the last ``val_loss``;
+* loss: the first, last and lowest (finite) training loss, and the last ``val_loss``; for an RL
+  objective (rollouts trained by a policy loss) the loss is no measure of progress: the first and
+  last only, and the mean reward of the steps' records (``data/reward_mean``) first, last and best,
+  the records' lag behind the trainer (follow mode), the training-inference mismatch
+  (``policy/mismatch_abs_mean``) and the time waited for rollouts;
 * checkpoint: the last complete ``checkpoint/step-N`` (framework/integrity.py), or none.
 """
 
@@ -163,6 +167,35 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
     return out
 
 
+def _rl_objective(cfg, train: list[dict]) -> bool:
+    """Whether the run trained a policy loss on rollouts (its loss is an objective, not a likelihood)."""
+    if cfg is not None and "data" in cfg and "loss" in cfg:
+        return cfg.data.get("format") == "rollouts" and cfg.loss.get("name") != "sft"
+    return any(k.startswith("policy/") or k == "data/reward_mean" for r in train for k in r)
+
+
+def _rl(train: list[dict]) -> dict:
+    """An RL run's own numbers over its records (None where no record has them)."""
+    rewards = [r for r in train if _finite(r.get("data/reward_mean"))]
+    best = max(rewards, key=lambda r: r["data/reward_mean"]) if rewards else None
+    lags = [r["data/lag_mean"] for r in train if _finite(r.get("data/lag_mean"))]
+    lag_max = [r["data/lag_max"] for r in train if _finite(r.get("data/lag_max"))]
+    mism = [r["policy/mismatch_abs_mean"] for r in train if _finite(r.get("policy/mismatch_abs_mean"))]
+    mism_max = [r["policy/mismatch_abs_max"] for r in train if _finite(r.get("policy/mismatch_abs_max"))]
+    waited = [r["data/waited_s"] for r in train if _finite(r.get("data/waited_s"))]
+    return {"reward_first": rewards[0]["data/reward_mean"] if rewards else None,
+            "reward_last": rewards[-1]["data/reward_mean"] if rewards else None,
+            "reward_last_step": rewards[-1]["step"] if rewards else None,
+            "reward_best": best["data/reward_mean"] if best else None,
+            "reward_best_step": best["step"] if best else None,
+            "lag_mean": sum(lags) / len(lags) if lags else None,
+            "lag_max": max(lag_max) if lag_max else None,
+            "mismatch_abs_mean": sum(mism) / len(mism) if mism else None,
+            "mismatch_abs_max": max(mism_max) if mism_max else None,
+            "mismatch_last": mism[-1] if mism else None,
+            "rollout_wait_s": round(sum(waited), 3) if waited else None}
+
+
 def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None) -> dict:
     """The summary of ``run_dir`` as a JSON-able dict. ``stop``: why training stopped early (None: it
     ran to its last step), with the ``exit_code`` it exits with and the step it stopped after."""
@@ -264,6 +297,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "loss_last": last.get("loss"),
         "loss_best": best["loss"] if best else None,
         "loss_best_step": best["step"] if best else None,
+        "rl_objective": _rl_objective(cfg, train),
+        **_rl(train),
         "val_loss_last": vals[-1]["val_loss"] if vals else None,
         "val_loss_step": vals[-1]["step"] if vals else None,
         "checkpoint": checkpoint,
@@ -305,13 +340,37 @@ def lines(s: dict) -> list[tuple[str, str]]:
                  else f"n/a ({s['mfu_missing_because']})"))
     if s["peak_mem_bytes"] is not None:
         rows.append(("peak memory", f"{s['peak_mem_bytes'] / 2**30:.2f} GiB ({s['peak_mem_label']})"))
-    if s["loss_first"] is not None:
+    rl = s.get("rl_objective")
+    if s["loss_first"] is not None and rl:  # a policy loss: its lowest value says nothing of the policy
+        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} "
+                             "(a policy objective: see the reward)"))
+    elif s["loss_first"] is not None:
         rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} · "
                              f"best {_fmt(s['loss_best'], '.4f')}"
                              + (f" (step {s['loss_best_step']})" if s["loss_best_step"] is not None else "")))
+    if rl:
+        rows.extend(_rl_rows(s))
     if s["val_loss_last"] is not None:
         rows.append(("val_loss", f"{s['val_loss_last']:.4f} (step {s['val_loss_step']})"))
     rows.append(("checkpoint", s["checkpoint"] or "none saved"))
+    return rows
+
+
+def _rl_rows(s: dict) -> list[tuple[str, str]]:
+    rows = []
+    if s.get("reward_first") is not None:
+        rows.append(("reward", f"first {s['reward_first']:.4g} · last {s['reward_last']:.4g} · best "
+                               f"{s['reward_best']:.4g} (step {s['reward_best_step']}; mean over each step's records)"))
+    else:
+        rows.append(("reward", "n/a (the rollout records carry no reward field, docs/rl.md)"))
+    if s.get("lag_mean") is not None:
+        rows.append(("lag", f"mean {s['lag_mean']:.2f} · max {_fmt(s['lag_max'], 'g')} versions behind the trainer"))
+    if s.get("mismatch_abs_mean") is not None:
+        rows.append(("mismatch", f"mean |logp_gen - logp_train| {s['mismatch_abs_mean']:.2e} · last "
+                                 f"{s['mismatch_last']:.2e} · max {_fmt(s['mismatch_abs_max'], '.2e')}"))
+    if s.get("rollout_wait_s"):
+        rows.append(("rollout wait", f"{duration(s['rollout_wait_s'])} ({s['rollout_wait_s']:.1f} s waiting for "
+                                     "rollouts, in the wall time)"))
     return rows
 
 

@@ -374,6 +374,8 @@ class ApiaryTrainer(Trainer):
         if self._follow_source is not None:
             out.update(self._follow_source.step_metrics(self.step))
             out["data/waited_s"] = float(self._waited_s)
+        elif callable(step_metrics := getattr(getattr(self.dataloader, "dataset", None), "step_metrics", None)):
+            out.update(step_metrics(self.step))  # a static rollout file: the step's mean reward
         return out
 
     def _policy_metrics(self) -> dict[str, float]:

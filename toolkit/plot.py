@@ -2,7 +2,10 @@
 
 Four panels, one line per run: loss (and val_loss, dashed, where records have it), grad norm,
 tokens/s and peak memory in GiB (labelled by the records' peak_mem_kind: torch's reserved memory
-on a GPU, the process's max RSS on CPU). A RUN is a run folder holding metrics.jsonl (or that file
+on a GPU, the process's max RSS on CPU). RL runs (records with a reward, a lag or a mismatch) get
+four more below: the mean reward of each step's records, their lag behind the trainer's version
+(mean, max dashed), the training-inference mismatch (mean |logp_gen - logp_train|) and the KL to
+the reference (with a KL term). A RUN is a run folder holding metrics.jsonl (or that file
 itself); only metrics.jsonl is read: records a resume superseded sit in metrics.superseded.jsonl.
 The PNG goes to plot.png in the first run's folder unless --out names a file.
 """
@@ -20,9 +23,11 @@ from rich.text import Text
 from framework.errors import UserError
 
 METRICS = "metrics.jsonl"
-WIDTH_IN, HEIGHT_IN, DPI = 12, 8, 100  # every PNG: 1200 x 800 pixels
+WIDTH_IN, HEIGHT_IN, DPI = 12, 8, 100  # a PNG of four panels: 1200 x 800 pixels (eight: 1200 x 1600)
 MEM_KINDS = {"cuda_max_memory_reserved": "torch reserved on GPU", "cpu_max_rss": "max RSS on CPU"}
 NUMERIC = ("loss", "val_loss", "grad_norm", "tokens_per_s", "peak_mem_bytes")
+RL_KEYS = ("data/reward_mean", "data/lag_mean", "policy/mismatch_abs_mean")  # a run with any of them is RL
+RL_NUMERIC = (*RL_KEYS, "data/lag_max", "policy/kl_mean")
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -60,7 +65,7 @@ def read_records(path: Path, where: str = "apiary plot") -> list[dict]:
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
             raise UserError(at, "is not a metrics record: each line is a JSON object with an integer step.",
                             "Point apiary plot at a run folder written by train.")
-        bad = [k for k in NUMERIC if not _number(rec.get(k))]
+        bad = [k for k in (*NUMERIC, *RL_NUMERIC) if not _number(rec.get(k))]
         if bad:
             raise UserError(at, f"{bad[0]}={rec[bad[0]]!r} is not a number.", "Fix or remove the line.")
         recs.append(rec)
@@ -130,6 +135,7 @@ def mem_kind(kind: str | None) -> str:
 def draw(panels: list[dict], out: Path, title: str, where: str = "apiary plot --out") -> dict:
     """Draw ``panels`` (2 x 2) into the PNG ``out``, WIDTH_IN x HEIGHT_IN inches at DPI.
 
+    Panels fill rows of two (four: 2 x 2, eight: 4 x 2; HEIGHT_IN per two rows).
     Each panel: {"title", "ylabel", "lines": [{"label", "x", "y", "style": "-"|"--", "color": i, "width": w}],
     optional "zero": the legend label of a reference line at 0, "legend": False (the colours are another panel's)
     and "empty": the text shown when it has no line}.
@@ -138,11 +144,12 @@ def draw(panels: list[dict], out: Path, title: str, where: str = "apiary plot --
     from matplotlib.figure import Figure  # (same reason)
     from matplotlib.ticker import MaxNLocator  # (same reason)
 
-    fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
+    rows = max((len(panels) + 1) // 2, 2)
+    fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN * rows / 2), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(title, fontsize=11)
     colors = [f"C{i}" for i in range(10)]
-    axes = fig.subplots(2, 2, sharex=True).ravel()
+    axes = fig.subplots(rows, 2, sharex=True).ravel()
     for ax, panel in zip(axes, panels):
         ax.set_title(panel["title"], fontsize=11)
         ax.set_ylabel(panel["ylabel"])
@@ -160,9 +167,9 @@ def draw(panels: list[dict], out: Path, title: str, where: str = "apiary plot --
         if not panel["lines"]:
             ax.text(0.5, 0.5, panel.get("empty", "not recorded"), ha="center", va="center", transform=ax.transAxes,
                     color="0.4")
-    for ax in axes[2:]:
+    for ax in axes[-2:]:
         ax.set_xlabel("step")
-    for ax in axes[:2]:
+    for ax in axes[:-2]:
         ax.tick_params(labelbottom=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -198,6 +205,30 @@ def run_panels(runs: list[dict]) -> list[dict]:
             if panel == 3 and len(all_kinds) > 1:
                 suffix = " (" + ", ".join(map(mem_kind, kinds[i])) + ")"
             panels[panel]["lines"].append({"label": label + suffix, "x": x, "y": y, "style": style, "color": i})
+    if any(k in r for run in runs for r in run["records"] for k in RL_KEYS):
+        panels.extend(rl_panels(runs, labels))
+    return panels
+
+
+def rl_panels(runs: list[dict], labels: list[str]) -> list[dict]:
+    """An RL run's four panels: reward, lag (max dashed), mismatch, KL to the reference."""
+    panels = [
+        {"title": "reward", "ylabel": "mean reward of the step's records", "lines": [],
+         "empty": "no reward in the records (docs/rl.md)"},
+        {"title": "lag (dashed: max)", "ylabel": "versions behind the trainer", "lines": [], "legend": False,
+         "empty": "no lag: data.follow=false, or records without policy_version"},
+        {"title": "training-inference mismatch", "ylabel": "mean |logp_gen - logp_train|", "lines": [],
+         "legend": False, "empty": "not recorded"},
+        {"title": "KL to the reference", "ylabel": "mean KL (k3) over trained tokens", "lines": [], "legend": False,
+         "empty": "no KL term (loss.kl_coef=0)"},
+    ]
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        for panel, key, suffix, style in ((0, "data/reward_mean", "", "-"), (1, "data/lag_mean", "", "-"),
+                                          (1, "data/lag_max", " max", "--"), (2, "policy/mismatch_abs_mean", "", "-"),
+                                          (3, "policy/kl_mean", "", "-")):
+            x, y = series(run["records"], key)
+            if x:
+                panels[panel]["lines"].append({"label": label + suffix, "x": x, "y": y, "style": style, "color": i})
     return panels
 
 
@@ -225,5 +256,5 @@ def run(args) -> int:
         err_console.print("[bold red]error[/bold red]", Text(str(e)), soft_wrap=True)
         return e.exit_code
     console.print(f"wrote {dest} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}, "
-                  f"{WIDTH_IN * DPI}x{HEIGHT_IN * DPI})", markup=False)
+                  f"{WIDTH_IN * DPI}x{HEIGHT_IN * DPI * max((len(drawn) + 1) // 2, 2) // 2})", markup=False)
     return 0

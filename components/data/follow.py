@@ -31,7 +31,17 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from components.data.rollouts import _check, _convert, _located_records, _where, build_rows, gen_presence_error, trainer_sample
+from components.data.rollouts import (
+    _check,
+    _convert,
+    _located_records,
+    _where,
+    build_rows,
+    gen_presence_error,
+    mean_reward,
+    record_reward,
+    trainer_sample,
+)
 
 SHARD_SUFFIXES = (".jsonl", ".parquet")
 
@@ -201,6 +211,9 @@ class FollowRows(IterableDataset, Stateful):
         report = {"records": [rid for row in rows for rid, _ in row], "shards": shards,
                   "dropped_stale": dropped, "missing_shards": missing, "version": version,
                   "lag_mean": (sum(lags) / len(lags)) if lags else None, "lag_max": max(lags) if lags else None}
+        reward = mean_reward(record_reward(rec) for row in rows for _, rec in row)
+        if reward is not None:  # records that carry a reward (optional, docs/rl.md)
+            report["reward_mean"] = reward
         for name in missing:
             print(f"apiary: rollout shard {self.dir / name} was deleted before it was read; its records are "
                   "not trained", flush=True)
@@ -226,6 +239,8 @@ class FollowRows(IterableDataset, Stateful):
                "data/version": float(r["version"])}
         if r["lag_mean"] is not None:
             out["data/lag_mean"], out["data/lag_max"] = float(r["lag_mean"]), float(r["lag_max"])
+        if r.get("reward_mean") is not None:
+            out["data/reward_mean"] = float(r["reward_mean"])
         return out
 
     # -- iteration ---------------------------------------------------------------------------

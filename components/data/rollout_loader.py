@@ -32,7 +32,15 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from components.data.follow import FollowRows
-from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, build_rows, pack_rows, trainer_sample  # noqa: F401
+from components.data.rollouts import (  # noqa: F401
+    RL_KEYS,
+    STEP_KEYS,
+    RolloutIndex,
+    build_rows,
+    mean_reward,
+    pack_rows,
+    trainer_sample,
+)
 
 
 class RolloutRows(IterableDataset, Stateful):
@@ -51,6 +59,13 @@ class RolloutRows(IterableDataset, Stateful):
     def _num_seqs(self, step: int) -> torch.Tensor:
         rows = torch.arange(step * self.step_rows, (step + 1) * self.step_rows) % self.n
         return self.row_seqs[rows].sum()
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Scalars for step ``step``'s metrics record (1-based, as the trainer counts): the mean
+        ``reward`` of the records of its rows, where they carry one (all ranks' rows)."""
+        rows = range((step - 1) * self.step_rows, step * self.step_rows)
+        reward = mean_reward(self.index.rewards[i] for g in rows for i in self.rows[g % self.n])
+        return {} if reward is None else {"data/reward_mean": reward}
 
     def row(self, i: int) -> dict:
         """Row ``i`` of the packed stream, as tensors [seq_len] (see rollouts.build_rows)."""

@@ -108,6 +108,7 @@ class RolloutIndex:
             raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
         self.loc, self.lengths, self.trained, with_ref = [], [], [], []
         self.max_token = -1
+        self.rewards: list[float | None] = []  # each record's reward (record_reward), None without one
         self.with_gen, first = False, ""  # gen_logprobs: in every record or in none (the first one decides)
         for fi, f in enumerate(self.files):
             for line, loc, rec in _located_records(f):
@@ -118,6 +119,7 @@ class RolloutIndex:
                 self.lengths.append(n)
                 self.max_token = max(self.max_token, max(rec["input_ids"]))
                 self.trained.append(any(rec["loss_mask"][1:]))
+                self.rewards.append(record_reward(rec))  # optional: the step's mean reward (metrics)
                 with_ref.append(rec.get("ref_logprobs") is not None)
                 with_gen = rec.get("gen_logprobs") is not None
                 if not self.loc:
@@ -367,3 +369,17 @@ def trainer_sample(t: dict, num_seqs) -> tuple[dict, torch.Tensor]:
             sample[f"rl_{field}"] = t[field]
     return sample, t["labels"]
 
+
+def record_reward(rec: dict) -> float | None:
+    """A record's optional ``reward`` (the generator's score of the completion, a number), or None
+    where it has none or it is not a finite number (then it is not counted in the step's mean)."""
+    r = rec.get("reward")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or r != r or r in (float("inf"), float("-inf")):
+        return None
+    return float(r)
+
+
+def mean_reward(rewards) -> float | None:
+    """The mean of the rewards that are there (None: no record of the step had one)."""
+    vals = [r for r in rewards if r is not None]
+    return sum(vals) / len(vals) if vals else None
