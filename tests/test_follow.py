@@ -277,9 +277,9 @@ def test_a_shard_named_before_the_position_is_not_trained_and_named(tmp_path, ca
     it = iter(ds)
     next(it), next(it)
     write_shard(tmp_path, 0, per_shard=6, first=100)  # a generator restarted its counter
-    write_shard(tmp_path, 2, per_shard=6, first=6)
+    write_shard(tmp_path, 2, per_shard=6)  # new records (r12-r17; a copy of shard 1 would not train again)
     next(it), next(it)
-    assert ds.step_report(2)["records"] == [f"r{i}" for i in range(6, 12)]
+    assert ds.step_report(2)["records"] == [f"r{i}" for i in range(12, 18)]
     assert "000000.jsonl appeared after the trainer passed its name" in capsys.readouterr().out
 
 

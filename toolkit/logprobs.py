@@ -291,7 +291,10 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
     if batch_tokens < 1:
         raise UserError(f"apiary logprobs --batch-tokens {batch_tokens}", "must be >= 1.", "For example 8192.")
     root = Path(rollouts)
-    files = rollout_files(root)
+    try:
+        files = rollout_files(root)
+    except ValueError as e:  # a folder, a device or a dangling link under a rollout file's name
+        raise UserError(where, f"{e}.", "Remove that entry or replace it with the file.") from None
     if not files:
         raise UserError(where, f"{rollouts} " + ("is not a .jsonl or .parquet file, or a folder holding them"
                                                 if root.exists() else "does not exist") + ".",

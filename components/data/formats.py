@@ -288,22 +288,33 @@ class Rollouts:
         if path is None:
             raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged "
                             "rollouts).", "Set data.path to a rollout .jsonl/.parquet file or a folder of them.")
-        if not rollout_files(path):
+        try:
+            files = rollout_files(path)
+        except ValueError as e:
+            raise UserError(f"data.path={path}", f"{e}.", "Remove that entry or replace it with the file.") from None
+        if not files:
             raise UserError(f"data.path={path}", "no .jsonl or .parquet rollout file there.",
                             "Point data.path at a rollout file or a folder of them.")
         if cfg.parallel.pp not in (None, 1):
             raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
                             "Set parallel.pp=1.")
         try:
-            index = RolloutIndex(path, validate=True)
+            index = RolloutIndex(path, validate=True, vocab_size=int(ctx.facts.vocab_size))
             pack_rows(index.lengths, cfg.training.seq_len, index.where)
-        except (ValueError, FileNotFoundError) as e:
-            raise UserError(f"data.path={path}", f"{e}.".replace("pack_to", "training.seq_len"),
-                            "Fix the records, or raise training.seq_len above the longest sequence.") from None
-        top = index.max_token
-        if top >= ctx.facts.vocab_size:
-            raise UserError(f"data.path={path}", f"token id {top} is outside the model's vocabulary "
-                            f"({ctx.facts.vocab_size}): the rollouts were tokenized for another model.")
+        except (ValueError, OSError) as e:
+            msg = f"{e}.".replace("pack_to", "training.seq_len")
+            fix = ("Raise training.seq_len above the longest sequence, or leave the longer records out."
+                   if "do not fit" in msg else
+                   "Fix the records (docs/rl.md, \"What a record may contain\"), or leave them out.")
+            raise UserError(f"data.path={path}", msg, fix) from None
+        if index.untrained:  # records that train no token: skipped, said here
+            more = f" (and {len(index.untrained) - 3} more)" if len(index.untrained) > 3 else ""
+            ctx.summary.append(f"data: {len(index.untrained)} record(s) with no loss_mask=1 token after position 0 "
+                               f"skipped (they train nothing): {', '.join(index.untrained[:3])}{more}")
+        if index.skipped:  # duplicates (the same record twice): trained once, said here
+            more = f" (and {len(index.skipped) - 3} more)" if len(index.skipped) > 3 else ""
+            ctx.summary.append(f"data: {len(index.skipped)} duplicate(s) skipped, each trained once: "
+                               f"{'; '.join(index.skipped[:3])}{more}")
         ctx.shared["rollouts.with_ref"] = bool(index.with_ref)  # a loss with a KL term needs them
         if cfg.moe.get("routing_replay", False):  # records against the model's MoE layers, top-k, experts
             from components.moe import routing_replay  # reason: imports torchtitan
@@ -321,12 +332,17 @@ class Rollouts:
         cfg = ctx.cfg
         g = cfg.training.global_batch
         lag = cfg.rl.max_lag
+        routing = ()
+        if options.follow and cfg.moe.get("routing_replay", False):  # each arriving record's routed_experts
+            from components.moe import routing_replay  # reason: imports torchtitan
+
+            routing = routing_replay.moe_shape(ctx)
         tc.dataloader = RolloutDataLoader.Config(path=source(options.name, options.path),
                                                  num_workers=options.num_workers,
                                                  global_batch=g if g is not None else -1,
                                                  follow=bool(options.follow), max_lag=-1 if lag is None else int(lag),
                                                  publish_interval=int(cfg.publish.interval),
-                                                 vocab_size=int(ctx.facts.vocab_size))
+                                                 vocab_size=int(ctx.facts.vocab_size), routing=routing)
         tc.follow_wait_timeout = float(options.wait_timeout) if options.follow else 0.0
         _tokenizer(options, tc, ctx)
         tc.batch_keys, tc.step_keys = Rollouts.BATCH_KEYS, Rollouts.STEP_KEYS

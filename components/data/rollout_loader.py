@@ -100,6 +100,7 @@ class RolloutDataLoader(ParallelAwareDataloader):
         max_lag: int = -1  # rl.max_lag (follow): drop records more versions behind; -1: keep all
         publish_interval: int = 0  # publish.interval: the trainer's version is the step it last published
         vocab_size: int = 0  # follow: token ids checked as shards arrive
+        routing: tuple = ()  # follow with moe.routing_replay: (MoE layers, top-k, experts), checked as shards arrive
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
@@ -109,7 +110,8 @@ class RolloutDataLoader(ParallelAwareDataloader):
             ds = FollowRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
                             local_batch=local_batch_size, global_batch=step_rows,
                             max_lag=config.max_lag if config.max_lag >= 0 else None,
-                            publish_interval=config.publish_interval, vocab_size=config.vocab_size)
+                            publish_interval=config.publish_interval, vocab_size=config.vocab_size,
+                            routing=tuple(config.routing) or None)
         else:
             ds = RolloutRows(config.path, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
                              local_batch=local_batch_size, global_batch=step_rows)

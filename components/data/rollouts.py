@@ -41,8 +41,10 @@ not fit (no sequence is split); without it each row holds one sequence and T is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,19 +69,48 @@ def source(name: str, path: str | None) -> str | None:
 
 
 def rollout_files(path: str | Path) -> list[Path]:
+    """The rollout files of ``path`` (a file, or a folder read recursively), in name order; ValueError
+    for an entry with a rollout suffix that cannot be read as a file (a folder, a device, a dangling
+    link): it would otherwise be skipped, or read forever (a link to /dev/zero)."""
     p = Path(path)
     if p.is_dir():
-        return sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+        found = sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+        for f in found:
+            why = not_a_file(f)
+            if why:
+                raise ValueError(f"{f}: {why}; a rollout file is a regular .jsonl or .parquet file")
+        return found
+    if p.suffix in _FORMATS and (p.exists() or p.is_symlink()):
+        why = not_a_file(p)
+        if why:
+            raise ValueError(f"{p}: {why}; a rollout file is a regular .jsonl or .parquet file")
     if p.is_file() and p.suffix in _FORMATS:
         return [p]
     return []
 
 
+def not_a_file(p: Path) -> str:
+    """Why ``p`` is not a regular file to read records from ("" when it is one; links are followed)."""
+    if p.is_symlink() and not p.exists():
+        return f"a link to {os.readlink(p)}, which does not exist"
+    if p.is_dir():
+        return "a folder, not a file"
+    if p.exists() and not p.is_file():
+        return "not a regular file (a device, a pipe or a socket)"
+    return ""
+
+
 def _check(where: str, rec: dict) -> int:
+    """The record's fields are there and of one length; its length L (ValueError naming ``where``)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a rollout record is a JSON object (one per line), got {type(rec).__name__}")
     missing = [k for k in REQUIRED if k not in rec or rec[k] is None]
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}; a rollout record needs "
                          f"{', '.join(REQUIRED)} (ref_logprobs, gen_logprobs optional)")
+    for k in ("input_ids", "loss_mask", "old_logprobs"):
+        if not isinstance(rec[k], (list, tuple)):
+            raise ValueError(f"{where}: {k} must be a list (one value per token), got {type(rec[k]).__name__}")
     n = len(rec["input_ids"])
     if n < 2:
         raise ValueError(f"{where}: input_ids needs at least 2 tokens, got {n}")
@@ -89,8 +120,11 @@ def _check(where: str, rec: dict) -> int:
     if rec.get("routed_experts") is not None:
         per_token += ("routed_experts",)
     for k in per_token:
-        if rec.get(k) is not None and len(rec[k]) != n:
-            raise ValueError(f"{where}: {k} has {len(rec[k])} entries, input_ids {n}")
+        if rec.get(k) is not None:
+            if not isinstance(rec[k], (list, tuple)):
+                raise ValueError(f"{where}: {k} must be a list (one value per token), got {type(rec[k]).__name__}")
+            if len(rec[k]) != n:
+                raise ValueError(f"{where}: {k} has {len(rec[k])} entries, input_ids {n}")
     return n
 
 
@@ -102,7 +136,7 @@ class RolloutIndex:
     row groups of a few hundred records). ``validate``: also convert every field as the loader
     will (the pre-launch check), so a malformed value stops the run before it starts."""
 
-    def __init__(self, path: str | Path, validate: bool = False):
+    def __init__(self, path: str | Path, validate: bool = False, vocab_size: int = 0):
         self.files = rollout_files(path)
         if not self.files:
             raise FileNotFoundError(f"{path}: no .jsonl or .parquet rollout file there")
@@ -110,12 +144,41 @@ class RolloutIndex:
         self.max_token = -1
         self.rewards: list[float | None] = []  # each record's reward (record_reward), None without one
         self.with_gen, first = False, ""  # gen_logprobs: in every record or in none (the first one decides)
+        self._open = (None, None)  # (file index, open jsonl file or parquet file)
+        self._group = (None, None)  # ((file index, row group), its Arrow table)
+        # duplicates (docs/rl.md): a file with the bytes of an earlier one, or a record whose sequence_id
+        # an earlier record has, with the same content, is skipped (said in ``skipped``); another record
+        # under the same sequence_id is refused (ValueError naming both)
+        self.skipped: list[str] = []
+        self.untrained: list[str] = []  # records with no loss_mask=1 after position 0: they train nothing, skipped
+        digests: dict[bytes, Path] = {}
+        ids: dict[str, int] = {}
         for fi, f in enumerate(self.files):
+            digest = file_digest(f)
+            if digest in digests:
+                self.skipped.append(f"{f}: the same bytes as {digests[digest]} (a copy): not read")
+                continue
+            digests[digest] = f
             for line, loc, rec in _located_records(f):
                 where = _where(f, line)
                 n = _check(where, rec)
                 if validate:
-                    _convert(where, rec)
+                    _convert(where, rec, vocab_size)
+                if not trains_a_token(rec):
+                    self.untrained.append(where)
+                    continue
+                sid = rec.get("sequence_id")
+                if sid is not None:
+                    key = _id_key(sid)
+                    if key in ids:
+                        i = ids[key]
+                        if rec != self.fetch(i):
+                            raise ValueError(duplicate_error(where, sid, self.where(i)))
+                        self.close()
+                        self.skipped.append(f"{where}: sequence_id {sid!r} again, the same record as "
+                                            f"{self.where(i)}: skipped")
+                        continue
+                    ids[key] = len(self.loc)
                 self.lengths.append(n)
                 self.max_token = max(self.max_token, max(rec["input_ids"]))
                 self.trained.append(any(rec["loss_mask"][1:]))
@@ -127,13 +190,14 @@ class RolloutIndex:
                 elif with_gen != self.with_gen:
                     raise ValueError(gen_presence_error(where, with_gen, first))
                 self.loc.append((fi, line, *loc))
+        self.close()
         if not self.lengths:
-            raise ValueError(f"{path}: no rollout records")
+            raise ValueError(f"{path}: no rollout records" + (
+                f" with a token to train ({len(self.untrained)} record(s), none with loss_mask=1 after position 0)"
+                if self.untrained else ""))
         if any(with_ref) and not all(with_ref):
             raise ValueError(f"{path}: ref_logprobs present in some records but not all")
         self.with_ref = all(with_ref)
-        self._open = (None, None)  # (file index, open jsonl file or parquet file)
-        self._group = (None, None)  # ((file index, row group), its Arrow table)
 
     def where(self, i: int) -> str:
         fi, line = self.loc[i][:2]
@@ -177,25 +241,151 @@ def gen_presence_error(where: str, has: bool, first: str) -> str:
             f"in {first}; gen_logprobs must be in every record or in none")
 
 
+def trains_a_token(rec: dict) -> bool:
+    """Whether the record has a trained token (loss_mask 1 after position 0, which is never predicted);
+    one without trains nothing, and the readers skip it (so no step is all masked out)."""
+    return any(v == 1 for v in rec["loss_mask"][1:])
+
+
+def duplicate_error(where: str, sid, first: str) -> str:
+    """The message for a record whose sequence_id an earlier, different record has."""
+    return (f"{where}: sequence_id {sid!r} is also the sequence_id of {first}, a different record; a sequence_id "
+            "names one record in the whole run (the ledger counts by it), so neither is trained twice nor "
+            "dropped in silence: give one of them another id, or remove it")
+
+
+def _id_key(sid) -> str:
+    """A sequence_id as a key (1 and "1" name the same record, as the ledger writes both as "1")."""
+    return str(sid)
+
+
+def file_digest(path: Path) -> bytes:
+    """A digest of the file's bytes (a shard copied under another name has the same one)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
+
+
 def _where(path: Path, line: int) -> str:
     return f"{path}:{line}" if path.suffix == ".jsonl" else f"{path}[{line}]"
 
 
-def _convert(where: str, rec: dict) -> None:
-    """Raise ValueError naming the field when a value would not convert as the loader converts it."""
+# The ranges a record's values must be in (docs/rl.md, "What a record may contain")
+LOGPROB_TOL = 1e-6  # a log-prob is <= 0; this much above 0 is rounding
+LOGPROB_MIN = -1e4  # below this a "log-prob" is a unit or sign error (exp(-745) is the smallest positive double)
+ADVANTAGE_MAX = 1e6  # |advantage| above this is a scaling error (and overflows the loss in float32)
+LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "gen_logprobs")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _first(values, bad) -> tuple[int, object]:
+    """The first index and value of ``values`` (a list) where ``bad`` [L] bool tensor is set."""
+    j = int(bad.nonzero()[0, 0])
+    return j, values[j]
+
+
+def _convert(where: str, rec: dict, vocab_size: int = 0) -> None:
+    """Raise ValueError naming the record (``where``: file:line), the field and the value when a value
+    is not what the loader and the losses can train on: token ids are integers in [0, vocab_size),
+    loss_mask is 0/1 (a record without a 1 after position 0 is valid: the readers skip it), log-probs are finite and at
+    most ``LOGPROB_TOL`` (and at least ``LOGPROB_MIN``) on trained tokens, advantages finite with
+    |a| <= ``ADVANTAGE_MAX`` on trained tokens, policy_version an integer >= 0, sequence_id / group_id
+    an integer or a string, routed_experts integers of shape [L, n_moe_layers, k]."""
     import torch  # reason: start-up time (the CLI's checks read records without torch)
 
-    for k, dtype in (("input_ids", torch.long), ("loss_mask", torch.bool), ("old_logprobs", torch.float32),
-                     ("advantages", torch.float32), ("ref_logprobs", torch.float32),
-                     ("gen_logprobs", torch.float32)):
+    def as_tensor(k, dtype=None):
+        try:
+            return torch.tensor(rec[k], dtype=dtype)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"{where}: {k} holds a value that is not a number ({e})") from None
+
+    ids = rec["input_ids"]
+    t = as_tensor("input_ids")
+    if t.dtype != torch.long:
+        j = next((j for j, v in enumerate(ids) if not _is_int(v)), 0)
+        raise ValueError(f"{where}: input_ids[{j}] is {ids[j]!r}: token ids are integers")
+    if bool((t < 0).any()):
+        j, v = _first(ids, t < 0)
+        raise ValueError(f"{where}: input_ids[{j}] is {v}: token ids are >= 0")
+    if vocab_size and bool((t >= vocab_size).any()):
+        j, v = _first(ids, t >= vocab_size)
+        raise ValueError(f"{where}: input_ids[{j}] is {v}, outside the model's vocabulary ({vocab_size}): the "
+                         "rollouts were tokenized for another model")
+    mask = rec["loss_mask"]
+    m = as_tensor("loss_mask", torch.float64)
+    if not bool(((m == 0) | (m == 1)).all()):
+        j, v = _first(mask, ~((m == 0) | (m == 1)))
+        raise ValueError(f"{where}: loss_mask[{j}] is {v!r}: loss_mask values are 0 (not trained) or 1 (trained)")
+    trained = m.bool().clone()
+    trained[0] = False  # position 0 is never predicted
+    for k in LOGPROB_FIELDS:
         if rec.get(k) is None:
             continue
-        try:
-            torch.tensor(rec[k], dtype=dtype)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{where}: {k} holds a value that is not a number ({e})") from None
+        x = as_tensor(k, torch.float64)
+        if not bool(torch.isfinite(x).all()):
+            j, v = _first(rec[k], ~torch.isfinite(x))
+            raise ValueError(f"{where}: {k}[{j}] is {v}: log-probs are finite numbers (also where loss_mask is 0)")
+        high, low = trained & (x > LOGPROB_TOL), trained & (x < LOGPROB_MIN)
+        if bool(high.any()):
+            j, v = _first(rec[k], high)
+            raise ValueError(f"{where}: {k}[{j}] is {v}: a log-prob is <= 0 (a probability is at most 1); "
+                             "this is a probability, a logit or a sign error")
+        if bool(low.any()):
+            j, v = _first(rec[k], low)
+            raise ValueError(f"{where}: {k}[{j}] is {v}: below {LOGPROB_MIN:g}, not the log-prob of a sampled "
+                             "token (a unit or scaling error)")
+    adv = rec["advantages"]
+    if isinstance(adv, list):
+        a = as_tensor("advantages", torch.float64)
+        name, values = "advantages[{j}]", adv
+    elif isinstance(adv, bool) or not isinstance(adv, (int, float)):
+        raise ValueError(f"{where}: advantages is {adv!r}: a number (per sequence) or a list of numbers (per token)")
+    else:
+        a = torch.full((len(ids),), float(adv), dtype=torch.float64)
+        name, values = "advantages", [adv] * len(ids)
+    bad = ~torch.isfinite(a) | (trained & (a.abs() > ADVANTAGE_MAX))
+    if bool(bad.any()):
+        j, v = _first(values, bad)
+        raise ValueError(f"{where}: {name.format(j=j)} is {v}: advantages are finite numbers with |a| <= "
+                         f"{ADVANTAGE_MAX:g} (a scaling error otherwise; GRPO's are a few units)")
+    pv = rec.get("policy_version")
+    if pv is not None and (not _is_int(pv) or pv < 0):
+        raise ValueError(f"{where}: policy_version must be an integer >= 0, got {pv!r}")
+    for k in ("sequence_id", "group_id"):
+        v = rec.get(k)
+        if v is not None and not (_is_int(v) or isinstance(v, str)):
+            raise ValueError(f"{where}: {k} must be an integer or a string, got {v!r}")
     if rec.get("routed_experts") is not None:
         _routed_experts(where, rec)
+
+
+def routed_problem(where: str, rec: dict, layers: int, top_k: int, experts: int) -> str:
+    """Why ``rec`` cannot be replayed on a model of ``layers`` MoE layers, top-k ``top_k`` and
+    ``experts`` experts (moe.routing_replay), naming the record and the field; "" when it can."""
+    if rec.get("routed_experts") is None:
+        return (f"{where}: no routed_experts; moe.routing_replay=true needs routed_experts in every rollout "
+                f"record ([L, {layers}, {top_k}]: per token, per MoE layer, the expert ids)")
+    try:
+        t = _routed_experts(where, rec)
+    except ValueError as e:
+        return str(e)
+    if tuple(t.shape[1:]) != (layers, top_k):
+        what = "MoE layers" if t.shape[1] != layers else "experts per token (top-k)"
+        return (f"{where}: routed_experts is [L, {t.shape[1]}, {t.shape[2]}], the model wants [L, {layers}, {top_k}] "
+                f"({layers} MoE layers, top-k {top_k}): wrong number of {what}; the rollouts were generated by "
+                "another model")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= experts:
+        bad = lo if lo < 0 else hi
+        pos = (t == bad).nonzero()[0].tolist()
+        return (f"{where}: routed_experts[{pos[0]}][{pos[1]}][{pos[2]}] is expert id {bad}, outside [0, {experts}) "
+                f"(the model has {experts} experts; ids are 0-based per MoE layer)")
+    return ""
 
 
 def _routed_experts(where: str, rec: dict) -> torch.Tensor:
@@ -227,7 +417,11 @@ def _located_records(path: Path):
             for line in f:
                 i += 1
                 if line.strip():
-                    yield i, (offset, 0), json.loads(line)
+                    try:
+                        rec = json.loads(line)
+                    except ValueError as e:
+                        raise ValueError(f"{_where(path, i)}: not a JSON object ({e})") from None
+                    yield i, (offset, 0), rec
                 offset += len(line)
     else:
         import pyarrow.parquet as pq  # optional dependency: pyarrow (parquet files only)

@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 from torchtitan.models.common.moe import MoE
 
-from components.data.rollouts import _routed_experts
+from components.data.rollouts import routed_problem
 from framework import contracts
 from framework.errors import UserError
 
@@ -189,28 +189,14 @@ def check_model(ctx) -> tuple[int, int, int]:
 
 def check_records(index, ctx, path: str) -> None:
     """Every record has ``routed_experts`` of shape [L, n_moe_layers, k] with ids in [0, experts)
-    (reads the records once more; only with moe.routing_replay=true)."""
+    (reads the records once more; only with moe.routing_replay=true). Followed shards are checked as
+    they arrive (components/data/follow.py), with the same rules (``rollouts.routed_problem``)."""
     n, k, e = check_model(ctx)
-    want = f"[L, {n}, {k}] ({n} MoE layers, top-k {k})"
     for i in range(len(index.lengths)):
-        where = index.where(i)
-        rec = index.fetch(i)
-        if rec.get(FIELD) is None:
-            raise UserError("moe.routing_replay=true", f"needs {FIELD} in every rollout record, and {where} "
-                            f"has none (data.path={path}).", f"Write {FIELD} {want} per record from the "
-                            f"generator (see {SKILL}), or drop moe.routing_replay.")
-        try:
-            t = _routed_experts(where, rec)
-        except ValueError as err:
-            raise UserError("moe.routing_replay=true", f"{err}.", f"See {SKILL}.") from None
-        if tuple(t.shape[1:]) != (n, k):
-            what = "MoE layers" if t.shape[1] != n else "experts per token (top-k)"
-            raise UserError("moe.routing_replay=true", f"{where}: {FIELD} is [L, {t.shape[1]}, {t.shape[2]}], "
-                            f"the model wants {want}: wrong number of {what}; the rollouts were generated "
-                            "by another model.", "Generate them with this model's architecture, or drop "
-                            "moe.routing_replay.")
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= e:
-            raise UserError("moe.routing_replay=true", f"{where}: {FIELD} holds expert id {lo if lo < 0 else hi}, "
-                            f"outside [0, {e}) (the model has {e} experts).", "Fix the generator's export "
-                            "(ids per MoE layer, 0-based), or drop moe.routing_replay.")
+        problem = routed_problem(index.where(i), index.fetch(i), n, k, e)
+        if problem:
+            index.close()
+            raise UserError("moe.routing_replay=true", f"{problem} (data.path={path}).",
+                            f"Write {FIELD} [L, {n}, {k}] per record with this model's generator (see {SKILL}), "
+                            "or drop moe.routing_replay.")
+    index.close()
