@@ -514,7 +514,19 @@ def _check_paths(cfg) -> None:
                         "corpus), data.name=local with data.path=PATH, or a HuggingFace dataset name.")
 
 
+# the values wandb's Settings.mode accepts (wandb 0.31); another one fails to create the logger in the
+# worker, and the run trained on without it
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+
+
 def _check_inputs(cfg, for_training: bool) -> None:
+    mode = os.environ.get("WANDB_MODE")
+    if cfg.logging.wandb and mode is not None and mode not in WANDB_MODES:
+        known = ", ".join(WANDB_MODES)
+        raise UserError(f"WANDB_MODE={mode}", f"(an environment variable) is not a mode wandb knows ({known}): "
+                        "logging.wandb=true would fail to create its logger and the run would train unlogged.",
+                        "Set WANDB_MODE=online, offline or disabled, or unset it (without WANDB_API_KEY apiary "
+                        "logs offline).")
     if cfg.training.dtype not in ("bfloat16", "float32"):
         raise UserError(f"training.dtype={cfg.training.dtype}", "must be bfloat16 or float32.")
     if cfg.training.on_nonfinite not in ("stop", "skip"):

@@ -235,3 +235,50 @@ def test_apiary_output_folders_that_cannot_be_made_are_refused(workdir, capsys):
             continue  # export refuses a file as "not an empty folder" already
         code = apiary_main(["export", "run", "--hf", out])
         _refused(code, capsys.readouterr().err, workdir, "apiary export run --hf", needle)
+
+
+@pytest.fixture
+def texts(workdir):
+    import json
+
+    def write(name, n, words):
+        (workdir / name).write_text("".join(json.dumps({"text": words * 100}) + "\n" for _ in range(n)))
+
+    write("train.jsonl", 20, "zebra quartz ")
+    write("val.jsonl", 3, "other words ")  # 3,606 byte tokens: 3 batches of 4 x 256
+    (workdir / "tiny.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    return workdir
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["validation.path=tiny.jsonl"], ["validation.path=tiny.jsonl: holds 3 tokens", "a pass would validate nothing"]),
+    (["validation.path=val.jsonl", "validation.steps=1000"], ["validation.steps=1000", "stop after 3 batch(es)",
+                                                             "Set validation.steps=3"]),
+])
+def test_held_out_text_that_cannot_validate_is_refused(texts, capsys, argv, needles):
+    """validation.path of a few bytes, or validation.steps beyond the file (was: accepted; a pass
+    validated nothing, or fewer batches than asked)."""
+    code = train_main(["data.path=train.jsonl", "validation.interval=5", "training.steps=1", "output_dir=out", *argv])
+    _refused(code, capsys.readouterr().err, texts, *needles)
+
+
+def test_held_out_text_that_is_the_training_text_is_said(texts):
+    """validation.path naming data.path's own file (was: silent): the run's first lines say val_loss
+    measures trained-on text (kept: an lr=0 control run compares the two on purpose)."""
+    from framework.resolve import resolve
+
+    r = resolve(None, ["data.path=train.jsonl", "validation.interval=5", "validation.path=./train.jsonl",
+                       "output_dir=out"])
+    assert "validation: NOT held out: validation.path=./train.jsonl holds train.jsonl" in r.data_summary, r.data_summary
+
+
+def test_an_unknown_wandb_mode_is_refused_with_wandb_on(workdir, capsys, monkeypatch):
+    """WANDB_MODE=garbage with logging.wandb=true (was: "Failed to create WandB logger", then trained
+    unlogged with exit 0); ignored with wandb off, as wandb is."""
+    monkeypatch.setenv("WANDB_MODE", "garbage")
+    code = train_main(["logging.wandb=true", "training.steps=1", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, "WANDB_MODE=garbage", "not a mode wandb knows")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from framework.resolve import resolve
+
+    resolve(None, ["logging.wandb=true", "output_dir=out"], for_training=False)

@@ -214,6 +214,7 @@ def _validation_summary(d: DataOptions, ctx) -> str:
         except ValueError as e:
             raise UserError(f"validation.path={v.path}", f"{e}.", "Point it at held-out text in data.path's formats "
                             "(jsonl/json with a string 'text', UTF-8 txt, parquet with a 'text' column).") from None
+        _check_held_out(d, ctx, held)
         return f"validation: {held.describe('local', d.tokenizer)}, {when}"
     path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
     n = inspect_local(path).documents  # parsed already by the data line (errors named there)
@@ -222,6 +223,35 @@ def _validation_summary(d: DataOptions, ctx) -> str:
         raise UserError(f"validation.fraction={v.fraction}", f"holds out {k} of the {n} documents of {path}, leaving "
                         "none to train on.", "Use a smaller fraction, more documents, or validation.path=PATH.")
     return f"validation: the last {k:,} of {n:,} documents of {path} (never trained on), {when}"
+
+
+def _check_held_out(d: DataOptions, ctx, held) -> None:
+    """validation.path holds validation.steps batches (a pass stops where the file ends: fewer batches
+    than asked, or none at all, were accepted without a word); a file that data.path trains on too is
+    said in the run's first lines (val_loss then measures trained-on text: a control run may want it)."""
+    v = ctx.cfg.validation
+    if d.path is not None:
+        trained = {os.path.realpath(f) for f in local_data_files(str(d.path))}
+        same = [f for f in local_data_files(str(v.path)) if os.path.realpath(f) in trained]
+        if same:
+            ctx.summary.append(f"validation: NOT held out: validation.path={v.path} holds {same[0]}, which data.path "
+                               "trains on, so val_loss measures trained-on text (validation.fraction=0.05 holds "
+                               "out data.path's last documents instead)")
+    tokens = held.tokens()
+    if tokens is None or ctx.layout is None:
+        return
+    t = ctx.cfg.training
+    per_step = int(t.local_batch) * ctx.layout.dp * int(t.seq_len)
+    if tokens >= per_step * int(v.steps):
+        return
+    fits = tokens // per_step
+    raise UserError(f"validation.path={v.path}", f"holds {tokens:,} tokens (the byte tokenizer's count, at most that "
+                    f"many for a subword tokenizer), fewer than validation.steps={v.steps} batch(es) of "
+                    f"training.local_batch={t.local_batch} x {ctx.layout.dp} data-parallel rank(s) x "
+                    f"training.seq_len={t.seq_len} = {per_step * int(v.steps):,} tokens: a pass would "
+                    + ("validate nothing." if fits == 0 else f"stop after {fits} batch(es)."),
+                    (f"Set validation.steps={fits}, or add held-out text." if fits else
+                     f"Add held-out text (at least {per_step:,} tokens for one batch), or lower training.seq_len."))
 
 
 def _check_follow(d: DataOptions, ctx) -> None:
