@@ -74,3 +74,31 @@ def test_show_lists_every_kind_that_binds_a_name(capsys):
     out = capsys.readouterr().out
     assert "recompute auto:" in out and "components.recompute.policies:AutoRecompute" in out
     assert "moe_chunk auto:" in out
+
+
+def test_show_of_an_hf_folder_plans_its_own_model_with_one_compose(tmp_path, monkeypatch):
+    """`apiary show DIR`: the folder's ~100K-parameter model is planned on one GPU (not the family's
+    30B recipe's 16), at its RoPE length, and the recipe is composed once (it was 13 times, one per
+    shipped recipe, to find the family's)."""
+    import io
+    import json
+
+    import transformers
+    from rich.console import Console
+
+    from framework import recipes
+    from toolkit import show
+
+    c = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**c)).save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+    loads = []
+    monkeypatch.setattr(recipes, "load", lambda *a, _load=recipes.load, **k: loads.append(a) or _load(*a, **k))
+    buf = io.StringIO()
+    assert show.show_hf(str(tmp_path / "hf"), Console(file=buf, width=400, color_system=None)) == 0
+    text = buf.getvalue()
+    assert len(loads) == 1, loads
+    assert "on 1 x H100 (the fewest GPUs for its size; the recipe's: 16)" in text, text
+    assert "seq 2,048" in text and "-> fits" in text
+    assert show.gpus_for(30_500_000_000, 16) == 16 and show.gpus_for(1_000_000_000, 16) == 1
