@@ -30,11 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from framework.errors import EXIT_PREEMPTED, EXIT_STOP_NOW
+from framework.errors import EXIT_DATA_TIMEOUT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STOP_NOW, EXIT_USER_ERROR
 
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
 PREEMPT_EXIT_CODE = EXIT_PREEMPTED
+# the codes a rank exits with after saying why in one paragraph (framework/errors.py)
+APIARY_EXIT_CODES = (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_DATA_TIMEOUT, EXIT_STOP_NOW)
 STOP_NOW_EXIT_CODE = EXIT_STOP_NOW
 KILL_AFTER_S = 10.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -191,10 +193,13 @@ def torchrun_main(argv: list[str]) -> int:
         torchrun(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
-    except ChildFailedError as e:  # ranks that refused a user error (exit 2) said why in one paragraph:
-        codes = {f.exitcode for f in e.failures.values()}  # no torchrun traceback of their error files after it
-        if 2 in codes and all(c == 2 or c < 0 for c in codes):  # (< 0: a rank torchrun then stopped by signal)
-            return 2
+    except ChildFailedError as e:  # ranks that stopped with one of apiary's codes (a user error, a stop on
+        # request, a non-finite loss, a data timeout) said why in one paragraph: no torchrun traceback of
+        # their error files after it. < 0: a rank torchrun then stopped by signal. The first rank's code.
+        failures = sorted(e.failures.values(), key=lambda f: f.timestamp)
+        codes = [f.exitcode for f in failures if f.exitcode >= 0]
+        if codes and all(c in APIARY_EXIT_CODES for c in codes):
+            return codes[0]
         raise
     return 0
 

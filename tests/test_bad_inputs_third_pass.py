@@ -282,3 +282,29 @@ def test_an_unknown_wandb_mode_is_refused_with_wandb_on(workdir, capsys, monkeyp
     from framework.resolve import resolve
 
     resolve(None, ["logging.wandb=true", "output_dir=out"], for_training=False)
+
+
+@pytest.mark.parametrize("codes,expected", [([76, -15], 76), ([2, 2], 2), ([75, 75], 75), ([77, -15], 77),
+                                            ([1, -15], None), ([76, 1], None)])
+def test_torchrun_adds_no_traceback_after_a_ranks_own_paragraph(monkeypatch, capsys, codes, expected):
+    """nproc>1: a rank that stopped with one of apiary's codes (exit 76 on a non-finite loss, 75, 77, 2)
+    printed its paragraph; torchrun's ChildFailedError traceback no longer follows it (was: for all but
+    exit 2). Any other failure keeps torchrun's report."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from framework import lifecycle
+
+    def failing(argv):
+        failures = {}
+        for rank, code in enumerate(codes):
+            failures[rank] = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="")
+            failures[rank].timestamp = rank  # rank 0 failed first
+        raise ChildFailedError("train", failures)
+
+    monkeypatch.setattr(torch.distributed.run, "main", failing)
+    if expected is None:
+        with pytest.raises(ChildFailedError):
+            lifecycle.torchrun_main([])
+    else:
+        assert lifecycle.torchrun_main([]) == expected
