@@ -133,7 +133,7 @@ class PublishConfig:
     keep: int = 3  # versions kept (the newest; `latest` always points at a complete one)
     background: str = "auto"  # auto | true | false: write the folder in a background thread
     dtype: Optional[str] = None  # bfloat16 | float16 | float32: the weights' dtype in the folder; null: as trained
-    transport: str = MISSING  # registry.yaml kind `transport` (recipes/_defaults.yaml chooses the baseline): vllm_ipc | vllm_nccl (in memory to a vLLM engine)
+    transport: str = MISSING  # registry.yaml kind `transport`: hf_folder (recipes/_defaults.yaml) | vllm_ipc | vllm_nccl
     engine: str = "127.0.0.1:0"  # in-memory transports: HOST:PORT rank 0 listens on for the engine (0: a free port)
     bucket_mb: int = 1024  # in-memory transports: MiB per transfer bucket
     engine_timeout: float = 600.0  # in-memory transports: seconds to wait for the engine to connect
