@@ -308,3 +308,28 @@ def test_torchrun_adds_no_traceback_after_a_ranks_own_paragraph(monkeypatch, cap
             lifecycle.torchrun_main([])
     else:
         assert lifecycle.torchrun_main([]) == expected
+
+
+def test_a_hub_dataset_without_network_is_refused_before_launch(workdir, capsys, monkeypatch):
+    """data.name=<hub id> with no network (was: each rank's loader retried for 30 s, then a `[rank0]
+    ConnectionError` traceback): HF_HUB_OFFLINE set, or the hub's host unreachable within a few seconds,
+    exits 2 before launch."""
+    import socket
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = train_main(["data.name=allenai/c4", "training.steps=1", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, "data.name=allenai/c4: is a HuggingFace hub dataset",
+             "HF_HUB_OFFLINE=1 forbids reaching it", "data.name=local data.path=PATH")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_ENDPOINT"):
+        monkeypatch.delenv(v, raising=False)
+    asked = []
+
+    def unreachable(address, timeout=None, *a, **k):
+        asked.append((address, timeout))
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    code = train_main(["data.name=allenai/c4", "training.steps=1", "output_dir=out"])
+    _refused(code, capsys.readouterr().err, workdir, "which this machine cannot reach (huggingface.co:443: timed out)")
+    assert asked == [(("huggingface.co", 443), 5.0)]

@@ -53,6 +53,37 @@ def _check_common(o: DataOptions, ctx) -> None:
                         "(docs/skills/routing_replay.md), or drop moe.routing_replay.")
 
 
+HUB_TIMEOUT_S = 5.0  # the hub reachability check before launch (a worker's loader retried for 30 s, then failed)
+
+
+def _check_hub_reachable(name: str) -> None:
+    """A hub dataset is streamed (never cached): with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or the
+    hub's host not reachable within HUB_TIMEOUT_S, say so now, not after each rank's loader retried
+    for 30 s and ended in a ``[rank0] ConnectionError`` traceback."""
+    import socket
+    from urllib.parse import urlparse
+
+    fix = ("Train on local files instead (data.name=local data.path=PATH, e.g. the dataset downloaded where "
+           "there is a network), or data.name=packaged for the packaged corpus.")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise UserError(f"data.name={name}", f"is a HuggingFace hub dataset, streamed from the hub, and {var}="
+                            f"{os.environ[var]} forbids reaching it.", fix)
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+                  if os.environ.get(v)), None)
+    url = urlparse(proxy if proxy and "://" in proxy else f"http://{proxy}" if proxy else endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    if proxy:
+        endpoint = f"{endpoint} through the proxy {proxy}"
+    try:
+        socket.create_connection((host, port), timeout=HUB_TIMEOUT_S).close()
+    except OSError as e:
+        raise UserError(f"data.name={name}", f"is a HuggingFace hub dataset, streamed from {endpoint}, which this "
+                        f"machine cannot reach ({host}:{port}: {e.strerror or e or 'timed out'}).",
+                        "Check the network (or HF_ENDPOINT, a proxy); or " + fix[0].lower() + fix[1:]) from None
+
+
 def _tokenizer(o: DataOptions, tc, ctx) -> None:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer  # reason: torchtitan after devices.install
 
@@ -109,6 +140,7 @@ class Text:
             raise UserError("data.name=local", "needs data.path (a jsonl / json / parquet / txt file or a folder "
                             "of them).", "Set data.path=PATH, or data.name=packaged for the packaged corpus.")
         if d.path is None and d.name not in ("packaged", "", "tiny"):
+            _check_hub_reachable(str(d.name))
             return (f"data: HuggingFace dataset {d.name} (streamed; size unknown before it is read), "
                     f"tokenizer {d.tokenizer}")
         path = str(PACKAGED_CORPUS) if d.path is None else str(d.path)
