@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import sys
+import threading
 import time
 import typing
+from pathlib import Path
 
 from hydra import version as hydra_version
 from hydra.core.global_hydra import GlobalHydra
@@ -25,6 +29,9 @@ from hydra.core.utils import JobRuntime
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from framework import compat, contracts, recipes, registry
 from framework.errors import UserError
@@ -178,15 +185,19 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
     for job in jobs:  # bad input in any job stops the sweep before the first one starts
         resolve(recipe, job, for_training=True)
     extra = sweep_dir(recipe, overrides)
-    codes = []
+    codes, done = [], []
 
     def task(_cfg) -> int:
         hc = HydraConfig.get()
+        log = Path(hc.runtime.output_dir) / f"{hc.job.name}.log"
+        _drop_file_handlers(log)  # the job's whole output goes there instead (Hydra's handler logged nothing)
         try:
-            code = run_job(list(hc.overrides.task), hc.runtime.output_dir)
+            with _tee_output(log):
+                code = run_job(list(hc.overrides.task), hc.runtime.output_dir)
         finally:  # apiary's own composition renames Hydra's job; the next job's log is train.log again
             JobRuntime.instance().set("name", "train")
         codes.append(code)
+        done.append((list(hc.overrides.task), hc.runtime.output_dir, code))
         return code
 
     h, name, base = hydra_for(recipe)
@@ -195,7 +206,93 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
             h.multirun(config_name=name, task_function=task, overrides=[*base, *extra, *unset_to_null(overrides)])
     finally:
         GlobalHydra.instance().clear()
+    sweep_table(done, [o.partition("=")[0] for o in sweep_keys(overrides)])
     return max(codes, default=0)
+
+
+def sweep_keys(overrides: list[str]) -> list[str]:
+    """The overrides of a command line that sweep (several values)."""
+    plain = [o for o in overrides if not o.startswith("~") and not o.startswith("hydra.")]
+    parsed = OverridesParser.create().parse_overrides(plain)
+    return [raw for raw, ov in zip(plain, parsed) if ov.is_sweep_override()]
+
+
+def sweep_table(done: list, keys: list[str]) -> None:
+    """One line per job of a sweep, from each job's summary.json: its folder, the swept values, exit code,
+    steps, loss (first -> last), last val_loss and mean tok/s."""
+    if not done:
+        return
+
+    def num(v, fmt="{:.4f}"):
+        return "-" if v is None else fmt.format(v)
+
+    table = Table()
+    for col in ("job", *(keys or ["overrides"]), "exit", "steps", "loss first -> last", "val_loss", "tok/s"):
+        table.add_column(col, overflow="fold")
+    for job, out, code in done:
+        try:
+            s = json.loads((Path(out) / "summary.json").read_text())
+        except (OSError, ValueError):
+            s = {}
+        given = dict(o.partition("=")[::2] for o in job)
+        values = [given.get(k, "") for k in keys] if keys else [" ".join(job)]
+        loss = f"{num(s.get('loss_first'))} -> {num(s.get('loss_last'))}" if s.get("loss_last") is not None else "-"
+        steps = f"{s['step']}/{s['total_steps']}" if s.get("step") is not None else "-"
+        cells = [Path(out).name, *values, str(code), steps, loss, num(s.get("val_loss_last")),
+                 num(s.get("tokens_per_s_mean"), "{:,.0f}")]
+        table.add_row(*(Text(c) for c in cells))
+    console = Console()
+    console.print(f"sweep {Path(done[0][1]).parent}: {len(done)} job(s), one folder each", markup=False,
+                  highlight=False, soft_wrap=True)
+    Console(width=max(console.width, 120)).print(table)
+
+
+def _drop_file_handlers(log: Path) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log.absolute():
+            root.removeHandler(handler)
+            handler.close()
+
+
+@contextlib.contextmanager
+def _tee_output(path: Path):
+    """This process's stdout and stderr (file descriptors 1 and 2, so a job's torchrun and its ranks
+    too) copied into ``path`` while the block runs, and still shown on the terminal."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    log = open(path, "ab")  # noqa: SIM115 (closed below, after the pumps)
+    lock = threading.Lock()
+    saved, pumps = {}, []
+
+    def pump(read_fd: int, out_fd: int) -> None:
+        while chunk := os.read(read_fd, 65536):
+            os.write(out_fd, chunk)
+            with lock:
+                log.write(chunk)
+                log.flush()
+        os.close(read_fd)
+
+    try:
+        for fd in (1, 2):
+            saved[fd] = os.dup(fd)
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            t = threading.Thread(target=pump, args=(r, saved[fd]), daemon=True)
+            t.start()
+            pumps.append(t)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd, orig in saved.items():
+            os.dup2(orig, fd)  # the pipe's last writer closes: its pump reads the end
+        for t in pumps:
+            t.join(timeout=30)
+        for orig in saved.values():
+            os.close(orig)
+        log.close()
 
 
 # ------------------------------------------------------------------------------------ --help

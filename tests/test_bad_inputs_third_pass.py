@@ -333,3 +333,44 @@ def test_a_hub_dataset_without_network_is_refused_before_launch(workdir, capsys,
     code = train_main(["data.name=allenai/c4", "training.steps=1", "output_dir=out"])
     _refused(code, capsys.readouterr().err, workdir, "which this machine cannot reach (huggingface.co:443: timed out)")
     assert asked == [(("huggingface.co", 443), 5.0)]
+
+
+def test_a_sweep_logs_each_jobs_output_and_ends_with_a_table(workdir):
+    """`train -m`: each job's train.log holds what the job printed, its subprocesses' output too (was:
+    empty), and the sweep ends with one table across the jobs (was: none). The jobs here print and
+    write a summary.json instead of training (a fresh interpreter: Hydra configures logging)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = textwrap.dedent("""
+        import json, subprocess, sys
+        from pathlib import Path
+        from framework import cli
+
+        def job(recipe, job, output_dir, verbose):
+            steps = int(next(o for o in job if o.startswith("training.steps=")).split("=")[1])
+            print(f"job says steps={steps}", flush=True)
+            subprocess.run([sys.executable, "-c", f"import sys; sys.stderr.write('rank says {steps}')"])
+            (Path(output_dir) / "summary.json").write_text(json.dumps(
+                {"step": steps, "total_steps": steps, "loss_first": 5.0, "loss_last": 5.0 - steps,
+                 "val_loss_last": None, "tokens_per_s_mean": 1234.0}))
+            return 0
+
+        cli._run_job = job
+        sys.exit(cli.train_main(["-m", "training.steps=1,3", "hydra.sweep.dir=sw"]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=workdir, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    for n, steps in ((0, 1), (1, 3)):
+        log = (workdir / "sw" / str(n) / "train.log").read_text()
+        assert f"job says steps={steps}" in log and f"rank says {steps}" in log, log
+    assert "job says steps=1" in p.stdout and "rank says 3" in p.stderr  # still shown
+    table = p.stdout[p.stdout.index(f"sweep {workdir / 'sw'}: 2 job(s), one folder each"):]
+    assert "training.steps" in table and "loss first -> last" in table, table
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
+    assert rows == [["0", "1", "0", "1/1", "5.0000 -> 4.0000", "-", "1,234"],
+                    ["1", "3", "0", "3/3", "5.0000 -> 2.0000", "-", "1,234"]], table
