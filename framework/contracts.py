@@ -57,7 +57,7 @@ KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss
 # left; data sets the batch keys the loss reads; state comes last because it wraps the spec's
 # parallelize function (inside which recompute's activation checkpointing is applied) and replaces the
 # optimizer configuration the others filled in.
-APPLY_ORDER = ("model", "adapter", "precision", "moe_chunk", "data", "loss", "recompute", "state")
+APPLY_ORDER = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state")
 # Where each kind's choice and options live in the recipe: kind -> (section, key naming the choice).
 # Group kinds (``loss=NAME``) keep their options in their own section; the others share a
 # framework section (``model.family``, ``moe.comm``, ``data.format``).
@@ -102,7 +102,10 @@ class Term:
     name: str
     count: float
     bytes_per: float
-    category: Literal["static", "activations", "buffers", "loss"]
+    # "outside": memory outside torch's caching allocator (e.g. NCCL symmetric memory a communication
+    # library allocates): the planner adds it after the allocator's fragmentation and leaves it out of
+    # its torch max_memory_reserved estimate
+    category: Literal["static", "activations", "buffers", "loss", "outside"]
     how: str  # how count and bytes were derived, printed by `apiary plan --explain`
 
     @property
@@ -278,9 +281,9 @@ class Component(Protocol):
 
 
 class Planned(Protocol):
-    """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_chunk,
+    """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_comm, moe_chunk,
     precision, adapter). The model's share comes from its ``facts`` (``layer_kinds``: one ``LayerKind``
-    per kind of layer); data, moe_comm and launchers add none. ``PLAN_CONSTANTS`` (optional) are the
+    per kind of layer); data and launchers add none. ``PLAN_CONSTANTS`` (optional) are the
     component's own calibrated constants (``PlanConstant``)."""
 
     PLAN_CONSTANTS: ClassVar[Mapping[str, PlanConstant]]  # optional: {} (plans with no constant of its own)
@@ -377,8 +380,10 @@ class State(Component, Planned, Protocol):
     def layout(self, options: Any, dims: dict[str, int]) -> tuple[dict[str, int], str]: ...
 
 
-class MoeComm(Component, Protocol):
-    """kind ``moe_comm``: the expert-parallel dispatch/combine backend torchtitan runs."""
+class MoeComm(Component, Planned, Protocol):
+    """kind ``moe_comm``: the expert-parallel dispatch/combine backend torchtitan runs; its ``plan_terms``
+    add what the backend allocates besides the dispatch/combine buffers the planner counts from the
+    model's shapes (e.g. a fixed communication buffer)."""
 
     torchtitan_backend: str
 
@@ -699,7 +704,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "adapter": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
                 "export_hf": None},  # `apiary export` of a run with this adapter is refused
     "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
-    "moe_comm": {**_SHARED_OPTIONAL},
+    "moe_comm": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "data": {**_SHARED_OPTIONAL},
     "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},

@@ -29,7 +29,7 @@ QWEN = "qwen35_35b_128k"
 # identifiers, never compared or used as a key.
 ENGLISH = {"none", "full", "auto", "local", "bf16", "alltoall", "text"}
 # the kinds whose components the planner asks (their options are what it must not read)
-PLANNED = ("loss", "state", "recompute", "moe_chunk", "precision")
+PLANNED = ("loss", "state", "recompute", "moe_comm", "moe_chunk", "precision")
 
 
 def _names() -> dict[str, set[str]]:

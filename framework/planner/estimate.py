@@ -12,7 +12,7 @@ from framework.contracts import SELECT, Context, PlanContext, PlanTerms
 from framework.errors import UserError
 from framework.planner import parts
 from framework.planner.constants import Constants, GiB, Hardware
-from framework.planner.memory import Shapes, Term, stage_terms
+from framework.planner.memory import OUTSIDE, Shapes, Term, stage_terms
 from framework.planner.time import StepInputs, flops_per_token, link_bw, step_time
 
 
@@ -37,8 +37,10 @@ class Plan:
 
     @property
     def torch_reserved_bytes(self) -> int:
-        """What torch.cuda.max_memory_reserved should read: total less the non-torch reserve."""
-        return self.total_bytes - self.memory_bytes.get("cuda_context_nccl", 0)
+        """What torch.cuda.max_memory_reserved should read: total less the non-torch reserve and the
+        terms outside torch's allocator."""
+        outside = sum(t.bytes for t in self.terms if t.group == OUTSIDE)
+        return self.total_bytes - self.memory_bytes.get("cuda_context_nccl", 0) - outside
 
     def to_json(self) -> dict:
         return {
@@ -145,6 +147,8 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
     asked.names["precision"], asked.terms["precision"] = parts.ask("precision", prec_name, ctx, warnings)
     asked.names["recompute"], asked.terms["recompute"] = parts.ask("recompute", ch["recompute"], ctx, warnings)
     asked.terms["moe_chunk"] = parts.ask("moe_chunk", ch["moe_chunk"], ctx, warnings)[1]
+    asked.names["moe_comm"], asked.terms["moe_comm"] = parts.ask("moe_comm", choices(resolved.cfg, moe_comm=None)
+                                                                 ["moe_comm"], ctx, warnings)
     asked.names["adapter"], asked.terms["adapter"] = ask_adapter(resolved, ctx, warnings)
     publish = resolved.cfg.get("publish")
     if publish is not None and int(publish.get("interval") or 0) > 0:  # the weight hand-off's buffers
@@ -211,7 +215,8 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
         stages[stage] = stage_terms(sh, state=state, recompute=asked.names["recompute"],
                                     rec=asked.terms["recompute"], chunking=asked.terms["moe_chunk"],
                                     precision=asked.terms["precision"], loss=loss, in_flight=in_flight,
-                                    transport=asked.terms.get("transport") if first else None)
+                                    transport=asked.terms.get("transport") if first else None,
+                                    comm=asked.terms.get("moe_comm"))
         if is_last:
             last = {"state": state, "loss": loss}
     stage, terms = max(stages.items(), key=lambda kv: sum(x.bytes for x in kv[1]))
@@ -248,7 +253,7 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
             lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
         best, fits = lo, True
     chosen = cands[best]
-    outside = sum(x.bytes for x in items(best) if x.name == "cuda_context_nccl")  # not in torch's reserve
+    outside = sum(x.bytes for x in items(best) if x.name == "cuda_context_nccl" or x.group == OUTSIDE)  # not torch's
     why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
            f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
            f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from framework.contracts import LayerShape, LayerTerms, PlanTerms, block_saves, stage_activation_elements
 from framework.planner.constants import Constants, GiB
 
+# the group of terms outside torch's caching allocator (contracts.Term's category "outside")
+OUTSIDE = "outside"
+
 
 @dataclass
 class Term:
@@ -23,7 +26,7 @@ class Term:
     name: str
     count: float
     bytes_per: float
-    group: str  # static | activations | loss | buffers | reserve
+    group: str  # static | activations | loss | buffers | reserve | outside
     formula: str
 
     @property
@@ -227,12 +230,15 @@ def of_category(pt: PlanTerms, *categories: str) -> list[Term]:
 
 def stage_terms(sh: Shapes, *, state: PlanTerms, recompute: str, rec: PlanTerms, chunking: PlanTerms,
                 precision: PlanTerms, loss: PlanTerms | None, in_flight: int,
-                transport: PlanTerms | None = None) -> list[Term]:
+                transport: PlanTerms | None = None, comm: PlanTerms | None = None) -> list[Term]:
     """Every memory term of one stage (``loss`` None: the stage holds no LM head; ``transport``: the
-    weight hand-off's buffers, on the stage of rank 0)."""
+    weight hand-off's buffers, on the stage of rank 0; ``comm``: the moe_comm backend's own). Terms of
+    category "outside" (outside torch's allocator) come after the reserve: no fragmentation on them."""
     t = of_category(state, "static")
     t += activation_terms(sh, recompute, rec, in_flight)
     t += moe_terms(sh, chunking)
+    if comm is not None:
+        t += [Term.of(x) for x in comm.memory if x.category != OUTSIDE]
     t += [Term.of(x) for x in precision.memory]
     if transport is not None:
         t += [Term.of(x) for x in transport.memory]
@@ -240,4 +246,5 @@ def stage_terms(sh: Shapes, *, state: PlanTerms, recompute: str, rec: PlanTerms,
         t += [Term.of(x) for x in loss.memory]
     t += of_category(state, "buffers", "activations", "loss")
     t += cp_terms(sh)
-    return t + reserve_terms(sh.c, t)
+    outside = [Term.of(x) for pt in (comm,) if pt is not None for x in pt.memory if x.category == OUTSIDE]
+    return t + reserve_terms(sh.c, t) + outside
