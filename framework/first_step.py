@@ -4,7 +4,7 @@ and recorded in that step's metrics.jsonl record.
 * ``first_step_build_s``: from the start of ``framework.run.train`` to the first step (model init,
   parallelize, optimizer, dataloader, checkpoint load); not part of the step's wall time, nor are:
 * ``first_step_data_wait_s``: follow mode (``data.follow=true``), the time the first step waited
-  for its rollouts (the generator's first shard);
+  for its first records (the generator's first shard);
 * ``first_step_publish_s``: with ``publish``, writing the starting weights (``step-0``) before it.
 * ``first_step_wall_s``: the first step, from ``train_step`` to its metrics record.
 * ``first_step_compile_s``: Dynamo/Inductor compile time inside that step (torch's own timers,
@@ -62,7 +62,7 @@ class FirstStep:
 
     def before_first_step(self, *, data_wait_s: float = 0.0, publish_s: float = 0.0) -> None:
         """Time spent before the first step that is not building the trainer: waiting for the first
-        rollouts (follow mode), publishing the starting weights. Ignored once a step started."""
+        records (follow mode), publishing the starting weights. Ignored once a step started."""
         if self.t_step is None and not self.done:
             self.data_wait += max(data_wait_s, 0.0)
             self.publish += max(publish_s, 0.0)
@@ -130,7 +130,7 @@ def describe(rec: dict) -> str:
     if rec.get("first_step_publish_s"):
         before.append(f"publishing the starting weights {rec['first_step_publish_s']:.1f} s")
     if rec.get("first_step_data_wait_s"):
-        before.append(f"waiting for the first rollouts {rec['first_step_data_wait_s']:.1f} s")
+        before.append(f"waiting for the first records {rec['first_step_data_wait_s']:.1f} s")
     return f"first step: {rec['first_step_wall_s']:.1f} s{split}; " + ", ".join(before)
 
 

@@ -366,8 +366,8 @@ def _not_extending(path: Path, data: dict, why: str) -> UserError:
 
 
 def _file_group_choices(path: Path, group_overrides: list[str]) -> tuple[list[str], list[str]]:
-    """A recipe that chooses a component in its own section (``loss: {name: chunked, num_chunks: 4}``):
-    the same choice as ``defaults: [..., override /loss: chunked]``, so the section's other keys are
+    """A recipe that chooses a component in its own section (``loss: {name: NAME, OPTION: VALUE}``):
+    the same choice as ``defaults: [..., override /loss: NAME]``, so the section's other keys are
     that component's options. A group the command line chooses wins; the section's ``name`` then
     follows it. Returns the group overrides to compose with, and value overrides to add."""
     given = {g.partition("=")[0] for g in group_overrides}

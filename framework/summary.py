@@ -18,10 +18,10 @@ The numbers (docs/skills/progress.md):
   records of an apiary that logged torchtitan's count as ``tflops_per_gpu``);
 * peak memory: the largest ``peak_mem_bytes``, labelled by ``peak_mem_kind``;
 * loss: the first, last and lowest (finite) training loss, and the last ``val_loss``; for an RL
-  objective (rollouts trained by a policy loss) the loss is no measure of progress: the first and
+  objective (rollout records trained by a policy loss) the loss is no measure of progress: the first and
   last only, and the mean reward of the steps' records (``data/reward_mean``) first, last and best,
   the records' lag behind the trainer (follow mode), the training-inference mismatch
-  (``policy/mismatch_abs_mean``) and the time waited for rollouts;
+  (``policy/mismatch_abs_mean``) and the time waited for records;
 * checkpoint: the last complete ``checkpoint/step-N`` (framework/integrity.py), or none.
 """
 
@@ -37,7 +37,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import integrity, recipes, registry, resume
+from framework import contracts, integrity, recipes, registry, resume
+from framework.errors import UserError
 from framework.progress import duration, make_console, memory_label
 
 SUMMARY_NAME = "summary.json"
@@ -168,9 +169,16 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
 
 
 def _rl_objective(cfg, train: list[dict]) -> bool:
-    """Whether the run trained a policy loss on rollouts (its loss is an objective, not a likelihood)."""
-    if cfg is not None and "data" in cfg and "loss" in cfg:
-        return cfg.data.get("format") == "rollouts" and cfg.loss.get("name") != "sft"
+    """Whether the run trained a policy objective (not a likelihood): its loss needs exactly the data
+    format the run read (the loss kind's ``NEEDS_DATA``; a likelihood loss takes other formats too or
+    declares none). Without a config: the run's records carry policy metrics or rewards."""
+    if cfg is not None and "data" in cfg and "loss" in cfg and cfg.loss.get("name"):
+        try:
+            loss = registry.resolve("loss", str(cfg.loss.name))
+        except UserError:
+            return False
+        needs = contracts.member(loss, "loss", "NEEDS_DATA")
+        return needs is not None and tuple(needs) == (str(cfg.data.get("format")),)
     return any(k.startswith("policy/") or k == "data/reward_mean" for r in train for k in r)
 
 
@@ -370,7 +378,7 @@ def _rl_rows(s: dict) -> list[tuple[str, str]]:
                                  f"{s['mismatch_last']:.2e} · max {_fmt(s['mismatch_abs_max'], '.2e')}"))
     if s.get("rollout_wait_s"):
         rows.append(("rollout wait", f"{duration(s['rollout_wait_s'])} ({s['rollout_wait_s']:.1f} s waiting for "
-                                     "rollouts, in the wall time)"))
+                                     "rollout records, in the wall time)"))
     return rows
 
 

@@ -73,7 +73,7 @@ def test_waiting_for_the_first_rollouts_is_not_build_time(monkeypatch):
     assert rec["first_step_publish_s"] == 0.5 and rec["first_step_wall_s"] == 1.0
     line = first_step.describe(rec)
     assert line.endswith("building the trainer before it took 2.3 s, publishing the starting weights 0.5 s, "
-                         "waiting for the first rollouts 37.2 s"), line
+                         "waiting for the first records 37.2 s"), line
     plain = {k: v for k, v in rec.items() if k not in ("first_step_data_wait_s", "first_step_publish_s")}
     assert first_step.describe(plain).endswith("; building the trainer before it took 2.3 s")  # no wait, no publish
 

@@ -124,7 +124,7 @@ def test_summary_of_an_rl_run_shows_the_reward_not_a_best_loss(tmp_path):
     for line in ("reward        first 0.07 · last 0.9 · best 0.97 (step 3;",
                  "lag           mean 0.50 · max 1 versions behind the trainer",
                  "mismatch      mean |logp_gen - logp_train| 2.00e-03 · last 2.00e-03 · max 3.00e-02",
-                 "rollout wait  0:38 (38.2 s waiting for rollouts"):
+                 "rollout wait  0:38 (38.2 s waiting for rollout records"):
         assert line in text, (line, text)
 
 
