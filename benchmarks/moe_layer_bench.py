@@ -1,7 +1,11 @@
-"""One MoE layer, forward + backward under expert parallelism: moe.chunk none vs chunk2/3/4.
+"""One MoE layer, forward + backward under expert parallelism: moe.chunk none vs chunk2/3/4, and
+moe.comm alltoall vs deepep.
 
     # H200 x4 (EP=4; use --nproc_per_node 2 for EP=2), Qwen3.5-35B-A3B's MoE layer, 4K..64K tokens/rank
     torchrun --nproc_per_node 4 benchmarks/moe_layer_bench.py --out moe_layer_bench.json
+    # alltoall vs DeepEP (deep_ep >= 2 built by scripts/build_deepep.sh), EP=2, 4K..64K tokens/rank
+    torchrun --nproc_per_node 2 benchmarks/moe_layer_bench.py --comms alltoall deepep --policies none \
+        --out moe_deepep_ep2.json
     # CPU smoke (gloo); one process gives EP=1
     torchrun --nproc_per_node 2 benchmarks/moe_layer_bench.py --device cpu --tokens 256 --dim 64 --experts 8 \
         --out /tmp/mlb.json
@@ -12,13 +16,17 @@ The layer: torchtitan's MoE built from its config helpers with Qwen3.5-35B-A3B's
 expert of hidden 512 behind a sigmoid gate (torchtitan's SigmoidGatedFeedForward), bf16
 parameters and activations (what FSDP2's mixed precision hands the layer). Each rank holds
 experts/EP experts and its own --tokens tokens (batch 1); the EP all-to-all is torchtitan's
-standard backend for `none` and components/moe/chunked_experts.py for chunkN.
+standard backend for `none` and components/moe/chunked_experts.py for chunkN. --comms deepep runs
+torchtitan's deepep backend (DeepEP's ElasticBuffer, sized once for the largest --tokens; policy
+`none` only, chunking is an alltoall schedule); its buffer is NCCL symmetric memory, outside torch's
+allocator, so the peak column does not include it (the planner's deepep_buffer term does).
 
 Time: median of --iters fwd+bwd runs after --warmup runs, CUDA events on GPU (perf_counter on CPU),
-then the max over ranks of each rank's median (the slowest rank sets the step). Memory:
+then the max over ranks of each rank's median (the slowest rank sets the step); "vs base" is against the first
+variant at the same tokens (alltoall `none` by default). Memory:
 torch.cuda.max_memory_allocated() over one fwd+bwd minus what was allocated before it (weights,
-inputs); CPU: n/a. Correctness: the first run of each policy is compared with `none`
-(max |diff| / max |none| over the output, and over the input and parameter gradients).
+inputs); CPU: n/a. Correctness: the first run of each variant is compared with the base variant
+(max |diff| / max |base| over the output, and over the input and parameter gradients).
 --recompute full wraps the layer in torchtitan's FullAC (the long-context default).
 torch.backends.cudnn is disabled; NCCL_* variables are left as the machine sets them.
 """
@@ -43,6 +51,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 POLICIES = ("none", "chunk2", "chunk3", "chunk4")
+COMMS = ("alltoall", "deepep")  # moe.comm names -> torchtitan backends below
+BACKENDS = {"alltoall": "standard", "deepep": "deepep"}
 DEFAULT_TOKENS = (4096, 8192, 16384, 32768, 65536)
 
 
@@ -57,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--shared-hidden", type=int, default=512, help="gated shared expert hidden size (0: none)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES),
                    help="none, chunk2, chunk3, chunk4, auto")
+    p.add_argument("--comms", nargs="+", default=["alltoall"], choices=list(COMMS),
+                   help="EP dispatch/combine backends (deepep: policy none only)")
     p.add_argument("--recompute", default="none", choices=["none", "full"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmup", type=int, default=3)
@@ -78,8 +90,13 @@ def _policy(name: str):
             "chunk4": chunk.chunk4, "auto": chunk.AutoChunk}[name]
 
 
-def moe_config(args):
-    """torchtitan MoE config with Qwen3.5's MoE structure (sizes from args)."""
+def variants(args) -> list[tuple[str, str]]:
+    """(comm, policy) pairs in run order: every policy with alltoall, `none` with the other backends."""
+    return [(c, p) for c in args.comms for p in args.policies if c == "alltoall" or p == "none"]
+
+
+def moe_config(args, comm: str = "alltoall"):
+    """torchtitan MoE config with Qwen3.5's MoE structure (sizes from args), dispatched by ``comm``."""
     from torchtitan.models.common.config_utils import (
         make_ffn_config,
         make_moe_config,
@@ -100,7 +117,10 @@ def moe_config(args):
         router=make_router_config(dim=args.dim, num_experts=args.experts, gate_param_init={}, top_k=args.top_k,
                                   score_func="softmax", route_norm=True),
         routed_experts=make_routed_experts_config(dim=args.dim, hidden_dim=args.hidden, num_experts=args.experts,
-                                                  top_k=args.top_k, param_init={}, comm_backend="standard"),
+                                                  top_k=args.top_k, param_init={}, comm_backend=BACKENDS[comm],
+                                                  # DeepEP's buffer: sized once for the largest token count
+                                                  num_max_tokens_per_rank=max(args.tokens)
+                                                  if comm == "deepep" else None),
         shared_experts=shared,
         load_balance_coeff=1e-3,
     )
@@ -164,12 +184,15 @@ def run(args) -> dict:
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} must divide by the EP size {world}")
     device = devices.bind_local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if "deepep" in args.comms:  # one node: NVLink only (components/moe/comm.py DeepEP.environment)
+        os.environ.setdefault("EP_DISABLE_GIN", "1")
+        os.environ.setdefault("EP_REUSE_NCCL_COMM", "0")
     torch.backends.cudnn.enabled = False
     set_spmd_backend("partial_dtensor")  # dispatcher on the EP mesh's process group (no trainer mesh context)
     mesh = init_device_mesh(devices.device_type(), (world,), mesh_dim_names=("ep",)) if world > 1 else None
     dtype = getattr(torch, args.dtype)
-    cfg = moe_config(args)
-    ref = build_layer(cfg, "none", rank, world, mesh, device, dtype)
+    cfgs = {c: moe_config(args, c) for c in args.comms}
+    ref = build_layer(moe_config(args), "none", rank, world, mesh, device, dtype)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     del ref
 
@@ -180,10 +203,10 @@ def run(args) -> dict:
         gy = (torch.randn(1, T, args.dim, generator=g) * 1e-2).to(device, dtype)
         reference = None
         base_ms = None
-        for name in args.policies:
-            row = {"tokens": T, "policy": name}
+        for i, (comm, name) in enumerate(variants(args)):
+            row = {"tokens": T, "comm": comm, "policy": name}
             try:
-                moe = build_layer(cfg, name, rank, world, mesh, device, dtype, state)
+                moe = build_layer(cfgs[comm], name, rank, world, mesh, device, dtype, state)
                 layer = FullAC(FullAC.Config())._wrap_block(moe) if args.recompute == "full" else moe
 
                 def step(x=x, gy=gy, moe=moe, layer=layer):  # bound now: the loop deletes them after
@@ -208,7 +231,7 @@ def run(args) -> dict:
                 grads = {"x": x.grad.detach().clone(),
                          **{k: p.grad.detach().clone() for k, p in moe.named_parameters()}}
                 out = out.detach()
-                if name == "none":
+                if i == 0:
                     reference = (out, grads)
                 if reference is not None:
                     row["max_rel_err_out"] = _rel(out, reference[0])
@@ -223,7 +246,7 @@ def run(args) -> dict:
                 row["rank0_times_ms"] = times if rank == 0 else None
                 chunked = moe.routed_experts
                 row["chunks_used"] = chunked.last_num_chunks if isinstance(chunked, ChunkedRoutedExperts) else 1
-                if name == "none":
+                if i == 0:
                     base_ms = row["median_ms"]
                 row["speedup_vs_none"] = (base_ms / row["median_ms"] - 1.0) if base_ms else None
                 del moe, layer
@@ -249,20 +272,22 @@ def print_table(report: dict) -> None:
     t = Table(title=f"MoE layer fwd+bwd, EP={env['ep']} on {env['device_name']} (dim {a['dim']}, "
                     f"{a['experts']} experts top-{a['top_k']}, hidden {a['hidden']}, shared {a['shared_hidden']}, "
                     f"{a['dtype']}, recompute {a['recompute']})")
-    for col in ("tokens/rank", "policy", "chunks", "median ms", "vs none", "peak mem", "rel err out",
+    for col in ("tokens/rank", "comm", "policy", "chunks", "median ms", "vs base", "peak mem", "rel err out",
                 "rel err grad", "auto"):
         t.add_column(col, justify="right")
     for r in report["results"]:
         if "error" in r:
-            t.add_row(f"{r['tokens']:,}", r["policy"], "", "error", r["error"][:60], "", "", "", "")
+            t.add_row(f"{r['tokens']:,}", r.get("comm", "alltoall"), r["policy"], "", "error", r["error"][:60], "", "", "",
+                      "")
             continue
         mem = r.get("peak_mem_bytes")
         sp = r.get("speedup_vs_none")
-        t.add_row(f"{r['tokens']:,}", r["policy"], str(r["chunks_used"]), f"{r['median_ms']:.3f}",
-                  "" if sp is None or r["policy"] == "none" else f"{sp:+.1%}",
+        base = r is next(x for x in report["results"] if x["tokens"] == r["tokens"])
+        t.add_row(f"{r['tokens']:,}", r.get("comm", "alltoall"), r["policy"], str(r["chunks_used"]),
+                  f"{r['median_ms']:.3f}", "" if sp is None or base else f"{sp:+.1%}",
                   "n/a" if mem is None else f"{mem / 2**30:.2f} GiB",
                   f"{r.get('max_rel_err_out', float('nan')):.1e}", f"{r.get('max_rel_err_grad', float('nan')):.1e}",
-                  f"chunk{report['auto_choice'][r['tokens']]}" if r["policy"] == "none" else "")
+                  f"chunk{report['auto_choice'][r['tokens']]}" if base else "")
     Console(width=170).print(t)
 
 
