@@ -5,6 +5,7 @@ folder with the wheel installed in a fresh environment (whose other dependencies
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,9 +18,12 @@ def _run(cmd, cwd, timeout=600):
 
 
 def test_the_built_wheel_trains_from_another_folder(tmp_path):
-    wheels = tmp_path / "wheels"
+    wheels, src = tmp_path / "wheels", tmp_path / "src"
+    # a copy of the checkout to build from: setuptools writes build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".gpu-stack", "build", "runs", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", "outputs", "wandb"))
     r = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-              str(ROOT)], cwd=tmp_path)
+              str(src)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = wheels.glob("apiary-*.whl")
     env_dir = tmp_path / "env"
