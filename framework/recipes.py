@@ -372,6 +372,8 @@ def _file_group_choices(path: Path, group_overrides: list[str]) -> tuple[list[st
     follows it. Returns the group overrides to compose with, and value overrides to add."""
     given = {g.partition("=")[0] for g in group_overrides}
     groups, extra = list(group_overrides), []
+    if "defaults" not in (_read_yaml(path) or {}):  # a complete config (a run's config.yaml): no groups to choose
+        return groups, extra
     for kind, (section, where) in _section_choices(path).items():
         if kind in given:
             chosen = [g.partition("=")[2] for g in group_overrides if g.partition("=")[0] == kind][-1]

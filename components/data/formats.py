@@ -9,8 +9,10 @@ like the tokens under context parallelism; ``STEP_KEYS`` per sample).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, held_out_count, inspect_local, local_data_files
 from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, pack_rows, rollout_files, source
@@ -60,9 +62,6 @@ def _check_hub_reachable(name: str) -> None:
     """A hub dataset is streamed (never cached): with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or the
     hub's host not reachable within HUB_TIMEOUT_S, say so now, not after each rank's loader retried
     for 30 s and ended in a ``[rank0] ConnectionError`` traceback."""
-    import socket
-    from urllib.parse import urlparse
-
     fix = ("Train on local files instead (data.name=local data.path=PATH, e.g. the dataset downloaded where "
            "there is a network), or data.name=packaged for the packaged corpus.")
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
