@@ -116,10 +116,15 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     # docs/install.md
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]'":
         Skip("creates a virtualenv and installs from the package registry (network)"),
-    "pip install -e '.[deepep]'": Skip("installs from the package registry (network)"),
-    "git clone https://github.com/deepseek-ai/DeepEP && cd DeepEP": Skip("clones over the network"),
-    "NVSHMEM_DIR=/path/to/nvshmem python setup.py install": Skip("builds DeepEP's CUDA kernels (CUDA, NVSHMEM)"),
-    "python -c \"import deep_ep; print(deep_ep.ElasticBuffer)\"": Skip("needs DeepEP, a CUDA build"),
+    "bash scripts/deepep_source.sh": Skip("packs DeepEP's source from the fetched git mirrors and downloads build "
+                                          "helpers (network); its output is gitignored"),
+    "export PYTHONPATH=/tmp/gpu-site:$PWD": Skip("the GPU machines' stack folder"),
+    "bash scripts/build_deepep.sh": Skip("builds DeepEP's CUDA extension on a GPU machine (CUDA, NCCL, NVSHMEM)"),
+    "PART=build bash benchmarks/deepep_sitting.sh": Skip("the DeepEP GPU sitting: builds DeepEP on the GPU machine"),
+    "PART=parity bash benchmarks/deepep_sitting.sh": Skip("needs 2 GPUs and DeepEP (tests/gpu/test_deepep_gpu.py)"),
+    "PART=layer bash benchmarks/deepep_sitting.sh": Skip("needs 2 GPUs and DeepEP (moe_layer_bench)"),
+    "PART=train COMM=alltoall bash benchmarks/deepep_sitting.sh": Skip("needs 2 H200s (Qwen3.5-35B-A3B at 128K)"),
+    "PART=train COMM=deepep bash benchmarks/deepep_sitting.sh": Skip("needs 2 H200s and DeepEP"),
     "PY=.venv/bin/python MAX_JOBS=16 OUT=dist/te bash scripts/build_te.sh":
         Skip("builds TransformerEngine's torch extension (13 minutes on 2 cores; downloads headers)"),
     "pip install dist/te/transformer_engine_torch-2.20.2-*.whl transformer_engine==2.20.2 transformer_engine_cu13==2.20.2":
