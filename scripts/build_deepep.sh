@@ -106,6 +106,9 @@ export EP_NVSHMEM_ROOT_DIR=${EP_NVSHMEM_ROOT_DIR:-$nvshmem} EP_NCCL_ROOT_DIR=${E
 [ -f "$EP_NVSHMEM_ROOT_DIR/lib/libnvshmem_device.a" ] || die "no $EP_NVSHMEM_ROOT_DIR/lib/libnvshmem_device.a"
 ls "$EP_NVSHMEM_ROOT_DIR"/lib/libnvshmem_host.so* >/dev/null || die "no libnvshmem_host.so* in $EP_NVSHMEM_ROOT_DIR/lib"
 [ -f "$EP_NCCL_ROOT_DIR/include/nccl.h" ] || die "no NCCL headers (nvidia/nccl/include/nccl.h) on sys.path: torch's nvidia-nccl-cu13 wheel, or set EP_NCCL_ROOT_DIR"
+# DeepEP's setup.py links -l:libnccl.so.2 with an rpath but no -L to NCCL's lib folder (found building on CPU:
+# "ld: cannot find -l:libnccl.so.2"): put it on the linker's search path
+export LIBRARY_PATH="$EP_NCCL_ROOT_DIR/lib:$LIBRARY_PATH"
 say "NVSHMEM $EP_NVSHMEM_ROOT_DIR ($(ls "$EP_NVSHMEM_ROOT_DIR"/lib/libnvshmem_host.so* | xargs -n1 basename | tr '\n' ' '))"
 say "NCCL $EP_NCCL_ROOT_DIR ($(grep -E '#define NCCL_(MAJOR|MINOR|PATCH) ' "$EP_NCCL_ROOT_DIR/include/nccl.h" | awk '{printf "%s.", $3}' | sed 's/\.$//'))"
 
