@@ -142,21 +142,27 @@ def _missing_inputs(cfg) -> list[str]:
     return out
 
 
-def _resolve(recipe, overrides, world_size, *, dry_script: bool):
+def _resolve(recipe, overrides, world_size, *, dry_script: bool, script: bool = False):
     """The launch resolved, and its warnings. A dry run of a batch-script launcher (slurm) renders its
     script although an input the job reads (a tokenizer, data) is missing here (a login node, a laptop):
     each missing one becomes a warning naming what the job will need, since the job checks them again
-    where it runs."""
+    where it runs. A hub dataset this machine cannot reach is a warning for any batch-script launch
+    (``script``): the job streams it from the nodes it runs on, and checks it there."""
     try:
         return resolve(recipe, overrides, world_size=world_size), []
     except UserError as e:
-        if not dry_script or not any(e.where == m for m in _missing_inputs(recipes.load(recipe, overrides))):
+        hub = script and e.where.startswith("data.name=") and "HuggingFace hub dataset" in e.reason
+        if not hub and (not dry_script or
+                        not any(e.where == m for m in _missing_inputs(recipes.load(recipe, overrides)))):
             raise
-        hint = e.suggestion
+        hint, said = e.suggestion, f"{e.where}: {e.reason}"
     r = resolve(recipe, overrides, world_size=world_size, for_training=False)  # every check but the job's files
     if r.cfg.output_dir is None:
         with open_dict(r.cfg):
             r.cfg.output_dir = default_output_dir(r.cfg.recipe)
+    if hub:
+        return r, [f"{said} The job streams it where it runs, and stops with exit 2 before "
+                   "training if it cannot reach it there."]
     return r, [f"{m} does not exist on this machine; the job needs it where it runs, or it stops with exit 2 "
                f"before training. {hint if i == 0 else ''}".strip() for i, m in enumerate(_missing_inputs(r.cfg))]
 
@@ -191,8 +197,9 @@ def launch_args(ns) -> int:
                 check_options(cfg.launcher)
             return int(cls.world_size(cfg.launcher))
 
-        r, warnings = _resolve(recipe, overrides, world_size, dry_script="dry_run" in flags and
-                               contracts.member(cls, "launcher", "render") is not None)
+        script = contracts.member(cls, "launcher", "render") is not None
+        r, warnings = _resolve(recipe, overrides, world_size, dry_script="dry_run" in flags and script,
+                               script=script)
         opts, world = r.cfg.launcher, r.layout.world_size
         preflight = contracts.member(cls, "launcher", "preflight")
         if preflight is not None:
