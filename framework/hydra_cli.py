@@ -342,7 +342,7 @@ def _keys(cls, prefix: str = "") -> list[str]:
 
 def help_text() -> str:
     out = [f"usage: {SYNOPSIS}", "",
-           "Train a recipe. Overrides use Hydra's grammar: key=value, group=option, +key=value to add, "
+           "Train a recipe. Overrides use Hydra's grammar: key=value, group=option, +key=value (as key=value), "
            "~key to unset an optional key (back to null: derived or off), key=A,B with -m to sweep. "
            "nproc=N is short for launcher.nproc=N.", "",
            "flags (Hydra's):",

@@ -151,7 +151,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         check_ascii(overrides, where)
         _check_tilde(overrides)
         raise UserError(where, f"cannot parse the overrides: {e}".rstrip("."),
-                        "Use key=value, group=option, +key=value to add, ~key to delete.") from None
+                        "Use key=value, group=option, ~key to unset.") from None
     group_overrides, value_overrides = [], []
     for raw, ov in zip(overrides, parsed):
         key = ov.key_or_group
