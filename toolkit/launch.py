@@ -70,8 +70,8 @@ def _split(ns):
 
 
 def _launcher_class(name: str | None, recipe: str | None, tokens: list[str] = ()):
-    if name is None:
-        name = str(recipes.load(recipe, list(tokens)).launcher.name)
+    if name is None:  # the recipe's own, with the user registries it names (the other tokens come later)
+        name = str(recipes.load(recipe, [t for t in tokens if t.lstrip("+").startswith("registry=")]).launcher.name)
     else:  # user registries (the recipe's `registry:`, `registry=`) first: they may bind the launcher's name
         recipes.use_registries(recipes.recipe_path(recipe or recipes.DEFAULT_RECIPE), list(tokens))
     registry.check("launcher", name, where=f"launcher={name}")
