@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components.transport import link as link_mod  # noqa: E402
-from components.transport.vllm import InMemorySender  # noqa: E402
+from components.transport.sender import InMemorySender  # noqa: E402
 from framework import api, publish  # noqa: E402
 from framework.resolve import resolve  # noqa: E402
 

@@ -305,7 +305,7 @@ def test_a_busy_engine_port_is_refused_before_launch(monkeypatch):
 
 
 def test_an_ipc_engine_on_another_gpu_is_refused_before_any_transfer():
-    from components.transport.vllm import same_gpu_or_refuse
+    from components.transport.sender import same_gpu_or_refuse
 
     same_gpu_or_refuse("ipc", "GPU-a", {"gpu_uuids": ["GPU-a"]})
     same_gpu_or_refuse("nccl", "GPU-a", {"gpu_uuids": ["GPU-b"]})  # NCCL: other GPUs are the point

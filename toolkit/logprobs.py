@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from components.data.rollouts import _located_records, _where, rollout_files
+from components.data.rollouts import located_records, record_where, rollout_files
 from framework import contracts, integrity, registry
 from framework.errors import UserError
 from framework.resolve import model_kwargs, writable_folder
@@ -206,8 +206,8 @@ def _read(files: list[Path], root: Path, where: str) -> list[tuple[Path, list[tu
     for f in files:
         recs = []
         try:
-            for line, _, rec in _located_records(f):
-                at = _where(f, line)
+            for line, _, rec in located_records(f):
+                at = record_where(f, line)
                 ids = rec.get("input_ids") if isinstance(rec, dict) else None
                 if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and t >= 0 for t in ids):
                     raise UserError(f"{where} {at}", "is not a rollout record: it needs input_ids, a list of at "

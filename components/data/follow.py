@@ -36,15 +36,15 @@ from components.data.rollouts import (
     _check,
     _convert,
     _id_key,
-    _located_records,
-    _where,
     build_rows,
     duplicate_error,
     file_digest,
     gen_presence_error,
+    located_records,
     mean_reward,
     not_a_file,
     record_reward,
+    record_where,
     routed_problem,
     trainer_sample,
     trains_a_token,
@@ -107,7 +107,7 @@ def _jsonl_records(f: Path):
             try:
                 yield i, None, json.loads(raw)
             except ValueError as e:
-                raise ValueError(f"{_where(f, i)}: not a JSON object ({e}); a shard still being written must "
+                raise ValueError(f"{record_where(f, i)}: not a JSON object ({e}); a shard still being written must "
                                  "be named NAME.tmp or .NAME until it is complete") from None
 
 
@@ -171,7 +171,7 @@ class FollowRows(IterableDataset, Stateful):
     def _read(self, f: Path) -> list | None:
         """(line, None, record) of a shard; None when it vanished."""
         try:
-            return list(_jsonl_records(f) if f.suffix == ".jsonl" else _located_records(f))
+            return list(_jsonl_records(f) if f.suffix == ".jsonl" else located_records(f))
         except FileNotFoundError:
             return None
         except (ValueError, UnicodeDecodeError, OSError) as e:
@@ -193,7 +193,7 @@ class FollowRows(IterableDataset, Stateful):
             return None
         recs = []
         for line, _, rec in located:
-            where = _where(f, line)
+            where = record_where(f, line)
             n = _check(where, rec)
             _convert(where, rec, self.vocab)
             if n > self.seq_len:
@@ -353,12 +353,12 @@ class FollowRows(IterableDataset, Stateful):
                     prev = plan.consumed.get(key) or self._seen.get(key)
                     if prev is not None:
                         earlier = prev[2] if len(prev) > 2 else self._earlier(prev[0], prev[1])
-                        there = _where(self.dir / prev[0], prev[1])
+                        there = record_where(self.dir / prev[0], prev[1])
                         if earlier is None or earlier != rec:
                             gone = " (no longer there to compare)" if earlier is None else ""
-                            raise ValueError(duplicate_error(_where(f, line), sid, there + gone))
+                            raise ValueError(duplicate_error(record_where(f, line), sid, there + gone))
                         duplicates.append(record_id(f.name, line, rec))
-                        plan.notes.append(f"{_where(f, line)}: sequence_id {sid!r} again, the same record as {there}: "
+                        plan.notes.append(f"{record_where(f, line)}: sequence_id {sid!r} again, the same record as {there}: "
                                           "trained once, skipped here")
                         continue
                 if not trains_a_token(rec):  # nothing to train (and no step of such records only)
@@ -371,7 +371,7 @@ class FollowRows(IterableDataset, Stateful):
                 if lag is not None and lag < 0:
                     if not (self._resumed and f.name in self._resumed_with):
                         raise ValueError(
-                            f"{_where(f, line)}: policy_version {pv} is ahead of the trainer's version {version} "
+                            f"{record_where(f, line)}: policy_version {pv} is ahead of the trainer's version {version} "
                             f"(step {k + 1}): no weights of that version exist yet, so the record was sampled by "
                             "another run's weights or its version is wrong; fix policy_version (drop it to skip "
                             "the lag check), or write this run's rollouts into a fresh data.path")

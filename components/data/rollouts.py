@@ -159,8 +159,8 @@ class RolloutIndex:
                 self.skipped.append(f"{f}: the same bytes as {digests[digest]} (a copy): not read")
                 continue
             digests[digest] = f
-            for line, loc, rec in _located_records(f):
-                where = _where(f, line)
+            for line, loc, rec in located_records(f):
+                where = record_where(f, line)
                 n = _check(where, rec)
                 if validate:
                     _convert(where, rec, vocab_size)
@@ -201,7 +201,7 @@ class RolloutIndex:
 
     def where(self, i: int) -> str:
         fi, line = self.loc[i][:2]
-        return _where(self.files[fi], line)
+        return record_where(self.files[fi], line)
 
     def close(self) -> None:
         if self._open[1] is not None and hasattr(self._open[1], "close"):
@@ -268,7 +268,7 @@ def file_digest(path: Path) -> bytes:
     return h.digest()
 
 
-def _where(path: Path, line: int) -> str:
+def record_where(path: Path, line: int) -> str:
     return f"{path}:{line}" if path.suffix == ".jsonl" else f"{path}[{line}]"
 
 
@@ -408,7 +408,7 @@ def _routed_experts(where: str, rec: dict) -> torch.Tensor:
     return t
 
 
-def _located_records(path: Path):
+def located_records(path: Path):
     """(line, (a, b), record). jsonl: line number, (byte offset, 0); parquet: row number,
     (row group, row in it), read a batch of rows at a time."""
     if path.suffix == ".jsonl":
@@ -420,7 +420,7 @@ def _located_records(path: Path):
                     try:
                         rec = json.loads(line)
                     except ValueError as e:
-                        raise ValueError(f"{_where(path, i)}: not a JSON object ({e})") from None
+                        raise ValueError(f"{record_where(path, i)}: not a JSON object ({e})") from None
                     yield i, (offset, 0), rec
                 offset += len(line)
     else:
