@@ -15,38 +15,6 @@ SCANNED = ("components", "framework", "toolkit", "tests", "benchmarks", "launche
 PRODUCT = ("components", "framework", "toolkit", "benchmarks", "launchers")  # private names: not tests
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _package_of(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1])
-
-
-def _imported(path: Path) -> list[tuple[str, int]]:
-    """(dotted name, line) of every import in the file, at any depth; ``from M import a`` yields
-    M and M.a (a may be a submodule); relative imports are made absolute."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = _package_of(path).split(".")
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join(pkg + ([node.module] if node.module else []))
-            out.append((base, node.lineno))
-            out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
-    return out
-
-
-def _components() -> dict[str, Path]:
-    return {_module_name(p): p for p in (ROOT / "components").rglob("*.py")}
-
-
 def _target(name: str, modules: dict[str, Path]) -> str | None:
     """The components module ``name`` refers to (itself or its closest parent module)."""
     while name and name not in modules:
@@ -96,6 +64,8 @@ def _package_in(root: Path, path: Path) -> str:
 
 
 def _imported_in(root: Path, path: Path) -> list[tuple[str, int]]:
+    """(dotted name, line) of every import in the file, at any depth; ``from M import a`` yields
+    M and M.a (a may be a submodule); relative imports are made absolute."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -35,19 +34,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-LOWER = range(97, 123)  # 'a'..'z' in the byte tokenizer
-
-
-def reward(completion: list[int]) -> float:
-    return sum(t in LOWER for t in completion) / max(len(completion), 1)
-
-
-def latest(weights: Path) -> Path | None:
-    try:
-        name = (weights / "latest").read_text().strip()
-    except FileNotFoundError:
-        return None
-    return weights / name if name else None
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
+from shards import latest, reward, write_shard  # noqa: E402
 
 
 def load(folder: Path):
@@ -101,17 +89,6 @@ def token_logprobs(model, ids: torch.Tensor, temperature: float, routing: bool =
         raise SystemExit("generator: --routing needs an MoE model with top-k routers (qwen3_moe)")
     return lp, torch.stack([s.reshape(*ids.shape, -1) for s in seen], dim=2)
 
-
-def write_shard(out: Path, index: int, records: list[dict]) -> Path:
-    name = f"{index:06d}.jsonl"
-    tmp = out / f".{name}.tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, out / name)
-    return out / name
 
 
 def main(argv=None) -> int:

@@ -35,21 +35,11 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
+from shards import latest, reward, write_shard  # noqa: E402
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles arrive pickled (base64)
 
-LOWER = range(97, 123)  # 'a'..'z' in the byte tokenizer
-
-
-def reward(completion: list[int]) -> float:
-    return sum(t in LOWER for t in completion) / max(len(completion), 1)
-
-
-def latest(weights: Path) -> Path | None:
-    try:
-        name = (weights / "latest").read_text().strip()
-    except FileNotFoundError:
-        return None
-    return weights / name if name else None
 
 
 def wait_for(what, timeout: float, every: float = 0.1):
@@ -176,17 +166,6 @@ class Engine:
             result.append(rows)
         return result
 
-
-def write_shard(out: Path, index: int, records: list[dict]) -> Path:
-    name = f"{index:06d}.jsonl"
-    tmp = out / f".{name}.tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, out / name)
-    return out / name
 
 
 def main(argv=None) -> int:
