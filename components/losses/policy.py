@@ -56,10 +56,22 @@ class _Head(EngineOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        for f in fields(self):  # every number of the objective finite (NaN passed every comparison below)
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"loss.{f.name} must be a finite number, got {v}")
         if self.temperature <= 0:
             raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
         if self.entropy_coef < 0:
             raise ValueError(f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+        for key in ("eps", "eps_low", "eps_high", "kl_coef"):  # clip ranges and the KL weight
+            v = getattr(self, key, None)
+            if v is not None and v < 0:
+                raise ValueError(f"loss.{key} must be >= 0, got {v}")
+        lower = getattr(self, "eps_low", None) if hasattr(self, "eps_low") else getattr(self, "eps", None)
+        if lower is not None and lower >= 1 and getattr(self, "name", "") != "cispo":  # the ratio's floor 1 - eps
+            raise ValueError(f"loss.{'eps_low' if hasattr(self, 'eps_low') else 'eps'} must be < 1 (the ratio is "
+                             f"clipped below at 1 - it), got {lower}")
 
 
 _HEAD_FIELDS = {f.name for f in fields(_Head)}
@@ -126,8 +138,8 @@ class _Policy:
                                 "truncate (it trains the log-likelihood of the tokens whoever sampled them).",
                                 f"Use one of {', '.join('loss=' + o for o in TIS_OBJECTIVES)}, or drop "
                                 "rl.tis_cap. See docs/skills/tis.md.")
-        if thr is None or not (isinstance(thr, (int, float)) and thr >= 0):
-            raise UserError(f"rl.mismatch_threshold={thr}", "must be >= 0 (|logp_train - logp_gen| above it "
+        if thr is None or not (isinstance(thr, (int, float)) and math.isfinite(thr) and thr >= 0):
+            raise UserError(f"rl.mismatch_threshold={thr}", "must be a finite number >= 0 (|logp_train - logp_gen| above it "
                             "counts in policy/mismatch_frac).", "For example rl.mismatch_threshold=0.1. "
                             "See docs/skills/tis.md.")
 

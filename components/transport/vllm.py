@@ -23,6 +23,7 @@ by every `--cfg job`, so torch-free); the sender that moves the weights is compo
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 
@@ -78,8 +79,8 @@ class _InMemory:
         if options.bucket_mb <= 0:
             raise UserError(f"publish.bucket_mb={options.bucket_mb}", "must be > 0 (MiB per transfer bucket).",
                             "For example publish.bucket_mb=1024.")
-        if options.engine_timeout <= 0:
-            raise UserError(f"publish.engine_timeout={options.engine_timeout}", "must be > 0 seconds.",
+        if not math.isfinite(options.engine_timeout) or options.engine_timeout <= 0:
+            raise UserError(f"publish.engine_timeout={options.engine_timeout}", "must be a finite number > 0 (seconds).",
                             "For example publish.engine_timeout=600.")
         # checked where the ranks start: a job rendered here for a cluster (launcher=slurm) is checked on its nodes
         if ctx is not None and ctx.for_training and str(ctx.cfg.launcher.name) == "local":
