@@ -255,7 +255,7 @@ def _fake_trainer(monkeypatch):
     t.config = SimpleNamespace(on_nonfinite="stop")
     t.metrics_processor = SimpleNamespace(extra_source=object(), max_loss_source=None)
     t.loss_fn = _Loss()
-    t.parallel_dims = SimpleNamespace(dp_cp_enabled=False)
+    t.parallel_dims = SimpleNamespace(dp_cp_enabled=False, pp_enabled=False)
     t._policy_sums, t._policy_tokens, t._bad_loss = {}, 0.0, None
     return t
 
@@ -285,7 +285,7 @@ def test_trainer_max_reduces_max_keys_over_micro_steps_and_ranks(monkeypatch):
     seen = []
     monkeypatch.setattr(dist, "all_reduce", lambda x, op=dist.ReduceOp.SUM, group=None: seen.append(x.clone()))
     for t in ranks:
-        t.parallel_dims = SimpleNamespace(dp_cp_enabled=True, get_optional_mesh=lambda name: SimpleNamespace(
+        t.parallel_dims = SimpleNamespace(dp_cp_enabled=True, pp_enabled=False, get_optional_mesh=lambda name: SimpleNamespace(
             get_group=lambda: None))
     ranks[1]._policy_metrics()  # records rank 1's tensors in call order
     other = list(seen)

@@ -68,10 +68,6 @@ class _Head(EngineOptions):
             v = getattr(self, key, None)
             if v is not None and v < 0:
                 raise ValueError(f"loss.{key} must be >= 0, got {v}")
-        lower = getattr(self, "eps_low", None) if hasattr(self, "eps_low") else getattr(self, "eps", None)
-        if lower is not None and lower >= 1 and getattr(self, "name", "") != "cispo":  # the ratio's floor 1 - eps
-            raise ValueError(f"loss.{'eps_low' if hasattr(self, 'eps_low') else 'eps'} must be < 1 (the ratio is "
-                             f"clipped below at 1 - it), got {lower}")
 
 
 _HEAD_FIELDS = {f.name for f in fields(_Head)}
