@@ -71,14 +71,16 @@ def test_resume_continues_from_the_last_good_checkpoint(workdir):
     p = run_cli(["train", *SMALL, *run, "training.steps=4", "training.on_nonfinite=skip"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["skipped_steps"] for r in _metrics(workdir / "run")] == [0, 0, 0, 0]  # healthy: nothing skipped
-    # the same run continued with a far too high learning rate diverges before step 8's save
+    # the same run continued with a far too high learning rate diverges before step 8's save (stopping:
+    # a resume keeps the last launch's overrides, so on_nonfinite=skip is given back as stop)
     p = run_cli(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=1e6",
-                 "checkpoint.resume=true"], cwd=workdir)
+                 "training.on_nonfinite=stop", "checkpoint.resume=true"], cwd=workdir)
     assert p.returncode == 76, p.stderr[-3000:]
     assert "Last good checkpoint: step-4 in run/checkpoint" in p.stderr
     assert sorted(d.name for d in (workdir / "run" / "checkpoint").glob("step-*")) == ["step-4"]
-    p = run_cli(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "checkpoint.resume=true"],
-                cwd=workdir)
+    # the fix the paragraph asks for: a lower learning rate (given again: the last launch's 1e6 is kept otherwise)
+    p = run_cli(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=3e-3",
+                 "checkpoint.resume=true"], cwd=workdir)
     assert p.returncode == 0, p.stderr[-3000:]
     records = [r for r in _metrics(workdir / "run")]
     last = [r for r in records if r["step"] >= 5][-4:]  # the resumed attempt's records
