@@ -94,6 +94,8 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
              "tests/test_rl_loop.py runs the pair"),
     "torchrun --nproc_per_node 8 $(which train) recipe=qwen3_30b_a3b_64k": Skip("needs 8 GPUs of 141 GB"),
     "pip install -e '.[vllm]'": Skip("installs vLLM from the package registry (network)"),
+    "python benchmarks/bad_inputs_third_pass.py --timeout 60 [--only 3,7] [--json rows.json] [--keep]":
+        Skip("a measurement of about 12 minutes (117 cases, each a fresh interpreter; two-rank trainings)"),
     "train recipe=debug_grpo_vllm output_dir=live/run &": Run(drop=("&",), add=("--cfg", "job")),
     "python examples/rl_loop/vllm_generator.py --weights live/weights --out live/rollouts":
         Skip("needs vLLM and a GPU (tests/gpu/test_vllm_gpu.py); tests/test_vllm_generator.py runs its loop with a "
