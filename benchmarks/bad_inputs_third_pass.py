@@ -145,11 +145,11 @@ CASES: list[Case] = [
     Case(f"{LIVE} checkpoint.enable=false data.wait_timeout=3 output_dir=out",
          "exit 2 (the followed position cannot be saved), or exit 77 that does not claim a checkpoint",
          writes_ok=True, ok_rc=77),
-    Case(f"train recipe=debug_grpo_live data.path=s3://bucket/rollouts publish.dir=w data.wait_timeout=3 "
+    Case("train recipe=debug_grpo_live data.path=s3://bucket/rollouts publish.dir=w data.wait_timeout=3 "
          "output_dir=out", "exit 2: a URL is not a local folder (it would wait on a folder named s3:)"),
     Case(f"{LIVE} data.wait_timeout=1e-9 output_dir=out", "exit 2 (shorter than any poll) or exit 77 at once",
          writes_ok=True, ok_rc=77),
-    Case(f"train recipe=debug_grpo_live publish.dir=w data.path={{F}}/rolldir rl.max_lag=0 training.steps=1 data.wait_timeout=5 output_dir=out",
+    Case("train recipe=debug_grpo_live publish.dir=w data.path={F}/rolldir rl.max_lag=0 training.steps=1 data.wait_timeout=5 output_dir=out",
          "trains the shard already in the folder (16 records), or a waiting line that says why it does not",
          writes_ok=True, timeout=120),
     Case("train recipe=debug_grpo_live data.path=roll publish.interval=0 --cfg job", "accepted: a follow run without publication (the recipe's publish "
@@ -216,7 +216,7 @@ CASES: list[Case] = [
     Case(f"train {N2} parallel.pp=2 model.n_layers=1 --cfg job", "exit 2: one layer cannot make two stages"),
     Case(f"train {N2} parallel.gpus=4 --cfg job", "exit 0: the launch's 2 ranks win (parallel.gpus is the recipe's "
          "layout) and say so", valid=True),
-    Case(f"train nproc=3 parallel.ep=2 --cfg job", "exit 2: ep 2 does not divide 3 ranks"),
+    Case("train nproc=3 parallel.ep=2 --cfg job", "exit 2: ep 2 does not divide 3 ranks"),
     Case(f"train recipe=qwen35_debug_moe {N2} parallel.cp=2 --cfg job",
          "exit 2: context parallelism and the linear-attention (Gated DeltaNet) layers, or exit 0 (case 116 trains "
          "it)", valid=True),
