@@ -149,10 +149,12 @@ CASES: list[Case] = [
          "output_dir=out", "exit 2: a URL is not a local folder (it would wait on a folder named s3:)"),
     Case(f"{LIVE} data.wait_timeout=1e-9 output_dir=out", "exit 2 (shorter than any poll) or exit 77 at once",
          writes_ok=True, ok_rc=77),
-    Case("train recipe=debug_grpo_live publish.dir=w data.path={F}/rolldir rl.max_lag=0 training.steps=1 data.wait_timeout=5 output_dir=out",
+    Case("train recipe=debug_grpo_live publish.dir=w data.path={F}/rolldir rl.max_lag=0 training.steps=1 "
+     "data.wait_timeout=5 output_dir=out",
          "trains the shard already in the folder (16 records), or a waiting line that says why it does not",
          writes_ok=True, timeout=120),
-    Case("train recipe=debug_grpo_live data.path=roll publish.interval=0 --cfg job", "accepted: a follow run without publication (the recipe's publish "
+    Case("train recipe=debug_grpo_live data.path=roll publish.interval=0 --cfg job", "accepted: a follow run without "
+     "publication (the recipe's publish "
          "keys are not refused)", valid=True),
     # ------------------------------------------------------------ publish.* and the in-memory transports
     Case(f"{VLLM} --cfg job", "exit 0: prints the job (no vLLM needed to print it)", valid=True),
@@ -179,7 +181,8 @@ CASES: list[Case] = [
     Case(f"{VLLM} publish.transport=vllm --cfg job", "exit 2 listing hf_folder, vllm_ipc, vllm_nccl"),
     Case(f"{VLLM} adapter=lora --cfg job", "exit 2: a LoRA run publishes folders (the adapters' hand-off is not built)"),
     Case(f"{GRPO} publish.transport=vllm_ipc --cfg job", "exit 2: publish.transport with publish.interval=0 (ignored)"),
-    Case(f"{VLLM} parallel.pp=2 {N2} --cfg job", "exit 2 in --cfg job as at launch (publish.md: publication with parallel.pp > 1 is refused before launch)"),
+    Case(f"{VLLM} parallel.pp=2 {N2} --cfg job", "exit 2 in --cfg job as at launch (publish.md: publication with "
+     "parallel.pp > 1 is refused before launch)"),
     Case("train recipe=debug_grpo_vllm publish.transport=vllm_ipc nproc=2 publish.interval=1 --cfg job",
          "exit 0: prints the job (two ranks, rank 0 sends)", valid=True),
     Case("apiary launch recipe=debug_grpo_vllm launcher=slurm nodes=1 gpus_per_node=1 --dry-run",
@@ -220,7 +223,8 @@ CASES: list[Case] = [
     Case(f"train recipe=qwen35_debug_moe {N2} parallel.cp=2 --cfg job",
          "exit 2: context parallelism and the linear-attention (Gated DeltaNet) layers, or exit 0 (case 116 trains "
          "it)", valid=True),
-    Case(f"{GRPO} {N2} parallel.pp=2 --cfg job", "exit 2 as the launch (case 117) refuses it: policy training without pipeline parallelism"),
+    Case(f"{GRPO} {N2} parallel.pp=2 --cfg job", "exit 2 as the launch (case 117) refuses it: policy training without "
+     "pipeline parallelism"),
     # ------------------------------------------------------------ two gloo ranks, real training
     Case(f"{GRPO} {N2} parallel.ep=2 {ONE}", "trains one GRPO step on two ranks (FSDP2 + EP 2)", writes_ok=True,
          valid=True, verify=_ran, timeout=150),
