@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
-from shards import latest, reward, write_shard  # noqa: E402
+from shards import add_task_args, grpo_advantages, latest, reward, write_shard  # noqa: E402
 
 
 def load(folder: Path):
@@ -95,12 +94,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", type=Path, required=True, help="the trainer's publish.dir")
     p.add_argument("--out", type=Path, required=True, help="the trainer's data.path (data.follow=true)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
-    p.add_argument("--prompt-tokens", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_task_args(p)
     p.add_argument("--shards", type=int, default=0, help="stop after this many shards (0: until stopped)")
     p.add_argument("--patience", type=float, default=5.0,
                    help="seconds to wait for a new version before sampling another shard with the current one")
@@ -139,14 +133,13 @@ def main(argv=None) -> int:
             ids = sample_group(model, prompt, a.group, a.new_tokens, a.temperature, gen)
             lps, routed = token_logprobs(model, ids, a.temperature, a.routing)
             rs = [reward(row[a.prompt_tokens:].tolist()) for row in ids]
-            mean = sum(rs) / len(rs)
-            std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+            adv = grpo_advantages(rs)
             for j, row in enumerate(ids.tolist()):
                 records.append({
                     "input_ids": row,
                     "loss_mask": [0] * a.prompt_tokens + [1] * a.new_tokens,
                     "old_logprobs": [0.0] * a.prompt_tokens + lps[j, a.prompt_tokens:].tolist(),
-                    "advantages": (rs[j] - mean) / (std + 1e-4),
+                    "advantages": adv[j],
                     "policy_version": version,
                     "sequence_id": f"{index:06d}-{i * a.group + j}",
                     "group_id": f"{index:06d}-{i}",

@@ -4,7 +4,9 @@ renamed, names in write order)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -14,6 +16,23 @@ LOWER = range(97, 123)  # 'a'..'z' in the byte tokenizer
 def reward(completion: list[int]) -> float:
     """The fraction of the completion's tokens that are lowercase ASCII letters."""
     return sum(t in LOWER for t in completion) / max(len(completion), 1)
+
+
+def grpo_advantages(rewards: list[float]) -> list[float]:
+    """Each reward normalised within its group: (r - mean) / (std + 1e-4)."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + 1e-4) for r in rewards]
+
+
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """The sampling task's options both generators take."""
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
+    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def latest(weights: Path) -> Path | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -36,7 +35,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
-from shards import latest, reward, write_shard  # noqa: E402
+from shards import add_task_args, grpo_advantages, latest, reward, write_shard  # noqa: E402
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles arrive pickled (base64)
 
@@ -174,12 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="the trainer's data.path (data.follow=true)")
     p.add_argument("--backend", choices=("ipc", "nccl"), default="ipc",
                    help="the trainer's publish.transport: vllm_ipc -> ipc, vllm_nccl -> nccl")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
-    p.add_argument("--prompt-tokens", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_task_args(p)
     p.add_argument("--shards", type=int, default=0, help="stop after this many shards (0: until the trainer ends)")
     p.add_argument("--patience", type=float, default=30.0,
                    help="seconds to wait for the next version before sampling with the weights at hand")
@@ -221,14 +215,13 @@ def main(argv=None) -> int:
             records, rewards = [], []
             for i, (prompt, rows) in enumerate(zip(prompts, groups)):
                 rs = [reward(ids) for ids, _, _ in rows]
-                mean = sum(rs) / len(rs)
-                std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+                adv = grpo_advantages(rs)
                 for j, (ids, lps, routed) in enumerate(rows):
                     records.append({
                         "input_ids": prompt + ids,
                         "loss_mask": [0] * len(prompt) + [1] * len(ids),
                         "old_logprobs": [0.0] * len(prompt) + lps,
-                        "advantages": (rs[j] - mean) / (std + 1e-4),
+                        "advantages": adv[j],
                         "policy_version": used,
                         "sequence_id": f"{index:06d}-{i * a.group + j}",
                         "group_id": f"{index:06d}-{i}",
