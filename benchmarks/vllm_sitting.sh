@@ -3,11 +3,12 @@
 # each fit a 10-minute command, writing small result files under $OUT:
 #   PART=1: tests/gpu/test_vllm_gpu.py (qwen3 and qwen3_5, IPC; NCCL to the second GPU) and
 #           benchmarks/weight_sync_bench.py (the 4-layer Qwen3.5-35B-A3B width: IPC, NCCL, the folder).
-#   PART=2: the live loop with vLLM generating (benchmarks/rl_loop_vllm.sh: learn, lr=0, routing replay;
-#           then the tiny Qwen3.5 MoE with and without replay), and `apiary logprobs` against the engine's
-#           own log-probs on the first shard of the learn run (same weights, version 0).
-#   PART=3: training tok/s at the 4-layer width with an in-memory update every step against none, on
-#           static synthetic rollouts (the engine, --serve, only takes the updates).
+#   PART=2: the live loop with vLLM generating (benchmarks/rl_loop_vllm.sh: learn, lr=0, routing replay on
+#           GPU 0; the tiny Qwen3.5 MoE with and without replay, then a LoRA run, on GPU 1), and `apiary
+#           logprobs` against the engine's own log-probs on the first shard of the learn run (version 0).
+#   PART=3: training tok/s at the 4-layer width with an in-memory update every step (GPU 0, the engine
+#           beside it) against none (GPU 1, at the same time), on static synthetic rollouts (the engine,
+#           --serve, only takes the updates); then the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -26,15 +27,29 @@ case "$PART" in
   cp /tmp/ws/weight_sync.json "$OUT/" 2>/dev/null
   ;;
 2)
-  OUT=/tmp/rl STEPS=16 TLIMIT=150 PY=$PY bash benchmarks/rl_loop_vllm.sh "learn=" "flat=optimizer.lr=0" \
-    "replay=moe.routing_replay=true:--routing" 2>&1 | tail -6 | tee "$OUT/rl_qwen3.table"
-  # the same loop with the Qwen3.5 MoE (recipe qwen35_debug_grpo_vllm)
+  # the two GPUs at once: qwen3 (learn, lr=0, routing replay) on GPU 0; the Qwen3.5 MoE (learn, replay), then
+  # a LoRA run (adapters published as PEFT folders, loaded by vLLM as LoRA adapters) on GPU 1
+  CUDA_VISIBLE_DEVICES=1 $PY - <<'PY' > "$OUT/lora_base.log" 2>&1
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import weight_sync_bench as w
+m, wr = w.build("debug_grpo_vllm", [])
+w.write_folder(m, wr, Path("/tmp/lbase"), 0)
+PY
   sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
-  OUT=/tmp/rl35 STEPS=12 TLIMIT=150 PY=$PY bash /tmp/rl35.sh "learn=" "replay=moe.routing_replay=true:--routing" 2>&1 \
-    | tail -5 | tee "$OUT/rl_qwen35.table"
+  (CUDA_VISIBLE_DEVICES=0 OUT=/tmp/rl STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+    "learn=" "flat=optimizer.lr=0" "replay=moe.routing_replay=true:--routing" > "$OUT/rl_qwen3.log" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rl35 STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash /tmp/rl35.sh \
+    "learn=" "replay=moe.routing_replay=true:--routing" > "$OUT/rl_qwen35.log" 2>&1
+   CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rll STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+    "lora=adapter=lora,model.hf_checkpoint=/tmp/lbase/step-0,publish.transport=hf_folder,optimizer.lr=2e-2" \
+    > "$OUT/rl_lora.log" 2>&1) &
+  wait
+  tail -5 "$OUT/rl_qwen3.log" "$OUT/rl_qwen35.log"; tail -2 "$OUT/rl_lora.log"
   # apiary logprobs on the engine's first shard, with the weights that sampled it (version 0)
-  $PY -m toolkit.cli logprobs /tmp/rl/learn/weights/step-0 /tmp/rl/learn/rollouts/000000.jsonl --out /tmp/lp \
-    > "$OUT/logprobs.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 $PY -m toolkit.cli logprobs /tmp/rl/learn/weights/step-0 /tmp/rl/learn/rollouts/000000.jsonl \
+    --out /tmp/lp > "$OUT/logprobs.log" 2>&1
   $PY - /tmp/lp/000000.jsonl >> "$OUT/logprobs.log" 2>&1 <<'PY'
 import json, sys
 d = []
@@ -45,17 +60,21 @@ print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / 
 PY
   tail -1 "$OUT/logprobs.log"
   for n in learn flat replay; do cp /tmp/rl/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null; done
-  errors /tmp/rl/*/generator.log /tmp/rl35/*/generator.log /tmp/rl*/*/train.log > "$OUT/rl_errors.log"
+  errors /tmp/rl*/*/generator.log /tmp/rl*/*/train.log > "$OUT/rl_errors.log"
   ;;
 3)
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
   BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false)
-  timeout 200 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
-  timeout 260 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w > /tmp/tp_every.log 2>&1 &
+  # no publication on GPU 1 while GPU 0 trains with an update every step into an engine beside it (IPC)
+  CUDA_VISIBLE_DEVICES=1 timeout 260 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 \
+    > /tmp/tp_none.log 2>&1 &
+  tn=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 260 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
+    > /tmp/tp_every.log 2>&1 &
   tp=$!
   CUDA_VISIBLE_DEVICES=0 timeout 260 $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
     --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
-  wait $tp
+  wait $tp $tn
   $PY - /tmp/tp > "$OUT/throughput.table" <<'PY'
 import json, statistics, sys
 from pathlib import Path
@@ -69,5 +88,9 @@ for name in ("none", "every"):
 PY
   cat "$OUT/throughput.table"
   errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
+  # the Qwen3.5 engine case and the LoRA adapters case of tests/gpu/test_vllm_gpu.py
+  timeout ${TTEST:-240} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
+    -k "qwen35 or lora" 2>&1 | grep -v INFO | tee "$OUT/gpu_test3.log" | grep -E "passed|failed|logprob diff" | tail -6
+  errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors3.log"
   ;;
 esac

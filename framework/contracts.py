@@ -43,7 +43,7 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -414,9 +414,33 @@ class Adapter(Component, Planned, Protocol):
 
     ``export_hf(run_dir, out_path, family, *, merged)`` (optional): `apiary export` of a run that
     trained adapters; returns (folder, what it holds): the adapters alone (PEFT's format) or, with
-    ``merged``, the model with the adapters folded in."""
+    ``merged``, the model with the adapters folded in.
+
+    ``published_form(options, ctx)`` (optional): what weight publication (framework/publish.py) writes
+    for a run with this adapter, a ``PublishedForm``; left out, or returning None, the model family's
+    ``hf_writer`` (the whole model) is published."""
 
     def export_hf(self, run_dir: str, out_path: str, family: Any, *, merged: bool = False) -> tuple: ...
+
+    def published_form(self, options: Any, ctx: Context) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PublishedForm:
+    """What one published version holds (framework/publish.py writes it as ``DIR/step-V``):
+    ``convert`` maps the gathered state dict to (tensors, the config file's body); ``select`` picks
+    the state-dict keys gathered (None: all); the tensors go to ``WEIGHTS.safetensors`` (sharded as
+    ``WEIGHTS-0000i-of-0000n`` above the shard size when ``shardable``) and the body to ``config``;
+    ``loader_files`` adds what a model loader reads beside the weights (tokenizer files,
+    generation_config.json); ``describe`` names the form in the publication line."""
+
+    convert: Callable[[dict], tuple[dict, dict]]
+    select: Optional[Callable[[str], bool]] = None
+    weights: str = "model"
+    config: str = "config.json"
+    shardable: bool = True
+    loader_files: bool = True
+    describe: str = "weights"
 
 
 class Precision(Component, Planned, Protocol):
@@ -448,6 +472,8 @@ class FollowedData(Protocol):
     def ready(self) -> bool: ...  # the next step's rows can be formed now (ValueError: a malformed shard)
 
     def waiting_note(self) -> str: ...  # what the status line adds while waiting (drops, last shard)
+
+    def held(self) -> str: ...  # what the folder holds of the step waited for, in words ("": nothing of it)
 
     def step_report(self, step: int) -> dict | None: ...  # the records step ``step`` trained, once
 
@@ -702,7 +728,8 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
               "save_hf": None,  # the generic writer (hf.save) writes the family's folder
               "PLAN_CONSTANTS": MappingProxyType({})},  # its layer kinds plan with no calibrated constant
     "adapter": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
-                "export_hf": None},  # `apiary export` of a run with this adapter is refused
+                "export_hf": None,  # `apiary export` of a run with this adapter is refused
+                "published_form": None},  # publication writes the model family's whole folder
     "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_comm": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},

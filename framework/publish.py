@@ -51,6 +51,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from framework import contracts
 from framework.errors import UserError
 
 BACKGROUND_PARAMS = 1_000_000_000  # auto: larger models always write in the background
@@ -80,6 +81,7 @@ class PublishSettings:
     transport: Any = None  # the publish.transport component (contracts.Transport); None or IN_MEMORY False: folders
     transport_options: Any = None  # its options (the publish section)
     log: Any = None  # where a sender puts its times for the next metrics record: LOG (set below)
+    form: Any = None  # contracts.PublishedForm: what a version holds (None: the family's whole folder from convert)
 
 
 def settings(cfg, ctx, facts) -> PublishSettings | None:
@@ -91,7 +93,12 @@ def settings(cfg, ctx, facts) -> PublishSettings | None:
     tok = cfg.data.tokenizer
     tok_dir = str(tok) if tok and Path(str(tok)).is_dir() else None
     convert = ctx.components["model"].hf_writer(ctx.options["model"], ctx)
-    return PublishSettings(interval=int(p.interval), dir=str(Path(p.dir).absolute() if p.dir is not None else out / "weights"),
+    adapter = ctx.components.get("adapter")
+    of_adapter = contracts.member(adapter, "adapter", "published_form") if adapter is not None else None
+    form = of_adapter(ctx.options["adapter"], ctx) if of_adapter is not None else None
+    form = form if form is not None else contracts.PublishedForm(convert=convert)
+    return PublishSettings(form=form,
+                           interval=int(p.interval), dir=str(Path(p.dir).absolute() if p.dir is not None else out / "weights"),
                            keep=int(p.keep), background=str(p.background).lower(), convert=convert,
                            run=str(out), tokenizer_dir=tok_dir, n_params=int(facts.n_params or 0),
                            dtype=None if p.dtype is None else str(p.dtype),
@@ -213,8 +220,10 @@ def add_hf_extras(folder: Path, hf_config: dict, tokenizer_dir: str | None) -> l
 
 
 def write_version(directory, version: int, tensors: dict, hf_config: dict, *, run: str = "",
-                  tokenizer_dir: str | None = None) -> Path:
-    """Write one version as ``DIR/step-V`` (aside, fsync'ed, renamed) and point ``DIR/latest`` at it."""
+                  tokenizer_dir: str | None = None, form: contracts.PublishedForm | None = None) -> Path:
+    """Write one version as ``DIR/step-V`` (aside, fsync'ed, renamed) and point ``DIR/latest`` at it:
+    the tensors and config in ``form``'s file names (default: an HF model folder)."""
+    form = form if form is not None else contracts.PublishedForm(convert=None)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     name = f"step-{version}"
@@ -227,19 +236,21 @@ def write_version(directory, version: int, tensors: dict, hf_config: dict, *, ru
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    groups = _shards(tensors)
+    groups = _shards(tensors) if form.shardable else [tensors]
     if len(groups) == 1:
-        save_file(groups[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(groups[0], str(tmp / f"{form.weights}.safetensors"), metadata={"format": "pt"})
     else:
         weight_map, total = {}, 0
         for i, g in enumerate(groups):
-            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            fname = f"{form.weights}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file(g, str(tmp / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in g})
             total += sum(v.numel() * v.element_size() for v in g.values())
-        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(tmp / "config.json", hf_config)
-    add_hf_extras(tmp, hf_config, tokenizer_dir)
+        _write_json(tmp / f"{form.weights}.safetensors.index.json", {"metadata": {"total_size": total},
+                                                                      "weight_map": weight_map})
+    _write_json(tmp / form.config, hf_config)
+    if form.loader_files:
+        add_hf_extras(tmp, hf_config, tokenizer_dir)
     _write_json(tmp / VERSION_FILE, {"version": version, "step": version, "run": run})
     for f in tmp.iterdir():
         _fsync_file(f)
@@ -382,8 +393,11 @@ class Publisher:
         sd: dict = {}
         cast = getattr(torch, self.s.dtype) if self.s.dtype else None
         copied_async = False
+        select = self.s.form.select if self.s.form is not None else None
         for part in trainer.model_parts:
             for k, v in part.state_dict().items():
+                if select is not None and not select(k):
+                    continue
                 if isinstance(v, DTensor):
                     v = v.full_tensor()
                 if self.rank == 0 and isinstance(v, torch.Tensor):
@@ -410,11 +424,13 @@ class Publisher:
 
     def _write(self, version: int, sd: dict, blocked: float, background: bool, stale: int | None) -> None:
         t0 = time.perf_counter()
-        tensors, hf_config = self.s.convert(sd)
+        form = self.s.form if self.s.form is not None else contracts.PublishedForm(convert=self.s.convert)
+        tensors, hf_config = form.convert(sd)
         del sd
-        if self.s.dtype:
+        if self.s.dtype and form.loader_files:  # a model folder's config.json names its dtype
             hf_config = {**hf_config, "torch_dtype": self.s.dtype, "dtype": self.s.dtype}
-        path = write_version(self.dir, version, tensors, hf_config, run=self.s.run, tokenizer_dir=self.s.tokenizer_dir)
+        path = write_version(self.dir, version, tensors, hf_config, run=self.s.run, tokenizer_dir=self.s.tokenizer_dir,
+                             form=form)
         prune(self.dir, self.s.keep, newer_than=stale)
         write_s = time.perf_counter() - t0
         if not background:
@@ -424,7 +440,7 @@ class Publisher:
                "waited_s": round(self._waited, 4), "gather_s": round(self._gathered, 4), "background": background}
         self.records.append(rec)
         LOG.put(blocked_s=rec["blocked_s"], write_s=rec["write_s"], version=version)
-        print(f"published weights {path.name} -> {self.dir} (blocked {blocked:.2f} s: waited {self._waited:.2f} s for "
+        print(f"published {form.describe} {path.name} -> {self.dir} (blocked {blocked:.2f} s: waited {self._waited:.2f} s for "
               f"the previous write, gathered in {self._gathered:.2f} s; written in {write_s:.2f} s"
               f"{', in the background' if background else ''})", flush=True)
 

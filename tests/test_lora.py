@@ -251,10 +251,13 @@ def runs(hf_dirs, tmp_path_factory):
     none = _trainer_run(q3[0], q3[1] + ["training.steps=1", "checkpoint.enable=false", f"output_dir={work / 'none'}"])
     lora = _trainer_run(q3[0], q3[1] + ["adapter=lora", f"adapter.targets={Q3_TARGETS}", "adapter.rank=4",
                                         "optimizer.lr=1e-2", "training.steps=8", "checkpoint.interval=4",
-                                        f"output_dir={work / 'lora'}"], inspect)
+                                        "publish.interval=4", "publish.keep=3", "publish.dtype=bfloat16",
+                                        f"output_dir={work / 'lora'}"],
+                        inspect)
     q35 = _trainer_run("qwen35_debug_moe", [f"model.hf_checkpoint={hf_dirs / 'qwen35_moe'}", *SMALL, "adapter=lora",
                                             f"adapter.targets={Q35_TARGETS}", "adapter.rank=4", "optimizer.lr=1e-2",
-                                            "training.steps=2", "checkpoint.interval=2", f"output_dir={work / 'q35'}"])
+                                            "training.steps=2", "checkpoint.interval=2", "publish.interval=2",
+                                            f"output_dir={work / 'q35'}"])
     return {"work": work, "base": base, "none": none, "lora": lora, "q35": q35, "seen": seen, "q3_args": q3}
 
 
@@ -309,8 +312,11 @@ PEFT_SCRIPT = textwrap.dedent("""
     import torch, transformers
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
+    sys.path.insert(0, sys.argv[2])
+    from pathlib import Path
+    from generator import load  # examples/rl_loop: a LoRA run's published version, as the generator loads it
     out = {}
-    for name, cls, base, adapter, merged, tokens in json.loads(sys.argv[1]):
+    for name, cls, base, adapter, merged, tokens, published in json.loads(sys.argv[1]):
         C = getattr(transformers, cls)
         tokens = torch.load(tokens)
         pm = PeftModel.from_pretrained(C.from_pretrained(base, dtype=torch.float32), adapter).eval()
@@ -319,7 +325,13 @@ PEFT_SCRIPT = textwrap.dedent("""
         with torch.no_grad():
             peft_logits = pm(tokens).logits
             merged_logits = C.from_pretrained(merged, dtype=torch.float32).eval()(tokens).logits
-        torch.save({"peft": peft_logits, "merged": merged_logits, "missing": sorted(want - have),
+            gm, version = load(Path(published))
+            gen_logits = gm(tokens).logits
+            pub = PeftModel.from_pretrained(C.from_pretrained(base, dtype=torch.float32), published).eval()
+            published_logits = pub(tokens).logits
+        torch.save({"peft": peft_logits, "merged": merged_logits, "generator": gen_logits, "version": version,
+                    "published_peft": published_logits,
+                    "missing": sorted(want - have),
                     "unexpected": sorted(have - want)}, adapter + "/../" + name + "_hf.pt")
 """)
 
@@ -371,6 +383,7 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
 
 
 def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
+    from framework import publish
     from toolkit.cli import apiary_main
 
     work = runs["work"]
@@ -384,15 +397,16 @@ def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
         torch.save(tokens, work / f"{name}_tokens.pt")
         mine[name] = _apiary_logits(run, tokens)
         jobs.append([name, cls, str(base), str(work / f"{name}_peft"), str(work / f"{name}_merged"),
-                     str(work / f"{name}_tokens.pt")])
+                     str(work / f"{name}_tokens.pt"), str(publish.read_latest(run / "weights"))])
     said = capsys.readouterr().out
     assert "PEFT LoRA adapter (rank 4, alpha 32)" in said and "routed experts of 2 layers" in said
     cfg35 = json.loads((work / "q35_peft" / "adapter_config.json").read_text())
     assert cfg35["rank_pattern"] == {"linear_attn.in_proj_qkv": 12, "gate_up_proj": 8}  # 3 x r fused, 2 x r experts
     assert cfg35["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    p = subprocess.run([sys.executable, "-c", PEFT_SCRIPT, json.dumps(jobs)], capture_output=True, text=True,
-                       timeout=600, cwd=work)
+    p = subprocess.run([sys.executable, "-c", PEFT_SCRIPT, json.dumps(jobs), str(ROOT / "examples" / "rl_loop")],
+                       capture_output=True, text=True, timeout=600, cwd=work)
     assert p.returncode == 0, p.stderr[-3000:]
+    _published_adapters_are_the_export(work)
     for name, *_ in cases:
         got = torch.load(work / f"{name}_hf.pt")
         assert got["missing"] == [] and got["unexpected"] == []  # every key PEFT expects, nothing it ignores
@@ -403,6 +417,36 @@ def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
         peft_diff, merged_diff = ((got[k] - on).abs().max().item() for k in ("peft", "merged"))
         print(f"{name}: max |logits| difference from apiary's: PEFT {peft_diff:.2e}, merged {merged_diff:.2e}")
         assert peft_diff < 2e-4 and merged_diff < 2e-4, name
+        # the generator on the latest published version (the adapters alone, applied to the base by peft);
+        # qwen3's were published in bfloat16: rounding them moves these tiny random models' logits by up to
+        # ~0.8 (measured), so its generator is compared with PEFT's own loading of the same folder
+        gen_diff = (got["generator"] - (on if name == "q35" else got["published_peft"])).abs().max().item()
+        assert got["version"] == (8 if name == "q3" else 2) and gen_diff < 2e-4, (name, gen_diff)
+
+
+def _published_adapters_are_the_export(work: Path) -> None:
+    """publish.interval > 0 with adapter=lora: each version is the adapters alone in PEFT's format, the
+    export of the checkpoint of the same step (bitwise; cast with publish.dtype), for the HF base."""
+    from safetensors.torch import load_file
+
+    from framework import publish
+
+    for name, run, last, dtype in (("q3", "lora", 8, torch.bfloat16), ("q35", "q35", 2, torch.float32)):
+        weights = work / run / "weights"
+        assert publish.versions(weights) == ([0, 4, 8] if run == "lora" else [0, 2])
+        assert publish.read_latest(weights).name == f"step-{last}"
+        got = weights / f"step-{last}"
+        assert sorted(f.name for f in got.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                           publish.VERSION_FILE]  # no base weights, no tokenizer
+        exported = work / f"{name}_peft"
+        mine, ref = load_file(got / "adapter_model.safetensors"), load_file(exported / "adapter_model.safetensors")
+        assert sorted(mine) == sorted(ref)
+        for k in ref:
+            assert mine[k].dtype == dtype and torch.equal(mine[k], ref[k].to(dtype)), k
+        assert json.loads((got / "adapter_config.json").read_text()) == \
+            json.loads((exported / "adapter_config.json").read_text())
+        first = load_file(weights / "step-0" / "adapter_model.safetensors")  # the starting adapters: B = 0
+        assert all(not v.any() for k, v in first.items() if ".lora_B." in k)
 
 
 def test_a_resume_trains_on_and_another_base_is_refused(runs, capsys):
@@ -470,6 +514,9 @@ def test_lora_on_an_moe_recipe_freezes_the_routing_bias_and_counts_the_adapters(
      ["loss=linear_ce reads lm_head.weight", "would be ignored"]),
     (["adapter=lora", "moe.load_balance_coeff=null", "state=zero1"], ["state=zero1 is not. Use state=fsdp2"]),
     (["adapter=lora", "moe.load_balance_coeff=null", "precision=fp8"], ["precision=fp8 would convert"]),
+    (["adapter=lora", "moe.load_balance_coeff=null", "publish.interval=2"],
+     ["publish.interval=2 with adapter=lora publishes the adapters alone", "initialised from training.seed",
+      "model.hf_checkpoint=DIR"]),
 ])
 def test_bad_adapter_settings_are_refused_before_launch(argv, needles, workdir, capsys):
     from framework.cli import train_main
@@ -481,6 +528,19 @@ def test_bad_adapter_settings_are_refused_before_launch(argv, needles, workdir, 
     for n in needles:
         assert n in err, (n, err)
     assert not (workdir / "runs").exists()
+
+
+def test_adapters_are_not_sent_in_memory(hf_dirs, workdir, capsys):
+    """A LoRA run's versions are PEFT folders that vLLM loads as adapters: an in-memory transport (which
+    sends the whole model) is refused before launch, naming the one to use."""
+    from framework.cli import train_main
+
+    code = train_main(["recipe=debug_grpo_vllm", "adapter=lora", "moe.load_balance_coeff=null", "data.path=r",
+                       f"model.hf_checkpoint={hf_dirs / 'qwen3_moe'}", "publish.dir=w", "--cfg", "job"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "Traceback" not in err, err
+    assert "publish.transport=vllm_ipc sends the whole model to the engine in memory" in err, err
+    assert "Use publish.transport=hf_folder" in err, err
 
 
 def test_exports_that_cannot_be_written_are_refused(workdir, capsys):

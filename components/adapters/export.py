@@ -263,6 +263,36 @@ def peft_config(cfg, sources: dict, experts: bool, base_path: str | None, all_mo
     }
 
 
+def published_form(cfg, family_mod) -> contracts.PublishedForm:
+    """What weight publication writes for a LoRA run (``publish.interval > 0``): each version is the
+    adapters alone in PEFT's format, the files `apiary export RUN --hf OUT` writes
+    (``adapter_config.json`` + ``adapter_model.safetensors``) for the base folder
+    ``model.hf_checkpoint``, which transformers + peft and vLLM's LoRA loading apply to that base.
+    Only the adapters are gathered (a few MB, where the whole model is GBs); the row map is found at
+    the first version, from the base's shapes (meta tensors). Tensors keep the gathered dtype
+    (``publish.dtype`` casts them)."""
+    base_path = str(Path(cfg.model.hf_checkpoint).absolute())
+    r = int(cfg.adapter.rank)
+    found: dict = {}
+
+    def convert(sd: dict) -> tuple[dict, dict]:
+        if not found:
+            config = _family_config(family_mod, cfg)
+            rmap = row_map(family_mod, config, _meta(config).state_dict())
+            found.update(rmap=rmap, modules={m: (sum(len(dst) for _, _, dst in parts),) for m, parts in rmap.items()})
+        dtype = next(iter(sd.values())).dtype if sd else torch.float32
+        adapters = {k: v.float() for k, v in sd.items()}
+        tensors, sources = _peft_tensors(adapters, found["rmap"], {}, r, found["modules"])
+        expert_tensors, layers = _expert_tensors(adapters, r)
+        tensors.update(expert_tensors)
+        body = peft_config(cfg, sources, bool(layers), base_path, sorted(found["rmap"]))
+        return {k: v.to(dtype).contiguous() for k, v in tensors.items()}, body
+
+    return contracts.PublishedForm(convert=convert, select=is_adapter_param, weights="adapter_model",
+                                   config="adapter_config.json", shardable=False, loader_files=False,
+                                   describe="adapters")
+
+
 def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path, str]:
     """(the folder written, a note for the console): PEFT's adapter folder, or with ``merged`` the
     merged HF folder (module docstring)."""

@@ -11,7 +11,7 @@ their optimizer state only, with a pointer to the base (``components.adapters.ba
 Pre-launch refusals (ValueError -> exit 2 naming the key): rank < 1, rank above the narrowest
 targeted layer, an unknown target (with did-you-mean), a target the model has not, LoRA with a
 combination nothing here runs (fp8, tensor/pipeline parallelism, zero1, moe.chunk with adapted
-experts, publication, a seed checkpoint, ``lm_head`` with a loss that reads its weight directly),
+experts, publication without an HF base or in memory, a seed checkpoint, ``lm_head`` with a loss that reads its weight directly),
 and ``adapter.*`` settings under ``adapter=none`` (they would be ignored).
 """
 
@@ -256,6 +256,15 @@ class LoRA:
 
         return export.export_hf(run_dir, out_path, family_mod, merged=merged)
 
+    @staticmethod
+    def published_form(options, ctx):
+        """Publication (publish.interval > 0) writes the adapters alone, as PEFT's folder for the base
+        model.hf_checkpoint (components/adapters/export.py ``published_form``; checked by
+        ``_check_publication``)."""
+        from components.adapters import export  # reason: start-up time (torch, torchtitan, safetensors)
+
+        return export.published_form(ctx.cfg, ctx.components["model"])
+
     # apiary compare: another rank, scale, init or set of targets trains something else; dropout
     # and the adapters' dtype change the update's numerics only
     NUMERICS = {"": "any", "dropout": "any", "dtype": "bf16"}
@@ -282,13 +291,30 @@ def _check_combinations(options, ctx) -> None:
                          f"lm_head.weight in its own fused GEMMs, so the adapter would be ignored; use loss="
                          f"{'|'.join(LM_HEAD_MODULE_LOSSES)}, or drop lm_head from adapter.targets")
     if int(cfg.publish.interval) > 0:
-        raise ValueError("publish.interval > 0 hands a generator the trained weights; with adapter=lora those are the "
-                         "base plus adapters, which publication does not merge yet. Set publish.interval=0 and export "
-                         "with `apiary export RUN --hf OUT [--merged]`")
+        _check_publication(cfg, ctx)
     if cfg.checkpoint.create_seed:
         raise ValueError("checkpoint.create_seed=true writes a shared starting point for full training; an adapter "
                          "checkpoint holds adapters only. Create the seed with adapter=none and give it to LoRA runs "
                          "as their base: checkpoint.load_path=RUN/checkpoint/step-0")
+
+
+def _check_publication(cfg, ctx) -> None:
+    """publish.interval > 0 publishes the adapters alone (PEFT's folder for the base folder they were
+    trained on): the base must be an HF folder a generator can load, and the versions cross as folders."""
+    if not cfg.model.get("hf_checkpoint") or cfg.checkpoint.get("load_path"):
+        base = (f"checkpoint.load_path={cfg.checkpoint.load_path} (a DCP step)" if cfg.checkpoint.get("load_path")
+                else "initialised from training.seed")
+        raise ValueError(f"publish.interval={cfg.publish.interval} with adapter=lora publishes the adapters alone "
+                         "(PEFT's folder), which a generator applies to the HF folder of the base they were trained on; "
+                         f"this run's base is {base}, which no generator can load. Train the adapters on an HF folder: "
+                         "model.hf_checkpoint=DIR (`apiary export RUN --hf DIR` writes one from a saved step), or set "
+                         "publish.interval=0")
+    transport = ctx.components.get("transport")
+    if transport is not None and getattr(transport, "IN_MEMORY", False):
+        raise ValueError(f"publish.transport={cfg.publish.transport} sends the whole model to the engine in memory; "
+                         "with adapter=lora a version is the adapters alone (a few MB in PEFT's format), which vLLM "
+                         "loads as a LoRA adapter from the published folder (examples/rl_loop/vllm_generator.py "
+                         "--lora). Use publish.transport=hf_folder")
 
 
 def _bias_frozen(ctx) -> bool:

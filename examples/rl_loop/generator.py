@@ -19,12 +19,14 @@ hand, so a trainer that needs more rows than a shard gives never waits forever.
 
 ``--routing`` also writes each token's ``routed_experts`` (the experts every MoE layer chose in the
 forward that computed ``old_logprobs``), for a trainer with ``moe.routing_replay=true``.
+
+A LoRA run (``adapter=lora``) publishes its adapters alone (PEFT's folder naming its base): each
+version is loaded onto that base with peft and merged.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -34,14 +36,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
-from shards import add_task_args, grpo_advantages, latest, reward, write_shard  # noqa: E402
+from shards import adapter_base, add_task_args, grpo_advantages, latest, reward, version_of, write_shard  # noqa: E402
 
 
 def load(folder: Path):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    """The published version in ``folder``: a whole model, or (a LoRA run) adapters that peft applies to
+    the base folder they name, merged so that sampling and routing read one plain model."""
+    base = adapter_base(folder)
+    model = AutoModelForCausalLM.from_pretrained(base if base is not None else folder, dtype=torch.float32)
+    if base is not None:
+        from peft import PeftModel  # reason: only LoRA runs need peft
+
+        model = PeftModel.from_pretrained(model, folder).merge_and_unload()
     model.eval()
-    version = json.loads((folder / "apiary_version.json").read_text())["version"]
-    return model, int(version)
+    return model, version_of(folder)
 
 
 @torch.no_grad()

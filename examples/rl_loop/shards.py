@@ -44,6 +44,23 @@ def latest(weights: Path) -> Path | None:
     return weights / name if name else None
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA run publishes its adapters alone, in PEFT's format
+
+
+def adapter_base(folder: Path) -> Path | None:
+    """The base folder a published adapter version applies to (None for a whole-model folder)."""
+    f = folder / ADAPTER_CONFIG
+    if not f.is_file():
+        return None
+    return Path(json.loads(f.read_text())["base_model_name_or_path"])
+
+
+def version_of(folder: Path) -> int:
+    """The ``policy_version`` of a published folder (-1 for a folder publication did not write)."""
+    f = folder / "apiary_version.json"
+    return int(json.loads(f.read_text())["version"]) if f.is_file() else -1
+
+
 def write_shard(out: Path, index: int, records: list[dict]) -> Path:
     name = f"{index:06d}.jsonl"
     tmp = out / f".{name}.tmp"

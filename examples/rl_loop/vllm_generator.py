@@ -20,6 +20,12 @@ ASCII letters; advantages are normalised within each group (GRPO).
 
 ``--serve`` only applies updates and answers probes (greedy tokens and their log-probs for given
 prompts: tests/gpu/test_vllm_gpu.py, benchmarks/weight_sync_bench.py), writing no shards.
+
+A LoRA run (``adapter=lora``, ``publish.transport=hf_folder``) publishes its adapters alone, as PEFT's
+folder naming the base: the engine starts on that base with LoRA enabled, and each new version is
+loaded as a LoRA adapter (vLLM's ``LoRARequest``, a new id per version) between shards; there is no
+link. ``--probe-out FILE`` writes the greedy probe of the latest version (whole model or adapters) and
+exits.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
-from shards import add_task_args, grpo_advantages, latest, reward, write_shard  # noqa: E402
+from shards import adapter_base, add_task_args, grpo_advantages, latest, reward, version_of, write_shard  # noqa: E402
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # IPC handles arrive pickled (base64)
 
@@ -58,14 +64,44 @@ class Engine:
                  eager: bool = True):
         from vllm import LLM  # reason: imported after the environment is set
 
-        kw = {"weight_transfer_config": {"backend": backend}} if backend else {}
-        self.llm = LLM(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
+        base = adapter_base(folder)  # a LoRA run's version: adapters for this base
+        kw = {"weight_transfer_config": {"backend": backend}} if backend and base is None else {}
+        if base is not None:
+            kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank(folder))
+        model = base if base is not None else folder
+        self.llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
                        gpu_memory_utilization=memory, max_model_len=max_len, seed=seed,
                        logprobs_mode="processed_logprobs", enable_return_routed_experts=routing, **kw)
-        self.config = json.loads((folder / "config.json").read_text())
-        self.version = int(json.loads((folder / "apiary_version.json").read_text())["version"])
+        self.config = json.loads((model / "config.json").read_text())
+        self.lora = None  # the LoRARequest of the adapters in use
+        self.version = version_of(folder)
+        if base is not None:
+            self.use_adapters(folder)
         self.conn = None
         self.updates: list[dict] = []  # per applied update: version, seconds paused
+
+    def use_adapters(self, folder: Path) -> None:
+        """Sample with the adapters of ``folder`` from now on (vLLM loads them at the next generate)."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        self.version = version_of(folder)
+        self.lora = LoRARequest(f"step-{self.version}", self.version + 1, str(folder))
+        self.updates.append({"version": self.version, "paused_s": time.perf_counter() - t0, "adapters": True})
+
+    def poll_adapters(self, weights: Path) -> bool:
+        """Take the newest published adapters when they are newer than those in use."""
+        folder = latest(weights)
+        if self.lora is None or folder is None or not (folder / "adapter_config.json").is_file():
+            return False
+        try:
+            v = version_of(folder)
+        except (OSError, ValueError, KeyError):  # pruned or replaced while read: the next poll takes it
+            return False
+        if v <= self.version:
+            return False
+        self.use_adapters(folder)
+        return True
 
     # -- the link ------------------------------------------------------------------------------------
     def connect(self, weights: Path, timeout: float) -> None:
@@ -134,11 +170,21 @@ class Engine:
 
         sp = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True, logprobs=0,
                             detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=self.lora)
         return {"version": self.version,
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                              for o in outs]}
+
+    def score(self, seqs: list[list[int]], adapters: bool = True) -> list[list[float]]:
+        """Teacher-forced log-probs of every token of ``seqs`` after the first (the prompt log-probs),
+        with the adapters in use, or the base alone (``adapters=False``)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": q} for q in seqs], sp, use_tqdm=False,
+                                 lora_request=self.lora if adapters else None)
+        return [[lp[t].logprob for t, lp in zip(q[1:], o.prompt_logprobs[1:])] for q, o in zip(seqs, outs)]
 
     def sample(self, prompts: list[list[int]], group: int, tokens: int, temperature: float, seed: int,
                routing: bool) -> list[list[tuple]]:
@@ -147,7 +193,7 @@ class Engine:
 
         sp = [SamplingParams(n=group, temperature=temperature, max_tokens=tokens, min_tokens=tokens, ignore_eos=True,
                              logprobs=0, detokenize=False, seed=seed + i) for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=self.lora)
         result = []
         for p, o in zip(prompts, outs):
             rows = []
@@ -167,6 +213,18 @@ class Engine:
 
 
 
+def lora_rank(folder: Path) -> int:
+    """The smallest of vLLM's accepted max_lora_rank values that holds the adapters' largest rank."""
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    r = max([int(cfg["r"]), *map(int, (cfg.get("rank_pattern") or {}).values())])
+    return next((x for x in (8, 16, 32, 64, 128, 256, 320, 512) if x >= r), r)
+
+
+def probe_prompts(n: int = 4, length: int = 12, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", type=Path, required=True, help="the trainer's publish.dir")
@@ -183,6 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024, help="vLLM's max_model_len")
     p.add_argument("--serve", action="store_true", help="only apply updates and answer probes")
     p.add_argument("--log", type=Path, help="write the engine's update times (jsonl) here at the end")
+    p.add_argument("--probe-out", type=Path, help="write the greedy probe of the latest version (JSON) and exit")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     folder = wait_for(lambda: latest(a.weights), a.wait)
@@ -190,8 +249,20 @@ def main(argv=None) -> int:
         print(f"vllm_generator: no weights in {a.weights} after {a.wait:.0f} s", file=sys.stderr)
         return 1
     eng = Engine(folder, a.backend, routing=a.routing, memory=a.memory, max_len=a.max_len, seed=a.seed)
-    eng.connect(a.weights, a.wait)
-    print(f"vllm_generator: engine on {folder} (version {eng.version}), linked to the trainer ({a.backend})", flush=True)
+    if a.probe_out is not None:  # the greedy probe, and the teacher-forced log-probs of fixed sequences
+        seqs = probe_prompts(4, 64, seed=1)
+        got = {**eng.probe(probe_prompts(), 16), "scored": eng.score(seqs)}
+        if eng.lora is not None:
+            got["scored_base"] = eng.score(seqs, adapters=False)
+        a.probe_out.write_text(json.dumps(got))
+        return 0
+    if eng.lora is None:
+        eng.connect(a.weights, a.wait)
+        print(f"vllm_generator: engine on {folder} (version {eng.version}), linked to the trainer ({a.backend})",
+              flush=True)
+    else:
+        print(f"vllm_generator: engine on the base {adapter_base(folder)} with the adapters of {folder} "
+              f"(version {eng.version}); new versions load as LoRA adapters", flush=True)
     try:
         if a.serve:
             while eng.serve(block=True):
@@ -204,11 +275,14 @@ def main(argv=None) -> int:
         while a.shards == 0 or index < a.shards:
             if not eng.serve(block=False):
                 break
+            eng.poll_adapters(a.weights)
             if used == eng.version:  # on-policy: wait (bounded) for the version this shard trains into
                 end = time.time() + a.patience
                 while eng.conn is not None and used == eng.version and time.time() < end:
                     if eng.conn.poll(0.05) and not eng.serve(block=True):
                         break
+                while eng.lora is not None and not eng.poll_adapters(a.weights) and time.time() < end:
+                    time.sleep(0.05)
             used = eng.version
             prompts = [[rng.randrange(256) for _ in range(a.prompt_tokens)] for _ in range(a.prompts)]
             groups = eng.sample(prompts, a.group, a.new_tokens, a.temperature, a.seed * 1_000_003 + index, a.routing)
