@@ -147,8 +147,18 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
     return Layout(world_size, dp_rep, dp_shard, cp, ep, pp, tp, rules)
 
 
-def check_batch(training, layout: Layout) -> int:
-    """Return gradient-accumulation steps; raise if the global batch does not split."""
+def check_batch(training, layout: Layout, parallel=None) -> int:
+    """Return gradient-accumulation steps; raise if the global batch does not split, or (``parallel``
+    given, with pipeline stages) if the local batch does not split into pipeline microbatches."""
+    if parallel is not None and layout.pp > 1:
+        lb, mb = int(training.local_batch), int(getattr(parallel, "pp_microbatch_size", 1) or 1)
+        if lb % mb:
+            raise UserError(f"parallel.pp_microbatch_size={mb}", f"training.local_batch={lb} is not a multiple of it: "
+                            f"with parallel.pp={layout.pp} each rank's {lb} sequences per micro-step are cut into "
+                            f"pipeline microbatches of pp_microbatch_size sequences, and torchtitan stops every rank "
+                            "at start on a remainder.", f"Choose parallel.pp_microbatch_size among {_divisors(lb)} "
+                            f"(the divisors of training.local_batch), or a training.local_batch that is a multiple "
+                            f"of {mb}.")
     per_step = int(training.local_batch) * layout.dp
     gb = training.global_batch
     if gb is None:

@@ -332,8 +332,18 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
     if p.dtype is not None and str(p.dtype) not in PUBLISH_DTYPES:
         raise UserError(f"publish.dtype={p.dtype}", f"unknown; valid: {', '.join(PUBLISH_DTYPES)} (or null: the "
                         "trained parameters' dtype).", "Inference engines load bfloat16: publish.dtype=bfloat16.")
-    if p.interval == 0 or not for_training:
+    if p.interval == 0:
         return
+    horizon = resume.horizon(cfg)
+    if p.interval > horizon:
+        horizon_key = "lr.total_steps" if cfg.lr.total_steps is not None else "training.steps"
+        raise UserError(f"publish.interval={p.interval} with {horizon_key}={horizon}", f"publishes every {p.interval} "
+                        f"steps, and the run ends at step {horizon}: only the weights it starts from "
+                        "(version 0, or the step a resume loads) would be published, never trained ones.",
+                        f"Use publish.interval={horizon} or less (publish.interval=0 publishes nothing); a run that "
+                        "resumes will extend can give its whole length now with lr.total_steps=N (N >= "
+                        f"{p.interval}), and then publishes once it passes step {p.interval}.")
+    # the launch's refusals below are config-level: `--cfg job` runs them too (only the folder's are launch-only)
     family = ctx.choice("model")
     if contracts.member(ctx.components["model"], "model", "hf_writer") is None:
         raise UserError(f"publish.interval={p.interval}", f"model.family={family} has no HF exporter "
@@ -344,8 +354,45 @@ def _check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bo
         raise UserError(f"publish.interval={p.interval}", f"with parallel.pp={layout.pp} each rank holds one "
                         "pipeline stage; publication gathers the whole model on rank 0 from one stage only.",
                         "Use parallel.pp=1 (the table's default) or publish.interval=0.")
+    if not for_training:
+        return
     where = p.dir if p.dir is not None else str(Path(cfg.output_dir) / "weights")
     writable_folder(where, f"publish.dir={where}", "no weights could be published")
+    _check_publish_owner(cfg, where)
+
+
+def _check_publish_owner(cfg, where) -> None:
+    """publish.dir holding versions another run published (their apiary_version.json names another
+    output_dir): this run would replace its step-0 and `latest` and prune its newer versions, silently.
+    A resume of the same run (same output_dir) keeps them; a publish.dir inside the run's own folder
+    (OUTPUT_DIR/weights, the default) is this run folder's, even after the folder was moved."""
+    folder = Path(os.path.expanduser(str(where))).absolute()
+    if not folder.is_dir():
+        return
+    out = Path(os.path.expanduser(str(cfg.output_dir))).absolute().resolve()
+    if folder.resolve() == out or out in folder.resolve().parents:
+        return
+    from framework import publish  # reason: imports torch (a launch imports it anyway: preflight); --cfg never comes here
+
+    others: dict[str, list[str]] = {}
+    for v in publish.versions(folder):
+        try:
+            body = json.loads((folder / f"step-{v}" / publish.VERSION_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        run = body.get("run") if isinstance(body, dict) else None
+        if isinstance(run, str) and run.strip() and Path(run).resolve() != out:
+            others.setdefault(run, []).append(f"step-{v}")
+    if not others:
+        return
+    run, names = next(iter(others.items()))
+    more = f" (and versions of {len(others) - 1} other run(s))" if len(others) > 1 else ""
+    raise UserError(f"publish.dir={where}", f"holds weight versions another run published: {', '.join(names)}, whose "
+                    f"{publish.VERSION_FILE} names the run {run}{more}, not this one ({out}). Publishing here would "
+                    "replace that run's versions and `latest` and prune its newer ones (publish.keep), and a generator "
+                    "reading the folder would mix the two runs' weights.", f"Give this run a publish.dir of its own "
+                    f"(left out it is OUTPUT_DIR/weights), or delete {folder} if that run's versions are no longer "
+                    f"needed; to continue that run, resume it with output_dir={run} checkpoint.resume=true.")
 
 
 def _check_overlaps(cfg) -> None:
@@ -597,6 +644,8 @@ _NEEDS = [
      "how many non-finite steps in a row are skipped before the run stops"),
     ("data.wait_timeout", "data.follow=true", lambda c: not c.data.follow,
      "how long a followed folder may stay without new records"),
+    ("data.name", "data.follow=false", lambda c: bool(c.data.follow),
+     "the dataset a run reads when it does not follow a folder (a followed folder is read from data.path alone)"),
     ("validation.steps", "validation.interval=N", lambda c: c.validation.interval == 0,
      "the batches of each validation pass"),
     *((f"publish.{k}", "publish.interval=N", lambda c: c.publish.interval == 0, what) for k, what in (
@@ -722,7 +771,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     _check_no_effect(cfg, overrides, ctx)
     _check_decay(cfg, overrides, ctx)
     resume.check_tail(cfg)
-    grad_accum = check_batch(cfg.training, layout)
+    grad_accum = check_batch(cfg.training, layout, cfg.parallel)
     given_parallel = OmegaConf.to_container(cfg.parallel)
     OmegaConf.set_struct(cfg, False)
     for dim, value in layout.dims.items():
@@ -786,7 +835,7 @@ def check_candidate(r: Resolved, dims: dict, choice: dict, world_size: int) -> N
     OmegaConf.set_struct(cfg, True)
     ctx = context(cfg, for_training=False)
     layout = backend_layout(ctx, derive(par, cfg.training, cfg.layout, r.facts, world_size))
-    check_batch(cfg.training, layout)
+    check_batch(cfg.training, layout, par)
     OmegaConf.set_struct(cfg, False)
     for d, v in layout.dims.items():
         cfg.parallel[d] = v

@@ -193,8 +193,11 @@ class ApiaryTrainer(Trainer):
             if stop:
                 self._stop_following("signal", "")
             if timed_out:
-                self._stop_following("timeout", f"no {ds.NOUN} for step {self.step} in {folder} for "
-                                                 f"{waited:.0f} s (data.wait_timeout={self.config.follow_wait_timeout:g})")
+                held, limit = ds.held(), f"data.wait_timeout={self.config.follow_wait_timeout:g}"
+                self._stop_following("timeout", f"not enough {ds.NOUN} for step {self.step} in {folder} after "
+                                                 f"{waited:.0f} s ({limit}): {held}" if held else
+                                                 f"no {ds.NOUN} for step {self.step} in {folder} for {waited:.0f} s "
+                                                 f"({limit})")
             now = time.monotonic()
             if now - last_note >= WAIT_NOTE_S and dist_rank() == 0:
                 last_note = now

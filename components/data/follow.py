@@ -144,6 +144,7 @@ class FollowRows(IterableDataset, Stateful):
         self._listed = False
         self._reports: dict[int, dict] = {}
         self._note = ""
+        self._held = ""  # what the folder holds of the step waited for ("": nothing)
         self.with_ref: bool | None = None
         self.with_gen: tuple[bool, str] | None = None  # (gen_logprobs present, the first record's file:line)
         # what the trainer has read, to name shards changed under it and records it would train twice
@@ -410,7 +411,15 @@ class FollowRows(IterableDataset, Stateful):
                       f"the trainer's version {version}" if dropped else "")
         if missing:
             self._note += f"; shard(s) deleted before they were read: {', '.join(missing)}"
+        self._held = ""
         if end is None:
+            if rows:  # part of the step is there: say how much (rows never span shards)
+                records = sum(len(row) for row in rows)
+                tokens = sum(len(rec["input_ids"]) for row in rows for _, rec in row)
+                self._held = (f"the folder holds {len(rows)} of the {self.step_rows} rows of step {k + 1} "
+                              f"({len(shards)} shard{'s' if len(shards) != 1 else ''} read, {records} records, "
+                              f"{tokens:,} tokens); packing rows never span shards, so a generator writing shards "
+                              "smaller than one step makes the trainer wait for the next shards")
             return None
         for name, count in ahead.items():
             plan.notes.append(f"rollout shard {self.dir / name}: {count} record(s) with a policy_version ahead of the "
@@ -445,7 +454,10 @@ class FollowRows(IterableDataset, Stateful):
         return self._plan is not None
 
     def waiting_note(self) -> str:
-        return self._note
+        return (f"; {self._held}" if self._held else "") + self._note
+
+    def held(self) -> str:
+        return self._held
 
     def step_report(self, step: int) -> dict | None:
         return self._reports.pop(step, None)

@@ -8,7 +8,9 @@ like the tokens under context parallelism; ``STEP_KEYS`` per sample).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,32 +287,68 @@ def _check_held_out(d: DataOptions, ctx, held) -> None:
                      f"Add held-out text (at least {per_step:,} tokens for one batch), or lower training.seq_len."))
 
 
-def _check_follow(d: DataOptions, ctx) -> None:
-    """data.follow=true: the folder the trainer reads shards from as they appear (the generator makes it;
-    nothing is created here, so a refused launch leaves nothing behind)."""
+_MAX_LAG = 2 ** 63 - 1  # int64: the trainer's version is a step count
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _check_rollout_settings(d: DataOptions, ctx) -> None:
+    """Settings a rollout run refuses before anything is read (``--cfg job`` refuses them as the launch
+    does): pipeline parallelism, keys that would be ignored, and follow mode's values (a data.name given
+    with data.follow=true: framework/resolve.py's _NEEDS)."""
     cfg = ctx.cfg
+    pp = ctx.layout.pp if ctx.layout is not None else int(cfg.parallel.pp or 1)
+    if pp > 1:
+        raise UserError("data.format=rollouts", f"policy training runs without pipeline parallelism (parallel.pp="
+                        f"{pp}).", "Set parallel.pp=1.")
+    if d.sharding != "blocks":
+        raise UserError(f"data.sharding={d.sharding}", "splits text documents over the data-parallel ranks; rollout "
+                        "rows are always dealt in blocks (global row g goes to rank (g // training.local_batch) % dp, "
+                        "every rank planning the same rows), so the setting would be ignored.",
+                        "Drop data.sharding (or set data.sharding=blocks).")
+    v = cfg.validation
+    given = [f"validation.{k}={v[k]}" for k in ("interval", "path", "fraction") if v[k]]
+    if given:
+        followed = (" (and a followed stream has no end, so no last fraction to hold out)"
+                    if d.follow and v.fraction else "")
+        raise UserError(" ".join(given), "validation computes the language-model loss on held-out text; this run "
+                        f"trains a policy on rollouts (data.format=rollouts), where it has no meaning{followed}.",
+                        "Drop the validation.* keys (policy metrics are in metrics.jsonl as policy/*).")
+    if not d.follow:
+        return
     if d.path is None:
         raise UserError("data.follow=true", "needs data.path, the folder a generator writes rollout shards into.",
                         "Set data.path=DIR (docs/rl.md: write NAME.tmp, then rename to NAME.jsonl).")
-    p = Path(str(d.path))
-    if p.exists() and not p.is_dir():
-        raise UserError(f"data.path={p}", "is a file; with data.follow=true it names the folder a generator "
-                        "writes rollout shards into.", "Point data.path at a folder, or drop data.follow.")
+    if _URL.match(str(d.path)):
+        raise UserError(f"data.path={d.path}", "is a URL; with data.follow=true data.path is the folder a generator "
+                        "writes rollout shards into, read as a local path (or one on a shared file system), so the "
+                        f"trainer would wait for a local folder named {Path(str(d.path))} that no generator writes.",
+                        "Have the generator write into a local or shared folder (an object store mounted as a file "
+                        "system will do) and set data.path to that folder's path.")
     if d.num_workers != 0:
         raise UserError(f"data.num_workers={d.num_workers}", "with data.follow=true the rollouts are read in the "
                         "training process (it waits for shards between steps and its position is checkpointed "
                         "at step boundaries).", "Set data.num_workers=0.")
-    if not d.wait_timeout > 0:
-        raise UserError(f"data.wait_timeout={d.wait_timeout}", "must be a number of seconds > 0 (how long the "
-                        "trainer waits for rollouts before it checkpoints and exits 77).",
-                        "Set data.wait_timeout=3600, for example.")
-    if cfg.parallel.pp not in (None, 1):
-        raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
-                        "Set parallel.pp=1.")
+    if not 0 < d.wait_timeout < math.inf:
+        raise UserError(f"data.wait_timeout={d.wait_timeout}", "must be a finite number of seconds > 0 (how long the "
+                        "trainer waits for a step's rollouts before it checkpoints and exits 77).",
+                        "Set data.wait_timeout=3600, for example; to wait as long as it takes, give a large number "
+                        "(data.wait_timeout=1e9 is about 32 years): a signal (SIGTERM, Ctrl-C) still stops the wait "
+                        "with a checkpoint (exit 75).")
     lag = cfg.rl.max_lag
-    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
-        raise UserError(f"rl.max_lag={lag}", "must be an integer >= 0 (versions a record may lag the trainer's).",
-                        "Set rl.max_lag=1, for example, or drop it to keep every record.")
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= _MAX_LAG):
+        raise UserError(f"rl.max_lag={lag}", "must be an integer from 0 to 2**63-1 (versions a record may lag the "
+                        "trainer's; the trainer's version is a step count).", "Set rl.max_lag=1, for example; for "
+                        "no limit, drop it or set rl.max_lag=null (every record is kept, whatever its version).")
+
+
+def _check_follow(d: DataOptions, ctx) -> None:
+    """data.follow=true at launch: the folder the trainer reads shards from as they appear (the generator
+    makes it; nothing is created here, so a refused launch leaves nothing behind). Its settings were
+    checked by _check_rollout_settings."""
+    p = Path(str(d.path))
+    if p.exists() and not p.is_dir():
+        raise UserError(f"data.path={p}", "is a file; with data.follow=true it names the folder a generator "
+                        "writes rollout shards into.", "Point data.path at a folder, or drop data.follow.")
     # the shards' records are checked as they arrive (a malformed one stops the run at its step,
     # naming file and line, with the position of the last complete step saved)
     ctx.shared["rollouts.with_ref"] = None
@@ -330,14 +368,10 @@ class Rollouts:
     def check(options: DataOptions, ctx) -> None:
         """Rollout files exist, parse, fit seq_len and the vocabulary."""
         _check_common(options, ctx)
+        _check_rollout_settings(options, ctx)
         if not ctx.for_training:
             return
         d, cfg = options, ctx.cfg
-        v = cfg.validation
-        if v.interval or v.path is not None or v.fraction:
-            raise UserError("validation.*", "validation computes the language-model loss on held-out text; this run "
-                            "trains a policy on rollouts (data.format=rollouts), where it has no meaning.",
-                            "Drop the validation.* keys (policy metrics are in metrics.jsonl as policy/*).")
         if cfg.moe.get("routing_replay", False):  # an MoE model (follow mode: records checked as they come)
             from components.moe import routing_replay  # reason: imports torchtitan
 
@@ -356,9 +390,6 @@ class Rollouts:
         if not files:
             raise UserError(f"data.path={path}", "no .jsonl or .parquet rollout file there.",
                             "Point data.path at a rollout file or a folder of them.")
-        if cfg.parallel.pp not in (None, 1):
-            raise UserError("data.format=rollouts", "policy training runs without pipeline parallelism.",
-                            "Set parallel.pp=1.")
         try:
             index = RolloutIndex(path, validate=True, vocab_size=int(ctx.facts.vocab_size))
             pack_rows(index.lengths, cfg.training.seq_len, index.where)

@@ -61,8 +61,8 @@ def test_vllm_applies_a_lora_runs_published_adapters(tmp_path):
     torch.cuda.empty_cache()
     base = tmp_path / "base" / "step-0"
     py = sys.executable
-    _run([py, "benchmarks/synthetic_rollouts.py", "--count", "32", "--tokens", "256", "--prompt", "64", "--out", str(tmp_path / "r.jsonl")],
-         tmp_path / "rollouts.log")
+    _run([py, "benchmarks/synthetic_rollouts.py", "--count", "32", "--tokens", "256", "--prompt", "64",
+          "--out", str(tmp_path / "r.jsonl")], tmp_path / "rollouts.log")
     run, weights = tmp_path / "run", tmp_path / "weights"
     _run([py, "-m", "framework.cli", "train", "recipe=debug_grpo_vllm", "data.follow=false", f"data.path={tmp_path / 'r.jsonl'}",
           "rl.max_lag=null", "adapter=lora", f"model.hf_checkpoint={base}", "publish.transport=hf_folder",
