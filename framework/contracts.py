@@ -305,7 +305,9 @@ class ModelFamily(Component, Protocol):
 
     The other optional members (``OPTIONAL_MEMBERS["model"]``) are what the HF tools ask:
     ``HF_MODEL_TYPES`` (config.json ``model_type`` values the family reads: `apiary show`,
-    `apiary logprobs`), ``export_hf(run_dir, out_path)`` (`apiary export`; returns the folder) and
+    `apiary logprobs`), ``export_hf(run_dir, out_path, *, step, dtype, shard_bytes)`` (`apiary export`:
+    checkpoint ``step`` (None: the latest) in ``dtype``, in safetensors shards of at most
+    ``shard_bytes``; returns the folder) and
     the pieces the shared HF helpers (``components/models/hf.py``, the adapters' export) build from:
     ``model_config``, ``arch_from_config`` / ``arch_of``, ``hf_config``, ``STATE_DICT_ADAPTER``,
     ``hf_key_shapes`` (a checkpoint key -> canonical (key, shape) pairs) and ``save_hf`` (a
@@ -325,7 +327,8 @@ class ModelFamily(Component, Protocol):
 
     def hf_writer(self, options: Any, ctx: Context) -> Any: ...
 
-    def export_hf(self, run_dir: str, out_path: str) -> Any: ...
+    def export_hf(self, run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
+                  shard_bytes: int | None = None) -> Any: ...
 
     def model_config(self, flavor: str, **model_kwargs: Any) -> Any: ...
 

@@ -207,6 +207,10 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "apiary logprobs live/weights/step-7 rollouts/ --out decoupled/ --field old_logprobs":
         Skip("reads a weight version the live loop published (docs/rl.md; tests/test_logprobs_cli.py scores "
              "published weights)"),
+    # docs/skills/models.md: `apiary export` of the resumed debug_moe run (checkpoints at steps 8, 10, 12)
+    "apiary export runs/debug_moe/20260101-120000 --hf exported": Run(subs={"runs/debug_moe/20260101-120000": "{run}"}),
+    "apiary export runs/debug_moe/20260101-120000 --hf exported_fp32 --step 8 --dtype float32":
+        Run(subs={"runs/debug_moe/20260101-120000": "{run}"}),
     # docs/skills/planner.md
     "apiary plan recipe=qwen35_35b_128k gpus=32 loss=ce parallel.tp=2 --json": RUN,
     "apiary plan recipe=qwen35_35b_128k gpus=32 parallel.pp=1 --search --top=10": TOP1,

@@ -209,7 +209,7 @@ def test_train_loads_the_checkpoint_exports_and_reimports(hf_dirs, name, recipe,
     m = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in m] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
     with caplog.at_level("WARNING", logger="apiary"):
-        assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "exported")]) == 0
+        assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "exported"), "--dtype", "float32"]) == 0
     said = caplog.text + "".join(capsys.readouterr())
     assert ("routing bias" in said) == ("num_experts" in spec["config"])  # not in HF's format: said so
     assert set(_sd(workdir / "exported")) == set(_sd(d))
@@ -230,7 +230,7 @@ def test_export_of_a_flavor_run_reimports_exactly(workdir, monkeypatch, capsys):
     code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
                              "output_dir=run"], workdir, monkeypatch, capsys)
     assert code == 0, out[-2000:] + err[-2000:]
-    assert apiary_main(["export", "run", "--hf", "exported"]) == 0
+    assert apiary_main(["export", "run", "--hf", "exported", "--dtype", "float32"]) == 0
     assert json.loads((workdir / "exported" / "config.json").read_text())["model_type"] == "qwen3"
     model = build_model("debug_dense", hf_checkpoint="exported")
     sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}

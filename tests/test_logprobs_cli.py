@@ -114,7 +114,7 @@ def test_run_folder_scores_like_its_export(run, tmp_path):
     """The run's own model from its checkpoint == `apiary export` of that checkpoint loaded as an HF
     folder, up to the run's expert GEMMs: the tiny_moe flavor trains with torchtitan's GroupedExperts,
     which compute in bf16, the HF folder's model with exact fp32 experts."""
-    assert apiary_main(["export", str(run["run"]), "--hf", str(tmp_path / "export")]) == 0
+    assert apiary_main(["export", str(run["run"]), "--hf", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     assert apiary_main(["logprobs", str(run["run"]), str(run["src"]), "--out", str(tmp_path / "r")]) == 0
     assert apiary_main(["logprobs", str(tmp_path / "export"), str(run["src"]), "--out", str(tmp_path / "h")]) == 0
     diffs = [abs(x - y) for a, b in zip(_scored(tmp_path / "r"), _scored(tmp_path / "h"))

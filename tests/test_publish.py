@@ -161,7 +161,7 @@ def test_published_weights_are_the_trained_ones(runs, tmp_path):
     """step-4 holds the weights of the run's step-4 checkpoint (`apiary export` of it), bit for bit."""
     from toolkit.cli import apiary_main
 
-    assert apiary_main(["export", str(runs["fg"]), "--hf", str(tmp_path / "export")]) == 0
+    assert apiary_main(["export", str(runs["fg"]), "--hf", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     exported = load_file(tmp_path / "export" / "model.safetensors")
     published = load_file(runs["fg"] / "weights" / "step-4" / "model.safetensors")
     assert exported.keys() == published.keys()
@@ -320,7 +320,7 @@ def test_two_ranks_fsdp_and_ep_publish_the_trained_weights(workdir):
                          "publish.interval=2", "publish.background=true"))
     assert "published weights step-2" in out
     assert json.loads((workdir / "run" / "layout.json").read_text())["dims"]["ep"] == 2
-    assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "export")]) == 0
+    assert apiary_main(["export", str(workdir / "run"), "--hf", str(workdir / "export"), "--dtype", "float32"]) == 0
     a, b = load_file(workdir / "export" / "model.safetensors"), load_file(workdir / "run" / "weights" / "step-2" /
                                                                          "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

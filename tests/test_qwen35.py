@@ -235,7 +235,7 @@ def test_train_three_steps_then_export(workdir, monkeypatch, capsys):
     m = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in m] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m) and m[-1]["loss"] < m[0]["loss"]
-    out = qwen3_5.export_hf(str(workdir / "run"), str(workdir / "hf"))
+    out = qwen3_5.export_hf(str(workdir / "run"), str(workdir / "hf"), dtype="float32")
     model = build_model("qwen35_debug_moe", hf_checkpoint=str(out))
     import torch.distributed.checkpoint as dcp
 

@@ -76,6 +76,66 @@ def test_show_lists_every_kind_that_binds_a_name(capsys):
     assert "moe_chunk auto:" in out
 
 
+_HF_FOLDERS = r"""
+import json, sys
+sys.modules["fla"] = None  # transformers' Qwen3.5 without fla's kernels
+import transformers
+out, counts = sys.argv[1], {}
+lin = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+specs = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        vocab_size=333, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, max_position_embeddings=512)),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        vocab_size=260, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=512)),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, dict(
+        vocab_size=503, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, max_position_embeddings=1024, **lin)),
+}
+for name, (cfg, cls, kw) in specs.items():
+    m = cls(cfg(**kw))
+    m.save_pretrained(f"{out}/{name}")
+    counts[name] = sum(p.numel() for p in m.parameters())
+print("COUNTS " + json.dumps(counts))
+"""
+_SHOW = r"""
+import sys
+from toolkit.cli import apiary_main
+for d in sys.argv[1:]:
+    print(f"@@ {d}", flush=True)
+    print(f"exit {apiary_main(['show', d])}", flush=True)
+print("TORCH", sorted(m for m in ("torch", "torchtitan", "transformers") if m in sys.modules))
+"""
+
+
+def test_show_of_an_hf_folder_counts_its_parameters_without_torch(tmp_path):
+    """`apiary show DIR` (was: ~6 s, torch and torchtitan imported to count the folder's parameters on
+    a meta model): config.json read with json, the parameters counted from it arithmetically, the
+    planner on the folder's own model; in a fresh interpreter torch is never imported, and the count
+    printed is transformers' own count of the model it saved (qwen3 MoE, llama with tied embeddings,
+    Qwen3.5 MoE)."""
+    import json
+    import re
+
+    p = subprocess.run([sys.executable, "-c", _HF_FOLDERS, str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env=_child_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    counts = json.loads(p.stdout.split("COUNTS ", 1)[1])
+    folders = [str(tmp_path / name) for name in counts]
+    p = subprocess.run([sys.executable, "-c", _SHOW, *folders], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=_child_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "TORCH []", p.stdout[-2000:]
+    for name, part in zip(counts, p.stdout.split("@@ ")[1:]):
+        text = " ".join(part.split())
+        assert text.startswith(f"{tmp_path / name} ") and " exit 0" in text, text
+        printed = int(re.search(r"parameters: ([\d,]+) total", text)[1].replace(",", ""))
+        assert printed == counts[name], (name, printed, counts[name])
+        assert "the folder's model" in text and "on 1 x H100 (the fewest GPUs for its size" in text, text
+
+
 def test_show_of_an_hf_folder_plans_its_own_model_with_one_compose(tmp_path, monkeypatch):
     """`apiary show DIR`: the folder's ~100K-parameter model is planned on one GPU (not the family's
     30B recipe's 16), at its RoPE length, and the recipe is composed once (it was 13 times, one per

@@ -1,7 +1,7 @@
 """The `apiary` console script: one argparse parser with a subparser per command.
 
     apiary ls | show NAME | cp NAME PATH | plan ... | compare KEY=A,B ... | launch ... | warmup ...
-           | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT | autotune-table KERNEL_CACHE --out FILE
+           | cp-template LAUNCHER PATH | export RUN_DIR --hf OUT [--step N] [--dtype D] | autotune-table KERNEL_CACHE --out FILE
            | logprobs MODEL ROLLOUTS --out DIR [--step N] [--temperature T] | plot RUN [RUN ...] [--out FILE]
 
 Each command's k=v arguments are recipe overrides in `train`'s grammar (framework.cli, Hydra).
@@ -9,6 +9,7 @@ Each command's k=v arguments are recipe overrides in `train`'s grammar (framewor
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import sys
@@ -85,32 +86,59 @@ def _cp(name: str, dest: str) -> int:
     return 0
 
 
-def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = False) -> int:
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # `apiary export --dtype` (the default first)
+
+
+def _takes(fn, *names: str) -> bool:
+    """``fn`` accepts these keyword arguments (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    return all(n in params for n in names) or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = False, step: int | None = None,
+            dtype: str | None = None) -> int:
     cfg_path = Path(run_dir) / "config.yaml"
     if not cfg_path.is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
                         "Point it at runs/RECIPE/TIMESTAMP.")
     steps = {n: d for n, d in integrity.step_dirs(Path(run_dir) / "checkpoint").items() if (d / ".metadata").is_file()}
-    if steps:  # the step every exporter takes (the latest with DCP's .metadata), checked against its manifest
-        integrity.check_step(steps[max(steps)], f"apiary export {run_dir}", unverified_ok=unverified,
-                             override="--unverified", fresh="train again",
-                             pick="Move {step_dir} aside to export step {n}, the previous complete one (it is "
-                                  "verified the same way)")
+    if step is not None and step not in steps:
+        raise UserError(f"apiary export {run_dir} --step {step}", "no complete checkpoint of that step; complete: "
+                        f"{', '.join(map(str, steps)) or 'none'}.",
+                        "Pick one of those steps." if steps else "Train with checkpoint.enable=true first.")
+    if steps:  # the step every exporter takes (--step, else the latest with DCP's .metadata), checked against its manifest
+        integrity.check_step(steps[max(steps) if step is None else step], f"apiary export {run_dir}",
+                             unverified_ok=unverified, override="--unverified", fresh="train again",
+                             pick="Export step {n}, the previous complete one, with --step {n} (it is verified the "
+                                  "same way)")
     family = OmegaConf.load(cfg_path).model.family
     mod = registry.resolve("model", family)
-    if contracts.member(mod, "model", "export_hf") is None:
+    export = contracts.member(mod, "model", "export_hf")
+    if export is None:
         raise UserError(f"apiary export {run_dir}", f"model.family={family} has no HF exporter.",
-                        "A model family exports by defining export_hf(run_dir, out_path), as the shipped "
-                        "ones (qwen3, llama3, qwen3_5) do.")
+                        "A model family exports by defining export_hf(run_dir, out_path, *, step, dtype, shard_bytes), "
+                        "as the shipped ones (qwen3, llama3, qwen3_5) do.")
     adapter = str(OmegaConf.select(OmegaConf.load(cfg_path), "adapter.name", default="none") or "none")
     if merged and adapter == "none":
         raise UserError(f"apiary export {run_dir} --merged", "folds adapters into their base, and this run trained "
                         "every weight without adapters (adapter=none).", "Drop --merged: the export is the full model.")
+    if adapter != "none" and (dtype is not None or (step is not None and step != max(steps))):
+        flag = f"--dtype {dtype}" if dtype is not None else f"--step {step}"
+        raise UserError(f"apiary export {run_dir} {flag}", f"the run trained adapters (adapter={adapter}), whose "
+                        "exporter writes the latest step in its own dtypes (the adapters as trained; with --merged, "
+                        "the merged model in float32).", f"Drop {flag.split()[0]}.")
+    if adapter == "none" and not _takes(export, "step", "dtype", "shard_bytes"):
+        raise UserError(f"apiary export {run_dir}", f"model.family={family}'s export_hf takes no step, dtype and "
+                        "shard_bytes keywords, so it cannot export a chosen step streamed in shards.",
+                        "Give it export_hf(run_dir, out_path, *, step=None, dtype='bfloat16', shard_bytes=None), as "
+                        "the shipped families have (framework/contracts.py ModelFamily).")
     dest = Path(out)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")
+    from framework import publish  # reason: start-up time (imports torch)
+
     what = ""
     if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
         export_adapter = contracts.member(registry.resolve("adapter", adapter), "adapter", "export_hf")
@@ -123,11 +151,12 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
             console.print(f"exported {run_dir} -> {folder} ({what})", markup=False)
             return 0
         what = f"{what}; "
-    else:
-        folder = Path(mod.export_hf(run_dir, out))
+    else:  # streamed a layer at a time, in publication's shards
+        dtype = dtype or EXPORT_DTYPES[0]
+        folder = Path(export(run_dir, out, step=step, dtype=dtype, shard_bytes=publish.SHARD_BYTES))
+        shards = len(list(folder.glob("model-*-of-*.safetensors"))) or 1
+        what = f"step {max(steps) if step is None else step}, {dtype}, {shards} safetensors file{'s' * (shards > 1)}; "
     # the tokenizer files and generation_config.json beside the weights
-    from framework import publish  # reason: start-up time (imports torch)
-
     cfg = OmegaConf.load(cfg_path)
     tok = str(cfg.data.tokenizer)
     tok_dir = tok if Path(tok).is_dir() else None
@@ -203,14 +232,24 @@ def apiary_parser() -> argparsing.Parser:
                                     "(framework/autotune_tables/ARCH.json; framework/autotune_table.py).")
     at.add_argument("cache", metavar="KERNEL_CACHE", help="a training.kernel_cache folder or a Triton cache folder")
     at.add_argument("--out", required=True, metavar="FILE", help="the table to write (never merged: replaced)")
-    ex = sub.add_parser("export", help="a run's latest checkpoint as a HuggingFace folder")
+    ex = sub.add_parser("export", help="a run's checkpoint as a HuggingFace folder",
+                        description="Write a run's checkpoint (the latest complete one, or --step N) as a HuggingFace "
+                                    "folder: streamed a layer at a time, in safetensors shards of at most 5 GiB "
+                                    "(model-0000i-of-0000n.safetensors + model.safetensors.index.json), bfloat16 "
+                                    "unless --dtype says otherwise. A run that trained adapters writes its "
+                                    "adapter's format (docs/skills/lora.md).")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="runs/RECIPE/TIMESTAMP")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the HuggingFace folder to write")
     ex.add_argument("--merged", action="store_true",
                     help="an adapter run (adapter=lora): the base with the adapters folded in, instead of PEFT's "
                          "adapter folder (docs/skills/lora.md)")
+    ex.add_argument("--step", type=int, default=None, metavar="N",
+                    help="the checkpoint step to export (default: the latest complete one)")
+    ex.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
+                    help="the weights' dtype in the folder (default bfloat16; float32 keeps the checkpoint's fp32 "
+                         "master weights bit for bit)")
     ex.add_argument("--unverified", action="store_true",
-                    help="export a latest step that has no manifest.json, unverified (refused otherwise)")
+                    help="export a step that has no manifest.json, unverified (refused otherwise)")
     lp = sub.add_parser("logprobs", help="a reference model's token log-probs into rollouts (ref_logprobs)",
                         description=logprobs.__doc__)
     logprobs.add_arguments(lp)
@@ -266,7 +305,7 @@ def apiary_main(argv: list[str] | None = None) -> int:
             from toolkit import plot  # reason: start-up time (matplotlib, inside plot.run)
 
             return plot.run(ns)
-        return _export(ns.run_dir, ns.hf, ns.merged, ns.unverified)
+        return _export(ns.run_dir, ns.hf, ns.merged, ns.unverified, ns.step, ns.dtype)
     except UserError as e:
         return _fail(e)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components.models.hf import read_config  # the config reader every family uses
+from components.models.hf_folder import read_config  # the config reader every family uses (no torch)
 from framework import contracts, planner, recipes, registry
 from framework.errors import UserError
 from framework.resolve import model_facts as resolve_facts

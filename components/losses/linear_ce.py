@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from components.losses.ce import check_data
+from components.losses.lm_head.knobs import chunk_tokens_for  # torch-free: the planner sizes chunks with it
 from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
 
 # the planner's constants of every loss on the fused LM-head engine (linear_ce, the policy losses);
@@ -196,13 +197,11 @@ def fused_head_plan_terms(ctx, objective: str, opts: EngineOptions | None = None
     chunk in ``logits_dtype`` and the [V/TP, dim] dW accumulator (fp32 or the weight's dtype),
     ``fwdgrad.estimate_bytes``'s terms; the recompute CUDA paths: ``workspace_mb``; torch: one
     [chunk_tokens, chunk_vocab] fp32 chunk."""
-    from components.losses.lm_head import fwdgrad  # reason: start-up time (torch)
-
     c, T, dim = ctx.plan.constants, ctx.plan.tokens, ctx.facts.dim
     opts = opts or EngineOptions()
     cols = math.ceil(ctx.facts.vocab_size / max(1, ctx.layout.tp))
     if opts.backend in ("auto", "fwdgrad"):
-        rows = fwdgrad.chunk_tokens_for(int(T), opts.chunk_tokens)
+        rows = chunk_tokens_for(int(T), opts.chunk_tokens)
         z_bytes = 4 if opts.logits_dtype == "float32" else 2
         dw_bytes = 4 if opts.dw_accum == "float32" else 2
         buffers = [Term("loss_tile", rows * cols, z_bytes, "loss",

@@ -51,9 +51,13 @@ def model_kwargs(options, ctx) -> dict:
 def check_model(options, ctx) -> None:
     """What every family refuses before launch: a sequence longer than the model's RoPE length (with
     RoPE scaling, the scaled length). A property of the config, so print-only commands (--cfg job,
-    plan, show) refuse it too: what they accept, a launch accepts."""
+    plan, show) refuse it too: what they accept, a launch accepts. Before a launch, an HF folder's
+    tensors are checked against its config.json too (``_check_hf_weights``); the print-only
+    commands read config.json and the safetensors headers only (the facts), without torch."""
     if getattr(ctx, "for_training", False) and options.attn_backend != "flex":
         _check_attn_device(options.attn_backend, ctx)
+    if getattr(ctx, "for_training", False) and options.hf_checkpoint:
+        _check_hf_weights(options, ctx)
     if ctx.facts is None:
         return
     limit = getattr(ctx.facts, "max_seq_len", 0)
@@ -75,6 +79,17 @@ def check_model(options, ctx) -> None:
         else:
             fix += "."
         raise UserError(f"training.seq_len={seq}", f"exceeds the model's RoPE length {limit} ({src}).", fix)
+
+
+def _check_hf_weights(options, ctx) -> None:
+    """An HF folder's tensors (names, shapes, floating point; headers only, components/models/hf.py
+    ``check_weights``) against the architecture its config.json describes: the family's
+    ``model_config`` builds that config and checks them, a user error naming the folder, before any
+    worker starts (torch: a launch imports it anyway)."""
+    build = contracts.member(ctx.components["model"], "model", "model_config") \
+        if getattr(ctx, "components", None) and "model" in ctx.components else None
+    if build is not None:
+        build(options.flavor, **model_kwargs(options, ctx))
 
 
 def _check_attn_device(backend: str, ctx) -> None:

@@ -2,7 +2,9 @@
 
 A family that loads HF checkpoints supplies (see qwen3.py, llama3.py, qwen3_5.py):
 
-* ``arch_from_hf(config: dict) -> Arch``: the architecture of a (text) config.json;
+* ``arch_from_hf(config: dict) -> Arch``: the architecture of a (text) config.json, in the
+  family's torch-free module (reading it with components/models/hf_folder.py, whose config.json
+  and safetensors-header readers this module re-exports);
 * ``build_config(arch, ...)``: a torchtitan model config whose ``hf_checkpoint`` field makes
   ``init_states`` load the folder after the random init;
 * ``STATE_DICT_ADAPTER``: torchtitan's adapter (HF keys <-> torchtitan names);
@@ -14,13 +16,12 @@ Everything here that can fail on the user's input raises ``UserError`` naming
 ``model.hf_checkpoint``: a missing folder, a config.json that is not JSON, no weights, a
 corrupt or truncated ``.safetensors`` file, missing or extra tensors, a wrong shape. The checks
 read the safetensors headers only (no tensor data), so they run before any worker starts.
+`apiary export` streams a checkpoint into an HF folder a layer at a time (``export_streamed``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import importlib
 import json
 import logging
 import math
@@ -39,268 +40,25 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
 from components.adapters.targets import is_adapter_param
-from components.models.common import facts_from_config
+from components.models.hf_folder import (  # noqa: F401  (the folder readers, reachable as hf.NAME)
+    FLOAT_DTYPES,
+    KEY,
+    _where,
+    apply_overrides,
+    check_dims,
+    check_family,
+    checkpoint_depth,
+    describe,
+    family_of,
+    layer_of,
+    need,
+    read_config,
+    refuse,
+    rope_params,
+    weight_index,
+)
 from framework import contracts
 from framework.errors import UserError
-
-KEY = "model.hf_checkpoint"
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors dtypes a weight may have
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-
-
-def _where(path) -> str:
-    return f"{KEY}={path}"
-
-
-# --------------------------------------------------------------------------- config.json
-
-def read_config(path, *, text: bool = True) -> dict:
-    """The folder's config.json as a dict; with ``text``, a multimodal config's ``text_config``."""
-    if isinstance(path, dict):
-        c = path
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise UserError(_where(path), "no such folder.", "Point it at a HuggingFace model folder "
-                            "(config.json + *.safetensors), e.g. one written by save_pretrained.")
-        if p.is_file():
-            raise UserError(_where(path), "is a file; apiary loads a HuggingFace model folder "
-                            "(config.json + *.safetensors).", f"Point it at the folder, e.g. {p.parent}.")
-        cfg = p / "config.json"
-        if cfg.exists() and not cfg.is_file():
-            raise UserError(_where(path), f"{cfg} is a folder, not a file, so the architecture is unknown.",
-                            "Put the model's config.json there (transformers' save_pretrained writes one).")
-        if not cfg.is_file():
-            raise UserError(_where(path), "no config.json there, so the architecture is unknown.",
-                            "Point it at a HuggingFace model folder (config.json + *.safetensors).")
-        try:
-            c = json.loads(cfg.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(_where(path), f"{cfg} is not JSON ({e}).",
-                            "Restore the file from the model's original folder.") from None
-        except OSError as e:
-            raise UserError(_where(path), f"{cfg} cannot be read: {e.strerror or e}.",
-                            "Give this user read access to it (chmod a+r), or point at a copy it can read.") from None
-        if not isinstance(c, dict):
-            raise UserError(_where(path), f"{cfg} is not a JSON object.", "Restore the file from the model's "
-                            "original folder.")
-    if text and isinstance(c.get("text_config"), dict):
-        tc = c["text_config"]
-        c = {**tc, "tie_word_embeddings": tc.get("tie_word_embeddings", c.get("tie_word_embeddings", False))}
-    check_dims(c, path)
-    return c
-
-
-# config.json sizes that must be integers >= 1 when present (null: the family's default); the
-# expert counts may be 0 (a dense model) except in an MoE model_type
-_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
-             "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval")
-_NON_NEGATIVE = ("num_experts", "num_local_experts", "shared_expert_intermediate_size")
-# config.json reals that must be finite and > 0 (an epsilon of -1 or a RoPE base of 0 made step 1's
-# loss NaN: exit 76, blamed on the learning rate)
-_POSITIVE_REAL = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "rope_theta")
-
-
-def check_dims(c: dict, path) -> None:
-    """Every size config.json gives is an integer >= 1 (expert counts >= 0, >= 1 in an MoE model_type),
-    the attention heads split into the KV heads and top-k is at most the experts: a user error naming
-    the file and every bad field (before, a negative size failed deep inside torch)."""
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    bad = []
-    for k in _POSITIVE:
-        v = c.get(k)
-        if v is not None and not (is_int(v) and v >= 1):
-            bad.append(f"{k}={json.dumps(v)} (must be an integer >= 1)")
-    moe = "moe" in str(c.get("model_type", ""))
-    for k in _NON_NEGATIVE:
-        v = c.get(k)
-        least = 1 if moe and k in ("num_experts", "num_local_experts") else 0
-        if v is not None and not (is_int(v) and v >= least):
-            rule = f">= 1 in an MoE model, model_type={c['model_type']}" if least else ">= 0"
-            bad.append(f"{k}={json.dumps(v)} (must be an integer {rule})")
-    for k in _POSITIVE_REAL:
-        v = rope_params(c).get(k) if k == "rope_theta" else c.get(k)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
-            bad.append(f"{k}={json.dumps(v)} (must be a finite number > 0)")
-    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
-    if is_int(heads) and is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
-        bad.append(f"num_attention_heads={heads} with num_key_value_heads={kv} (the query heads must split evenly "
-                   "into the key/value heads)")
-    experts = c.get("num_experts") or c.get("num_local_experts")
-    top_k = c.get("num_experts_per_tok")
-    if is_int(experts) and is_int(top_k) and experts >= 1 and top_k > experts:
-        bad.append(f"num_experts_per_tok={top_k} with {experts} experts (a token cannot pick more experts than exist)")
-    if bad:
-        where = "config.json" if isinstance(path, dict) else str(Path(path) / "config.json")
-        raise UserError(_where("(config)" if isinstance(path, dict) else path), f"{where} has "
-                        f"{'; '.join(bad)}, so apiary cannot build a model from it.",
-                        "Use the config.json saved with the weights (transformers' save_pretrained), or correct "
-                        "the field.")
-
-
-def need(c: dict, path, *keys):
-    """Values of required config.json keys (a missing one is a user error naming it)."""
-    missing = [k for k in keys if k not in c]
-    if missing:
-        raise UserError(_where(path), f"config.json has no {', '.join(missing)}.",
-                        "Use the config.json saved with the weights (transformers' save_pretrained).")
-    return [c[k] for k in keys]
-
-
-def rope_params(c: dict) -> dict:
-    """transformers 5 ``rope_parameters`` merged with the older top-level keys / ``rope_scaling``."""
-    rope = dict(c.get("rope_parameters") or {})
-    for k, v in (c.get("rope_scaling") or {}).items():
-        rope.setdefault(k, v)
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope["type"]
-    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
-        if k in c and k not in rope:
-            rope[k] = c[k]
-    return rope
-
-
-def refuse(path, what: str, fix: str = "") -> None:
-    raise UserError(_where(path), f"{what}; apiary cannot build this architecture.",
-                    fix or "Use a checkpoint without it, or another model.family.")
-
-
-def family_of(model_type: str) -> str | None:
-    if model_type.startswith("qwen3_5"):
-        return "qwen3_5"
-    if model_type in ("qwen3", "qwen3_moe"):
-        return "qwen3"
-    if model_type == "llama":
-        return "llama3"
-    return None
-
-
-def check_family(c: dict, path, family: str) -> None:
-    mt = str(c.get("model_type", ""))
-    if not mt:
-        return
-    other = family_of(mt)
-    if other == family:
-        return
-    # the packaged family module of that model_type (family_of names components/models/<family>.py)
-    flavors = list(getattr(importlib.import_module(f"components.models.{other}"), "FLAVORS", {})) if other else []
-    fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
-           "defaults; the architecture comes from config.json)." if other else
-           "apiary loads qwen3, qwen3_moe, llama and qwen3_5(_moe) checkpoints.")
-    raise UserError(_where(path), f"config.json has model_type={mt}, which model.family={family} does not "
-                    "read.", fix)
-
-
-def apply_overrides(arch, path, *, n_layers=None, vocab_size=None):
-    """The checkpoint's architecture with the user's explicit model.n_layers / model.vocab_size.
-
-    Both are None unless the user set them (no packaged recipe sets them). A vocabulary that
-    differs, or more layers than the checkpoint holds, contradicts the weights; fewer layers
-    keep the first ones.
-    """
-    if vocab_size is not None and vocab_size != arch.vocab_size:
-        raise UserError(f"model.vocab_size={vocab_size}", f"contradicts {KEY}={path}, whose vocabulary is "
-                        f"{arch.vocab_size} (config.json vocab_size).",
-                        f"Drop model.vocab_size (the checkpoint sets it) or set model.vocab_size={arch.vocab_size}.")
-    if n_layers is not None and n_layers > arch.n_layers:
-        raise UserError(f"model.n_layers={n_layers}", f"is more than the {arch.n_layers} layers of {KEY}={path}; "
-                        "the extra layers would have no weights.",
-                        f"Drop model.n_layers, or set it to at most {arch.n_layers} to load the first layers.")
-    if n_layers is not None and n_layers < arch.n_layers:
-        return dataclasses.replace(arch, n_layers=n_layers)
-    return arch
-
-
-# --------------------------------------------------------------------------- safetensors headers
-
-def _header(f: Path, path) -> dict:
-    """A .safetensors file's header, validated against the file's size (no tensor data read)."""
-    size = f.stat().st_size
-    bad = None
-    try:
-        with open(f, "rb") as h:
-            head = h.read(8)
-            if len(head) < 8:
-                bad = f"{f.name} is {size} bytes, too short for a safetensors file"
-            else:
-                n = struct.unpack("<Q", head)[0]
-                if n > size - 8 or n > 100 * 2**20:
-                    bad = f"{f.name} is not a safetensors file (header length {n} in a {size}-byte file)"
-                else:
-                    meta = json.loads(h.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        bad = f"{f.name} has a corrupt header (not JSON)"
-    if bad is None and not isinstance(meta, dict):
-        bad = f"{f.name} has a corrupt header"
-    if bad is None:
-        end = 0
-        for k, v in meta.items():
-            if k == "__metadata__":
-                continue
-            try:
-                b, e = v["data_offsets"]
-                shape, dtype = [int(s) for s in v["shape"]], v["dtype"]
-            except (KeyError, TypeError, ValueError):
-                bad = f"{f.name} has a corrupt header entry for {k}"
-                break
-            nbytes = _DTYPE_BYTES.get(dtype, 0) * int(torch.Size(shape).numel())
-            if dtype in _DTYPE_BYTES and e - b != nbytes:
-                bad = f"{f.name}: tensor {k} has {e - b} bytes for shape {shape} {dtype}"
-                break
-            end = max(end, e)
-        if bad is None and 8 + n + end > size:
-            bad = (f"{f.name} is truncated: its header describes {8 + n + end} bytes, the file holds {size} "
-                   "(an interrupted download or copy)")
-    if bad:
-        raise UserError(_where(path), bad + ".", "Download or copy the file again (compare its size with "
-                        "the source), or point model.hf_checkpoint at an intact folder.")
-    return {k: v for k, v in meta.items() if k != "__metadata__"}
-
-
-def weight_index(path) -> dict[str, tuple[Path, tuple, str]]:
-    """HF key -> (file, shape, dtype) from the folder's safetensors headers."""
-    p = Path(path)
-    idx = p / "model.safetensors.index.json"
-    if idx.is_file():
-        try:
-            weight_map = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise UserError(_where(path), f"{idx.name} is not a safetensors index ({e}).",
-                            "Restore it from the model's original folder.") from None
-        files = sorted({p / f for f in weight_map.values()})
-        gone = [f.name for f in files if not f.is_file()]
-        if gone:
-            raise UserError(_where(path), f"{idx.name} names files that are not there: {', '.join(gone[:4])}.",
-                            "Download the missing shards.")
-    else:
-        files = sorted(p.glob("*.safetensors"))
-    if not files:
-        other = sorted(x.name for x in p.glob("*.bin")) + sorted(x.name for x in p.glob("*.pt"))
-        raise UserError(_where(path), "no *.safetensors weights there" +
-                        (f" (found {', '.join(other[:3])}; apiary reads safetensors only)" if other else "") + ".",
-                        "Save the model with save_pretrained (safetensors is its default), or download the "
-                        "*.safetensors files into the folder.")
-    out = {}
-    for f in files:
-        for k, v in _header(f, path).items():
-            out[k] = (f, tuple(int(s) for s in v["shape"]), v["dtype"])
-    return out
-
-
-def layer_of(key: str) -> int:
-    m = _LAYER.search(key)
-    return int(m[1]) if m else -1
-
-
-def checkpoint_depth(index: dict) -> int:
-    return 1 + max((layer_of(k) for k in index), default=-1)
-
 
 # --------------------------------------------------------------------------- checks
 
@@ -565,35 +323,165 @@ def hf_writer(family_mod, options, ctx) -> HFWriter:
     return HFWriter(config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(family_mod.arch_from_config(config)))
 
 
-def latest_step(run_dir) -> Path:
+def checkpoint_step(run_dir, step: int | None = None) -> Path:
+    """checkpoint/step-N of a run: its latest complete one (DCP's .metadata written), or ``step``,
+    refused when that step is not complete (naming those that are)."""
     run = Path(run_dir)
-    steps = sorted((int(p.name.split("-")[1]), p) for p in (run / "checkpoint").glob("step-*")
-                   if (p / ".metadata").is_file() and p.name.split("-")[1].isdigit())
+    steps = {int(p.name.split("-")[1]): p for p in (run / "checkpoint").glob("step-*")
+             if (p / ".metadata").is_file() and p.name.split("-")[1].isdigit()}
     if not steps:
         raise UserError(f"apiary export {run_dir}", "holds no complete checkpoint (checkpoint/step-N/.metadata).",
                         "Train with checkpoint.enable=true first.")
-    return steps[-1][1]
+    if step is None:
+        return steps[max(steps)]
+    if step not in steps:
+        raise UserError(f"apiary export {run_dir} --step {step}", "no complete checkpoint of that step; complete: "
+                        f"{', '.join(map(str, sorted(steps)))}.", "Pick one of those steps.")
+    return steps[step]
 
 
-def export_run(run_dir, out_path, family_mod) -> Path:
-    """`apiary export RUN_DIR --hf OUT` for a torchtitan-adapter family: latest checkpoint -> HF folder."""
+def latest_step(run_dir) -> Path:
+    return checkpoint_step(run_dir)
+
+
+# the folder's weight dtypes (`apiary export --dtype`) and their safetensors names
+_SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def export_dtype(dtype: str) -> torch.dtype:
+    """``bfloat16`` | ``float16`` | ``float32`` -> the torch dtype (ValueError otherwise)."""
+    t = getattr(torch, str(dtype), None)
+    if t not in _SAFETENSORS_DTYPE:
+        raise ValueError(f"export dtype {dtype!r}: one of bfloat16, float16, float32")
+    return t
+
+
+def export_groups(keys) -> list[list[str]]:
+    """State-dict keys in groups that convert to HF alone, in the keys' order: a layer's keys together
+    (an adapter fuses or splits tensors within a layer: Qwen3.5's in_proj_qkv, stacked experts), every
+    other key by itself."""
+    groups, at = [], {}
+    for k in keys:
+        n = layer_of(k)
+        if n < 0:
+            groups.append([k])
+        elif n in at:
+            groups[at[n]].append(k)
+        else:
+            at[n] = len(groups)
+            groups.append([k])
+    return groups
+
+
+def shard_plan(sizes: list[tuple[str, int]], shard_bytes: int | None) -> list[list[str]]:
+    """Names in order, split into shards of at most ``shard_bytes`` (a tensor larger than that alone);
+    publication's rule (framework/publish.py ``write_version``); None: one shard."""
+    shards, cur, size = [], [], 0
+    for name, n in sizes:
+        if cur and shard_bytes is not None and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    shards.append(cur)
+    return shards
+
+
+class _StreamedSafetensors:
+    """One .safetensors file written tensor by tensor: the header (names, shapes, offsets) is known
+    in advance, so no tensor is held after it is written (safetensors' save_file takes them all)."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple]], dtype: torch.dtype):
+        self.path, self.dtype, self.todo = path, dtype, list(reversed(entries))
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in entries:
+            n = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors aligns the data to 8 bytes
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(head)) + head)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want, shape = self.todo.pop()
+        if name != want or tuple(t.shape) != shape or t.dtype != self.dtype:
+            raise RuntimeError(f"{self.path.name}: got {name} {tuple(t.shape)} {t.dtype}, the header says {want} "
+                               f"{shape} {self.dtype}")
+        self.f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if not self.todo:
+            self.f.close()
+
+
+@torch.no_grad()
+def export_streamed(step_dir, out_path, *, config, adapter_cls, hf_config: dict, keys: dict[str, tuple],
+                    dtype: str = "bfloat16", shard_bytes: int | None = None) -> Path:
+    """A DCP checkpoint -> HF folder, a group of tensors at a time (``export_groups``: one layer, or
+    one tensor outside the layers): each group is loaded from ``step_dir`` straight into ``dtype``
+    (DCP reads only those keys), converted by the family's state-dict adapter and appended to its
+    shard, so the host holds one group, never the model. ``keys``: the torchtitan state-dict names to
+    export -> shape. Shards of at most ``shard_bytes`` as publication writes them
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; one shard:
+    ``model.safetensors``); config.json names the dtype."""
+    want = export_dtype(dtype)
+    adapter = adapter_cls(config, None)
+    groups = export_groups(keys)
+    plan = []  # per group: [(HF name, shape)], from the adapter on meta tensors (names and shapes only)
+    for g in groups:
+        meta = adapter.to_hf({k: torch.empty(keys[k], dtype=want, device="meta") for k in g})
+        plan.append([(n, tuple(t.shape)) for n, t in meta.items()])
+    entries = [e for p in plan for e in p]
+    shards = shard_plan([(n, math.prod(s) * want.itemsize) for n, s in entries], shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    file_of = {n: f for f, names in zip(files, shards) for n in names}
+    shapes = dict(entries)
+    out = Path(out_path)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = None
+    try:
+        for g, p in zip(groups, plan):
+            sd = {k: torch.empty(keys[k], dtype=want) for k in g}
+            dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+            converted = adapter.to_hf(sd)
+            for name, _ in p:
+                if writer is None or writer.path.name != file_of[name]:
+                    names = shards[files.index(file_of[name])]
+                    writer = _StreamedSafetensors(out / file_of[name], [(n, shapes[n]) for n in names], want)
+                writer.write(name, converted[name])
+            del sd, converted
+    finally:
+        if writer is not None and not writer.f.closed:  # stopped part-way: the file is closed, not whole
+            writer.f.close()
+    if len(shards) > 1:
+        total = sum(math.prod(s) * want.itemsize for _, s in entries)
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": file_of}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype, "dtype": dtype}, indent=2))
+    return out
+
+
+def export_run(run_dir, out_path, family_mod, *, step: int | None = None, dtype: str = "bfloat16",
+               shard_bytes: int | None = None) -> Path:
+    """`apiary export RUN_DIR --hf OUT` for a torchtitan-adapter family: a checkpoint (the latest, or
+    ``step``) -> HF folder in ``dtype``, streamed (``export_streamed``)."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
                         "Point it at runs/RECIPE/TIMESTAMP.")
     cfg = OmegaConf.load(run / "config.yaml")
-    step_dir = latest_step(run)
+    step_dir = checkpoint_step(run, step)
     config = family_mod.model_config(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
                                      hf_checkpoint=cfg.model.get("hf_checkpoint"))
     arch = family_mod.arch_from_config(config)
     model = _meta_model(config)
     # DCP holds the model's state_dict names (a fused QKV split by torchtitan's hooks), fp32
     params = set(_names(model))
-    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()
-          if k in params or k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))}
-    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    keys = {k: tuple(v.shape) for k, v in model.state_dict().items()
+            if k in params or k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))}
     warn_routing_bias(model, step_dir)
-    return save(sd, config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(arch), out_path)
+    return export_streamed(step_dir, out_path, config=config, adapter_cls=family_mod.STATE_DICT_ADAPTER,
+                           hf_config=family_mod.hf_config(arch), keys=keys, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def warn_routing_bias(model, step_dir) -> bool:
@@ -616,21 +504,3 @@ def warn_routing_bias(model, step_dir) -> bool:
         "not part of the HF format and is left out, so the exported model may route some tokens differently; "
         "train with moe.load_balance_coeff=null for routing that exports exactly.")
     return True
-
-
-def describe(arch, path, depth: int | None = None) -> str:
-    """One line for the run's first lines: which checkpoint, which architecture."""
-    fields = ", ".join(f"{f.name}={getattr(arch, f.name)}" for f in dataclasses.fields(arch))
-    trunc = (f"; loading the first {arch.n_layers} of its {depth} layers (model.n_layers)"
-             if depth and depth > arch.n_layers else "")
-    return f"HF checkpoint {path}: {fields}{trunc}"
-
-
-def facts_of_hf(family_mod, family: str, flavor: str, **kwargs):
-    """The facts of an HF folder's model (``kwargs["hf_checkpoint"]``), counted on its config, with
-    the folder described as their source; building the config checks its weights."""
-    config = family_mod.model_config(flavor, **kwargs)
-    f = facts_from_config(family, flavor, config)
-    path = kwargs["hf_checkpoint"]
-    return dataclasses.replace(f, source=describe(family_mod.arch_from_config(config), path,
-                                                  checkpoint_depth(weight_index(path))))

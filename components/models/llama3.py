@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from components.models import family, layer_kinds
+from components.models import family, hf_folder, layer_kinds
 
 # names of the torchtitan side (llama3_build) this module hands out on first use (PEP 562);
 # tests/test_model_facts.py checks the list against that module
-BUILD_NAMES = ("model_config", "build_config", "arch_from_hf", "arch_from_config", "arch_of", "export_hf",
-               "STATE_DICT_ADAPTER", "HFLlama3Model", "TT_FLAVORS")
+BUILD_NAMES = ("model_config", "build_config", "arch_from_config", "export_hf", "STATE_DICT_ADAPTER", "HFLlama3Model",
+               "TT_FLAVORS")
 
 
 _build, __getattr__ = family.build_side("components.models.llama3_build", __name__, BUILD_NAMES)
@@ -64,19 +64,58 @@ FLAVORS: dict[str, Arch] = {  # torchtitan 0.3.0's llama3 flavors
 
 def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,
           hf_checkpoint: str | None = None, **kwargs) -> family.ModelFacts:
-    """Sizes from the architecture (no model built); an HF folder's through the torchtitan side."""
+    """Sizes from the architecture (no model built, no torch): the flavor's, or an HF folder's
+    config.json with the user's overrides (its tensors are checked against it before a launch:
+    family.check_model)."""
+    source = ""
     if hf_checkpoint:
-        return _build().facts_of_hf(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint,
-                                    **kwargs)
-    a = FLAVORS[flavor]
-    a = replace(a, n_layers=n_layers or a.n_layers, vocab_size=vocab_size or a.vocab_size)
+        a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
+        source = hf_folder.describe(a, hf_checkpoint, hf_folder.checkpoint_depth(hf_folder.weight_index(hf_checkpoint)))
+    else:
+        a = FLAVORS[flavor]
+        a = replace(a, n_layers=n_layers or a.n_layers, vocab_size=vocab_size or a.vocab_size)
     layer = family.params_per_layer(dim=a.dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                                     qk_norm=False, ffn_hidden_dim=a.ffn_hidden_dim)
     return family.facts_from_counts(
         family="llama3", flavor=flavor, n_layers=a.n_layers, dim=a.dim, vocab_size=a.vocab_size,
         tie_embeddings=a.tie_embeddings, layer=layer, moe_hidden_dim=0, ffn_hidden_dim=a.ffn_hidden_dim,
         n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, n_attention_layers=a.n_layers,
-        max_seq_len=a.max_seq_len)
+        max_seq_len=a.max_seq_len, source=source)
+
+
+# -- HF folders (config.json, read without torch) --------------------------------------------
+
+def arch_from_hf(path) -> Arch:
+    c = hf_folder.read_config(path)
+    hf_folder.check_family(c, path, "llama3")
+    dim, n, heads, vocab, ffn = hf_folder.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                               "vocab_size", "intermediate_size")
+    rope = hf_folder.rope_params(c)
+    kind = rope.get("rope_type") or "default"
+    if kind not in ("default", "llama3"):
+        hf_folder.refuse(path, f"rope type {kind!r}", "apiary's llama3 reads default and llama3 RoPE.")
+    for k in ("attention_bias", "mlp_bias"):
+        if c.get(k):
+            hf_folder.refuse(path, f"{k}=true")
+    if c.get("hidden_act", "silu") != "silu":
+        hf_folder.refuse(path, f"hidden_act={c['hidden_act']}")
+    scaled = {}
+    if kind == "llama3":
+        scaled = dict(rope_scaling="llama", scaling_factor=float(rope.get("factor", 8.0)),
+                      low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                      high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                      original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
+    return Arch(dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+                head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab, ffn_hidden_dim=ffn,
+                rope_theta=float(rope.get("rope_theta", 10000.0)), max_seq_len=c.get("max_position_embeddings", 8192),
+                norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                **scaled)
+
+
+def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
+    if not hf_checkpoint:
+        return None
+    return hf_folder.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
 
 
 def model_spec(flavor: str, **kwargs):

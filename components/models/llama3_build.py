@@ -14,7 +14,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from components.models import common, hf
 from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
-from components.models.llama3 import Arch, hf_config  # noqa: F401
+from components.models.llama3 import Arch, arch_from_hf, arch_of, hf_config  # noqa: F401
 
 TT_FLAVORS = tt_llama3.llama3_configs  # flavor -> torchtitan config builder (llama3.FLAVORS: their Arch)
 
@@ -49,33 +49,6 @@ STATE_DICT_ADAPTER = Llama3StateDictAdapter
 HFLlama3Model = hf.model_class(Llama3Model, STATE_DICT_ADAPTER, "HFLlama3Model", __name__)
 
 
-def arch_from_hf(path) -> Arch:
-    c = hf.read_config(path)
-    hf.check_family(c, path, "llama3")
-    dim, n, heads, vocab, ffn = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                        "vocab_size", "intermediate_size")
-    rope = hf.rope_params(c)
-    kind = rope.get("rope_type") or "default"
-    if kind not in ("default", "llama3"):
-        hf.refuse(path, f"rope type {kind!r}", "apiary's llama3 reads default and llama3 RoPE.")
-    for k in ("attention_bias", "mlp_bias"):
-        if c.get(k):
-            hf.refuse(path, f"{k}=true")
-    if c.get("hidden_act", "silu") != "silu":
-        hf.refuse(path, f"hidden_act={c['hidden_act']}")
-    scaled = {}
-    if kind == "llama3":
-        scaled = dict(rope_scaling="llama", scaling_factor=float(rope.get("factor", 8.0)),
-                      low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                      high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                      original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)))
-    return Arch(dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
-                head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab, ffn_hidden_dim=ffn,
-                rope_theta=float(rope.get("rope_theta", 10000.0)), max_seq_len=c.get("max_position_embeddings", 8192),
-                norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                **scaled)
-
-
 def build_config(a: Arch, *, attn_backend: str = "flex", hf_checkpoint: str | None = None) -> HFLlama3Model.Config:
     """Arch -> torchtitan Llama 3 config (separate q/k/v projections, the HF layout)."""
     rope = ComplexRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta, scaling=a.rope_scaling,
@@ -103,12 +76,6 @@ def build_config(a: Arch, *, attn_backend: str = "flex", hf_checkpoint: str | No
         layers=layers, hf_checkpoint=hf_checkpoint)
 
 
-def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
-    if not hf_checkpoint:
-        return None
-    return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
-
-
 def arch_from_config(config) -> Arch:
     """The Arch of a torchtitan Llama 3 config (a flavor's or an HF folder's), for export."""
     attn = config.layers[0].attention
@@ -122,14 +89,10 @@ def arch_from_config(config) -> Arch:
                 norm_eps=config.norm.eps, tie_embeddings=bool(config.enable_weight_tying))
 
 
-def export_hf(run_dir: str, out_path: str):
-    """`apiary export RUN_DIR --hf OUT` for this family."""
-    return hf.export_run(run_dir, out_path, _self())
-
-
-def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
-    """The facts of an HF folder's model (its weights checked against the config on the way)."""
-    return hf.facts_of_hf(_self(), "llama3", flavor, **kwargs)
+def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
+              shard_bytes: int | None = None):
+    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf.export_run: streamed)."""
+    return hf.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def _self():

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from components.models import family, layer_kinds
+from components.models import family, hf_folder, layer_kinds
 
 # names of the torchtitan side (qwen3_build) this module hands out on first use (PEP 562);
 # tests/test_model_facts.py checks the list against that module
-BUILD_NAMES = ("model_config", "build_config", "arch_from_hf", "arch_from_config", "arch_of", "export_hf",
+BUILD_NAMES = ("model_config", "build_config", "arch_from_config", "export_hf",
                "STATE_DICT_ADAPTER", "HFQwen3Model", "YaRNRoPE", "yarn_attention_factor", "with_yarn", "TT_FLAVORS")
 
 
@@ -111,10 +111,13 @@ LONG_CONTEXT_FLAVORS = {name: a.max_seq_len for name, a in FLAVORS.items() if a.
 
 def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = None,
           hf_checkpoint: str | None = None, **kwargs) -> family.ModelFacts:
-    """Sizes from the architecture (no model built); an HF folder's through the torchtitan side."""
+    """Sizes from the architecture (no model built, no torch): the flavor's, or an HF folder's
+    config.json with the user's overrides (its tensors are checked against it before a launch:
+    family.check_model)."""
     if hf_checkpoint:
-        return _build().facts_of_hf(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint,
-                                    **kwargs)
+        a = arch_of(flavor, n_layers=n_layers, vocab_size=vocab_size, hf_checkpoint=hf_checkpoint)
+        return facts_of(a, flavor, source=hf_folder.describe(a, hf_checkpoint, hf_folder.checkpoint_depth(
+            hf_folder.weight_index(hf_checkpoint))))
     a = FLAVORS[flavor]
     a = replace(a, n_layers=n_layers or a.n_layers, vocab_size=vocab_size or a.vocab_size)
     return facts_of(a, flavor)
@@ -129,6 +132,63 @@ def facts_of(a: Arch, flavor: str, source: str = "") -> family.ModelFacts:
         tie_embeddings=a.tie_embeddings, layer=layer, num_experts=a.num_experts, top_k=a.top_k,
         moe_hidden_dim=a.moe_hidden_dim, ffn_hidden_dim=a.ffn_hidden_dim, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
         head_dim=a.head_dim, n_attention_layers=a.n_layers, max_seq_len=a.max_seq_len, source=source)
+
+
+# -- HF folders (config.json, read without torch) --------------------------------------------
+
+def arch_from_hf(path) -> Arch:
+    c = hf_folder.read_config(path)
+    hf_folder.check_family(c, path, "qwen3")
+    dim, n, heads, vocab = hf_folder.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    rope = hf_folder.rope_params(c)
+    yarn = None
+    if rope.get("rope_type") == "yarn":
+        yarn = _yarn_of(rope, c, path)
+    elif rope.get("rope_type", "default") not in ("default", None):
+        hf_folder.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)",
+                         "apiary's qwen3 reads default and yarn RoPE.")
+    if c.get("attention_bias"):
+        hf_folder.refuse(path, "attention_bias=true")
+    if c.get("use_sliding_window"):
+        hf_folder.refuse(path, "use_sliding_window=true")
+    if c.get("hidden_act", "silu") != "silu":
+        hf_folder.refuse(path, f"hidden_act={c['hidden_act']}")
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers 5 saves the latter
+    moe = bool(experts)
+    if moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        hf_folder.refuse(path, "dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+    return Arch(
+        dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab,
+        ffn_hidden_dim=0 if moe else hf_folder.need(c, path, "intermediate_size")[0],
+        num_experts=experts, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=hf_folder.need(c, path, "moe_intermediate_size")[0] if moe else 0,
+        route_norm=bool(c.get("norm_topk_prob", True)), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_seq_len=max(c.get("max_position_embeddings", 40960), yarn.max_seq_len if yarn else 0),
+        norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)), yarn=yarn)
+
+
+def _yarn_of(rope: dict, c: dict, path) -> YaRN:
+    """rope_parameters of rope_type yarn, read as transformers reads them (original positions default
+    to max_position_embeddings); DeepSeek's mscale / mscale_all_dim variant is refused."""
+    for k in ("mscale", "mscale_all_dim"):
+        if rope.get(k):
+            hf_folder.refuse(path, f"yarn RoPE with {k} (DeepSeek's attention-factor variant)")
+    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
+        hf_folder.refuse(path, f"yarn RoPE with factor {rope.get('factor')!r}", "Set rope_parameters.factor to a number >= 1.")
+    original = c.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or c.get("max_position_embeddings", 40960)
+    af = rope.get("attention_factor")
+    return YaRN(factor=float(rope["factor"]), original_max_position_embeddings=int(original),
+                beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)), attention_factor=None if af is None else float(af))
+
+
+def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
+    """The architecture of an HF folder with the user's explicit overrides (None without one)."""
+    if not hf_checkpoint:
+        return None
+    return hf_folder.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
 
 
 def model_spec(flavor: str, **kwargs):

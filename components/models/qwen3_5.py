@@ -18,18 +18,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from components.models import family, layer_kinds
+from components.models import family, hf_folder, layer_kinds
 from components.models.family import ModelFacts
 
 # the family's names (FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS are read through this module)
-from components.models.qwen3_5_arch import FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS, Arch  # noqa: F401
+from components.models.qwen3_5_arch import FLAVORS, HF_MODEL_TYPES, TORCHTITAN_FLAVORS, Arch, arch_from_hf_config  # noqa: F401
 from framework.errors import UserError
 
 # names of the torchtitan side (qwen3_5_build) this module hands out on first use (PEP 562);
 # tests/test_startup.py checks the list against that module
 BUILD_NAMES = ("build_config", "model_config", "hf_key_shapes", "export_hf", "STATE_DICT_ADAPTER", "save_hf",
-               "Qwen35TextModel", "TextBlock", "parallelize_qwen35_text", "canonical_key", "hf_text_config",
-               "arch_from_hf_config")
+               "Qwen35TextModel", "TextBlock", "parallelize_qwen35_text", "canonical_key", "hf_text_config")
 
 
 _build, __getattr__ = family.build_side("components.models.qwen3_5_build", __name__, BUILD_NAMES)
@@ -40,8 +39,9 @@ def arch_of(flavor: str, *, n_layers: int | None = None, vocab_size: int | None 
     """The flavor's architecture with the recipe's overrides; with ``hf_checkpoint`` the folder's
     config.json is the architecture (the flavor supplies nothing) and the user's explicit
     ``n_layers`` (fewer: the first layers) / ``vocab_size`` (equal) are checked against it."""
-    if hf_checkpoint:
-        return _build().arch_of_hf(hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
+    if hf_checkpoint:  # config.json read without torch (qwen3_5_arch.arch_from_hf_config)
+        return hf_folder.apply_overrides(arch_from_hf_config(hf_checkpoint), hf_checkpoint, n_layers=n_layers,
+                                         vocab_size=vocab_size)
     a = FLAVORS[flavor]
     changes = {k: v for k, v in (("n_layers", n_layers), ("vocab_size", vocab_size)) if v is not None}
     return dataclasses.replace(a, **changes) if changes else a
@@ -100,9 +100,7 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
 def _source(a: Arch, hf_checkpoint: str | None) -> str:
     if not hf_checkpoint:
         return ""
-    from components.models import hf  # reason: torch; only a run from an HF folder describes it
-
-    return hf.describe(a, hf_checkpoint, hf.checkpoint_depth(hf.weight_index(hf_checkpoint)))
+    return hf_folder.describe(a, hf_checkpoint, hf_folder.checkpoint_depth(hf_folder.weight_index(hf_checkpoint)))
 
 
 def check_layout(cfg, layout) -> None:

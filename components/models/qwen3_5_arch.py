@@ -1,10 +1,14 @@
-"""Qwen3.5 architecture numbers: ``Arch`` and the flavors (no torch, no torchtitan), shared by the
-family module (components.models.qwen3_5) and its HF reader/writer (qwen3_5_hf).
+"""Qwen3.5 architecture numbers: ``Arch``, the flavors and ``arch_from_hf_config`` (an HF folder's
+config.json -> Arch), no torch, no torchtitan; shared by the family module (components.models.qwen3_5)
+and its HF reader/writer (qwen3_5_hf).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from components.models import hf_folder
+from framework.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ FLAVORS = {
                       linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                       num_experts=8, top_k=2, moe_hidden_dim=32, shared_expert_hidden_dim=32, vocab_size=320,
                       mrope_section=(1, 1, 0), max_seq_len=4096),
-    # debug_moe's layer kinds at head dims vLLM's GPU kernels take (attention 128, GatedDeltaNet 64)
+    # debug_moe's layer kinds at head dims vLLM's GPU kernels take (attention 128; GatedDeltaNet 128: vLLM
+    # 0.33's GatedDeltaNet kernel refused 64 on an H200, "DSL kernel only supports D=128")
     "vllm_debug_moe": Arch(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=128, rotary_dim=32,
-                           linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                           linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
                            num_experts=8, top_k=2, moe_hidden_dim=128, shared_expert_hidden_dim=128, vocab_size=320,
                            mrope_section=(6, 5, 5), max_seq_len=4096),
     "debug_dense": Arch(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=4,
@@ -73,3 +78,40 @@ FLAVORS = {
 }
 # Flavor names in torchtitan's registry that share our numbers (checked by the tests).
 TORCHTITAN_FLAVORS = ("35B-A3B", "122B-A10B", "397B-A17B", "27B", "9B", "4B", "2B", "0.8B")
+
+
+def arch_from_hf_config(config):
+    """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
+    c = hf_folder.read_config(config)
+    hf_folder.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5")
+    hf_folder.need(c, config, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim")
+    rope = hf_folder.rope_params(c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    interval = c.get("full_attention_interval", 4)
+    if types:
+        full = [i for i, t in enumerate(types[:n]) if t == "full_attention"]
+        interval = full[0] + 1 if full else n + 1
+        want = [i for i in range(n) if (i + 1) % interval == 0]
+        if full != want:
+            raise UserError("model.hf_checkpoint", f"layer_types {types[:n]} is not 'full attention every Nth "
+                            "layer'; apiary's Qwen3.5 builds that pattern only.")
+    moe = bool(c.get("num_experts"))
+    return Arch(
+        dim=c["hidden_size"], n_layers=n, n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+        head_dim=head_dim, rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        linear_key_heads=c["linear_num_key_heads"], linear_value_heads=c["linear_num_value_heads"],
+        linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
+        vocab_size=c["vocab_size"],
+        num_experts=c["num_experts"] if moe else 0, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=c.get("moe_intermediate_size", 0) if moe else 0,
+        shared_expert_hidden_dim=c.get("shared_expert_intermediate_size", 0) if moe else 0,
+        ffn_hidden_dim=0 if moe else c["intermediate_size"], full_attention_interval=interval,
+        conv_kernel=c.get("linear_conv_kernel_dim", 4), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+        max_seq_len=c.get("max_position_embeddings", 262144), norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.models import qwen3_5 as tt
@@ -25,18 +24,17 @@ from components.models.common import ExactGroupedExperts, replace_config
 from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
 from components.models.qwen3_5 import arch_of, model_kwargs
 from components.models.qwen3_5_arch import Arch
-from components.models.qwen3_5_hf import TextStateDictAdapter, arch_from_hf_config, canonical_key, hf_text_config, save_hf
+from components.models.qwen3_5_hf import (  # noqa: F401  (save_hf: one of BUILD_NAMES)
+    TextStateDictAdapter,
+    canonical_key,
+    hf_text_config,
+    save_hf,
+)
 from components.models.qwen3_5_model import Qwen35TextModel, TextBlock, parallelize_qwen35_text
 from framework import devices
 from framework.errors import UserError
 
 STATE_DICT_ADAPTER = TextStateDictAdapter
-
-
-def arch_of_hf(hf_checkpoint: str, *, n_layers: int | None = None, vocab_size: int | None = None) -> Arch:
-    """An HF folder's architecture (its config.json) with the user's explicit overrides."""
-    return hf.apply_overrides(arch_from_hf_config(hf_checkpoint), hf_checkpoint, n_layers=n_layers,
-                              vocab_size=vocab_size)
 
 
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
@@ -117,8 +115,11 @@ def model_spec(flavor: str, **kwargs):
     return common.wrap_parallelize(spec)
 
 
-def export_hf(run_dir: str, out_path: str) -> Path:
-    """`apiary export RUN_DIR --hf OUT`: the run's latest checkpoint -> a HF text-only folder."""
+def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
+              shard_bytes: int | None = None) -> Path:
+    """`apiary export RUN_DIR --hf OUT`: a checkpoint of the run (the latest, or ``step``) -> a HF
+    text-only folder in ``dtype``, streamed a layer at a time in shards of at most ``shard_bytes``
+    (hf.export_streamed)."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
@@ -126,17 +127,17 @@ def export_hf(run_dir: str, out_path: str) -> Path:
     cfg = OmegaConf.load(run / "config.yaml")
     if cfg.model.family != "qwen3_5":
         raise UserError(f"apiary export {run_dir}", f"model.family={cfg.model.family}: this exporter writes Qwen3.5.")
-    step_dir = hf.latest_step(run)
+    step_dir = hf.checkpoint_step(run, step)
     a = arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
                 hf_checkpoint=cfg.model.get("hf_checkpoint"))
     config = build_config(a)
     with torch.device("meta"):
         model = Qwen35TextModel(config)
     # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
-    sd = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
-    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    keys = {k: tuple(p.shape) for k, p in model.named_parameters()}
     hf.warn_routing_bias(model, step_dir)
-    return save_hf(sd, a, out_path, config)
+    return hf.export_streamed(step_dir, out_path, config=config, adapter_cls=TextStateDictAdapter,
+                              hf_config=hf_text_config(a), keys=keys, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def hf_writer(options, ctx) -> hf.HFWriter:

@@ -1,6 +1,7 @@
 """HuggingFace checkpoints for the text-only Qwen3.5 family: architecture, load, export.
 
-* ``arch_from_hf_config(config.json)``: a text config (``qwen3_5_moe_text`` / ``qwen3_5_text``)
+* ``arch_from_hf_config(config.json)`` (defined in qwen3_5_arch.py, torch-free): a text config
+  (``qwen3_5_moe_text`` / ``qwen3_5_text``)
   or the ``text_config`` of a multimodal one (``qwen3_5_moe`` / ``qwen3_5``) -> ``Arch``.
 * ``load_hf(model, path)``: safetensors -> model parameters (plain, FSDP- or EP-sharded
   DTensors), one layer at a time, through ``TextStateDictAdapter``.
@@ -25,51 +26,13 @@ import torch
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
 from components.models import hf
-from components.models.qwen3_5_arch import Arch
-from framework.errors import UserError
+from components.models.qwen3_5_arch import Arch, arch_from_hf_config  # noqa: F401  (read without torch there)
 
 _MM = "model.language_model."
 _SKIP = ("model.visual.", "mtp.", "model.mtp.")
 _EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj)\.weight$")
 
 # --------------------------------------------------------------------------- architecture
-
-def arch_from_hf_config(config):
-    """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
-    c = hf.read_config(config)
-    hf.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5")
-    hf.need(c, config, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-            "linear_value_head_dim")
-    rope = hf.rope_params(c)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    n = c["num_hidden_layers"]
-    types = c.get("layer_types")
-    interval = c.get("full_attention_interval", 4)
-    if types:
-        full = [i for i, t in enumerate(types[:n]) if t == "full_attention"]
-        interval = full[0] + 1 if full else n + 1
-        want = [i for i in range(n) if (i + 1) % interval == 0]
-        if full != want:
-            raise UserError("model.hf_checkpoint", f"layer_types {types[:n]} is not 'full attention every Nth "
-                            "layer'; apiary's Qwen3.5 builds that pattern only.")
-    moe = bool(c.get("num_experts"))
-    return Arch(
-        dim=c["hidden_size"], n_layers=n, n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-        head_dim=head_dim, rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
-        linear_key_heads=c["linear_num_key_heads"], linear_value_heads=c["linear_num_value_heads"],
-        linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
-        vocab_size=c["vocab_size"],
-        num_experts=c["num_experts"] if moe else 0, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
-        moe_hidden_dim=c.get("moe_intermediate_size", 0) if moe else 0,
-        shared_expert_hidden_dim=c.get("shared_expert_intermediate_size", 0) if moe else 0,
-        ffn_hidden_dim=0 if moe else c["intermediate_size"], full_attention_interval=interval,
-        conv_kernel=c.get("linear_conv_kernel_dim", 4), rope_theta=float(rope.get("rope_theta", 10000.0)),
-        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
-        max_seq_len=c.get("max_position_embeddings", 262144), norm_eps=c.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-    )
-
 
 def hf_text_config(a) -> dict:
     """config.json of a HF text-only model with this architecture."""

@@ -25,7 +25,15 @@ from torchtitan.protocols.model_spec import ModelSpec
 from components.models import common, hf
 from components.models.common import ExactGroupedExperts, replace_config
 from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
-from components.models.qwen3 import MOE_FLAVORS, QWEN3_YARN, Arch, YaRN, hf_config  # noqa: F401
+from components.models.qwen3 import (  # noqa: F401  (the torch-free side's names, reachable here too)
+    MOE_FLAVORS,
+    QWEN3_YARN,
+    Arch,
+    YaRN,
+    arch_from_hf,
+    arch_of,
+    hf_config,
+)
 
 
 class YaRNRoPE(CosSinRoPE):
@@ -137,11 +145,6 @@ def model_spec(flavor: str, **kwargs) -> ModelSpec:
     return common.wrap_parallelize(spec)
 
 
-def facts_of_hf(flavor: str, **kwargs) -> common.ModelFacts:
-    """The facts of an HF folder's model (its weights checked against the config on the way)."""
-    return hf.facts_of_hf(_self(), "qwen3", flavor, **kwargs)
-
-
 def _self():
     return sys.modules[__name__]
 
@@ -155,54 +158,6 @@ def hf_writer(options, ctx) -> hf.HFWriter:
 
 STATE_DICT_ADAPTER = Qwen3StateDictAdapter
 HFQwen3Model = hf.model_class(Qwen3Model, STATE_DICT_ADAPTER, "HFQwen3Model", __name__)
-
-
-def arch_from_hf(path) -> Arch:
-    c = hf.read_config(path)
-    hf.check_family(c, path, "qwen3")
-    dim, n, heads, vocab = hf.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    rope = hf.rope_params(c)
-    yarn = None
-    if rope.get("rope_type") == "yarn":
-        yarn = _yarn_of(rope, c, path)
-    elif rope.get("rope_type", "default") not in ("default", None):
-        hf.refuse(path, f"rope type {rope['rope_type']!r} (RoPE scaling)", "apiary's qwen3 reads default and "
-                  "yarn RoPE.")
-    if c.get("attention_bias"):
-        hf.refuse(path, "attention_bias=true")
-    if c.get("use_sliding_window"):
-        hf.refuse(path, "use_sliding_window=true")
-    if c.get("hidden_act", "silu") != "silu":
-        hf.refuse(path, f"hidden_act={c['hidden_act']}")
-    experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers 5 saves the latter
-    moe = bool(experts)
-    if moe and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
-        hf.refuse(path, "dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
-    return Arch(
-        dim=dim, n_layers=n, n_heads=heads, n_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or dim // heads, vocab_size=vocab,
-        ffn_hidden_dim=0 if moe else hf.need(c, path, "intermediate_size")[0],
-        num_experts=experts, top_k=c.get("num_experts_per_tok", 0) if moe else 0,
-        moe_hidden_dim=hf.need(c, path, "moe_intermediate_size")[0] if moe else 0,
-        route_norm=bool(c.get("norm_topk_prob", True)), rope_theta=float(rope.get("rope_theta", 10000.0)),
-        max_seq_len=max(c.get("max_position_embeddings", 40960), yarn.max_seq_len if yarn else 0),
-        norm_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=bool(c.get("tie_word_embeddings", False)), yarn=yarn)
-
-
-def _yarn_of(rope: dict, c: dict, path) -> YaRN:
-    """rope_parameters of rope_type yarn, read as transformers reads them (original positions default
-    to max_position_embeddings); DeepSeek's mscale / mscale_all_dim variant is refused."""
-    for k in ("mscale", "mscale_all_dim"):
-        if rope.get(k):
-            hf.refuse(path, f"yarn RoPE with {k} (DeepSeek's attention-factor variant)")
-    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
-        hf.refuse(path, f"yarn RoPE with factor {rope.get('factor')!r}", "Set rope_parameters.factor to a number >= 1.")
-    original = c.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
-        or c.get("max_position_embeddings", 40960)
-    af = rope.get("attention_factor")
-    return YaRN(factor=float(rope["factor"]), original_max_position_embeddings=int(original),
-                beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
-                truncate=bool(rope.get("truncate", True)), attention_factor=None if af is None else float(af))
 
 
 def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str = "standard",
@@ -233,16 +188,10 @@ def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str =
     return config
 
 
-def arch_of(flavor: str, *, n_layers=None, vocab_size=None, hf_checkpoint=None) -> Arch | None:
-    """The architecture of an HF folder with the user's explicit overrides (None without one)."""
-    if not hf_checkpoint:
-        return None
-    return hf.apply_overrides(arch_from_hf(hf_checkpoint), hf_checkpoint, n_layers=n_layers, vocab_size=vocab_size)
-
-
-def export_hf(run_dir: str, out_path: str):
-    """`apiary export RUN_DIR --hf OUT` for this family."""
-    return hf.export_run(run_dir, out_path, _self())
+def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
+              shard_bytes: int | None = None):
+    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf.export_run: streamed)."""
+    return hf.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def arch_from_config(config) -> Arch:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from components.losses.lm_head import engine
-from components.losses.lm_head.knobs import KERNEL  # the launch knobs (benchmarks set them here too)
+from components.losses.lm_head.knobs import KERNEL, chunk_tokens_for  # the launch knobs (benchmarks set them here too)
 
 LOGITS_DTYPES = ("bfloat16", "float32")
 DW_ACCUM = ("float32", "weight")
@@ -47,10 +47,6 @@ FALLBACKS: set[str] = set()
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def chunk_tokens_for(n: int, chunk_tokens: int) -> int:
-    return max(1, min(int(chunk_tokens), n))
 
 
 def estimate_bytes(n: int, hd: int, v_local: int, logits_dtype: str, dw_accum: str, chunk_tokens: int,

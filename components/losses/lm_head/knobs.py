@@ -8,3 +8,8 @@ under a vocabulary group). ``fwdgrad.KERNEL`` is this same dict.
 """
 
 KERNEL = {"block": 4096, "num_warps": 8, "streams": 1}  # tuned on an H200 (docs/skills/linear_ce.md)
+
+
+def chunk_tokens_for(n: int, chunk_tokens: int) -> int:
+    """Tokens per logits chunk for ``n`` tokens (the planner sizes the chunk with it, without torch)."""
+    return max(1, min(int(chunk_tokens), n))
