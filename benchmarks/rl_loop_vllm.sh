@@ -22,6 +22,9 @@ for spec in "${RUNS[@]}"; do
     --log "$d/engine_updates.jsonl" $gflags > "$d/generator.log" 2>&1 &
   gp=$!
   wait $tp; echo "$name: trainer exit $?"
+  # an engine linked to the trainer stops when the trainer closes the link; a LoRA run's engine (no link) is
+  # stopped here once the trainer is done
+  for _ in $(seq 60); do kill -0 $gp 2>/dev/null || break; sleep 1; done; kill $gp 2>/dev/null
   wait $gp; echo "$name: generator exit $?"
 done
 $PY - "$OUT" "${RUNS[@]}" <<'PY'

@@ -237,10 +237,10 @@ def test_engine_settings_with_files_are_refused_as_without_effect():
 
 
 def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
-    """The run's first version is a folder the engine starts from; the link is open from then on (a
-    generator that connects before the first in-memory version is answered at once, so it can sample
-    the rollouts the trainer waits for), and each later version arrives as start / one update per
-    bucket / finish(version) with the published folder's names."""
+    """The run's first version is a folder the engine starts from; the trainer then waits for the
+    engine's hello before its first step (vLLM sizes its cache from the GPU memory it sees while it
+    starts), and each later version arrives as start / one update per bucket / finish(version) with the
+    published folder's names."""
     from types import SimpleNamespace
 
     from components.transport.vllm import VllmIPC
@@ -253,10 +253,18 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
                                 dtype="bfloat16", transport=VllmIPC, transport_options=r.ctx.options["transport"])
     trainer = SimpleNamespace(model_parts=[model])
     pub = publish.Publisher(s)
-    pub.publish(trainer, 0, initial=True)
-    assert (tmp_path / "w" / "step-0" / "model.safetensors").is_file()
-    eng = FakeEngine(tmp_path / "w", writer.hf_config)
-    eng.start()
+    started = {}
+
+    def engine():  # the generator: loads the first folder, then connects through the link file
+        link_mod.wait_for(lambda: (tmp_path / "w" / link_mod.LINK_FILE).is_file(), 30)
+        started["folder"] = (tmp_path / "w" / "step-0" / "model.safetensors").is_file()
+        started["eng"] = FakeEngine(tmp_path / "w", writer.hf_config)
+        started["eng"].run()
+
+    threading.Thread(target=engine, daemon=True).start()
+    pub.publish(trainer, 0, initial=True)  # returns once the engine is up: the first step waits for it
+    assert started["folder"] and pub._sender.link.connected
+    eng = started["eng"]
     assert link_mod.wait_for(lambda: eng.answer is not None, 10), "the engine's hello went unanswered"
     assert eng.answer == {"ok": True}
     folder = set(_folder_tensors(tmp_path / "w" / "step-0"))
@@ -264,7 +272,7 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
         pub.publish(trainer, v)
     buckets = len(pub._sender.plan.buckets)
     pub.close()
-    eng.join(10)
+    link_mod.wait_for(lambda: eng.calls and eng.calls[-1][0] == "close", 10)
     methods = [m for m, _ in eng.calls]
     assert methods[0] == "init_weight_transfer_engine" and methods[-1] == "close"
     assert [a for m, a in eng.calls if m == "finish_weight_update"] == ["1", "2"]
@@ -273,6 +281,23 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
     assert len(sent) == len(set(sent)) and set(sent) == folder  # every tensor of the folder, once
     assert methods.count("update_weights") == 2 * buckets and methods.count("start_weight_update") == 2
     assert not (tmp_path / "w" / "step-1").exists()  # in memory: no folder for the later versions
+
+
+def test_no_engine_within_the_timeout_stops_the_run_before_its_first_step(tmp_path):
+    """An in-memory transport whose engine never connects: the initial publication (before step 1)
+    raises the refusal naming what to start, after publish.engine_timeout, with the first folder kept."""
+    from types import SimpleNamespace
+
+    from components.transport.vllm import VllmIPC
+
+    r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", "publish.engine_timeout=1",
+                                    f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
+    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="false", convert=_writer("debug_moe"),
+                                transport=VllmIPC, transport_options=r.ctx.options["transport"])
+    pub = publish.Publisher(s)
+    with pytest.raises(UserError, match="Start the generator"):
+        pub.publish(SimpleNamespace(model_parts=[api.build_model("debug_moe")]), 0, initial=True)
+    assert (tmp_path / "w" / "step-0" / "model.safetensors").is_file()
 
 
 def test_the_plan_counts_the_hand_offs_buffers_on_rank_0():

@@ -45,6 +45,7 @@ class FakeLLM:
     def __init__(self, model, **kw):
         self.kw = kw
         FakeLLM.calls.append(("LLM", kw.get("weight_transfer_config")))
+        FakeLLM.made = (model, kw)
 
     def init_weight_transfer_engine(self, request):
         FakeLLM.calls.append(("init", request["init_info"]))
@@ -61,7 +62,9 @@ class FakeLLM:
     def reset_prefix_cache(self):
         FakeLLM.calls.append(("reset", None))
 
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
+        FakeLLM.calls.append(("generate", None if lora_request is None else (lora_request.name, lora_request.id,
+                                                                               lora_request.path)))
         params = params if isinstance(params, list) else [params] * len(prompts)
         out = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -79,6 +82,9 @@ class FakeSamplingParams:
 @pytest.fixture
 def generator(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams))
+    request = types.SimpleNamespace(LoRARequest=lambda name, i, path: types.SimpleNamespace(name=name, id=i, path=path))
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.SimpleNamespace(request=request))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
     FakeLLM.calls = []
     spec = importlib.util.spec_from_file_location("vllm_generator", ROOT / "examples" / "rl_loop" / "vllm_generator.py")
     mod = importlib.util.module_from_spec(spec)
@@ -123,7 +129,7 @@ def test_generator_links_applies_updates_between_shards_and_writes_readable_reco
                          "--wait", "30"])
     t.join(30)
     assert rc == 0 and seen["hello"]["hf_config"]["hidden_size"] == 256 and seen["first"] and seen["second"]
-    assert [c[0] for c in FakeLLM.calls] == ["LLM", "init", "start", "update", "finish", "reset"]
+    assert [c[0] for c in FakeLLM.calls if c[0] != "generate"] == ["LLM", "init", "start", "update", "finish", "reset"]
     assert FakeLLM.calls[0][1] == {"backend": "ipc"}
     shards = [[json.loads(x) for x in (out / f"00000{i}.jsonl").read_text().splitlines()] for i in (0, 1)]
     assert {r["policy_version"] for r in shards[0]} == {0} and {r["policy_version"] for r in shards[1]} == {1}
@@ -144,3 +150,66 @@ def test_generator_refused_by_the_trainer_says_why(tmp_path, generator):
     with pytest.raises(link_mod.EngineError):
         link.wait_connected()
     link.close()
+
+
+def test_generator_stops_when_the_trainer_closes_the_link(tmp_path, generator):
+    """The trainer's run ended (it closed the link) while the generator waited for the next version: the
+    generator stops instead of sampling shard after shard with the last weights (seen on an H200: 486
+    shards after a 12-step run)."""
+    weights, out = tmp_path / "weights", tmp_path / "rollouts"
+    cfg = _first_folder(weights)
+    link = link_mod.EngineLink(weights, "127.0.0.1:0", cfg, transport="vllm_ipc")
+    link.start_accepting(30)
+
+    def trainer():
+        try:
+            link.wait_connected()
+            link_mod.wait_for(lambda: (out / "000000.jsonl").is_file(), 30)
+        finally:
+            link.close()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    rc = generator.main(["--weights", str(weights), "--out", str(out), "--shards", "50", "--prompts", "1", "--group",
+                         "2", "--prompt-tokens", "4", "--new-tokens", "3", "--patience", "30", "--wait", "30"])
+    t.join(30)
+    assert rc == 0
+    assert sorted(f.name for f in out.iterdir()) == ["000000.jsonl"]
+
+
+def _adapter_folder(weights: Path, version: int, base: Path) -> None:
+    d = weights / f"step-{version}"
+    d.mkdir(parents=True)
+    (d / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "r": 16,
+                                                       "rank_pattern": {"in_proj_qkv": 48}}))
+    (d / "apiary_version.json").write_text(json.dumps({"version": version, "step": version}))
+    (weights / "latest").write_text(f"step-{version}\n")
+
+
+def test_generator_loads_a_lora_runs_adapters_as_lora_requests(tmp_path, generator):
+    """A LoRA run publishes PEFT folders naming the base: the engine starts on the base with LoRA enabled
+    (its max rank rounded up to one vLLM takes), samples with the adapters of the version in use, and
+    takes a newer version's adapters between shards under a new LoRA id; no link is made."""
+    base, weights, out = tmp_path / "base", tmp_path / "weights", tmp_path / "rollouts"
+    _first_folder(base)
+    _adapter_folder(weights, 0, base / "step-0")
+
+    def trainer():
+        link_mod.wait_for(lambda: (out / "000000.jsonl").is_file(), 30)
+        _adapter_folder(weights, 1, base / "step-0")
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    rc = generator.main(["--weights", str(weights), "--out", str(out), "--shards", "2", "--prompts", "1", "--group",
+                         "2", "--prompt-tokens", "4", "--new-tokens", "3", "--patience", "30", "--wait", "30"])
+    t.join(30)
+    assert rc == 0
+    model, kw = FakeLLM.made
+    assert model == str(base / "step-0") and kw["enable_lora"] and kw["max_lora_rank"] == 64  # 48 -> vLLM's 64
+    assert FakeLLM.calls[0] == ("LLM", None)  # no weight-transfer engine: adapters arrive as folders
+    gens = [c[1] for c in FakeLLM.calls if c[0] == "generate"]
+    assert gens == [("step-0", 1, str(weights / "step-0")), ("step-1", 2, str(weights / "step-1"))]
+    versions = [{json.loads(x)["policy_version"] for x in (out / f"00000{i}.jsonl").read_text().splitlines()}
+                for i in (0, 1)]
+    assert versions == [{0}, {1}]
+    assert not (weights / "engine_link.json").exists()

@@ -54,7 +54,7 @@ class InMemorySender:
             self.link.start_accepting(self.timeout)
             print(f"publish.transport={name}: {len(self.plan.buckets)} bucket(s), "
                   f"{self.plan.nbytes / 2**30:.2f} GiB of {self.plan.dtype_name} on {device}; the engine connects "
-                  f"through {self.link.path}", flush=True)
+                  f"through {self.link.path}; waiting for it before the first step", flush=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._handles: list[str] = []
@@ -62,6 +62,22 @@ class InMemorySender:
         self._inited = False
         self.records: list[dict] = []
         self.log = settings.log  # the publication log the next metrics record reads (framework.publish.LOG)
+        if self.link is not None:
+            self._await_engine()
+
+    def _await_engine(self) -> None:
+        """Rank 0: wait (publish.engine_timeout) for the engine's hello. The sender is made at the first
+        publication, so the trainer starts its first step only once the engine is up: vLLM sizes its KV
+        cache from the memory it sees while it starts, and a trainer sharing the GPU (IPC) that grows its
+        activations meanwhile left it none ("No available memory for the cache blocks", on an H200)."""
+        try:
+            hello = self.link.wait_connected()
+        except link_mod.EngineError as e:
+            raise UserError(f"publish.transport={self.name}", f"{e}.",
+                            f"Start the generator (it loads {self.settings.dir}/latest, then connects), or raise "
+                            "publish.engine_timeout; the run's checkpoints are kept.") from None
+        if self.snap.device.type == "cuda":
+            same_gpu_or_refuse(self.backend, str(torch.cuda.get_device_properties(self.snap.device.index).uuid), hello)
 
     # -- the loop's part ---------------------------------------------------------------------------
     def publish(self, trainer, version: int) -> None:
@@ -74,15 +90,7 @@ class InMemorySender:
         if self.snap.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the copies have landed before the engine reads them
         if not self.link.connected:
-            try:
-                hello = self.link.wait_connected()
-            except link_mod.EngineError as e:
-                raise UserError(f"publish.transport={self.name}", f"{e}.",
-                                f"Start the generator (it loads {self.settings.dir}/latest, then connects), or raise "
-                                "publish.engine_timeout; the run's checkpoints are kept.") from None
-            if self.snap.device.type == "cuda":
-                same_gpu_or_refuse(self.backend, str(torch.cuda.get_device_properties(self.snap.device.index).uuid),
-                                   hello)
+            self._await_engine()
         blocked = time.perf_counter() - t0
         if self.background:
             self._thread = threading.Thread(target=self._send_guarded, args=(version, blocked, waited),

@@ -73,12 +73,13 @@ class Engine:
                        gpu_memory_utilization=memory, max_model_len=max_len, seed=seed,
                        logprobs_mode="processed_logprobs", enable_return_routed_experts=routing, **kw)
         self.config = json.loads((model / "config.json").read_text())
+        self.conn = None
+        self.closed = False  # the trainer closed the link (its run ended): no more versions come
+        self.updates: list[dict] = []  # per applied update: version, seconds paused
         self.lora = None  # the LoRARequest of the adapters in use
         self.version = version_of(folder)
         if base is not None:
             self.use_adapters(folder)
-        self.conn = None
-        self.updates: list[dict] = []  # per applied update: version, seconds paused
 
     def use_adapters(self, folder: Path) -> None:
         """Sample with the adapters of ``folder`` from now on (vLLM loads them at the next generate)."""
@@ -122,18 +123,20 @@ class Engine:
     def serve(self, block: bool) -> bool:
         """Handle the trainer's requests: when one is waiting (or ``block``), until an update has been
         finished (or a probe answered). False once the trainer closed the link."""
-        if self.conn is None or not (block or self.conn.poll(0)):
+        if self.conn is None:  # no link (a LoRA run's adapters arrive as folders), or the trainer closed it
+            return not self.closed
+        if not (block or self.conn.poll(0)):
             return True
         paused_at = None
         while True:
             try:
                 method, arg = self.conn.recv()
             except (EOFError, OSError):
-                self.conn = None
+                self.conn, self.closed = None, True
                 return False
             if method == "close":
                 self.conn.close()
-                self.conn = None
+                self.conn, self.closed = None, True
                 return False
             t0 = time.perf_counter()
             try:
@@ -273,7 +276,7 @@ def main(argv=None) -> int:
         index = len([f for f in a.out.iterdir() if f.suffix == ".jsonl" and not f.name.startswith(".")])
         used = None
         while a.shards == 0 or index < a.shards:
-            if not eng.serve(block=False):
+            if not eng.serve(block=False) or eng.closed:  # the trainer ended: stop sampling
                 break
             eng.poll_adapters(a.weights)
             if used == eng.version:  # on-policy: wait (bounded) for the version this shard trains into
@@ -283,6 +286,8 @@ def main(argv=None) -> int:
                         break
                 while eng.lora is not None and not eng.poll_adapters(a.weights) and time.time() < end:
                     time.sleep(0.05)
+                if eng.closed:  # the run ended while this shard waited for its version
+                    break
             used = eng.version
             prompts = [[rng.randrange(256) for _ in range(a.prompt_tokens)] for _ in range(a.prompts)]
             groups = eng.sample(prompts, a.group, a.new_tokens, a.temperature, a.seed * 1_000_003 + index, a.routing)
@@ -307,7 +312,7 @@ def main(argv=None) -> int:
             print(f"vllm_generator: shard {index} from version {used}: mean reward "
                   f"{sum(rewards) / len(rewards):.3f}", flush=True)
             index += 1
-        while eng.serve(block=True):  # the trainer's last updates, until it closes the link
+        while eng.conn is not None and eng.serve(block=True):  # the trainer's last updates, until it closes the link
             pass
         return 0
     finally:
