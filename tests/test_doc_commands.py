@@ -97,6 +97,10 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "python benchmarks/bad_inputs_third_pass.py --timeout 60 [--only 3,7] [--json rows.json] [--keep]":
         Skip("a measurement of about 12 minutes (117 cases, each a fresh interpreter; two-rank trainings)"),
     "train recipe=debug_grpo_vllm output_dir=live/run &": Run(drop=("&",), add=("--cfg", "job")),
+    "train recipe=debug_grpo_vllm adapter=lora model.hf_checkpoint=base/step-0 publish.transport=hf_folder "
+    "output_dir=live/run &":
+        Skip("needs an HF base folder at base/step-0; tests/test_lora.py publishes adapters on such a base and "
+             "tests/gpu/test_vllm_gpu.py runs this training beside vLLM"),
     "python examples/rl_loop/vllm_generator.py --weights live/weights --out live/rollouts":
         Skip("needs vLLM and a GPU (tests/gpu/test_vllm_gpu.py); tests/test_vllm_generator.py runs its loop with a "
              "stand-in for vLLM's LLM"),
