@@ -48,6 +48,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Optional, Protocol
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework import schema
+from framework.errors import UserError
 
 # The registry kinds, in the order build applies them to the Trainer.Config.
 KINDS = ("model", "adapter", "precision", "moe_comm", "moe_chunk", "data", "loss", "recompute", "state", "launcher",
@@ -343,6 +344,18 @@ class ModelFamily(Component, Protocol):
     def save_hf(self, state_dict: dict, arch: Any, out_path: str, model_config: Any) -> Any: ...
 
 
+class ModelTypeNotRead(UserError):
+    """Raised by a family's HF reader for a config.json whose ``model_type`` is not one of its
+    ``HF_MODEL_TYPES``. ``framework.resolve`` names in the fix the registry's family that declares
+    it (``framework.registry.family_of``); elsewhere the fix points at `apiary show DIR`."""
+
+    def __init__(self, where: str, model_type: str, family: str, fix: str = ""):
+        self.model_type, self.family = model_type, family
+        super().__init__(where, f"config.json has model_type={model_type}, which model.family={family} does not read.",
+                         fix or f"Set model.family to the family that reads model_type={model_type} "
+                         "(`apiary show DIR` names it).")
+
+
 class Loss(Component, Planned, Protocol):
     """kind ``loss``: sets ``tc.loss``. ``NEEDS_DATA`` names the data kinds it trains on (its own
     ``check`` holds it); ``RL_KEYS`` the ``rl.*`` settings it acts on (resolve refuses the others
@@ -459,6 +472,12 @@ class Data(Component, Protocol):
     STEP_KEYS: ClassVar[tuple[str, ...]]  # per sample (not sharded)
 
     def summary(self, options: Any, ctx: Context) -> str: ...
+
+    def ignored_keys(self, options: Any, ctx: Context) -> Mapping[str, tuple[str, str]]:
+        """Optional (None: the format reads every ``data.*`` key it is given): the ``data.*`` keys this
+        format, with these options, does not read -> (what it reads instead, what to do). ``resolve``
+        refuses such a key given on the command line (a value the recipe sets stays accepted)."""
+        ...
 
 
 @runtime_checkable
@@ -736,7 +755,8 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_comm": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
-    "data": {**_SHARED_OPTIONAL},
+    "data": {**_SHARED_OPTIONAL,
+             "ignored_keys": None},  # reads every data.* key it is given
     "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
     "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from framework import contracts
 from framework.contracts import GROUP_KINDS  # noqa: F401  (kinds whose choice is a config group)
 from framework.errors import UserError, did_you_mean
 
@@ -100,6 +101,15 @@ def _merge(out: dict, path: Path, where: str) -> None:
 
 def names(kind: str) -> list[str]:
     return list(entries()[kind])
+
+
+def family_of(model_type: str) -> str | None:
+    """The model family whose declared ``HF_MODEL_TYPES`` (the model contract) holds ``model_type``, a
+    config.json's: registry.yaml's families first, then the user registries'; None when none reads it."""
+    for family in names("model"):
+        if model_type in contracts.member(resolve("model", family), "model", "HF_MODEL_TYPES"):
+            return family
+    return None
 
 
 def doc(kind: str, name: str) -> str:

@@ -130,6 +130,8 @@ def model_facts(cfg, ctx: contracts.Context | None = None):
                         did_you_mean(opts.flavor, flavors))
     try:
         return mod.facts(opts.flavor, **mod.model_kwargs(opts, ctx))
+    except contracts.ModelTypeNotRead as e:
+        raise contracts.ModelTypeNotRead(e.where, e.model_type, e.family, _reading_family(e.model_type)) from None
     except TypeError as e:
         if opts.hf_checkpoint and "hf_checkpoint" in str(e):
             raise UserError(f"model.hf_checkpoint={opts.hf_checkpoint}",
@@ -137,6 +139,19 @@ def model_facts(cfg, ctx: contracts.Context | None = None):
                             "Drop model.hf_checkpoint, or use a family that loads them "
                             "(`apiary ls` lists the families).") from None
         raise
+
+
+def _reading_family(model_type: str) -> str:
+    """The fix for a config.json of ``model_type`` given to a family that does not read it: the
+    registry's family whose ``HF_MODEL_TYPES`` holds it, else the model types apiary reads."""
+    other = registry.family_of(model_type)
+    if other is None:
+        known = [t for f in registry.names("model")
+                 for t in contracts.member(registry.resolve("model", f), "model", "HF_MODEL_TYPES")]
+        return f"apiary's model families read model_type {', '.join(known)} checkpoints."
+    flavors = list(registry.resolve("model", other).FLAVORS)
+    return (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
+            "defaults; the architecture comes from config.json).")
 
 
 def check_components(ctx: contracts.Context) -> None:
@@ -689,6 +704,7 @@ def _check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
                             "and this run does not have it, so the setting would be ignored.",
                             f"Add {needs}, or drop {key}.")
+    _check_ignored_data_keys(cfg, given, ctx)
     model = cfg.model
     if "model.flavor" in given and model.get("hf_checkpoint") and ctx.facts is not None:
         mod = ctx.components["model"]
@@ -706,6 +722,21 @@ def _check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                 raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
                                 "dense model: it has no MoE layers, so the setting would be ignored.",
                                 f"Drop {key}, or choose an MoE flavor.")
+
+
+def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:
+    """A ``data.*`` key given on the command line that the data format declares it does not read
+    (its ``ignored_keys``) is refused; the recipe's own value of it stays accepted."""
+    data = ctx.components.get("data")
+    ignored = contracts.member(data, "data", "ignored_keys") if data is not None else None
+    if ignored is None:
+        return
+    section, key = contracts.SELECT["data"]
+    for name, (instead, fix) in ignored(ctx.options["data"], ctx).items():
+        if name in given:
+            raise UserError(f"{name}={OmegaConf.select(cfg, name)} with {section}.{key}={ctx.choice('data')}",
+                            f"this data format does not read {name}: {instead}, so the setting would be ignored.",
+                            fix or f"Drop {name}.")
 
 
 def _check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:

@@ -158,15 +158,14 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
         if report:
             _report(resolved, "by a signal", preempt.EXIT_CODE, guard.stopped_at)
         preempt.exit_if_stopped(guard)
-    follow_stop = getattr(trainer, "_follow_stop", None)  # follow mode stopped waiting: timeout or bad shard
-    if follow_stop is not None:
+    stop = trainer.follow_stop  # follow mode stopped waiting: a signal, a timeout or a bad shard (FollowStop)
+    if stop is not None:
         if report:
-            why = {preempt.EXIT_CODE: "by a signal while waiting for data",
-                   2: "on a malformed shard of the followed data"}.get(follow_stop[0],
-                                                                      "waiting for data (data.wait_timeout)")
-            _report(resolved, why, follow_stop[0], trainer.step)
-        lifecycle.write_status(follow_stop[0])
-        raise SystemExit(follow_stop[0])
+            why = {"signal": "by a signal while waiting for data", "malformed": "on a malformed shard of the followed data",
+                   "timeout": "waiting for data (data.wait_timeout)"}[stop.why]
+            _report(resolved, why, stop.exit_code, trainer.step)
+        lifecycle.write_status(stop.exit_code)
+        raise SystemExit(stop.exit_code)
     metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
     if rank == 0 and metrics.is_file():
         _record_plan(resolved, metrics)

@@ -60,6 +60,17 @@ def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
             f"{resume_hint or 'checkpoint.resume=true'}")
 
 
+@dataclass(frozen=True)
+class FollowStop:
+    """Why a followed run (``data.follow``) stopped waiting for data, before step ``trainer.step + 1``
+    ran: the trainer's ``follow_stop`` once its loop ended that way (None otherwise). framework/run.py
+    turns it into the summary line, ``status.json`` and the process's exit code."""
+
+    why: str  # "signal" (preemption while waiting), "timeout" (data.wait_timeout) or "malformed" (a bad shard)
+    exit_code: int  # preempt.EXIT_CODE (75), EXIT_DATA_TIMEOUT (77) or EXIT_USER_ERROR (2)
+    message: str  # the paragraph rank 0 printed: what stopped it, the checkpoint, how to go on
+
+
 def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -75,6 +86,10 @@ def _init_from_seed() -> None:
 
 
 class ApiaryTrainer(Trainer):
+    # Set when follow mode stopped waiting for data (a timeout, a malformed shard, a signal), and read
+    # by framework/run.py after the loop; None when the loop ended any other way.
+    follow_stop: FollowStop | None = None
+
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         on_nonfinite: str = TrainingConfig.on_nonfinite  # stop | skip (training.on_nonfinite; its default there)
@@ -122,7 +137,7 @@ class ApiaryTrainer(Trainer):
         if self.parallel_dims.pp_enabled:  # the held-out loss too: only the last stage computes it
             self.metrics_processor.stage_loss_source = lambda v: float(
                 self._last_stage_loss(torch.as_tensor(float(v), device=self.device)))
-        self._follow_source = self._follow_stop = None
+        self._follow_source = self.follow_stop = None
         self._ledger_started, self._waited_s, self._start_step = False, 0.0, None
         self._publisher, self._published_initial = None, False
         if self.config.publish is not None:
@@ -225,12 +240,13 @@ class ApiaryTrainer(Trainer):
         if why == "signal" and guard is not None:
             guard.stopped_at, guard.saved = self.step, True
             message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
-        self._follow_stop = (code, f"apiary: {message}; {note}; the rollout position of step {self.step} is kept"
-                                   + ("; fix or remove that shard (later shards are untouched), then resume with "
-                                      f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
-                                      else "") + f". Exit code {code}.")
+        self.follow_stop = FollowStop(why, code, f"apiary: {message}; {note}; the rollout position of step "
+                                      f"{self.step} is kept"
+                                      + ("; fix or remove that shard (later shards are untouched), then resume with "
+                                         f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
+                                         else "") + f". Exit code {code}.")
         if dist_rank() == 0:
-            print(self._follow_stop[1], file=sys.stderr, flush=True)
+            print(self.follow_stop.message, file=sys.stderr, flush=True)
         raise DataloaderExhaustedError()
 
     def _write_ledger(self) -> None:

@@ -133,6 +133,23 @@ def test_a_data_name_the_recipe_keeps_for_its_text_is_left_alone():
             for_training=False)
 
 
+def test_a_data_name_given_with_a_rollout_path_is_refused():
+    """A hub data.name given with data.format=rollouts, not followed (was: accepted, the rollouts read from
+    data.path alone): refused naming the key, the format and the fix (the format's ``ignored_keys``). The
+    recipe's own data.name (docs/skills/routing_replay.md's command), data.name=packaged without data.path
+    (the packaged rollouts) and data.path alone stay accepted."""
+    from components.data.rollouts import PACKAGED_ROLLOUTS
+
+    path = f"data.path={PACKAGED_ROLLOUTS}"
+    with pytest.raises(UserError, match=r"data.name=allenai/c4 with data.format=rollouts: this data format does not "
+                                        r"read data.name: rollouts are read from data.path=.* alone.*would be ignored"
+                                        r".*Drop data.name"):
+        resolve("debug_grpo", [path, "data.name=allenai/c4"], world_size=1, for_training=False)
+    resolve("debug_grpo", [path], world_size=1, for_training=False)
+    resolve("debug_grpo", ["data.name=packaged"], world_size=1, for_training=False)
+    resolve("qwen35_35b_128k", ["loss=grpo", "data.format=rollouts", path], for_training=False)
+
+
 def test_a_publish_interval_beyond_the_run_is_refused():
     """Case 86: only the starting weights were published. A run given its whole length in lr.total_steps
     (to be extended by resumes) publishes once it passes the interval: accepted."""
@@ -167,7 +184,7 @@ def test_a_followed_folder_holding_part_of_a_step_says_how_much(tmp_path, capsys
     trainer.checkpointer = SimpleNamespace(enable=False)
     with pytest.raises(DataloaderExhaustedError):  # how the wait ends torchtitan's loop
         trainer._wait_for_data()
-    assert trainer._follow_stop[0] == 77
+    assert trainer.follow_stop.why == "timeout" and trainer.follow_stop.exit_code == 77
     err = capsys.readouterr().err
     assert f"not enough rollouts for step 1 in {tmp_path} after 0 s (data.wait_timeout=0.01): {said}" in err, err
     assert "no rollouts for step" not in err

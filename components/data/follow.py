@@ -529,8 +529,3 @@ class FollowRows(IterableDataset, Stateful):
         self._pos_len = None  # known again once the shard is read (a resumed run reads it first)
         self._resumed = self._g > 0 or bool(self.pos[0])
         self._plan = None
-
-
-def ledger_line(step: int, report: dict) -> str:
-    """One line of ``rollouts.jsonl`` (the run's record of which rollouts each step trained)."""
-    return json.dumps({"step": step, **report})

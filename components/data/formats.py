@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, held_out_count, inspect_local, local_data_files
 from components.data.rollouts import RL_KEYS, STEP_KEYS, RolloutIndex, pack_rows, rollout_files, source
+from components.moe import replay
 from framework.errors import UserError, did_you_mean
 
 SHARDINGS = ("blocks", "documents")
@@ -50,11 +51,6 @@ def _check_common(o: DataOptions, ctx) -> None:
                         "every worker would produce the same batches and the run would train on repeats.",
                         "Set data.num_workers=1 to load in one background process, or 0 to load in the "
                         "training process.")
-    if ctx.cfg.moe.get("routing_replay", False) and ctx.components.get("data") is not Rollouts:
-        raise UserError("moe.routing_replay=true", f"replays the expert routing that rollout records carry "
-                        f"(routed_experts), and data.format={o.format} has none.",
-                        "Set data.format=rollouts with records that carry routed_experts "
-                        "(docs/skills/routing_replay.md), or drop moe.routing_replay.")
 
 
 HUB_TIMEOUT_S = 5.0  # the hub reachability check before launch (a worker's loader retried for 30 s, then failed)
@@ -372,10 +368,6 @@ class Rollouts:
         if not ctx.for_training:
             return
         d, cfg = options, ctx.cfg
-        if cfg.moe.get("routing_replay", False):  # an MoE model (follow mode: records checked as they come)
-            from components.moe import routing_replay  # reason: imports torchtitan
-
-            routing_replay.check_model(ctx)
         if d.follow:
             _check_follow(d, ctx)
             return
@@ -408,14 +400,21 @@ class Rollouts:
             ctx.summary.append(f"data: {len(index.skipped)} duplicate(s) skipped, each trained once: "
                                f"{'; '.join(index.skipped[:3])}{more}")
         ctx.shared["rollouts.with_ref"] = bool(index.with_ref)  # a loss with a KL term needs them
-        if cfg.moe.get("routing_replay", False):  # records against the model's MoE layers, top-k, experts
-            from components.moe import routing_replay  # reason: imports torchtitan
-
-            routing_replay.check_records(index, ctx, path)
 
     @staticmethod
     def summary(options: DataOptions, ctx) -> str:
         return ""
+
+    @staticmethod
+    def ignored_keys(options: DataOptions, ctx) -> dict[str, tuple[str, str]]:
+        """data.name, once data.path is set and the rollouts are not followed: the records are read from
+        data.path alone (data.name=packaged names the packaged rollouts only when data.path is unset);
+        followed, framework/resolve.py's _NEEDS refuses it."""
+        if options.follow or options.path is None:
+            return {}
+        return {"data.name": (f"rollouts are read from data.path={options.path} alone (data.name names a text "
+                              "dataset, or data.name=packaged the packaged rollouts when data.path is unset)",
+                              "Drop data.name (the rollouts come from data.path).")}
 
     @staticmethod
     def apply(options: DataOptions, tc, ctx) -> None:
@@ -424,11 +423,8 @@ class Rollouts:
         cfg = ctx.cfg
         g = cfg.training.global_batch
         lag = cfg.rl.max_lag
-        routing = ()
-        if options.follow and cfg.moe.get("routing_replay", False):  # each arriving record's routed_experts
-            from components.moe import routing_replay  # reason: imports torchtitan
-
-            routing = routing_replay.moe_shape(ctx)
+        # moe.routing_replay (components/moe/replay.py): the MoE shape each arriving record's routed_experts must fit
+        routing = replay.follow_shape(ctx) if options.follow else ()
         tc.dataloader = RolloutDataLoader.Config(path=source(options.name, options.path),
                                                  num_workers=options.num_workers,
                                                  global_batch=g if g is not None else -1,
@@ -438,7 +434,3 @@ class Rollouts:
         tc.follow_wait_timeout = float(options.wait_timeout) if options.follow else 0.0
         _tokenizer(options, tc, ctx)
         tc.batch_keys, tc.step_keys = Rollouts.BATCH_KEYS, Rollouts.STEP_KEYS
-        if ctx.cfg.moe.get("routing_replay", False):  # the records' routed_experts route the MoE layers
-            from components.moe import routing_replay  # reason: imports torchtitan
-
-            routing_replay.install(tc)

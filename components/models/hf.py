@@ -49,7 +49,6 @@ from components.models.hf_folder import (  # noqa: F401  (the folder readers, re
     check_family,
     checkpoint_depth,
     describe,
-    family_of,
     layer_of,
     need,
     read_config,

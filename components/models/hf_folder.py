@@ -10,13 +10,13 @@ a ``UserError`` naming ``model.hf_checkpoint``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import re
 import struct
 from pathlib import Path
 
+from framework import contracts
 from framework.errors import UserError
 
 KEY = "model.hf_checkpoint"
@@ -147,30 +147,13 @@ def refuse(path, what: str, fix: str = "") -> None:
                     fix or "Use a checkpoint without it, or another model.family.")
 
 
-def family_of(model_type: str) -> str | None:
-    if model_type.startswith("qwen3_5"):
-        return "qwen3_5"
-    if model_type in ("qwen3", "qwen3_moe"):
-        return "qwen3"
-    if model_type == "llama":
-        return "llama3"
-    return None
-
-
-def check_family(c: dict, path, family: str) -> None:
+def check_family(c: dict, path, family: str, model_types) -> None:
+    """Refuse a config.json whose ``model_type`` is not one of ``model_types`` (the reading family's
+    declared ``HF_MODEL_TYPES``), raising the contract's ``ModelTypeNotRead``: the framework names in
+    its fix the registry's family that does read it (framework/registry.py ``family_of``)."""
     mt = str(c.get("model_type", ""))
-    if not mt:
-        return
-    other = family_of(mt)
-    if other == family:
-        return
-    # the packaged family module of that model_type (family_of names components/models/<family>.py)
-    flavors = list(getattr(importlib.import_module(f"components.models.{other}"), "FLAVORS", {})) if other else []
-    fix = (f"Set model.family={other} model.flavor={flavors[0]} (with hf_checkpoint the flavor only supplies "
-           "defaults; the architecture comes from config.json)." if other else
-           "apiary loads qwen3, qwen3_moe, llama and qwen3_5(_moe) checkpoints.")
-    raise UserError(_where(path), f"config.json has model_type={mt}, which model.family={family} does not "
-                    "read.", fix)
+    if mt and mt not in model_types:
+        raise contracts.ModelTypeNotRead(_where(path), mt, family)
 
 
 def apply_overrides(arch, path, *, n_layers=None, vocab_size=None):

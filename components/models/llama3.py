@@ -87,7 +87,7 @@ def facts(flavor: str, *, n_layers: int | None = None, vocab_size: int | None = 
 
 def arch_from_hf(path) -> Arch:
     c = hf_folder.read_config(path)
-    hf_folder.check_family(c, path, "llama3")
+    hf_folder.check_family(c, path, "llama3", HF_MODEL_TYPES)
     dim, n, heads, vocab, ffn = hf_folder.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads",
                                                "vocab_size", "intermediate_size")
     rope = hf_folder.rope_params(c)

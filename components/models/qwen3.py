@@ -138,7 +138,7 @@ def facts_of(a: Arch, flavor: str, source: str = "") -> family.ModelFacts:
 
 def arch_from_hf(path) -> Arch:
     c = hf_folder.read_config(path)
-    hf_folder.check_family(c, path, "qwen3")
+    hf_folder.check_family(c, path, "qwen3", HF_MODEL_TYPES)
     dim, n, heads, vocab = hf_folder.need(c, path, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     rope = hf_folder.rope_params(c)
     yarn = None

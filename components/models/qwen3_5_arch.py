@@ -83,7 +83,7 @@ TORCHTITAN_FLAVORS = ("35B-A3B", "122B-A10B", "397B-A17B", "27B", "9B", "4B", "2
 def arch_from_hf_config(config):
     """Arch of a Qwen3.5 HF config (path to config.json or its folder, or the dict)."""
     c = hf_folder.read_config(config)
-    hf_folder.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5")
+    hf_folder.check_family(c, config if not isinstance(config, dict) else "(config)", "qwen3_5", HF_MODEL_TYPES)
     hf_folder.need(c, config, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
             "linear_value_head_dim")

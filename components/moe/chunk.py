@@ -12,6 +12,7 @@ The ``auto`` rule (``auto_num_chunks`` and its constants) lives in components.mo
 
 from __future__ import annotations
 
+from components.moe import replay
 from components.moe.auto_chunks import AUTO_MIN_EP
 from components.moe.comm import MoeOptions
 from framework.contracts import PlanConstant, PlanTerms
@@ -68,6 +69,19 @@ def _use_lean(options, tc) -> None:
     lean_combine.use(tc)
 
 
+def _check_moe(options, ctx) -> None:
+    """The ``moe:`` settings every chunk policy checks: ``moe.lean_combine``, ``moe.routing_replay``."""
+    _check_lean(options, ctx)
+    replay.check(options, ctx)
+
+
+def _apply_moe(options, tc) -> None:
+    """The ``moe:`` settings every chunk policy applies to the built model: the lean combine, then
+    routing replay (its router hooks go on before the lean combine's patch and torchtitan's parallelize)."""
+    _use_lean(options, tc)
+    replay.apply(options, tc)
+
+
 class NoChunk:
     """One dispatch -> grouped GEMM -> combine per MoE layer (the baseline)."""
 
@@ -80,11 +94,11 @@ class NoChunk:
 
     @staticmethod
     def check(options, ctx) -> None:
-        _check_lean(options, ctx)
+        _check_moe(options, ctx)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
-        _use_lean(options, tc)
+        _apply_moe(options, tc)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
@@ -118,11 +132,11 @@ class Chunked:
     def check(self, options, ctx) -> None:
         """Before any worker starts: refuse dispatchers this policy cannot chunk (UserError)."""
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
-        _check_lean(options, ctx)
+        _check_moe(options, ctx)
 
     def apply(self, options, tc, ctx) -> None:
         self.convert(tc.model_spec.model)
-        _use_lean(options, tc)
+        _apply_moe(options, tc)
 
     def __repr__(self) -> str:
         return f"Chunked({self.num_chunks})"
@@ -153,12 +167,12 @@ class AutoChunk:
     @staticmethod
     def check(options, ctx) -> None:
         _check_comm(f"moe.chunk={options.chunk}", _backend(ctx))
-        _check_lean(options, ctx)
+        _check_moe(options, ctx)
 
     @staticmethod
     def apply(options, tc, ctx) -> None:
         AutoChunk.convert(tc.model_spec.model)
-        _use_lean(options, tc)
+        _apply_moe(options, tc)
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

@@ -30,11 +30,10 @@ from dataclasses import replace
 import torch
 from torchtitan.models.common.moe import MoE
 
-from components.data.rollouts import routed_problem
+from components.data.rollouts import RolloutIndex, routed_problem, source
 from framework import contracts
 from framework.errors import UserError
 
-REPLAY_KEY = "rl_routed_experts"  # the rollout loader's batch key (components/data/rollouts.py RL_KEYS)
 FIELD = "routed_experts"  # the rollout record's field
 _IDS = "_apiary_replay_ids"  # on each MoE module: [B, T_local, k] long, or None
 _ROUTING = "_apiary_routing"  # on the model: its Routing
@@ -143,16 +142,17 @@ def capture(model: torch.nn.Module):
     out.ids = torch.stack([got[i] for i in range(len(got))], dim=2)
 
 
-def install(tc) -> None:
+def install(tc, key: str) -> None:
     """At apply time: the model the trainer builds gets the router hooks (before torchtitan's
-    parallelize wraps its blocks for recompute / FSDP) and the batch consumer of ``REPLAY_KEY``."""
+    parallelize wraps its blocks for recompute / FSDP) and the batch consumer of ``key`` (the batch
+    key of the routed experts, components/moe/replay.py ``REPLAY_KEY``)."""
     spec = tc.model_spec
     inner = spec.parallelize_fn
 
     def parallelize(model, **kwargs):
         routing = attach(model)
         out = inner(model, **kwargs)
-        contracts.add_batch_consumer(out if out is not None else model, REPLAY_KEY, routing.set_replay)
+        contracts.add_batch_consumer(out if out is not None else model, key, routing.set_replay)
         return out
 
     tc.model_spec = replace(spec, parallelize_fn=parallelize)
@@ -185,6 +185,18 @@ def check_model(ctx) -> tuple[int, int, int]:
         raise UserError("moe.routing_replay=true", "is not supported with tensor parallelism (the router's "
                         "scores are DTensors there).", "Set parallel.tp=1.")
     return n, k, e
+
+
+def check_data(ctx) -> None:
+    """The recipe's rollout records (``data.path``, not followed) against the model's MoE shape. Data
+    that cannot be read is left to the data component's check, which names the problem."""
+    path = source(ctx.cfg.data.name, ctx.cfg.data.path)
+    try:
+        index = RolloutIndex(path) if path is not None else None
+    except (ValueError, OSError, KeyError, TypeError):  # malformed: the data check's to report
+        return
+    if index is not None:
+        check_records(index, ctx, path)
 
 
 def check_records(index, ctx, path: str) -> None:
