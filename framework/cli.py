@@ -143,6 +143,14 @@ def _rank_fail(e: UserError) -> int:
     return e.exit_code
 
 
+def model_label(r) -> str:
+    """The model a launch's first line names: its family and flavor, or with model.hf_checkpoint the
+    folder (its config.json is the architecture, the flavor only supplies defaults; was: the flavor's
+    name, e.g. an MoE flavor for a dense folder)."""
+    what = f"HF folder {r.cfg.model.hf_checkpoint}" if r.cfg.model.hf_checkpoint else r.facts.flavor
+    return f"{r.facts.family} {what} ({r.facts.n_params / 1e6:,.1f}M params)"
+
+
 def _launch(r, worker_argv: list[str], verbose: bool) -> int:
     launcher = registry.resolve("launcher", r.cfg.launcher.name)
     try:  # one run per output_dir, checked before any worker starts
@@ -155,8 +163,7 @@ def _launch(r, worker_argv: list[str], verbose: bool) -> int:
     if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
         worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
     dims = " · ".join(f"{k} {v}" for k, v in r.layout.dims.items())
-    console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {r.facts.family} {r.facts.flavor} "
-                  f"({r.facts.n_params / 1e6:,.1f}M params) · {dims} · output {r.cfg.output_dir}"))
+    console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {model_label(r)} · {dims} · output {r.cfg.output_dir}"))
 
     try:
         return launcher.launch(r.cfg.launcher, worker_argv, run.launch_env(r, worker_argv, verbose))

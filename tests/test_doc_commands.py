@@ -114,8 +114,6 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
         Run(subs={"runs/debug_moe/A": "{run}", "runs/debug_moe/B": "{run2}"}),
     "apiary launch recipe=qwen3_30b_a3b_64k launcher=slurm nodes=2 gpus_per_node=8 --dry-run":
         RUN,  # no tokenizer folder here: the dry run renders the script and warns (test_recipes_shipped.py)
-    "apiary warmup recipe=qwen35_35b_128k training.kernel_cache=/shared/kc":
-        Skip(f"{GPU}: compiles and tunes the recipe's kernels on one device"),
     "apiary autotune-table /shared/kc --out table.json":
         Skip("reads the kernel cache `apiary warmup` fills on a GPU (tests/test_autotune_table.py: the command "
              "on recorded caches)"),

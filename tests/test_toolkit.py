@@ -162,3 +162,59 @@ def test_show_of_an_hf_folder_plans_its_own_model_with_one_compose(tmp_path, mon
     assert "on 1 x H100 (the fewest GPUs for its size; the recipe's: 16)" in text, text
     assert "seq 2,048" in text and "-> fits" in text
     assert show.gpus_for(30_500_000_000, 16) == 16 and show.gpus_for(1_000_000_000, 16) == 1
+    # a small folder's count in thousands, not "(0.000B)" (newcomer pass 3)
+    assert "total (106.9K), 106,880 active per token (106.9K)" in text and "0.000B" not in text, text
+    assert [show.short_count(n) for n in (34_660_000_000, 3_500_000, 12)] == ["34.66B", "3.5M", "12"]
+
+
+def test_a_launch_from_an_hf_folder_names_the_folder_not_the_flavor(tmp_path, monkeypatch, capsys):
+    """The first line of `train model.hf_checkpoint=DIR` and of `apiary launch ... --dry-run` names the
+    folder the architecture comes from (was: the recipe's flavor, `qwen3 tiny_moe`, for a dense folder)."""
+    import transformers
+
+    from components.launchers.local import LocalLauncher
+    from framework.cli import train_main
+    from toolkit.cli import apiary_main
+
+    c = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**c)).save_pretrained(tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(LocalLauncher, "launch", staticmethod(lambda opts, argv, env: 0))  # the line, no training
+    assert train_main(["model.hf_checkpoint=hf", "training.seq_len=256"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "qwen3 HF folder hf (0.0M params)" in first and "tiny_moe" not in first, first
+    assert apiary_main(["launch", "launcher=slurm", "nodes=1", "gpus_per_node=1", "model.hf_checkpoint=hf",
+                        "training.seq_len=256", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "qwen3 HF folder hf (0.0M params)" in err and "tiny_moe" not in err, err
+
+
+def test_plan_names_one_pipeline_stage_plainly(capsys):
+    """pp 1: the memory table's title says "one pipeline stage" (was: "peak pipeline stage: only")."""
+    from toolkit.cli import apiary_main
+
+    assert apiary_main(["plan", "recipe=qwen35_35b_128k", "gpus=32"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "memory per GPU (one pipeline stage; state fsdp2," in out and "pipeline stage: only" not in out, out[:3000]
+
+
+def test_export_and_logprobs_of_a_run_launched_elsewhere_name_the_launch_folder(tmp_path, monkeypatch, capsys):
+    """A run launched in L with model.hf_checkpoint=hf (relative, as docs/tutorial.md does) keeps `hf` in its
+    config.yaml; `apiary export`/`apiary logprobs` of it from another folder say the path is relative to L
+    and name L (was: "model.hf_checkpoint=hf: no such folder", the run unmentioned)."""
+    launch = tmp_path / "launch"
+    run = launch / "runs" / "mine"
+    (launch / "hf").mkdir(parents=True)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model:\n  family: qwen3\n  flavor: tiny_moe\n  hf_checkpoint: hf\n")
+    (tmp_path / "ro.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    monkeypatch.chdir(tmp_path)
+    from toolkit.cli import apiary_main
+
+    for argv in (["export", "launch/runs/mine", "--hf", "out"], ["logprobs", "launch/runs/mine", "ro.jsonl", "--out", "o"]):
+        assert apiary_main(argv) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "names model.hf_checkpoint=hf, a path relative to the folder the run was launched from" in err, err
+        assert f"cd {launch}, the run folder then being runs/mine." in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

@@ -9,10 +9,12 @@ Each command's k=v arguments are recipe overrides in `train`'s grammar (framewor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -95,6 +97,15 @@ def _takes(fn, *names: str) -> bool:
     return all(n in params for n in names) or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+@contextlib.contextmanager
+def _one_process_dcp():
+    """Export reads a checkpoint in this one process on purpose: DCP's UserWarning that it assumes so
+    ("torch.distributed is disabled, ...") is silenced (was: printed on every export)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = False, step: int | None = None,
             dtype: str | None = None) -> int:
     cfg_path = Path(run_dir) / "config.yaml"
@@ -111,6 +122,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
                              unverified_ok=unverified, override="--unverified", fresh="train again",
                              pick="Export step {n}, the previous complete one, with --step {n} (it is verified the "
                                   "same way)")
+    logprobs.run_folder_paths(Path(run_dir), OmegaConf.load(cfg_path), f"apiary export {run_dir}")
     family = OmegaConf.load(cfg_path).model.family
     mod = registry.resolve("model", family)
     export = contracts.member(mod, "model", "export_hf")
@@ -146,14 +158,16 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
             raise UserError(f"apiary export {run_dir}", f"adapter={adapter} has no exporter (export_hf).",
                             "An adapter exports by defining export_hf(run_dir, out_path, family, merged=...), as "
                             "lora does (framework/contracts.py OPTIONAL_MEMBERS).")
-        folder, what = export_adapter(run_dir, out, mod, merged=merged)
+        with _one_process_dcp():
+            folder, what = export_adapter(run_dir, out, mod, merged=merged)
         if not (Path(folder) / "config.json").is_file():
             console.print(f"exported {run_dir} -> {folder} ({what})", markup=False)
             return 0
         what = f"{what}; "
     else:  # streamed a layer at a time, in publication's shards
         dtype = dtype or EXPORT_DTYPES[0]
-        folder = Path(export(run_dir, out, step=step, dtype=dtype, shard_bytes=publish.SHARD_BYTES))
+        with _one_process_dcp():
+            folder = Path(export(run_dir, out, step=step, dtype=dtype, shard_bytes=publish.SHARD_BYTES))
         shards = len(list(folder.glob("model-*-of-*.safetensors"))) or 1
         what = f"step {max(steps) if step is None else step}, {dtype}, {shards} safetensors file{'s' * (shards > 1)}; "
     # the tokenizer files and generation_config.json beside the weights

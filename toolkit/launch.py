@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.text import Text
 
 from framework import contracts, recipes, registry, run, runlock
+from framework.cli import model_label
 from framework.errors import UserError, did_you_mean
 from framework.resolve import default_output_dir, resolve
 from framework.schema import RecipeConfig
@@ -212,7 +213,7 @@ def launch_args(ns) -> int:
         return _fail(e)
 
     summary = (f"apiary launch {r.cfg.recipe} via {name}: {world} ranks, dims {r.layout.dims}, "
-               f"{r.facts.family} {r.facts.flavor} ({r.facts.n_params / 1e6:,.1f}M params), "
+               f"{model_label(r)}, "
                f"output {Path(r.cfg.output_dir).resolve()}")
     out = err_console if "dry_run" in flags else console  # a dry run's stdout is the script alone
     out.print(summary, markup=False)

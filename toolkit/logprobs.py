@@ -89,12 +89,29 @@ def load_model(model: str, step: int | None, device, unverified: bool = False) -
                     "Pass a folder written by save_pretrained (or a published weights/step-N), or runs/RECIPE/TIME.")
 
 
+def run_folder_paths(run: Path, cfg, where: str) -> None:
+    """A run's config.yaml keeps ``model.hf_checkpoint`` as it was given: a relative path is relative to
+    the folder the run was launched from. Refused with that said, and the folder named where it is
+    found (was: "model.hf_checkpoint=my_model: no such folder" from `apiary export`/`logprobs` run
+    elsewhere, the run folder itself unmentioned)."""
+    hf = OmegaConf.select(cfg, "model.hf_checkpoint", default=None)
+    if not hf or Path(str(hf)).is_absolute() or Path(str(hf)).is_dir():
+        return
+    homes = [a.parent for a in Path(run).resolve().parents if a.name == "runs" and (a.parent / str(hf)).is_dir()]
+    fix = (f"Run it from {homes[0]}, where the run was launched: cd {homes[0]}, the run folder then being "
+           f"{Path(run).resolve().relative_to(homes[0])}." if homes
+           else f"Run it from the folder the run was launched in (where {hf} is).")
+    raise UserError(where, f"the run's config.yaml names model.hf_checkpoint={hf}, a path relative to the folder the "
+                    f"run was launched from, and there is no {hf} in this one ({Path.cwd()}).", fix)
+
+
 def _run_model(run: Path, step: int | None, device, where: str, unverified: bool = False):
     import torch.distributed.checkpoint as dcp  # reason: only run folders read DCP checkpoints
 
     from framework.api import build_model  # reason: start-up time (torch)
 
     cfg = OmegaConf.load(run / "config.yaml")
+    run_folder_paths(run, cfg, where)
     steps = integrity.complete_steps(run / "checkpoint")
     if not steps:
         raise UserError(where, "holds no complete checkpoint (checkpoint/step-N).",

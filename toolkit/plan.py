@@ -207,7 +207,8 @@ def _print_plan(console, r, p, rules_constraints) -> None:
         rule = lay.rules.get(dim, "recipe value" if dim == "dp_replicate" else "")
         t.add_row(*map(Text, (dim, str(lay.dims[dim]), rule, rules_constraints[dim])))
     console.print(t)
-    t = Table(title=f"memory per GPU (peak pipeline stage: {p.choices['stage']}; state {p.choices['state']}, "
+    stage = "one pipeline stage" if p.choices["stage"] == "only" else f"peak pipeline stage: {p.choices['stage']}"
+    t = Table(title=f"memory per GPU ({stage}; state {p.choices['state']}, "
                     f"recompute {p.choices['recompute']}, loss {p.choices['loss']})")
     for col, just in (("term", "left"), ("GiB", "right"), ("GB", "right"), ("group", "left"), ("count x bytes", "left")):
         t.add_column(col, justify=just, overflow="fold")

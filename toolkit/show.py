@@ -83,6 +83,14 @@ def gpus_for(n_params: int, most: int) -> int:
     return min(n, max(most, 1))
 
 
+def short_count(n: int) -> str:
+    """A parameter count at a glance: 34.66B, 115.1M, 115.1K (was: always billions, 0.000B for a small model)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
 def show_hf(path: str, console) -> int:
     p = Path(path)
     family, mt = family_for(p)
@@ -118,8 +126,8 @@ def show_hf(path: str, console) -> int:
     f = r.facts
     console.print(f"[bold]{p}[/bold]: model_type {mt} -> model.family={family}", highlight=False)
     console.print(f"architecture: {f.source.split(': ', 1)[1]}", markup=False)
-    console.print(f"parameters: {f.n_params:,} total ({f.n_params / 1e9:,.3f}B), {f.n_active_params:,} active per "
-                  f"token ({f.n_active_params / 1e9:,.3f}B)" + (f"; {f.num_experts} experts, top-{f.top_k}"
+    console.print(f"parameters: {f.n_params:,} total ({short_count(f.n_params)}), {f.n_active_params:,} active per "
+                  f"token ({short_count(f.n_active_params)})" + (f"; {f.num_experts} experts, top-{f.top_k}"
                                                                  if f.num_experts else ""), markup=False)
     plan = planner.plan(r)
     console.print(f"planner: the folder's model with recipe {recipe}'s training settings on {gpus} x "
