@@ -223,6 +223,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent in known else known
             hits = closest(key, siblings) or closest(key, known)
             hint = f"Closest valid keys: {', '.join(hits)}." if hits else "Run `train recipe=X --cfg job` to list the keys."
+            owner = _option_of(key)  # an option of another name of the group: choose that name with it
+            if owner:
+                hint = f"{key} is an option of {owner}: write {owner} {raw}."
             raise UserError(f"override {raw}", f"unknown key {key!r} for recipe {recipe}.", hint)
         if ov.is_delete():
             deletions[raw] = _deletion(base, raw, ov)

@@ -17,6 +17,8 @@ def _err(capsys, argv):
 @pytest.mark.parametrize("argv,needles", [
     (["recipe=debug_mo"], ["unknown recipe 'debug_mo'", "Did you mean 'debug_moe'"]),
     (["training.stpes=5"], ["unknown key 'training.stpes'", "training.steps"]),
+    (["loss.num_chunks=4"], ["unknown key 'loss.num_chunks'", "an option of loss=chunked: write loss=chunked "
+                                                             "loss.num_chunks=4"]),
     (["loss=linear_cee"], ["unknown loss 'linear_cee'", "registry.yaml lists"]),
     (["training.steps=abc"], ["training.steps=abc", "could not be converted to Integer"]),
     (["parallel.ep=3"], ["EP 3 must divide dp_shard x cp x tp"]),
