@@ -112,6 +112,12 @@ def family_of(model_type: str) -> str | None:
     return None
 
 
+def model_types() -> list[str]:
+    """Every config.json ``model_type`` some model family of the registries declares it reads."""
+    return sorted({t for family in names("model")
+                   for t in contracts.member(resolve("model", family), "model", "HF_MODEL_TYPES")})
+
+
 def doc(kind: str, name: str) -> str:
     return entries()[kind][name]["doc"]
 

@@ -86,3 +86,18 @@ def test_a_model_type_no_family_reads_lists_the_declared_ones(tmp_path):
     msg = " ".join(str(e.value).split())
     assert "model_type=gpt2, which model.family=qwen3 does not read" in msg, msg
     assert "qwen3_moe" in msg and "llama" in msg, msg
+
+
+def test_show_finds_the_family_through_the_registry(tmp_path, capsys):
+    """`apiary show DIR` (and `apiary logprobs`) ask registry.family_of, so a folder no family reads
+    is refused with the model types the registries' families declare (not a hard-coded list)."""
+    from toolkit.cli import apiary_main
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 64}))
+    assert apiary_main(["show", str(folder)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model_type=gpt2, which no model family of the registries reads" in err, err
+    assert f"The families read model_type {', '.join(registry.model_types())}." in err, err
+    assert "qwen3_5_moe_text" in registry.model_types() and registry.family_of("qwen3_5_moe_text") == "qwen3_5"

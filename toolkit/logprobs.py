@@ -62,11 +62,11 @@ def _family_of(folder: Path, where: str) -> str:
     from components.models.hf import read_config  # reason: start-up time (torch, torchtitan)
 
     mt = str(read_config(folder).get("model_type", ""))
-    for family in registry.names("model"):
-        if mt in contracts.member(registry.resolve("model", family), "model", "HF_MODEL_TYPES"):
-            return family
-    raise UserError(where, f"{folder}/config.json has model_type={mt or '(none)'}, which no model family in "
-                    "registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")
+    family = registry.family_of(mt)
+    if family is not None:
+        return family
+    raise UserError(where, f"{folder}/config.json has model_type={mt or '(none)'}, which no model family of the "
+                    "registries reads.", f"The families read model_type {', '.join(registry.model_types())}.")
 
 
 def load_model(model: str, step: int | None, device, unverified: bool = False) -> tuple[torch.nn.Module, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.models.hf_folder import read_config  # the config reader every family uses (no torch)
-from framework import contracts, planner, recipes, registry
+from framework import planner, recipes, registry
 from framework.errors import UserError
 from framework.resolve import model_facts as resolve_facts
 from framework.resolve import resolve
@@ -28,11 +28,11 @@ def _gib(b: float) -> str:
 def family_for(path: Path) -> tuple[str, str]:
     c = read_config(path)
     mt = str(c.get("model_type", ""))
-    for family in registry.names("model"):
-        if mt in contracts.member(registry.resolve("model", family), "model", "HF_MODEL_TYPES"):
-            return family, mt
+    family = registry.family_of(mt)
+    if family is not None:
+        return family, mt
     raise UserError(f"apiary show {path}", f"config.json has model_type={mt or '(none)'}, which no model family "
-                    "in registry.yaml reads.", "apiary reads qwen3, qwen3_moe, llama and qwen3_5(_moe) folders.")
+                    "of the registries reads.", f"The families read model_type {', '.join(registry.model_types())}.")
 
 
 def _setting(name: str, dotted: str, seen: tuple = ()):
