@@ -2,7 +2,8 @@
 # The live GRPO loop with vLLM generating and weights handed over in memory, on one GPU (docs/rl.md):
 # train recipe=debug_grpo_vllm beside examples/rl_loop/vllm_generator.py, as docs/rl.md writes them.
 #   OUT=/some/dir STEPS=20 bash benchmarks/rl_loop_vllm.sh [RUN ...]
-# RUN: NAME=TRAIN_OVERRIDES[:GENERATOR_FLAGS], default: learn (lr 1e-2), flat (optimizer.lr=0),
+# RUN: NAME=TRAIN_OVERRIDES[:GENERATOR_FLAGS], default: learn (lr 1e-2), flat (optimizer.lr=0 and no routing-bias
+# updates: moe.load_balance_coeff=null, which otherwise still moves the policy at lr 0),
 # replay (moe.routing_replay=true with --routing). The table per run: mean reward of the first
 # and last shards, the trainer's policy/mismatch_abs_mean and _max at lag 0 (median over steps), and the
 # engine's update times (blocked, engine paused).
@@ -10,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-bench_out/rl_vllm}; mkdir -p "$OUT"; STEPS=${STEPS:-20}
 PY=${PY:-python3}
 RUNS=("$@")
-[ ${#RUNS[@]} -eq 0 ] && RUNS=("learn=" "flat=optimizer.lr=0" "replay=moe.routing_replay=true:--routing")
+[ ${#RUNS[@]} -eq 0 ] && RUNS=("learn=" "flat=optimizer.lr=0,moe.load_balance_coeff=null" "replay=moe.routing_replay=true:--routing")
 for spec in "${RUNS[@]}"; do
   name=${spec%%=*}; rest=${spec#*=}; ov=${rest%%:*}; gflags=""; [[ "$rest" == *:* ]] && gflags=${rest#*:}
   d="$OUT/$name"; rm -rf "$d"; mkdir -p "$d"

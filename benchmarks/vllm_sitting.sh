@@ -38,11 +38,11 @@ m, wr = w.build("debug_grpo_vllm", [])
 w.write_folder(m, wr, Path("/tmp/lbase"), 0)
 PY
   sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
-  (CUDA_VISIBLE_DEVICES=0 OUT=/tmp/rl STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash benchmarks/rl_loop_vllm.sh \
-    "learn=" "flat=optimizer.lr=0" "replay=moe.routing_replay=true:--routing" > "$OUT/rl_qwen3.log" 2>&1) &
-  (CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rl35 STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash /tmp/rl35.sh \
+  (CUDA_VISIBLE_DEVICES=0 OUT=/tmp/rl STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-170} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+    "learn=" "flat=optimizer.lr=0,moe.load_balance_coeff=null" "replay=moe.routing_replay=true:--routing" > "$OUT/rl_qwen3.log" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rl35 STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-170} PY=$PY bash /tmp/rl35.sh \
     "learn=" "replay=moe.routing_replay=true:--routing" > "$OUT/rl_qwen35.log" 2>&1
-   CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rll STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-150} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+   CUDA_VISIBLE_DEVICES=1 OUT=/tmp/rll STEPS=${STEPS:-12} TLIMIT=${TLIMIT:-170} PY=$PY bash benchmarks/rl_loop_vllm.sh \
     "lora=adapter=lora,model.hf_checkpoint=/tmp/lbase/step-0,publish.transport=hf_folder,optimizer.lr=2e-2" \
     > "$OUT/rl_lora.log" 2>&1) &
   wait
