@@ -19,6 +19,10 @@ version, deleted or written over; publishing over one stops the run with a UserE
 (framework/resolve.py refuses a publish.dir that overlaps the checkpoint folder or data.path before
 launch).
 
+What a version holds is a ``contracts.PublishedForm``: by default the model family's whole HF folder
+(its ``hf_writer``); an adapter component may offer its own (``published_form``: a LoRA run's
+adapters alone, in PEFT's files), with the state-dict keys to gather and the file names to write.
+
 Getting the weights: the model is sharded (FSDP2 DTensors, expert parallel), so every rank calls
 ``publish`` (a collective): each model part's ``state_dict()`` (the checkpoint's names), each
 DTensor all-gathered (``full_tensor``) in turn and copied to rank 0's host, and the model family's
