@@ -9,6 +9,13 @@
 #   PART=3: training tok/s at the 4-layer width with an in-memory update every step (GPU 0, the engine
 #           beside it) against none (GPU 1, at the same time), on static synthetic rollouts (the engine,
 #           --serve, only takes the updates); then the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
+# On one H200 (kind nvidia-h200), two parts of the same ground, each under 10 minutes:
+#   PART=4: the tiny Qwen3.5 MoE loop (learn, then routing replay) while a LoRA loop runs beside it, started
+#           once the first engine is up (vLLM sizes its KV cache from what it sees while it starts); then the
+#           Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
+#   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
+#           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}); the update times of that run are
+#           the 4-layer width's IPC hand-off at that bucket size.
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -92,5 +99,61 @@ PY
   timeout ${TTEST:-240} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
     -k "qwen35 or lora" 2>&1 | grep -v INFO | tee "$OUT/gpu_test3.log" | grep -E "passed|failed|logprob diff" | tail -6
   errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors3.log"
+  ;;
+4)
+  CUDA_VISIBLE_DEVICES=0 $PY - <<'PY' > "$OUT/lora_base.log" 2>&1
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import weight_sync_bench as w
+m, wr = w.build("debug_grpo_vllm", [])
+w.write_folder(m, wr, Path("/tmp/lbase"), 0)
+PY
+  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
+  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash /tmp/rl35.sh "learn=" > "$OUT/rl_qwen35_learn.log" 2>&1
+   OUT=/tmp/rl35r STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash /tmp/rl35.sh "replay=moe.routing_replay=true:--routing" \
+     > "$OUT/rl_qwen35_replay.log" 2>&1) &
+  q=$!
+  # the LoRA loop starts once the first engine is up (the trainer has written its first step)
+  for _ in $(seq 120); do [ -s /tmp/rl35/learn/run/metrics.jsonl ] && break; sleep 1; done
+  (OUT=/tmp/rll STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+    "lora=adapter=lora,model.hf_checkpoint=/tmp/lbase/step-0,publish.transport=hf_folder,optimizer.lr=2e-2" \
+    > "$OUT/rl_lora.log" 2>&1) &
+  wait
+  tail -4 "$OUT/rl_qwen35_learn.log" "$OUT/rl_qwen35_replay.log" "$OUT/rl_lora.log"
+  cp /tmp/rll/lora/engine_updates.jsonl "$OUT/lora_engine_updates.jsonl" 2>/dev/null
+  for d in /tmp/rl35/learn /tmp/rl35r/replay /tmp/rll/lora; do cp $d/run/metrics.jsonl "$OUT/metrics_$(basename $d).jsonl" 2>/dev/null; done
+  errors /tmp/rl35*/*/generator.log /tmp/rl35*/*/train.log /tmp/rll/*/*.log > "$OUT/rl_errors.log"
+  timeout ${TTEST:-220} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
+    -k "qwen35 or lora" 2>&1 | grep -v INFO | tee "$OUT/gpu_test.log" | grep -E "passed|failed|logprob diff" | tail -6
+  errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors.log"
+  ;;
+5)
+  $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
+  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false)
+  timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
+  cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
+  timeout 230 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
+    publish.bucket_mb=${BUCKET_MB:-4096} > /tmp/tp_every.log 2>&1 &
+  tp=$!
+  timeout 230 $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
+    --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
+  wait $tp
+  cp /tmp/tp/every/metrics.jsonl "$OUT/metrics_every.jsonl" 2>/dev/null
+  $PY - /tmp/tp > "$OUT/throughput.table" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+for name in ("none", "every"):
+    f = Path(sys.argv[1]) / name / "metrics.jsonl"
+    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
+    steady = [r for r in recs if r["step"] >= 4]
+    tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
+    med = lambda k: statistics.median(v) if (v := [r[k] for r in steady if k in r]) else float("nan")
+    print(f"{name:6s} tok/s {tps:10.0f}  steps {len(recs)}  blocked {med('publish/blocked_s'):.3f} s  "
+          f"transfer {med('publish/transfer_s'):.3f} s  engine paused {med('publish/engine_s'):.3f} s (medians, steps >= 4)")
+PY
+  cat "$OUT/throughput.table"
+  errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
+  tail -3 /tmp/tp_every.log /tmp/tp_gen.log
   ;;
 esac

@@ -1,13 +1,14 @@
 """One weight hand-off to a real vLLM engine, timed, against a folder publication of the same model.
 
     python benchmarks/weight_sync_bench.py --recipe qwen35_35b_128k --layers 4 --backends ipc nccl --out DIR
+    python benchmarks/weight_sync_bench.py --backends ipc ipc@4096 --no-folder   # IPC with 1 GiB and 4 GiB buckets
 
 For each backend: a vLLM engine (examples/rl_loop/vllm_generator.py --serve) starts from the folder the
 trainer side published (step-0, bfloat16), links to this process, and takes ``--updates`` in-memory
 updates (components/transport/vllm.py's sender, as a training run drives it): per update the time the
 trainer was blocked (gather + convert + copy into the buckets), the transfer (start .. finish, in the
 background of a run) and the time the engine was paused (its own measure). ``ipc``: the engine on GPU 0
-beside the weights; ``nccl``: the engine on GPU 1. The folder row is publish.py's foreground write of
+beside the weights; ``nccl``: the engine on GPU 1. ``BACKEND@MiB`` sets publish.bucket_mb (default 1024). The folder row is publish.py's foreground write of
 the same weights (convert + write, what ``publish.background=false`` blocks for).
 
 ``check_same_as_folder`` (tests/gpu/test_vllm_gpu.py): after an in-memory update, the engine's greedy
@@ -126,18 +127,21 @@ def check_same_as_folder(recipe: str, overrides: list[str], backend: str, out: P
     return {"before": before, "after": after, "folder": folder, "record": rec, "max_logprob_diff": diff}
 
 
-def bench(recipe: str, overrides: list[str], backends: list[str], updates: int, out: Path, memory: float) -> list:
+def bench(recipe: str, overrides: list[str], backends: list[str], updates: int, out: Path, memory: float,
+          folder_row: bool = True) -> list:
     out.mkdir(parents=True, exist_ok=True)
     model, writer = build(recipe, overrides)
     rows = []
     w = out / "weights"
-    folder_s = [write_folder(model, writer, w, 0)]
-    folder_s.append(write_folder(model, writer, out / "weights_again", 0))
-    nbytes = sum(f.stat().st_size for f in (w / "step-0").glob("*.safetensors"))
-    rows.append({"how": "folder (publish.background=false)", "GB": nbytes / 1e9, "blocked_s": min(folder_s),
-                 "transfer_s": None, "engine_s": None})
-    for backend in backends:
-        s = sender(model, writer, w, backend)
+    folder_s = [write_folder(model, writer, w, 0)]  # the engine starts from it
+    if folder_row:
+        folder_s.append(write_folder(model, writer, out / "weights_again", 0))
+        nbytes = sum(f.stat().st_size for f in (w / "step-0").glob("*.safetensors"))
+        rows.append({"how": "folder (publish.background=false)", "GB": nbytes / 1e9, "blocked_s": min(folder_s),
+                     "transfer_s": None, "engine_s": None})
+    for spec in backends:
+        backend, _, mb = spec.partition("@")
+        s = sender(model, writer, w, backend, int(mb or 1024))
         eng = start_engine(w, backend, 0 if backend == "ipc" else 1, memory, out / f"bench_engine_{backend}.log")
         recs = []
         try:
@@ -146,13 +150,13 @@ def bench(recipe: str, overrides: list[str], backends: list[str], updates: int, 
                 perturb(model, 1e-3, seed=v)
                 recs.append(update(s, model, v))
         except Exception as e:  # noqa: BLE001 - one backend's failure is a row, the next still runs
-            rows.append({"how": f"vllm_{backend}", "error": f"{type(e).__name__}: {e}"})
+            rows.append({"how": f"vllm_{spec}", "error": f"{type(e).__name__}: {e}"})
         finally:
             s.close()
             eng.wait(120)
         if recs:
             steady = recs[1:] or recs  # the first update also opens the transfer (IPC handles, NCCL group)
-            rows.append({"how": f"vllm_{backend}", "GB": s.plan.nbytes / 1e9, "buckets": len(s.plan.buckets),
+            rows.append({"how": f"vllm_{spec}", "GB": s.plan.nbytes / 1e9, "buckets": len(s.plan.buckets),
                          "blocked_s": statistics.median(r["blocked_s"] for r in steady),
                          "transfer_s": statistics.median(r["transfer_s"] for r in steady),
                          "engine_s": statistics.median(r["engine_s"] for r in steady),
@@ -172,10 +176,11 @@ def main(argv=None) -> int:
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--memory", type=float, default=0.25)
     p.add_argument("--out", type=Path, default=Path("bench_out/weight_sync"))
+    p.add_argument("--no-folder", action="store_true", help="leave out the folder row (its second write)")
     a = p.parse_args(argv)
     rows = bench(a.recipe, [f"model.n_layers={a.layers}", "data.tokenizer=byte", "training.seq_len=4096",
                             "parallel.cp=1", "parallel.ep=1", "parallel.dp_shard=1"], a.backends, a.updates, a.out,
-                 a.memory)
+                 a.memory, not a.no_folder)
     (a.out / "weight_sync.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{a.recipe} x {a.layers} layers, bfloat16; medians of updates 2..{a.updates}")
     print(f"{'how':34s} {'GB':>6s} {'blocked s':>10s} {'transfer s':>11s} {'engine paused s':>16s} {'total s':>8s}")

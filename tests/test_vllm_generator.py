@@ -59,6 +59,18 @@ class FakeLLM:
     def finish_weight_update(self, weight_version=None):
         FakeLLM.calls.append(("finish", weight_version))
 
+    @property
+    def llm_engine(self):
+        return self
+
+    def add_lora(self, request):
+        FakeLLM.calls.append(("add_lora", request.lora_int_id))
+        return True
+
+    def remove_lora(self, lora_id):
+        FakeLLM.calls.append(("remove_lora", lora_id))
+        return True
+
     def reset_prefix_cache(self):
         FakeLLM.calls.append(("reset", None))
 
@@ -82,7 +94,8 @@ class FakeSamplingParams:
 @pytest.fixture
 def generator(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams))
-    request = types.SimpleNamespace(LoRARequest=lambda name, i, path: types.SimpleNamespace(name=name, id=i, path=path))
+    request = types.SimpleNamespace(LoRARequest=lambda name, i, path: types.SimpleNamespace(name=name, id=i, lora_int_id=i,
+                                                                                             path=path))
     monkeypatch.setitem(sys.modules, "vllm.lora", types.SimpleNamespace(request=request))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
     FakeLLM.calls = []
@@ -209,6 +222,9 @@ def test_generator_loads_a_lora_runs_adapters_as_lora_requests(tmp_path, generat
     assert FakeLLM.calls[0] == ("LLM", None)  # no weight-transfer engine: adapters arrive as folders
     gens = [c[1] for c in FakeLLM.calls if c[0] == "generate"]
     assert gens == [("step-0", 1, str(weights / "step-0")), ("step-1", 2, str(weights / "step-1"))]
+    # each version's adapters are loaded when taken (timed as the update), and the previous ones dropped after
+    loads = [c for c in FakeLLM.calls if c[0] in ("add_lora", "remove_lora")]
+    assert loads == [("add_lora", 1), ("add_lora", 2), ("remove_lora", 1)]
     versions = [{json.loads(x)["policy_version"] for x in (out / f"00000{i}.jsonl").read_text().splitlines()}
                 for i in (0, 1)]
     assert versions == [{0}, {1}]

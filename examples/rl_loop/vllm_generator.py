@@ -86,9 +86,15 @@ class Engine:
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
-        self.version = version_of(folder)
-        self.lora = LoRARequest(f"step-{self.version}", self.version + 1, str(folder))
-        self.updates.append({"version": self.version, "paused_s": time.perf_counter() - t0, "adapters": True})
+        version = version_of(folder)
+        request = LoRARequest(f"step-{version}", version + 1, str(folder))
+        # loaded now, so its time is the update's (it would otherwise load inside the next generate); the
+        # adapters in use before are dropped once the new ones are in
+        self.llm.llm_engine.add_lora(request)
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+        self.version, self.lora = version, request
+        self.updates.append({"version": version, "paused_s": time.perf_counter() - t0, "adapters": True})
 
     def poll_adapters(self, weights: Path) -> bool:
         """Take the newest published adapters when they are newer than those in use."""
