@@ -8,8 +8,9 @@ trainer side published (step-0, bfloat16), links to this process, and takes ``--
 updates (components/transport/vllm.py's sender, as a training run drives it): per update the time the
 trainer was blocked (gather + convert + copy into the buckets), the transfer (start .. finish, in the
 background of a run) and the time the engine was paused (its own measure). ``ipc``: the engine on GPU 0
-beside the weights; ``nccl``: the engine on GPU 1. ``BACKEND@MiB`` sets publish.bucket_mb (default 1024). The folder row is publish.py's foreground write of
-the same weights (convert + write, what ``publish.background=false`` blocks for).
+beside the weights; ``nccl``: the engine on GPU 1. ``BACKEND@MiB`` sets publish.bucket_mb (default 1024).
+The folder row is publish.py's foreground write of the same weights
+(convert + write, what ``publish.background=false`` blocks for).
 
 ``check_same_as_folder`` (tests/gpu/test_vllm_gpu.py): after an in-memory update, the engine's greedy
 tokens and their log-probs equal those of a fresh engine started from the folder of the same weights.
