@@ -5,7 +5,7 @@ against the DCP save and load they guard. One process (one rank's share of a che
 
 It builds a state of float32 tensors (--mb in all, shaped like a model plus AdamW's two moments),
 then per repeat: a plain ``dcp.save`` into step-N (the baseline), the same save through apiary's
-atomic save (write aside; the checksums run in a background thread: framework/integrity.py), the
+atomic save (write aside; the checksums run in a background thread: framework/train/integrity.py), the
 wait for those checksums and the rename (in training this overlaps the next steps), a
 ``dcp.load`` of it and ``integrity.verify`` of it. ``os.sync()`` before each timed save. Prints
 medians and the checksum cost as a share of the save / load,
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework import integrity
+from framework.train import integrity
 
 
 def make_state(mb: int) -> dict:

@@ -74,7 +74,7 @@ def make_run(run: Path, layers: int) -> int:
     from omegaconf import OmegaConf
 
     from components.models import qwen3_5
-    from framework import recipes
+    from framework.compose import recipes
 
     warnings.filterwarnings("ignore")
     cfg = recipes.load("qwen35_35b_128k", [f"model.n_layers={layers}", "data.tokenizer=byte"])

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Time to first step on one H200 (issue 17): step 1 on a cold kernel cache, then a relaunch on the
 # same machine with the same cache directory, each with its breakdown (metrics.jsonl's first
-# record: build, compile, autotuning, other; framework/first_step.py) and the steady step.
+# record: build, compile, autotuning, other; framework/train/first_step.py) and the steady step.
 #   OUT=/some/dir bash benchmarks/first_step_bench.sh
 # SEQ (default 32768) and FLEX_AUTOTUNE (default false, the recipe default; true: flex attention compiled with max-autotune)
 # pick the pair measured; TAG names the runs (default: s$SEQ-at$FLEX_AUTOTUNE-$AUTOTUNE_CONFIGS); KEEP_CACHE=1 starts
 # from whatever OUT/kc holds instead of an empty cache (e.g. the other FLEX_AUTOTUNE setting's run:
 # then step 1 is the compile that setting adds).
 # AUTOTUNE_CONFIGS (default recorded) is training.autotune_configs: `all` tunes every Triton config,
-# as before recorded tables existed (framework/autotune_table.py). RELAUNCH=0 skips the relaunch.
+# as before recorded tables existed (framework/train/autotune_table.py). RELAUNCH=0 skips the relaunch.
 # Bounded to 9 minutes in all: cold 390 s, relaunch 140 s (`timeout`); a run cut off prints so.
 set -uo pipefail
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"

@@ -32,9 +32,9 @@ def _one(out: str, seed: int, k: float) -> None:
     import torch
 
     import framework  # noqa: F401
-    from framework import run
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train import run
+    from framework.train.build import trainer_config
 
     torch.set_num_threads(1)
     r = resolve("debug_moe", [*OVERRIDES, f"output_dir={out}"])

@@ -94,7 +94,8 @@ def record(out: Path, tag: str, args: list[str]) -> None:
         from components.precision import te as te_mod
 
         te_mod.fp8_autocast = lambda recipe: contextlib.nullcontext()
-    from framework import devices, run
+    from framework import devices
+    from framework.train import run
 
     devices.install()
     rng_log: list = []
@@ -109,8 +110,8 @@ def record(out: Path, tag: str, args: list[str]) -> None:
             torch.manual_seed(r.cfg.training.seed)
             return init_weights(self, **k)
         tt_model.BaseModel.init_weights = reseeded
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
     from toolkit import probe as P
 
     recipe, overrides = P._probe_args(args, out / tag)

@@ -74,9 +74,9 @@ def worker(run: str, a) -> None:
     torch.backends.cudnn.enabled = False  # the H200 image's cuDNN is older than torch 2.14's (FACTS.md)
     from torchtitan.tools.logging import init_logger
 
-    from framework.build import trainer_config
-    from framework.resolve import resolve
-    from framework.run import write_run_files
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
+    from framework.train.run import write_run_files
 
     init_logger()
     r = resolve("qwen35_35b_128k", overrides(run, a))
@@ -95,8 +95,8 @@ def worker(run: str, a) -> None:
 
 def planned(run: str, a) -> tuple[float, float]:
     """The planner's model FLOPs per token and torch max-reserved bytes per GPU for ``run`` on H200s."""
-    from framework import planner
-    from framework.resolve import resolve
+    from framework.plan import planner
+    from framework.resolve.resolver import resolve
 
     p = planner.plan(resolve("qwen35_35b_128k", overrides(run, a), world_size=a.gpus), gpu="H200")
     return p.tflops_per_gpu * 1e12 / p.tokens_per_s_per_gpu, p.torch_reserved_bytes

@@ -81,8 +81,9 @@ def worker(a) -> None:
     import framework  # noqa: F401  (device shims before torchtitan)
     from components.state.memory import static_bytes
     from framework import devices
-    from framework.build import trainer_config
-    from framework.resolve import model_kwargs, resolve
+    from framework.resolve.context import model_kwargs
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     init_logger()
     logging.getLogger().setLevel(logging.WARNING)

@@ -13,7 +13,7 @@ Prints (and writes to DIR/profile.txt):
     ``aten::nonzero``, ``cudaStreamSynchronize``, ...);
   - the allocations alive at the step's memory peak, grouped by the first frame outside torch (the
     code that asked for them), from ``torch.cuda.memory._record_memory_history``.
-The run itself is the product's own (`framework.run.train`), so the numbers are the training step's.
+The run itself is the product's own (`framework.train.run.train`), so the numbers are the training step's.
 
 --parts (CUDA) also measures, on the last warm-up step, each transformer block's parts (mixer, MoE/FFN,
 norms) in forward: wall time with a device sync around each part, and the memory it leaves allocated
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from framework import run, trainer
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train import run, trainer
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

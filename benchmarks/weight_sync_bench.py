@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from components.transport import link as link_mod  # noqa: E402
 from components.transport.sender import InMemorySender  # noqa: E402
-from framework import api, publish  # noqa: E402
-from framework.resolve import resolve  # noqa: E402
+from framework import api  # noqa: E402
+from framework.resolve.resolver import resolve  # noqa: E402
+from framework.train import publish  # noqa: E402
 
 GENERATOR = ROOT / "examples" / "rl_loop" / "vllm_generator.py"
 

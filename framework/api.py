@@ -7,7 +7,7 @@
     logits = model(tokens)                                  # [B, S] token ids -> [B, S, V]
 
 Generic over model families: the family module (registry.yaml kind ``model``) supplies
-``model_spec`` (framework/contracts.py); this module only resolves names and materialises the model in fp32 on
+``model_spec`` (framework/contracts/protocols.py); this module only resolves names and materialises the model in fp32 on
 this process's device.
 """
 
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from framework import contracts, devices, recipes, registry  # importing framework applies the device shims
+from framework import contracts, devices  # importing framework applies the device shims
+from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
-from framework.resolve import model_kwargs
+from framework.resolve.context import model_kwargs
 
 
 def _family_of_flavor(name: str) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""The `train` console script (Hydra's command line: framework/hydra_cli.py).
+"""The `train` console script (Hydra's command line: framework/compose/hydra_cli.py).
 
     train [recipe=NAME] [key=value | group=option | +key=value | ~key ...] [-m] [--cfg job|hydra|all] [-v]
 
@@ -16,10 +16,14 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import contracts, hydra_cli, lifecycle, preempt, registry, run, runlock
+from framework import contracts
+from framework.compose import hydra_cli, registry
+from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
-from framework.resolve import ENV_RESOLVED, load_resolved, resolve
-from framework.schema import DEFAULT_RECIPE
+from framework.launch import lifecycle, runlock
+from framework.resolve.handoff import ENV_RESOLVED, load_resolved
+from framework.resolve.resolver import resolve
+from framework.train import preempt, run
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 console = Console(highlight=False, soft_wrap=True)
@@ -188,7 +192,7 @@ def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
 
 def _arm() -> None:
     """`train` from the command line: a signal while starting up exits 75 at once (no
-    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/preempt)."""
+    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/train/preempt)."""
     preempt.arm()
 
 

@@ -72,8 +72,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch:_grouped_mm": "components/models/common.py, components/moe/chunked_experts.py, components/adapters/modules.py",
     "torch:_foreach_norm": "components/state/zero1_optimizer.py",
     "torch:_foreach_mul_": "components/state/zero1_optimizer.py",
-    "torch._dynamo.utils:compilation_time_metrics": "framework/first_step.py",
-    "torch._inductor.runtime.cache_dir_utils:default_cache_dir": "framework/kernel_cache.py",
+    "torch._dynamo.utils:compilation_time_metrics": "framework/train/first_step.py",
+    "torch._inductor.runtime.cache_dir_utils:default_cache_dir": "framework/train/kernel_cache.py",
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "components/precision/policies.py",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset": "components/state/zero1_optimizer.py",
     "torch.distributed.tensor.placement_types:_StridedShard": "components/state/zero1_optimizer.py",
@@ -327,8 +327,8 @@ def fsdp_wrappers_disabled(own_prefixes: tuple[str, ...] = ()):
 
 def hook_trainer_train(before) -> None:
     """torchtitan 0.3.0. Every torchtitan ``Trainer`` (and subclass) calls ``before(trainer)`` when
-    its ``train()`` starts (``python -m framework.preempt`` hooks the trainer it does not build)."""
-    from torchtitan.trainer import Trainer  # reason: imported after the caller's set-up (python -m framework.preempt)
+    its ``train()`` starts (``python -m framework.train.preempt`` hooks the trainer it does not build)."""
+    from torchtitan.trainer import Trainer  # reason: imported after the caller's set-up (python -m framework.train.preempt)
 
     if getattr(Trainer.train, "_apiary", False):
         return
@@ -362,7 +362,7 @@ def guard_trainer_steps(trainer, optimizer_step, scheduler_step) -> tuple:
     """torchtitan 0.3.0. ``Trainer.train_step`` ends with ``self.optimizers.step()`` and
     ``self.lr_schedulers.step()``; on this trainer's two containers (not their classes) they become
     ``optimizer_step(original, ...)`` and ``scheduler_step(original, ...)``, where ``original`` is
-    the container's own bound ``step`` (the non-finite guard: framework/trainer.py). Returns the two
+    the container's own bound ``step`` (the non-finite guard: framework/train/trainer.py). Returns the two
     originals."""
     def make(wrap):
         def build(current):
@@ -390,7 +390,7 @@ def extend_metrics_log(processor, log) -> None:
 def wrap_checkpoint_saves(checkpointer, dcp_save, save) -> tuple:
     """torchtitan 0.3.0. ``CheckpointManager.dcp_save(state_dict, checkpoint_id, async_mode, ...)`` and
     ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer (not its class) become
-    ``dcp_save`` and ``save`` (the atomic, manifest-writing saves: framework/integrity.py). A
+    ``dcp_save`` and ``save`` (the atomic, manifest-writing saves: framework/train/integrity.py). A
     checkpointer without ``save`` (a test's stand-in) keeps none. Returns the originals
     ``(dcp_save, save or None)``."""
     own_dcp = _replace_on_instance(checkpointer, "dcp_save", lambda current: (lambda *a, **k: dcp_save(*a, **k)),
@@ -405,7 +405,7 @@ def wrap_checkpoint_saves(checkpointer, dcp_save, save) -> tuple:
 def gate_training_loop(trainer, should_continue) -> None:
     """torchtitan 0.3.0. ``Trainer.train`` loops while ``self.should_continue_training()``; on this
     trainer (not its class) that becomes ``should_continue(original)`` (the preemption guard:
-    framework/preempt)."""
+    framework/train/preempt)."""
     _replace_on_instance(trainer, "should_continue_training",
                          lambda current: (lambda: should_continue(current)), "gate_training_loop")
 
@@ -413,7 +413,7 @@ def gate_training_loop(trainer, should_continue) -> None:
 def observe_checkpoint_saves(checkpointer, after) -> None:
     """torchtitan 0.3.0. ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer
     (not its class) also calls ``after(curr_step, written)`` with what it returned (the preemption
-    guard's last saved step: framework/preempt)."""
+    guard's last saved step: framework/train/preempt)."""
     def build(current):
         def save(curr_step, last_step=False):
             written = current(curr_step, last_step=last_step)

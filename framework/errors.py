@@ -9,7 +9,7 @@ import difflib
 EXIT_USER_ERROR = 2
 # A rank stopped on request (preemption signal) after a checkpoint: run it again (EX_TEMPFAIL, sysexits.h).
 EXIT_PREEMPTED = 75
-# Training stopped on NaN/Inf: nothing applied, nothing non-finite saved (framework/integrity.py).
+# Training stopped on NaN/Inf: nothing applied, nothing non-finite saved (framework/train/integrity.py).
 EXIT_NONFINITE = 76
 # A followed rollout folder (data.follow) stayed empty for data.wait_timeout seconds; the last
 # complete step was checkpointed: run it again (with checkpoint.resume=true) once the generator writes.

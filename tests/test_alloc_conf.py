@@ -54,6 +54,6 @@ def test_the_slurm_script_exports_the_same_default():
 
 def test_every_rank_applies_it_before_training():
     """run.train applies the default right after the device shims, before torch builds anything."""
-    src = (ROOT / "framework/run.py").read_text()
+    src = (ROOT / "framework/train/run.py").read_text()
     body = src[src.index("def train(resolved"):]
     assert body.index("devices.apply_allocator_default()") < body.index("kernel_cache.configure(")

@@ -1,4 +1,4 @@
-"""Recorded autotuning winners (framework/autotune_table.py): Triton's own Autotuner.run, with its
+"""Recorded autotuning winners (framework/train/autotune_table.py): Triton's own Autotuner.run, with its
 benchmark and launch replaced by recorded timings (nothing compiles or runs on CPU), tunes only a
 table's configs; `apiary autotune-table` writes that table from Triton's disk-cache entries."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from framework import autotune_table
+from framework.train import autotune_table
 
 from conftest import run_cli
 
@@ -151,7 +151,7 @@ def test_the_shipped_hopper_table_names_kernels_that_exist_and_parses_as_configs
     defined = {m for r in roots for f in r.rglob("*.py") for m in re.findall(r"^def (\w+)\(", f.read_text(), re.M)}
     for name, keys in table.items():
         if fla:
-            assert name in defined, f"{name} is in framework/autotune_tables/sm90.json but no kernel defines it"
+            assert name in defined, f"{name} is in framework/train/autotune_tables/sm90.json but no kernel defines it"
         for key, configs in keys.items():
             assert isinstance(json.loads(key), list) and 1 <= len(configs) <= autotune_table.MAX_KEEP
             assert all("num_warps: " in c and "num_stages: " in c for c in configs)

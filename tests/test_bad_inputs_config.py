@@ -139,7 +139,7 @@ def test_pp_schedules_are_torchs():
 
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from framework.resolve import PP_SCHEDULES
+    from framework.resolve.values import PP_SCHEDULES
 
     for name in PP_SCHEDULES:
         get_schedule_class(name)
@@ -152,7 +152,7 @@ def test_pp_schedules_are_torchs():
 def test_a_schedule_cut_short_on_the_command_line_shortens_the_warmup_and_says_so(workdir):
     """training.steps=1 with the default warm-up of 2 (a smoke test), and the resume command a
     finished run prints (lr.total_steps): the warm-up is shortened and the run's first lines say so."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     r = resolve(None, ["training.steps=1", "output_dir=out"])
     assert "lr: warm-up shortened to 0 steps (lr.warmup_steps=2 is not shorter than training.steps=1" \
@@ -166,7 +166,7 @@ def test_a_schedule_cut_short_on_the_command_line_shortens_the_warmup_and_says_s
 
 def test_quoted_non_ascii_path_and_good_interpolations_resolve(files):
     """The quoting the hint suggests works; an interpolation to an existing key still resolves."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     path = files / "données.jsonl"
     r = resolve(None, [f'data.path="{path}"', "training.steps=${training.local_batch}", "output_dir=out"])
@@ -179,7 +179,7 @@ def test_a_complete_config_without_defaults_still_runs_as_a_recipe(workdir, caps
     from omegaconf import OmegaConf
 
     from framework.cli import train_main
-    from framework.recipes import load
+    from framework.compose.recipes import load
 
     (workdir / "complete.yaml").write_text(OmegaConf.to_yaml(load("debug_moe", ["training.steps=7"])))
     assert train_main(["recipe=complete.yaml", "--cfg", "job"]) == 0, capsys.readouterr().err

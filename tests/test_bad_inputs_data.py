@@ -56,8 +56,8 @@ def test_a_byte_order_mark_trains_and_is_not_part_of_the_text(workdir, one_threa
     (was: checked, then a loader ValueError traceback in the worker); the first window's bytes are the
     first record's text, without the mark."""
     from components.data.local_text import inspect_local
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     docs = [f"{i}: {DOC * 3}" for i in range(12)]
     jl = workdir / "bom.jsonl"
@@ -103,7 +103,7 @@ def test_too_little_text_is_refused_before_launch(workdir, capsys, name, content
 
 
 def test_the_minimum_is_one_step_of_tokens_and_the_packaged_corpus_is_exempt(workdir):
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     (workdir / "d.txt").write_text("x" * 30 + "\n")  # 30 bytes + BOS + EOS = 32 tokens
     resolve(None, ["data.path=d.txt", *TINY])  # exactly one step (1 x 32): accepted
@@ -228,7 +228,7 @@ RESUME = ["checkpoint.resume=true", "training.steps=4", "training.seq_len=32", "
 @pytest.fixture
 def unverified_env(monkeypatch):
     """A resume that verified a step records it in the environment for its workers: undone after."""
-    from framework import integrity
+    from framework.train import integrity
 
     monkeypatch.setenv(integrity.VERIFIED_ENV, "")
 
@@ -237,7 +237,7 @@ def test_a_step_without_its_manifest_is_refused_on_resume(seed_run, workdir, cap
     """manifest.json deleted and 64 KiB of the .distcp zeroed (was: resumed unverified, exit 0): exit 2
     naming the step, the missing manifest and both ways out; nothing on disk changes. With an earlier
     step that has its manifest, the way out is checkpoint.load_step=N, which then resolves."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     run = workdir / "r"
     shutil.copytree(seed_run, run)
@@ -271,7 +271,7 @@ def test_load_path_export_and_logprobs_refuse_a_step_without_its_manifest(seed_r
     silently; export and logprobs did not verify even a step with a manifest): exit 2 naming the
     step and the opt-in (checkpoint.verify=false, --unverified); nothing written. A step whose bytes
     changed is refused by export as by resume."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
     from toolkit.cli import apiary_main
 
     run = workdir / "r"
@@ -314,8 +314,8 @@ def test_a_cpu_run_that_cannot_fit_the_hosts_memory_is_refused(workdir, capsys, 
     """training.local_batch=100000 on CPU (was: the worker died in the allocator): the planner's CPU
     estimate for every rank against the host's available memory, refused before launch with the
     largest terms and a local batch that fits; debug_moe's own runs fit a small host."""
-    from framework import preflight
-    from framework.resolve import resolve
+    from framework.plan import preflight
+    from framework.resolve.resolver import resolve
 
     GiB = 2**30
     monkeypatch.setattr(preflight, "host_memory_available", lambda: (8 * GiB, "a test's 8 GiB"))

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
 
 from conftest import ROOT
 
@@ -169,7 +169,7 @@ def test_a_followed_folder_holding_part_of_a_step_says_how_much(tmp_path, capsys
     from torchtitan.components.dataloader import DataloaderExhaustedError
 
     from components.data.follow import FollowRows
-    from framework.trainer import ApiaryTrainer  # reason: imports torchtitan (slow)
+    from framework.train.trainer import ApiaryTrainer  # reason: imports torchtitan (slow)
 
     recs = [{"input_ids": [1 + i % 7] * 24, "loss_mask": [0] + [1] * 23, "old_logprobs": [-1.0] * 24,
              "advantages": 0.5, "sequence_id": f"s{i}"} for i in range(16)]  # 16 x 24 tokens: rows of 10 + 6

@@ -141,7 +141,7 @@ def test_apiary_refuses_before_anything_is_written(workdir, clean_env, capsys, a
 def _step(folder, n: int):
     """A complete checkpoint step as integrity sees it (.metadata, a shard, manifest.json): no tensors,
     which nothing here loads (every case is refused first)."""
-    from framework import integrity
+    from framework.train import integrity
 
     d = folder / "checkpoint" / f"step-{n}"
     d.mkdir(parents=True)
@@ -169,7 +169,7 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(workdir, clean_env,
     from omegaconf import OmegaConf
 
     from framework.cli import train_main
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     run = workdir / "run"
     cfg = resolve(None, ["output_dir=run", "training.steps=2"], for_training=False).cfg
@@ -189,8 +189,8 @@ def test_a_resume_that_would_not_continue_the_run_is_refused(workdir, clean_env,
 def test_a_relative_load_path_reaches_torchtitan_absolute(workdir, clean_env):
     """torchtitan's checkpointer refuses a relative initial_load_path (a ValueError traceback in the
     worker before): the trainer config gets it absolute."""
-    from framework.build import initial_load_path
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import initial_load_path
 
     r = resolve(None, ["checkpoint.load_path=seed/step-0", "output_dir=run"], for_training=False)
     # what trainer_config hands torchtitan (whose checkpointer Config raises "initial_load_path must be an
@@ -203,7 +203,7 @@ def test_a_relative_load_path_reaches_torchtitan_absolute(workdir, clean_env):
 def test_a_home_relative_path_is_expanded(workdir, clean_env):
     """`data.path='~/x.jsonl'` (quoted for Hydra; the shell leaves `key=~/...` as it is) reads the home
     folder's file."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     (workdir / "home").mkdir()
     (workdir / "home" / "bees.jsonl").write_text(('{"text": "' + "bees make honey " * 40 + '"}\n') * 3)
@@ -217,7 +217,7 @@ def test_a_home_relative_path_is_expanded(workdir, clean_env):
 def test_the_last_step_is_logged_whatever_log_freq():
     """logging.log_freq=100 with 5 steps logged step 1 only: the summary said `steps 1/5` and the last
     loss was step 1's. The last step is logged too, its step time over the steps since the record before."""
-    from framework.metrics import ApiaryMetrics
+    from framework.report.metrics import ApiaryMetrics
 
     m = object.__new__(ApiaryMetrics)
     m.config = SimpleNamespace(log_freq=3, total_steps=5)
@@ -243,7 +243,7 @@ def test_warmup_drops_the_jobs_checkpoint_settings():
 def test_recipe_values_of_a_setting_turned_off_are_not_refused(workdir, clean_env):
     """Only what the command line sets is refused as ignored: a recipe's checkpoint.interval stays
     with `checkpoint.enable=false`, the live recipe's publish settings with `publish.interval=0`."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     resolve("qwen35_35b_128k", ["checkpoint.enable=false"], for_training=False)  # its checkpoint.interval: 200
     resolve("debug_grpo_live", ["publish.interval=0"], for_training=False)  # its publish.dir, publish.keep
@@ -252,18 +252,19 @@ def test_recipe_values_of_a_setting_turned_off_are_not_refused(workdir, clean_en
 def test_an_adapter_that_loads_its_base_itself_keeps_load_path(workdir, clean_env):
     """adapter=lora loads checkpoint.load_path (its frozen base) at every launch, checkpointing on or off,
     resumed or not: neither refusal applies to it."""
-    from framework.resolve import _check_resume_load_path, resolve
+    from framework.resolve.outputs import check_resume_load_path
+    from framework.resolve.resolver import resolve
 
     lora = ["adapter=lora", "moe.load_balance_coeff=null", "checkpoint.load_path=seed/step-0", "output_dir=run"]
     r = resolve(None, [*lora, "checkpoint.enable=false"], for_training=False)
     # a resume whose load_path differs from the run's launch (the check a launch makes after resume.check)
-    _check_resume_load_path(r.cfg, r.ctx, SimpleNamespace(changes=[("checkpoint.load_path", None, "seed/step-0")]))
+    check_resume_load_path(r.cfg, r.ctx, SimpleNamespace(changes=[("checkpoint.load_path", None, "seed/step-0")]))
 
 
 def test_a_decay_cut_short_on_the_command_line_is_shortened_and_said(workdir, clean_env):
     """A recipe's lr.decay_ratio with training.steps cut short on the command line (a smoke test): the
     decay is shortened, as torchtitan does, and the run's first lines say so (not refused)."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     (workdir / "decay.yaml").write_text("defaults:\n  - debug_moe\n  - _self_\nlr:\n  decay_ratio: 0.9\n")
     r = resolve(str(workdir / "decay.yaml"), ["training.steps=5", "output_dir=run"], for_training=False)
@@ -275,7 +276,7 @@ def test_the_resume_command_a_seeded_run_prints_is_accepted(workdir, clean_env):
     load_path as the run's launch is no conflict (only another one would be ignored)."""
     from omegaconf import OmegaConf
 
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     _step(workdir / "seed", 0)
     seeded = ["output_dir=run", "checkpoint.load_path=seed/checkpoint/step-0"]

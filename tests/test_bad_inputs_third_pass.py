@@ -14,7 +14,7 @@ from framework.cli import train_main
 @pytest.fixture(autouse=True)
 def package_registry_after():
     """User registry files merged in-process are forgotten after each test."""
-    from framework import registry
+    from framework.compose import registry
 
     yield
     registry.entries.cache_clear()
@@ -265,7 +265,7 @@ def test_held_out_text_that_cannot_validate_is_refused(texts, capsys, argv, need
 def test_held_out_text_that_is_the_training_text_is_said(texts):
     """validation.path naming data.path's own file (was: silent): the run's first lines say val_loss
     measures trained-on text (kept: an lr=0 control run compares the two on purpose)."""
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     r = resolve(None, ["data.path=train.jsonl", "validation.interval=5", "validation.path=./train.jsonl",
                        "output_dir=out"])
@@ -279,7 +279,7 @@ def test_an_unknown_wandb_mode_is_refused_with_wandb_on(workdir, capsys, monkeyp
     code = train_main(["logging.wandb=true", "training.steps=1", "output_dir=out"])
     _refused(code, capsys.readouterr().err, workdir, "WANDB_MODE=garbage", "not a mode wandb knows")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     resolve(None, ["logging.wandb=true", "output_dir=out"], for_training=False)
 
@@ -293,7 +293,7 @@ def test_torchrun_adds_no_traceback_after_a_ranks_own_paragraph(monkeypatch, cap
     import torch.distributed.run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from framework import lifecycle
+    from framework.launch import lifecycle
 
     def failing(argv):
         failures = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from framework import integrity
+from framework.train import integrity
 
 from conftest import run_cli
 
@@ -59,7 +59,7 @@ def _resolve_error(run_dir, *extra) -> str:
     import os
 
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     os.environ.pop(integrity.VERIFIED_ENV, None)
     with pytest.raises(UserError) as e:
@@ -140,7 +140,7 @@ def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run):
     # a save of step 6 killed after writing its data: it never got its manifest nor its name
     shutil.copytree(ck / "step-4", ck / ".partial-6")
     (ck / ".partial-6" / "manifest.json").unlink()
-    from framework.resolve import checkpoint_steps
+    from framework.resolve.outputs import checkpoint_steps
 
     assert checkpoint_steps(run) == [2, 4]
     assert integrity.check_resume(run, None, "checkpoint.resume=true") == 4
@@ -206,7 +206,7 @@ def test_corrupt_load_path_is_refused(run):
     step = run / "checkpoint" / "step-2"
     (step / "__0_0.distcp").write_bytes(b"")
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     with pytest.raises(UserError) as e:
         resolve("debug_moe", [f"checkpoint.load_path={step}", f"output_dir={run.parent / 'fresh'}"])
@@ -268,7 +268,7 @@ def _failing_rank_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torchtitan.components.checkpoint import AsyncMode
 
-    from framework import integrity
+    from framework.train import integrity
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -58,7 +58,7 @@ class Scaled:
 @pytest.fixture(autouse=True)
 def package_registry_after():
     """User registry files merged in-process are forgotten after each test."""
-    from framework import registry
+    from framework.compose import registry
 
     yield
     registry.entries.cache_clear()
@@ -102,8 +102,9 @@ def test_multirun_2x2_sweep_one_resolved_config_per_job(workdir):
 
     script = textwrap.dedent(f"""
         import sys
-        from framework import cli, run
-        from framework.resolve import resolve
+        from framework import cli
+        from framework.train import run
+        from framework.resolve.resolver import resolve
 
         def job_without_training(recipe, job, output_dir, verbose):
             run.write_run_files(resolve(recipe, [*job, "output_dir=" + output_dir]))

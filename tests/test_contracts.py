@@ -1,4 +1,4 @@
-"""framework/contracts.py: every registry entry satisfies its kind's Protocol, and every
+"""framework/contracts/: every registry entry satisfies its kind's Protocol, and every
 component's bad option is refused before launch (exit 2, one paragraph naming the key)."""
 
 import dataclasses
@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 
-from framework import contracts, registry
+from framework import contracts
+from framework.compose import registry
 
 from conftest import run_cli
 
@@ -100,8 +101,8 @@ def test_member_refuses_an_undeclared_name():
 
 def test_a_component_without_a_required_member_is_refused_before_launch(monkeypatch):
     """resolve's member check reads the same table: an optional member may be left out, a required one not."""
-    from framework import resolve as resolve_mod
     from framework.errors import UserError
+    from framework.resolve import context as resolve_mod
 
     full = registry.resolve("loss", "ce")
     no_optional = type("NoOptional", (), {n: getattr(full, n) for n in ("Options", "check", "apply")})
@@ -195,8 +196,8 @@ def test_loss_refuses_data_it_does_not_train_on(capsys, workdir):
 
 
 def test_data_kind_supplies_the_batch_keys_the_trainer_forwards(tmp_path):
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     text = trainer_config(resolve("debug_moe", [f"output_dir={tmp_path / 'a'}"], for_training=False))
     assert text.batch_keys == () and text.step_keys == ()
@@ -207,7 +208,7 @@ def test_data_kind_supplies_the_batch_keys_the_trainer_forwards(tmp_path):
 
 def test_field_docs_and_choices_reach_train_help():
     from components.losses.chunked import ChunkedCrossEntropy
-    from framework.hydra_cli import help_text
+    from framework.compose.hydra_cli import help_text
 
     assert contracts.field_docs(ChunkedCrossEntropy.Options)["num_chunks"].startswith("sequence chunks per step")
     text = help_text()

@@ -13,9 +13,9 @@ import types
 import pytest
 
 from components.moe import comm
-from framework import planner
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.resolver import resolve
 
 MiB = 2**20
 # Qwen3.5-35B-A3B at 128K, CP 2 x EP 2, 8 layers: the two-GPU run

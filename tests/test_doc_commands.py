@@ -352,7 +352,7 @@ def test_the_extraction_finds_what_it_should():
     q3 = "apiary launch recipe=qwen3_30b_a3b_64k launcher=slurm nodes=2 gpus_per_node=8 --dry-run"
     assert q3 in texts  # its trailing comment dropped
     assert any(t.startswith("torchrun --nnodes=2 ") and t.endswith("output_dir=/shared/runs/X/mine") for t in texts)
-    assert "from framework import planner" in texts["python - <<'EOF'"].heredoc  # a heredoc's body
+    assert "from framework.plan import planner" in texts["python - <<'EOF'"].heredoc  # a heredoc's body
     assert not any(t.startswith("train.sbatch") for t in texts)  # a file listing is not a command
 
 
@@ -529,7 +529,7 @@ def test_resume_pages_pair_runs_as_written(text, run_folders):
 
 
 def test_every_registry_name_has_a_skill_page_and_apiary_show_names_it(capsys):
-    from framework import registry
+    from framework.compose import registry
     from toolkit.cli import apiary_main
 
     for kind, names in registry.entries().items():

@@ -20,8 +20,8 @@ from framework import devices
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
 from components.models import hf, qwen3, qwen3_5  # noqa: E402
-from framework import publish  # noqa: E402
 from framework.errors import UserError  # noqa: E402
+from framework.train import publish  # noqa: E402
 
 from conftest import _child_env  # noqa: E402
 

@@ -12,9 +12,10 @@ import textwrap
 
 import pytest
 
-from framework import contracts, registry
+from framework import contracts
+from framework.compose import registry
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
 
 FAMILY = '''
 """A made-up family reading config.json model_type "toyhf" (qwen3's flavors, planned only)."""

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from framework import first_step, kernel_cache
+from framework.train import first_step, kernel_cache
 
 from conftest import ROOT, run_cli
 
@@ -127,7 +127,7 @@ FAKE_TUNER = textwrap.dedent('''
     import triton, triton.language as tl
     import triton.compiler.compiler as cc
     import triton.runtime.autotuner as at
-    from framework import kernel_cache
+    from framework.train import kernel_cache
 
     @triton.jit
     def fake_kernel(x, BLOCK: tl.constexpr):
@@ -257,7 +257,7 @@ def test_slurm_template_runs_warmup_before_the_job(tmp_path, monkeypatch, capsys
     warm = next(l for l in script.splitlines() if "toolkit.cli warmup" in l)
     assert f"training.kernel_cache={kc}" in warm and "training.seq_len=128" in warm
     assert "srun --nodes=1 --ntasks=1 --gpus=1" in script
-    assert script.index("toolkit.cli warmup") < script.index("-m framework.preempt train")
+    assert script.index("toolkit.cli warmup") < script.index("-m framework.train.preempt train")
     train_args = next(l for l in script.splitlines() if l.startswith("TRAIN_ARGS=("))
     assert f"training.kernel_cache={kc}" in train_args  # the job's ranks read the same cache
     code, script, err = _dry_run(capsys, [f"training.kernel_cache={kc}"])

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework import metrics, planner
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.report import metrics
+from framework.resolve.resolver import resolve
 
 # tiny_dense (debug_dense): dim 64, 2 layers, 4 heads x 16 (q 64), 2 KV heads (kv 32), SwiGLU 192,
 # vocab 320, untied head, training.seq_len 256
@@ -106,7 +107,7 @@ def test_a_gpu_record_carries_both_counts_labelled(tmp_path, monkeypatch, capsys
 
 
 def test_build_hands_the_planners_count_to_the_metrics_processor(tmp_path):
-    from framework.build import trainer_config
+    from framework.train.build import trainer_config
 
     r = resolve("debug_dense", [f"output_dir={tmp_path}"], for_training=False)
     assert trainer_config(r).metrics.flops_per_token == planner.model_flops_per_token(r) == 911_616

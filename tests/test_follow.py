@@ -1,6 +1,6 @@
 """Follow mode (data.follow=true): rollout shards trained as a generator writes them, each record
 exactly once across kill -9 and resume; waiting, signals, timeouts and malformed shards
-(components/data/follow.py, framework/trainer.py's wait, docs/rl.md)."""
+(components/data/follow.py, framework/train/trainer.py's wait, docs/rl.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """framework/ names no component and no layer kind: no registry name in its strings (messages, keys,
 comparisons) or identifiers, no layer kind of a model family, and no component module. It reaches
-components only through framework.registry and the members of framework/contracts.py. (The
+components only through framework.compose.registry and the members of framework/contracts/. (The
 planner's own, stricter check, which also covers the options the planner must not read:
 tests/test_planner_terms.py.)"""
 
@@ -56,7 +56,7 @@ class Constants:
     gdn_chunk: int = _c(64, "GatedDeltaNet chunk length of fla's chunked kernels")
     selective_keep: dict = _c({"attention": 0.1, "linear_attention": 0.1, "moe": 0.1, "mlp": 0.1}, "")
 ''')
-    found = layer_kind_mentions(ROOT / "framework" / "planner" / "constants.py", old)
+    found = layer_kind_mentions(ROOT / "framework" / "plan" / "planner" / "constants.py", old)
     assert any("identifier gdn_chunk" in x for x in found)
     assert any("GatedDeltaNet chunk" in x and "'gateddeltanet'" in x for x in found)
     assert any("'linear_attention'" in x for x in found) and any("'mlp'" in x for x in found)

@@ -244,7 +244,7 @@ def test_export_writes_a_loadable_readable_folder_and_never_into_a_full_one(work
     leaves the first untouched."""
     import os
 
-    from framework import publish
+    from framework.train import publish
     from toolkit.cli import apiary_main
 
     code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
@@ -460,7 +460,7 @@ def test_packaged_recipes_leave_n_layers_and_vocab_size_to_the_user():
     setting (checked against the checkpoint), so no packaged recipe may set them."""
     import yaml
 
-    from framework import recipes
+    from framework.compose import recipes
 
     # a recipe that ships a truncated model on purpose (a measurement's width x a few layers; with an
     # hf_checkpoint added it loads the checkpoint's first layers, as model.n_layers says)

@@ -121,9 +121,9 @@ def _show(g, cyc: list[str]) -> str:
 def test_the_graph_reads_function_level_imports():
     """The reader sees imports inside functions and resolves `from framework import x` to the module."""
     g = graph(("framework", "toolkit"))
-    assert "framework.resolve" in g["toolkit.compare.running"]
-    assert "framework.errors" in g["framework.registry"]
-    assert "framework.build" in g["framework.run"]  # imported inside a function of framework.run
+    assert "framework.resolve.resolver" in g["toolkit.compare.running"]
+    assert "framework.errors" in g["framework.compose.registry"]
+    assert "framework.train.build" in g["framework.train.run"]  # imported inside a function of framework.train.run
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {}}) == [["a", "b", "c", "a"]]
 
 

@@ -1,4 +1,4 @@
-"""The model's initial weights depend on training.seed alone (framework.trainer._init_from_seed).
+"""The model's initial weights depend on training.seed alone (framework.train.trainer._init_from_seed).
 
 Building or parallelizing a model may draw random numbers (TransformerEngine's linears advanced
 the CUDA generator before the initialization on an H200, which gave precision.backend=te other
@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import json, sys
 import torch
-from framework import devices, run
+from framework import devices
+from framework.train import run
 devices.install()
-import framework.trainer as ft
-from framework.build import trainer_config
-from framework.resolve import resolve
+import framework.train.trainer as ft
+from framework.train.build import trainer_config
+from framework.resolve.resolver import resolve
 
 out, draw, restore = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 if not restore:

@@ -1,4 +1,4 @@
-"""Kernel caches across launches (framework.kernel_cache): which variables a recipe sets, that
+"""Kernel caches across launches (framework.train.kernel_cache): which variables a recipe sets, that
 user exports win, that autotuners defined before the setting (fla's, imported while resolving
 a recipe) cache too, and the per-step autotuning counts that metrics.jsonl logs."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from framework import kernel_cache
+from framework.train import kernel_cache
 
 
 def test_configure_sets_caches_and_respects_user_exports(tmp_path):
@@ -63,7 +63,7 @@ def test_autotune_log_becomes_tritons_listener(monkeypatch):
 
 
 def test_console_line_names_autotuning_only_when_some_happened():
-    from framework.progress import autotune_note as _autotune_note
+    from framework.report.progress import autotune_note as _autotune_note
 
     assert _autotune_note({"autotune_s": 0.0, "autotuned_kernels": 0, "autotune_cache_hits": 0}) == ""
     note = _autotune_note({"autotune_s": 212.34, "autotuned_kernels": 14, "autotune_cache_hits": 3})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_launch_finds_a_launcher_a_user_registry_binds(tmp_path, monkeypatch, capsys):
-    from framework import registry
+    from framework.compose import registry
     from toolkit.launch import launch_main
 
     (tmp_path / "reg.yaml").write_text("launcher:\n  mylocal:\n    target: components.launchers.local:LocalLauncher\n"

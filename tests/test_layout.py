@@ -4,9 +4,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from components.models.common import ModelFacts
+from framework.compose.recipes import load
 from framework.errors import UserError
-from framework.layout import derive
-from framework.recipes import load
+from framework.resolve.layout import derive
 
 TABLE = load("debug_moe").layout
 

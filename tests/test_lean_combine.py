@@ -74,9 +74,9 @@ def test_explicit_true_is_refused_where_it_cannot_run():
     from omegaconf import OmegaConf
 
     from components.moe.chunk import AutoChunk, NoChunk
+    from framework.compose.schema import MoEConfig
     from framework.contracts import make_options
     from framework.errors import UserError
-    from framework.schema import MoEConfig
 
     def ctx(backend, ep):
         return SimpleNamespace(components={"moe_comm": SimpleNamespace(torchtitan_backend=backend)},
@@ -97,8 +97,8 @@ def test_explicit_true_is_refused_where_it_cannot_run():
 RUNNER = textwrap.dedent("""
     import json, os, sys
     from components.moe import lean_combine
-    from framework import run
-    from framework.resolve import resolve
+    from framework.train import run
+    from framework.resolve.resolver import resolve
     calls = [0]
     original = lean_combine.score_rows
     def counted(*a, **k):

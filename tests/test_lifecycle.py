@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from framework import integrity
+from framework.train import integrity
 
 from conftest import ROOT, run_cli
 
@@ -182,7 +182,7 @@ def test_sigkill_to_the_parent_leaves_no_worker(tmp_path):
     proc.communicate(timeout=30)
     assert _none_alive_within(str(run), 10) == []
     # the lock it left is stale (its process is gone on this host): the next run takes it over
-    from framework import runlock
+    from framework.launch import runlock
 
     warnings = []
     lock = runlock.acquire(run, warn=warnings.append)
@@ -265,7 +265,7 @@ def test_sigterm_one_process_then_resume_reproduces_the_uninterrupted_losses(tmp
 _HOLD = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from framework import runlock
+from framework.launch import runlock
 lock = runlock.acquire(sys.argv[2])
 print("held", flush=True)
 time.sleep(120)
@@ -296,8 +296,8 @@ def test_a_second_run_on_a_locked_directory_exits_2_naming_the_holder(tmp_path):
 
 
 def test_stale_lock_is_taken_over_with_a_warning_and_foreign_ones_refused(tmp_path, monkeypatch):
-    from framework import runlock
     from framework.errors import UserError
+    from framework.launch import runlock
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -333,7 +333,7 @@ def test_stale_lock_is_taken_over_with_a_warning_and_foreign_ones_refused(tmp_pa
 
 # ----------------------------------------------------------------------------- metrics after a resume
 def test_supersede_moves_records_at_and_after_the_first_step(tmp_path):
-    from framework.metrics import SUPERSEDED_NAME, supersede
+    from framework.report.metrics import SUPERSEDED_NAME, supersede
 
     m = tmp_path / "metrics.jsonl"
     m.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
@@ -383,8 +383,8 @@ def test_without_flock_the_record_decides(tmp_path, monkeypatch):
     is taken over; the run goes on with a warning rather than failing."""
     import errno
 
-    from framework import runlock
     from framework.errors import UserError
+    from framework.launch import runlock
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

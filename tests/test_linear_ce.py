@@ -315,8 +315,8 @@ def test_cuda_kernels_match_fp64_reference(n, hd, v, dtype, backend):
 
 RUNNER = textwrap.dedent("""
     import sys
-    from framework import run
-    from framework.resolve import resolve
+    from framework.train import run
+    from framework.resolve.resolver import resolve
     base, steps, local_batch, losses = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     for loss in losses:  # one process trains each loss in turn: start-up is the slow part
         r = resolve("debug_moe", [f"loss={loss}", f"training.steps={steps}", f"output_dir={base}/{loss}",

@@ -193,15 +193,15 @@ def hf_dirs(tmp_path_factory):
 
 
 def _trainer_run(recipe: str, overrides: list[str], inspect=None):
-    """A run built and trained in this process (as framework.run.train does), ``inspect(trainer,
+    """A run built and trained in this process (as framework.train.run.train does), ``inspect(trainer,
     before)`` called after training with the parameters it started from."""
     import os
 
     import torch.distributed as dist
 
-    from framework.build import trainer_config
-    from framework.resolve import resolve
-    from framework.run import _single_process_env, write_run_files
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
+    from framework.train.run import _single_process_env, write_run_files
 
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.pop(k, None) for k in keys}
@@ -292,7 +292,7 @@ def _apiary_logits(run: Path, tokens):
 
     from components.adapters import export
     from components.models import hf
-    from framework import registry
+    from framework.compose import registry
 
     cfg = OmegaConf.load(run / "config.yaml")
     fam = registry.resolve("model", cfg.model.family)
@@ -383,7 +383,7 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
 
 
 def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
-    from framework import publish
+    from framework.train import publish
     from toolkit.cli import apiary_main
 
     work = runs["work"]
@@ -429,7 +429,7 @@ def _published_adapters_are_the_export(work: Path) -> None:
     export of the checkpoint of the same step (bitwise; cast with publish.dtype), for the HF base."""
     from safetensors.torch import load_file
 
-    from framework import publish
+    from framework.train import publish
 
     for name, run, last, dtype in (("q3", "lora", 8, torch.bfloat16), ("q35", "q35", 2, torch.float32)):
         weights = work / run / "weights"
@@ -483,8 +483,8 @@ def test_lora_on_an_moe_recipe_freezes_the_routing_bias_and_counts_the_adapters(
     """`train adapter=lora` on a shipped MoE recipe (moe.load_balance_coeff set): the routing bias is
     frozen with the base, said in one line, and the model is built without its load-balancing updates;
     the first lines count the trainable parameters."""
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     r = resolve(recipe, ["adapter=lora", "output_dir=run"])
     assert r.cfg.moe.load_balance_coeff is not None
@@ -546,7 +546,7 @@ def test_adapters_are_not_sent_in_memory(hf_dirs, workdir, capsys):
 def test_exports_that_cannot_be_written_are_refused(workdir, capsys):
     from omegaconf import OmegaConf
 
-    from framework.recipes import load
+    from framework.compose.recipes import load
     from toolkit.cli import apiary_main
 
     for name, overrides in (("full", []), ("seeded", ["adapter=lora", "moe.load_balance_coeff=null"])):
@@ -555,7 +555,7 @@ def test_exports_that_cannot_be_written_are_refused(workdir, capsys):
         (workdir / name / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
     (workdir / "seeded" / "checkpoint" / "step-2" / "adapter_base.json").write_text(json.dumps(
         {"base": {"kind": "seed", "key": "training.seed", "seed": 42, "family": "qwen3", "flavor": "tiny_moe"}}))
-    from framework import integrity
+    from framework.train import integrity
 
     for name in ("full", "seeded"):  # a complete step has its manifest (the export verifies it first)
         step = workdir / name / "checkpoint" / "step-2"
@@ -571,8 +571,8 @@ def test_exports_that_cannot_be_written_are_refused(workdir, capsys):
 
 
 def test_the_planner_counts_the_frozen_base_once():
-    from framework.planner import plan
-    from framework.resolve import resolve
+    from framework.plan.planner import plan
+    from framework.resolve.resolver import resolve
 
     # both with full recompute (the recipes' default, auto, would choose other blocks for each)
     r = resolve("qwen35_35b_lora_128k", ["recompute=full"], for_training=False)

@@ -61,8 +61,8 @@ def test_policies_refuse_what_they_cannot_chunk():
 
     from omegaconf import OmegaConf
 
+    from framework.compose.schema import MoEConfig
     from framework.contracts import make_options
-    from framework.schema import MoEConfig
 
     def ctx(backend):
         return SimpleNamespace(components={"moe_comm": SimpleNamespace(torchtitan_backend=backend)})

@@ -10,9 +10,10 @@ import textwrap
 
 import pytest
 
-from framework import planner, registry
+from framework.compose import registry
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.resolver import resolve
 
 # the family module of docs/architecture.md's worked example (test_the_architecture_page_shows_this_family checks
 # that the document shows this text)

@@ -54,7 +54,7 @@ def test_diverging_run_stops_before_the_update_and_saves_no_poison(workdir, tmp_
     assert f"apiary: step {stop}: " in err and "is not finite" in err
     assert "no update was applied" in err and f"Last good checkpoint: step-{stop - 1}" in err
     assert "lower optimizer.lr" in err and "training.on_nonfinite=skip" in err and "checkpoint.resume=true" in err
-    # rank 0's short summary: the step reached and the checkpoint (framework/summary.py)
+    # rank 0's short summary: the step reached and the checkpoint (framework/report/summary.py)
     assert (f"stopped on a non-finite loss or gradient norm after step {stop - 1} of 6 (exit code 76); "
             f"checkpoint: run/checkpoint/step-{stop - 1}") in p.stdout
     assert json.loads((workdir / "run" / "summary.json").read_text())["status"] == "stopped"
@@ -125,7 +125,7 @@ def test_bad_setting_exits_2_before_anything_starts(workdir):
                                        ("checkpoint.load_step=3", "this run does not resume")])
 def test_bad_settings_are_refused(workdir, arg, says):
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     with pytest.raises(UserError) as e:
         resolve("debug_moe", [arg])
@@ -134,8 +134,8 @@ def test_bad_settings_are_refused(workdir, arg, says):
 
 def test_no_checkpoint_from_a_non_finite_state():
     """The save-time backstop: a NaN in the model or the optimizer state refuses the save (exit 76)."""
-    from framework.integrity import NonFiniteStop
-    from framework.trainer import ApiaryTrainer
+    from framework.train.integrity import NonFiniteStop
+    from framework.train.trainer import ApiaryTrainer
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -160,7 +160,7 @@ def test_no_checkpoint_from_a_non_finite_state():
 def test_two_ranks_stop_together_at_the_same_step(workdir, tmp_path):
     """2 gloo ranks: the decision is all-reduced, so both stop before step 3's update (no hang) and
     every shard of every checkpoint left is finite and matches its manifest."""
-    from framework import integrity
+    from framework.train import integrity
 
     p = run_cli(["train", *SMALL, "optimizer.lr=1e6", "training.steps=5", "checkpoint.interval=1", "nproc=2",
                  "output_dir=run"], cwd=workdir)

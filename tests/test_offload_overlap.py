@@ -46,9 +46,9 @@ def _locals(sd: dict) -> dict:
 def _run_job(job: dict, rank: int, port: int) -> dict:
     import torch.distributed as dist
 
-    from framework import run
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train import run
+    from framework.train.build import trainer_config
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_PORT=str(port))
@@ -267,7 +267,7 @@ def test_offload_overlap_needs_offload_optimizer():
 
 
 def test_offload_overlap_refused_by_resolve(tmp_path):
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     with pytest.raises(Exception, match="state.offload_overlap=true .* has state.offload=none"):
         resolve("debug_moe", ["state.offload_overlap=true"], for_training=False)
@@ -277,8 +277,8 @@ def test_offload_overlap_refused_by_resolve(tmp_path):
 
 def test_overlap_plans_no_extra_device_memory():
     """The overlap's staging is pinned host memory: the plan is the non-overlapped offload's."""
-    from framework import planner
-    from framework.resolve import resolve
+    from framework.plan import planner
+    from framework.resolve.resolver import resolve
 
     ov = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
           "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=full",
@@ -296,8 +296,8 @@ def test_nonfinite_norm_reaches_the_guard_and_a_skipped_step_leaves_no_trace():
     import torch.nn as nn
 
     from framework import compat
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     compat.patch_clip_grad_norm()  # as the trainer does: the norm lands in compat.LAST_GRAD_NORM
     from torchtitan.distributed import utils as dist_utils  # after framework's device shims
@@ -380,8 +380,8 @@ def test_device_update_plans_its_moment_window():
     """The plan is the host update's (fp32 master on the device, moments on the host) plus the window of
     chunks whose moments are on the device at once."""
     from components.state.fsdp2 import DEVICE_UPDATE_CHUNK_BYTES
-    from framework import planner
-    from framework.resolve import resolve
+    from framework.plan import planner
+    from framework.resolve.resolver import resolve
 
     ov = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
           "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=full",
@@ -436,7 +436,7 @@ def test_offloaded_state_stays_on_the_host_in_its_checkpoint_wrapper(tmp_path):
 def test_the_finite_check_waits_for_the_host_copies(monkeypatch):
     """The trainer's finite-state check reads the optimizer's host moments before a checkpoint: with the
     device update it first waits for the copies still in flight (host_state_ready)."""
-    from framework.trainer import ApiaryTrainer
+    from framework.train.trainer import ApiaryTrainer
 
     calls = []
 

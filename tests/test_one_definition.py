@@ -1,5 +1,5 @@
 """One definition and one default per key: a key of a section the framework's schema types
-(framework/schema.py) is not declared again by a component's Options of that section; no
+(framework/compose/schema.py) is not declared again by a component's Options of that section; no
 ``_CHOICES`` table (fixed choices are ``Literal`` in the components' Options, ``one_of`` in the
 schema, whose OmegaConf 2.3 structured configs take no ``Literal``); the default recipe's name is
 written once; the components' ``check()`` does not rerun their Options' ``__post_init__``."""
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework import contracts, registry, schema
+from framework import contracts
+from framework.compose import registry, schema
 from framework.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def _sources(*tops: str):
 
 
 def _declared_keys(options_cls: type) -> set[str]:
-    """Keys a component's Options (and its bases outside framework/schema.py) declare themselves."""
+    """Keys a component's Options (and its bases outside framework/compose/schema.py) declare themselves."""
     out: set[str] = set()
     for klass in options_cls.__mro__:
         if klass.__module__ != schema.__name__:
@@ -115,7 +116,7 @@ def test_no_choices_table_remains():
 
 def test_schema_choices_are_refused_outside_their_set():
     """Every ``one_of`` key of the schema is checked by resolve (its default is among its choices)."""
-    from framework import resolve
+    from framework.resolve import values
 
     keys = schema.choices()
     assert {"optimizer.name", "lr.decay_type", "preflight.memory", "training.autotune_configs",
@@ -126,7 +127,7 @@ def test_schema_choices_are_refused_outside_their_set():
         cfg = OmegaConf.structured(schema.RecipeConfig)
         OmegaConf.update(cfg, key, "bogus")
         with pytest.raises(UserError) as e:
-            resolve._check_values(cfg)
+            values.check_values(cfg)
         assert e.value.where == f"{key}=bogus" and f"valid: {', '.join(names)}" in e.value.reason
 
 
@@ -136,12 +137,12 @@ def test_the_default_recipe_is_named_once():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value == schema.DEFAULT_RECIPE:
                 hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert hits == [f"framework/schema.py:{_line_of('DEFAULT_RECIPE = ')}"], hits
+    assert hits == [f"framework/compose/schema.py:{_line_of('DEFAULT_RECIPE = ')}"], hits
     assert schema.RecipeConfig.recipe == schema.DEFAULT_RECIPE
 
 
 def _line_of(text: str) -> int:
-    lines = (ROOT / "framework" / "schema.py").read_text().splitlines()
+    lines = (ROOT / "framework" / "compose" / "schema.py").read_text().splitlines()
     return next(i for i, ln in enumerate(lines, 1) if ln.startswith(text))
 
 

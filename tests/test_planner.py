@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from framework import planner
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.resolver import resolve
 from toolkit.plan import parse_bytes, plan_main
 
 GiB = 2**30
@@ -317,8 +317,8 @@ def test_optimizer_offload_plans_the_adam_moments_on_the_host(monkeypatch):
     to the host: the GPU's optimizer term is the master's bytes only (measured on an H200: 64.2 GiB
     against 97.2 without offload, with torch's fixed segments and torchtitan's fp32 MoE combine, as
     planned here; docs/benchmarks.md)."""
-    from framework.planner.constants import Constants
-    from framework.resolve import resolve
+    from framework.plan.planner.constants import Constants
+    from framework.resolve.resolver import resolve
 
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")

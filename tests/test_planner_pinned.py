@@ -1,6 +1,6 @@
 """The planner's numbers, pinned: planned memory (every term) and step time (every part) of a few
 recipes, computed before the model's layer kinds and the components' constants moved out of
-framework/planner (issue #31 item 3). A refactor of the planner must reproduce them; a change of a
+framework/plan/planner (issue #31 item 3). A refactor of the planner must reproduce them; a change of a
 constant or a formula updates them on purpose (regenerate with the loop at the bottom).
 
 No GPU: the recipes are resolved for planning only (seconds each).
@@ -22,8 +22,8 @@ every row's memory moved.
 
 import pytest
 
-from framework import planner
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.resolver import resolve
 
 # (recipe, overrides, world_size, plan kwargs, total bytes, step seconds, memory terms, time parts,
 #  recompute=auto's per-block choice)

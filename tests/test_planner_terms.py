@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from framework import planner, registry
-from framework.planner import parts
-from framework.planner.search import candidates
-from framework.resolve import resolve
+from framework.compose import registry
+from framework.plan import planner
+from framework.plan.planner import parts
+from framework.plan.planner.search import candidates
+from framework.resolve.resolver import resolve
 from toolkit.plan import constraints
 
 ROOT = Path(__file__).resolve().parents[1]
-PLANNER = ROOT / "framework" / "planner"
+PLANNER = ROOT / "framework" / "plan" / "planner"
 QWEN = "qwen35_35b_128k"
 # registry names that are also plain words: English in the printed text ("EP 1 all-to-all over
 # none"), the dtype of a GPU's peak (Hardware.bf16_dense_flops), the collective of a link's bandwidth

@@ -14,9 +14,9 @@ import pytest
 
 from components.precision import policies
 from components.precision.policies import FP8, FP8_LAYER_TOL
-from framework import planner
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.resolver import resolve
 from tests.conftest import run_cli
 from toolkit import compare
 
@@ -319,7 +319,7 @@ def test_trainer_config_applies_precision(tmp_path):
     """precision.compile turns on torchtitan's per-block compile; bf16 leaves the model alone."""
     from torchtitan.models.common.linear import Linear
 
-    from framework.build import trainer_config
+    from framework.train.build import trainer_config
 
     tc = trainer_config(resolve("debug_moe", [f"output_dir={tmp_path / 'a'}"], world_size=1, for_training=False))
     assert not tc.compile.enable
@@ -331,7 +331,7 @@ def test_trainer_config_applies_precision(tmp_path):
 
 def test_trainer_config_fp8_without_an_fp8_gpu_fails_in_the_worker_too(tmp_path):
     """A launch that skipped resolve's check (Slurm on a login node) still stops before training."""
-    from framework.build import trainer_config
+    from framework.train.build import trainer_config
 
     r = resolve("debug_moe", ["precision=fp8", f"output_dir={tmp_path}"], world_size=1, for_training=False)
     with pytest.raises(RuntimeError, match="precision=fp8: FP8 training needs an NVIDIA GPU"):
@@ -341,7 +341,7 @@ def test_trainer_config_fp8_without_an_fp8_gpu_fails_in_the_worker_too(tmp_path)
 def test_trainer_config_fp8_all_gather_hook(tmp_path, monkeypatch):
     """torchao tensorwise: linears converted with FP8 all-gather, one amax pass after each optimizer step."""
     pytest.importorskip("torchao.float8")
-    from framework.build import trainer_config
+    from framework.train.build import trainer_config
 
     monkeypatch.setattr(policies, "device_problem", lambda scaling: None)
     real = FP8.convert

@@ -1,4 +1,4 @@
-"""The preemption hook (framework/preempt.py): SIGUSR1/SIGTERM mid-training checkpoints at the
+"""The preemption hook (framework/train/preempt.py): SIGUSR1/SIGTERM mid-training checkpoints at the
 next step boundary and exits 75 for a requeue; a signal on one rank stops every rank at the same
 step. torchtitan's loop is stood in for by a fake trainer; the real one under Slurm is
 tests/test_slurm.py::test_slurm_job_is_preempted_requeued_and_resumes."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from framework import integrity
+from framework.train import integrity
 
 from conftest import ROOT, run_ranks
 
@@ -54,7 +54,7 @@ class _FakeTrainer:
 
 @pytest.fixture
 def preempt():
-    from framework import preempt as p
+    from framework.train import preempt as p
 
     p.reset()
     yield p
@@ -93,7 +93,7 @@ def test_sighup_checkpoints_like_sigterm(preempt, capfd):
 
 
 class _AtomicCheckpointer(_FakeCheckpointer):
-    """Saves through apiary's atomic save (framework/integrity.py): into .partial-N, hashed in the
+    """Saves through apiary's atomic save (framework/train/integrity.py): into .partial-N, hashed in the
     background, renamed to step-N at a later save or the trainer's close."""
 
     def __init__(self, folder, interval):
@@ -163,7 +163,7 @@ _RANKS = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, sys.argv[1])
     from test_preemption import _FakeTrainer
-    from framework import preempt
+    from framework.train import preempt
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     class T(_FakeTrainer):

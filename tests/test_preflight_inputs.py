@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 DOC = "zebra quartz xylophone " * 20  # distinctive: the packaged corpus (stdlib docstrings) has no such run
 
@@ -129,8 +129,8 @@ def test_local_file_is_what_trains(workdir, one_thread, capsys):
     """data.path takes effect with the default data.name: the first batch is the file's bytes."""
     from components.data.tokenizer import ByteTokenizer
     from framework import devices
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     path = workdir / "zebra.jsonl"
     path.write_text("".join(json.dumps({"text": DOC}) + "\n" for _ in range(4)))
@@ -178,7 +178,7 @@ def test_memory_preflight_refuses_what_cannot_fit(workdir):
 
 
 def test_memory_preflight_off_warn_and_cpu(workdir, capsys):
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     full = [o.replace("nproc=", "launcher.nproc=") for o in QWEN_OOM[1:]]  # resolve() takes full keys
 
@@ -198,10 +198,10 @@ def test_memory_preflight_band_is_the_measured_error(monkeypatch, capsys):
     """Against a GPU of M bytes an estimate E passes silently up to M (1 - MEASURED_UNDER), warns up
     to M (1 + MEASURED_ERROR) (in refuse mode too), and above that is refused (refuse) or warned
     about (warn); off says nothing. The GPU's memory is set around the planner's estimate here."""
-    from framework import planner, preflight
     from framework.errors import UserError
-    from framework.preflight import MEASURED_ERROR, MEASURED_UNDER, check_memory
-    from framework.resolve import resolve
+    from framework.plan import planner, preflight
+    from framework.plan.preflight import MEASURED_ERROR, MEASURED_UNDER, check_memory
+    from framework.resolve.resolver import resolve
 
     full = [o.replace("nproc=", "launcher.nproc=") for o in QWEN_OOM[1:]]
     r = resolve("qwen35_35b_128k", full + ["preflight.gpu=H200", "preflight.memory=off"])
@@ -233,18 +233,18 @@ def test_auto_recompute_margin_is_the_preflight_band():
     """recompute=auto leaves exactly the margin under which the preflight passes a plan silently:
     auto's own choice is never warned about, and the two numbers cannot drift apart."""
     from components.recompute.policies import MARGIN, AutoRecompute
-    from framework.planner import Constants
-    from framework.preflight import MEASURED_UNDER
+    from framework.plan.planner import Constants
+    from framework.plan.preflight import MEASURED_UNDER
 
     assert MARGIN == MEASURED_UNDER == AutoRecompute.Options().margin == Constants().tight_fraction
 
 
 def test_chunked_loss_check_is_a_component_hook():
     """resolve calls each group component's check(options): the framework names no loss."""
-    import framework.resolve as resolve_mod
     from components.losses.chunked import ChunkedCrossEntropy
 
-    src = open(resolve_mod.__file__).read()
+    src = "".join(p.read_text() for p in sorted((ROOT / "framework" / "resolve").glob("*.py")))
+    assert "def resolve(" in src
     assert "num_chunks" not in src and "chunked" not in src
     with pytest.raises(ValueError, match="num_chunks"):
         ChunkedCrossEntropy.Options(num_chunks=0)

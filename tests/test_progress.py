@@ -1,4 +1,4 @@
-"""The run's console (framework/progress.py, fed by metrics.py's JsonlLogger): plain lines with
+"""The run's console (framework/report/progress.py, fed by metrics.py's JsonlLogger): plain lines with
 elapsed and ETA when piped, a live line redrawn in place in a terminal (a real training inside
 tmux), the third-party lines dropped at their source while other warnings still show, and the
 device peaks MFU is measured against."""
@@ -18,7 +18,7 @@ import warnings
 import pytest
 from rich.console import Console
 
-from framework import progress
+from framework.report import progress
 
 from conftest import ROOT
 
@@ -87,7 +87,7 @@ def test_live_line_redraws_in_place():
 
 
 def test_log_filter_drops_only_torchtitan_noise(caplog):
-    from framework import run
+    from framework.train import run
 
     log = logging.getLogger()  # torchtitan logs on the root logger
     noise = ["Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name",

@@ -1,4 +1,4 @@
-"""Weight publication (framework/publish.py, docs/skills/publish.md): a run with publish.interval
+"""Weight publication (framework/train/publish.py, docs/skills/publish.md): a run with publish.interval
 writes HF folders step-V atomically with a `latest` pointer; a reader polling `latest` never sees
 a partial folder; transformers loads them and gives apiary's logits; the published weights are the
 trained ones (equal to `apiary export` of the same step's checkpoint); background writing gives the
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from framework import publish
+from framework.train import publish
 
 from conftest import _child_env, read_metrics
 
@@ -291,8 +291,8 @@ def test_bad_publish_input_refused_before_launch(capsys, workdir, argv, needles)
 
 
 def test_family_without_hf_exporter_refused(capsys, workdir):
-    from framework import registry
     from framework.cli import train_main
+    from framework.compose import registry
 
     (workdir / "nohf.py").write_text(
         "from components.models.qwen3 import (FLAVORS, NUMERICS, Options, apply, check, facts,  # noqa: F401\n"

@@ -251,8 +251,8 @@ def test_train_three_steps_then_export(workdir, monkeypatch, capsys):
     (["model.attn_backend=varlen"], "all-gathers K/V for flex"),
 ])
 def test_layouts_this_family_cannot_run_are_user_errors(overrides, needle):
-    from framework.layout import Layout
-    from framework.recipes import load
+    from framework.compose.recipes import load
+    from framework.resolve.layout import Layout
 
     cfg = load("qwen35_debug_moe", overrides)
     lay = Layout(world_size=2, dp_replicate=1, dp_shard=1, cp=2, ep=2, pp=1, tp=1)
@@ -272,8 +272,8 @@ def test_flex_autotune_switch(tmp_path):
     devices.install()
     from torchtitan.models.common.attention import FlexAttention
 
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     before, before_options = FlexAttention._compiled_flex_attn, devices.FLEX_COMPILE_OPTIONS
     devices.FLEX_COMPILE_OPTIONS = None  # as in a fresh process (earlier tests may have compiled it already)

@@ -28,7 +28,7 @@ def _no_rank_environment(monkeypatch):
 
 
 def _recipe(name: str):
-    from framework import recipes
+    from framework.compose import recipes
 
     return recipes.load(name, [])
 

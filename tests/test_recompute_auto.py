@@ -14,11 +14,11 @@ from dataclasses import replace
 import pytest
 
 from components.recompute.policies import MARGIN
-from framework import planner
 from framework.errors import UserError
-from framework.planner.constants import Constants, GiB
-from framework.planner.estimate import Asked, ask_components, choices, run_constants, shapes_and_context, stage_memory
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.plan.planner.constants import Constants, GiB
+from framework.plan.planner.estimate import Asked, ask_components, choices, run_constants, shapes_and_context, stage_memory
+from framework.resolve.resolver import resolve
 
 BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "parallel.cp=1", "parallel.ep=1",
        "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=auto"]
@@ -26,7 +26,7 @@ BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "
 
 def _chain_totals(r, gpu_bytes: int):
     """Every candidate's planned total, as the planner computes it (with the constants of the run's
-    allocator and MoE combine settings, framework.planner.estimate.run_constants)."""
+    allocator and MoE combine settings, framework.plan.planner.estimate.run_constants)."""
     hw = Constants().gpu("H200")
     ch = choices(r.cfg, loss=None, state=None, recompute=None, moe_chunk=None)
     c = run_constants(r, Constants(), ch, hw)
@@ -221,7 +221,7 @@ def _config_of(r):
 
 
 def test_the_long_context_recipes_default_to_auto_and_the_debug_ones_to_selective():
-    from framework import recipes
+    from framework.compose import recipes
 
     from conftest import ROOT
 

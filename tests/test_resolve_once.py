@@ -1,6 +1,6 @@
 """Resolve once: `train nproc=2` composes and resolves the recipe in the launching process only; its
-ranks load output_dir/resolved.yaml (framework.resolve.load_resolved). The preflight's suggestions and
-`apiary plan` do not compose or resolve again (framework.planner.search, resolve.check_candidate)."""
+ranks load output_dir/resolved.yaml (framework.resolve.handoff.load_resolved). The preflight's suggestions and
+`apiary plan` do not compose or resolve again (framework.plan.planner.search, resolve.check_candidate)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from framework import recipes
+from framework.compose import recipes
 from framework.errors import UserError
 
 from conftest import ROOT, _child_env, read_metrics
@@ -22,8 +22,8 @@ HOOK = '''
 import os
 path = os.environ.get("APIARY_TEST_COUNT")
 if path:
-    import framework.recipes as _recipes
-    import framework.resolve as _resolve
+    import framework.compose.recipes as _recipes
+    import framework.resolve.resolver as _resolve
 
     def _wrap(mod, name, tag):
         f = getattr(mod, name)
@@ -84,7 +84,8 @@ def test_own_torchrun_still_resolves_in_each_rank(workdir, tmp_path):
 
 
 def _parent(workdir, extra=()):
-    from framework.resolve import resolve, write_resolved
+    from framework.resolve.handoff import write_resolved
+    from framework.resolve.resolver import resolve
 
     argv = [*SMALL, "launcher.nproc=2", "output_dir=run", *extra]
     r = resolve("debug_moe", argv[1:])
@@ -94,8 +95,9 @@ def _parent(workdir, extra=()):
 def test_a_rank_rebuilds_what_the_parent_resolved(workdir, monkeypatch):
     from omegaconf import OmegaConf
 
-    from framework import resolve as res
-    from framework.resolve import resolve, write_resolved
+    from framework.resolve import handoff as res
+    from framework.resolve.handoff import write_resolved
+    from framework.resolve.resolver import resolve
 
     argv = [*SMALL, "launcher.nproc=2", "output_dir=run"]
     r = resolve("debug_moe", argv[1:])
@@ -117,7 +119,7 @@ def test_a_rank_rebuilds_what_the_parent_resolved(workdir, monkeypatch):
 
 @pytest.mark.parametrize("case", ["tampered", "missing", "other_argv"])
 def test_a_tampered_or_missing_resolved_file_is_refused(workdir, case):
-    from framework.resolve import load_resolved
+    from framework.resolve.handoff import load_resolved
 
     r, argv, env = _parent(workdir)
     path = Path(env["APIARY_RESOLVED"])
@@ -189,8 +191,8 @@ def _count_compose(monkeypatch) -> list:
 ])
 def test_preflight_suggestions_are_the_same_without_resolving_again(workdir, monkeypatch, overrides, gpus, gpu, mem,
                                                                     expected):
-    from framework import preflight
-    from framework.resolve import check_candidate, resolve
+    from framework.plan import preflight
+    from framework.resolve.resolver import check_candidate, resolve
 
     r = resolve("qwen35_35b_128k", [*overrides, "preflight.memory=off", "output_dir=run"], world_size=gpus)
     calls = _count_compose(monkeypatch)
@@ -205,8 +207,8 @@ def test_preflight_suggestions_are_the_same_without_resolving_again(workdir, mon
 
 
 def test_a_local_batch_that_fits_is_the_same_without_resolving_again(workdir, monkeypatch):
-    from framework import preflight
-    from framework.resolve import check_candidate, resolve
+    from framework.plan import preflight
+    from framework.resolve.resolver import check_candidate, resolve
 
     r = resolve(None, ["training.local_batch=100000"], for_training=False)
     calls = _count_compose(monkeypatch)
@@ -218,7 +220,7 @@ def test_a_local_batch_that_fits_is_the_same_without_resolving_again(workdir, mo
 
 def test_a_candidate_a_component_refuses_is_not_suggested(workdir):
     """check_candidate runs the components' checks: ce_zloss refuses TP, so no row with tp=2 and ce_zloss."""
-    from framework.resolve import check_candidate, resolve
+    from framework.resolve.resolver import check_candidate, resolve
 
     r = resolve(None, ["loss=ce_zloss", "launcher.nproc=2"], for_training=False)
     check_candidate(r, {"ep": 1, "cp": 1, "pp": 1, "tp": 1}, {"loss": "ce_zloss"}, 2)

@@ -1,4 +1,4 @@
-"""What a resume may change (framework/resume.py): the learning-rate schedule against torchtitan's
+"""What a resume may change (framework/resolve/resume.py): the learning-rate schedule against torchtitan's
 own, every schema key classified, refusals that name the key and both values, and one real run
 extended past its end (the schedule continues as chosen; the first config is never overwritten)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework import resume
-from framework.schema import RecipeConfig
+from framework.compose.schema import RecipeConfig
+from framework.resolve import resume
 from tests.conftest import read_metrics, run_cli
 
 SMALL = ["recipe=debug_moe", "logging.tensorboard=false", "training.local_batch=2", "training.seq_len=128",
@@ -22,7 +22,7 @@ def _torchtitan_lrs(steps: int, total, warmup: int, decay_ratio, decay_type: str
     """The rates torchtitan's scheduler (built through apiary's build) gives training steps 1..steps."""
     from torchtitan.components.optimizer import LRSchedulersContainer
 
-    from framework.build import _held_schedule_config
+    from framework.train.build import _held_schedule_config
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     cfg = _held_schedule_config(LRSchedulersContainer.Config)(
@@ -55,7 +55,7 @@ def test_the_first_resumed_step_uses_the_rate_it_logs():
     groups carry the old rate): after both, the groups hold the schedule's rate for the new settings."""
     from torchtitan.components.optimizer import LRSchedulersContainer
 
-    from framework.build import _held_schedule_config
+    from framework.train.build import _held_schedule_config
 
     class Box(list):  # the optimizer container's load (torchtitan's: all optimizers from one dict)
         def load_state_dict(self, sd):
@@ -82,11 +82,11 @@ def test_the_first_resumed_step_uses_the_rate_it_logs():
 
 
 def test_every_schema_key_is_classified():
-    from framework import recipes
+    from framework.compose import recipes
 
     keys = {k for r in ("debug_moe", "debug_grpo", "debug_grpo_live") for k in resume.leaves(recipes.load(r, []))}
     unclassified = [k for k in keys if resume.classify(k) is None]
-    assert not unclassified, f"classify these in framework/resume.py FIXED or FREE: {unclassified}"
+    assert not unclassified, f"classify these in framework/resolve/resume.py FIXED or FREE: {unclassified}"
     assert resume.classify("loss.name") == "fixed" and resume.classify("loss.clip_eps") == "free"
     assert resume.classify("model.n_layers") == "fixed" and resume.classify("model.attn_backend") == "free"
 
@@ -140,7 +140,7 @@ def test_steps_past_a_horizon_that_ends_at_lr_0_are_refused(extra, tmp_path):
     """lr.total_steps=30 with training.steps=60 (a 30-step run extended to 60) would train steps 31-60 at
     lr 0: refused before launch naming the horizon that covers them; a final rate above 0 is kept."""
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     with pytest.raises(UserError) as e:
         resolve("debug_moe", ["training.steps=60", "lr.total_steps=30", f"output_dir={tmp_path}", *extra],
@@ -175,7 +175,7 @@ def test_extending_a_finished_run(tmp_path):
     first = (run / "config.yaml").read_text()
     # refused before launch (resolve, as `train` runs it first): no choice of schedule, a changed seed
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     for extra, needle in (([], "lr.total_steps=9 stretches"), (["lr.total_steps=9", "training.seed=1"],
                                                                "training.seed: 42 then, 1 now")):
@@ -226,8 +226,8 @@ def _weights(step_dir) -> dict:
 def test_a_stopped_run_names_where_to_go_on_from(tmp_path):
     """The non-finite stop's advice: the last complete step and the resume command, or, when no step
     was saved, to start again (was: "resume from none (no complete step)")."""
-    from framework import integrity
-    from framework.trainer import _restart_hint
+    from framework.train import integrity
+    from framework.train.trainer import _restart_hint
 
     ck = tmp_path / "checkpoint"
     assert "nothing to resume: run it again from the start" in _restart_hint(ck, "`train ...`")

@@ -16,7 +16,7 @@ from rich.console import Console
 from components.data.follow import FollowRows
 from components.data.rollout_loader import RolloutRows
 from components.data.rollouts import record_reward
-from framework import progress, summary
+from framework.report import progress, summary
 from toolkit import plot
 
 from conftest import ROOT, run_cli

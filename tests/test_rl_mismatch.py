@@ -248,7 +248,7 @@ def _fake_trainer(monkeypatch):
     """An ApiaryTrainer shell: its forward_backward_step and _policy_metrics, the parent's step stubbed."""
     from torchtitan.trainer import Trainer
 
-    from framework.trainer import ApiaryTrainer
+    from framework.train.trainer import ApiaryTrainer
 
     monkeypatch.setattr(Trainer, "forward_backward_step", lambda self, **kw: torch.tensor(1.0))
     t = object.__new__(ApiaryTrainer)
@@ -341,8 +341,8 @@ def test_grpo_with_tis_is_untruncated_is_while_no_weight_is_capped(workdir):
     (["recipe=debug_moe", "rl.mismatch_threshold=0.3"], "rl.mismatch_threshold=0.3"),
 ])
 def test_bad_values_are_refused_before_launch(args, key):
-    from framework import resolve
     from framework.errors import UserError
+    from framework.resolve import resolver as resolve
 
     with pytest.raises(UserError) as e:
         resolve.resolve(args[0].split("=")[1], args[1:], world_size=1, for_training=False)

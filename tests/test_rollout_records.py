@@ -142,7 +142,7 @@ def test_records_that_train_no_token_are_skipped_and_said(tmp_path, capsys):
 
 
 def test_records_that_train_no_token_are_said_in_the_runs_first_lines(workdir):
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     path = write(workdir / "r.jsonl", [rec(i) for i in range(6)] + [rec(6, loss_mask=[0] * 82)])
     r = resolve("debug_grpo", [f"data.path={path}"], world_size=1)
@@ -206,7 +206,7 @@ def test_static_duplicates_train_once_and_a_reused_id_is_refused(tmp_path):
 
 
 def test_static_duplicates_are_said_in_the_runs_first_lines(workdir):
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     path = write(workdir / "r.jsonl", [rec(i) for i in range(6)] + [rec(2)])
     r = resolve("debug_grpo", [f"data.path={path}"], world_size=1)

@@ -161,10 +161,11 @@ CAPTURE = r"""
 import json, sys
 import torch
 import torch.distributed as dist
-from framework import devices, run
+from framework import devices
+from framework.train import run
 devices.install()
-from framework.build import trainer_config
-from framework.resolve import resolve
+from framework.train.build import trainer_config
+from framework.resolve.resolver import resolve
 from components.moe import routing_replay as rr
 
 src, dst, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -291,7 +292,7 @@ def _write(path, recs):
 ])
 def test_refusals_before_launch(workdir, case, needle):
     from framework.errors import UserError
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
 
     recs = [_rec(20, seed=s) for s in range(3)]
     if case == "missing":

@@ -145,17 +145,17 @@ def test_cp_template_and_custom_template(capsys, workdir):
 
 def test_local_launcher_dry_run(capsys, workdir, monkeypatch):
     """The dry run prints the very command the local launcher starts: the same launch, with
-    framework.lifecycle's supervise (which would start it) replaced by a recorder."""
+    framework.launch.lifecycle's supervise (which would start it) replaced by a recorder."""
     import shlex
 
-    from framework import lifecycle, runlock
+    from framework.launch import lifecycle, runlock
 
     argv = ["launcher=local", "nproc=2", "training.steps=3", f"output_dir={workdir / 'runs' / 'a'}"]
     code, out, err = _launch(capsys, [*argv, "--dry-run"])
     assert code == 0, err
     assert not (workdir / "runs").exists()
     printed = shlex.split(out.strip())
-    assert printed[:5] == [sys.executable, "-m", "framework.lifecycle", "torchrun", "--standalone"], out
+    assert printed[:5] == [sys.executable, "-m", "framework.launch.lifecycle", "torchrun", "--standalone"], out
     assert "--nproc_per_node=2" in printed and printed[printed.index("train") - 2:][:2] == ["-m", "framework.cli"]
     assert "launcher.nproc=2" in printed and "dry run: nothing started." in err
 

@@ -115,7 +115,7 @@ def test_train_help_starts_without_torch_and_lists_every_group_option():
     for s in ("usage: train [recipe=NAME]", "groups (registry.yaml", "loss.num_chunks: int = 8",
               "loss.backend: auto|torch|triton|cublas|mixed|fwdgrad = 'auto'", "state.bucket_mb: float = 256.0",
               "precision.scaling: tensorwise|rowwise|blockwise|mxfp8 = 'tensorwise'", "launcher.nproc",
-              "keys (framework/schema.py", "training.seq_len: int"):
+              "keys (framework/compose/schema.py", "training.seq_len: int"):
         assert s in out, f"train --help no longer prints {s!r}"
 
 

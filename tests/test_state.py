@@ -47,9 +47,9 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
     import torch.distributed as dist
 
     from components.state.memory import static_bytes
-    from framework import run
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train import run
+    from framework.train.build import trainer_config
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
@@ -72,8 +72,8 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
             time.sleep(0.1)
     if job.get("skip_dataloader_state"):
         # a user's resume refuses another data-parallel layout (its data position is kept per rank:
-        # framework/resume.py); this job loads the model and optimizer only, to check they reshard
-        from framework import resume
+        # framework/resolve/resume.py); this job loads the model and optimizer only, to check they reshard
+        from framework.resolve import resume
 
         resume.check = lambda cfg, run_dir, step: resume.ResumePlan(step=step, saved_from=Path(run_dir) / "config.yaml")
     r = resolve("debug_moe", [*COMMON, *job["overrides"], f"output_dir={job['out']}", f"launcher.nproc={world}"])
@@ -332,8 +332,8 @@ def test_host_update_threads(monkeypatch):
     import torch.nn as nn
 
     from components.state.common import host_threads
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train.build import trainer_config
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from framework.build import trainer_config
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
+from framework.train.build import trainer_config
 
 BASE = ["launcher.nproc=4", "parallel.dp_replicate=2", "parallel.ep=1", "checkpoint.enable=false"]
 

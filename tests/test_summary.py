@@ -1,4 +1,4 @@
-"""The end-of-run summary (framework/summary.py) on synthetic run folders: every number derived
+"""The end-of-run summary (framework/report/summary.py) on synthetic run folders: every number derived
 from the records by hand, the labels, the checkpoint it names, the next commands, summary.json,
 and the short form of a stopped run. (A real training's summary: tests/test_train_cpu.py and
 tests/test_progress.py's terminal run.)"""
@@ -12,7 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from framework import recipes, summary
+from framework.compose import recipes
+from framework.report import summary
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -41,7 +42,7 @@ def _run(tmp_path, records, steps=4, checkpoints=(), incomplete=(), tb=True, ext
 
 def _rec(step, loss, elapsed, tokens=1000, tflops=400.0, mfu=40.0, device=H100, peak=989.0, mem=10 * 2**30,
          kind="cuda_max_memory_reserved"):
-    """A record as framework/metrics.py writes it: apiary's count (``tflops``) and torchtitan's, here 1.5x."""
+    """A record as framework/report/metrics.py writes it: apiary's count (``tflops``) and torchtitan's, here 1.5x."""
     return {"step": step, "loss": loss, "grad_norm": 1.0, "tokens_per_s": 1.0, "tokens": tokens,
             "tflops_per_gpu": tflops, "tflops_per_gpu_torchtitan": 1.5 * tflops if tflops is not None else None,
             "mfu_pct": mfu, "peak_tflops_per_gpu": peak, "device": device,
@@ -76,7 +77,7 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
     assert (s["val_loss_last"], s["val_loss_step"]) == (4.9, 3)
     assert s["checkpoint"] == str(d / "checkpoint" / "step-4")  # step-6 is incomplete
     # a finished run trains on, its schedule stretched over the new steps, repeating the run's overrides (a
-    # resume refuses another model, data or schedule: framework/resume.py)
+    # resume refuses another model, data or schedule: framework/resolve/resume.py)
     assert s["next"] == {
         "resume": f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=8 loss=chunked "
                   "training.seq_len=64 loss.num_chunks=4 launcher.nproc=2 lr.total_steps=8",
@@ -100,7 +101,7 @@ def test_resume_command_of_a_recipe_file_runs(tmp_path, monkeypatch):
     """A run of `train recipe=my_recipe.yaml optimizer.lr=1e-2`: the resume command names the file as
     given (the config holds its stem, an unknown recipe), repeats the override and stretches the
     schedule; with no overrides it claims none."""
-    from framework import resume
+    from framework.resolve import resume
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_recipe.yaml").write_text((recipes.RECIPES_DIR / "debug_moe.yaml").read_text())

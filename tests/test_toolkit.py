@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework import registry
+from framework.compose import registry
 from toolkit.compare import tolerance
 
 from conftest import ROOT, _child_env
@@ -146,7 +146,7 @@ def test_show_of_an_hf_folder_plans_its_own_model_with_one_compose(tmp_path, mon
     import transformers
     from rich.console import Console
 
-    from framework import recipes
+    from framework.compose import recipes
     from toolkit import show
 
     c = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -18,9 +18,10 @@ from safetensors import safe_open
 
 from components.transport import link as link_mod
 from components.transport import snapshot
-from framework import api, publish
+from framework import api
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
+from framework.train import publish
 
 
 def _writer(recipe: str, *extra):
@@ -303,7 +304,7 @@ def test_no_engine_within_the_timeout_stops_the_run_before_its_first_step(tmp_pa
 def test_the_plan_counts_the_hand_offs_buffers_on_rank_0():
     """The preflight sees the buckets (the model once in the wire dtype) and NCCL's two send buffers;
     folders add nothing on the GPU."""
-    from framework.planner import plan
+    from framework.plan.planner import plan
 
     def terms(*over):
         r = resolve("debug_grpo_vllm", list(over), world_size=1, for_training=False)

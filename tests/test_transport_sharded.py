@@ -1,7 +1,7 @@
 """The buckets an in-memory transport hands the engine hold the trained weights when the model is
 sharded: 2 gloo ranks, FSDP2 over both and expert parallel 2 (debug_moe), one training step, then
 every rank joins Snapshot.fill; rank 0's buckets equal the folder a publication of the same weights
-writes (framework/publish.py's gather and the family's converter), tensor for tensor."""
+writes (framework/train/publish.py's gather and the family's converter), tensor for tensor."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torchtitan.tools.logging import init_logger
 
     from components.transport import snapshot
-    from framework import publish
-    from framework.build import trainer_config
-    from framework.resolve import resolve
+    from framework.resolve.resolver import resolve
+    from framework.train import publish
+    from framework.train.build import trainer_config
 
     init_logger()
     logging.getLogger().setLevel(logging.ERROR)

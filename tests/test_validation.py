@@ -1,4 +1,4 @@
-"""Validation loss on held-out text (validation.*; framework/validation.py, components/data/formats.py):
+"""Validation loss on held-out text (validation.*; framework/train/validation.py, components/data/formats.py):
 the loss equals training's forward on the same batch, a pass leaves the model and the training
 stream untouched, held-out documents are never trained on, and every bad setting is refused."""
 
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from framework.errors import UserError
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
 from tests.conftest import read_metrics, run_cli
 
 SMALL = ["recipe=debug_moe", "training.local_batch=2", "training.seq_len=128", "checkpoint.enable=false"]
@@ -52,7 +52,7 @@ def test_validation_runs_at_step_1_every_interval_and_at_the_last_step():
     training above ends on one)."""
     from types import SimpleNamespace
 
-    from framework.validation import validator_config
+    from framework.train.validation import validator_config
 
     for interval, last, expected in ((2, 5, [1, 2, 4, 5]), (3, 6, [1, 3, 6]), (10, 4, [1, 4]), (1, 3, [1, 2, 3])):
         cfg = validator_config(None, interval, 1, last)

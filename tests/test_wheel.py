@@ -1,5 +1,5 @@
 """A non-editable install runs: the wheel carries the registry, the recipes, the Slurm template and
-the skill pages (pyproject.toml data-files; framework/registry.py finds them under
+the skill pages (pyproject.toml data-files; framework/compose/registry.py finds them under
 <prefix>/share/apiary), so `train --cfg job` and two steps of the default recipe work from another
 folder with the wheel installed in a fresh environment (whose other dependencies come from this one)."""
 

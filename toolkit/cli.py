@@ -22,10 +22,12 @@ from omegaconf import OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from framework import autotune_table, contracts, integrity, recipes, registry
+from framework import contracts
 from framework.cli import _fail, console
+from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
-from framework.resolve import writable_folder
+from framework.resolve.inputs import writable_folder
+from framework.train import autotune_table, integrity
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
 
 
@@ -143,13 +145,13 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         raise UserError(f"apiary export {run_dir}", f"model.family={family}'s export_hf takes no step, dtype and "
                         "shard_bytes keywords, so it cannot export a chosen step streamed in shards.",
                         "Give it export_hf(run_dir, out_path, *, step=None, dtype='bfloat16', shard_bytes=None), as "
-                        "the shipped families have (framework/contracts.py ModelFamily).")
+                        "the shipped families have (framework/contracts/protocols.py ModelFamily).")
     dest = Path(out)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")
-    from framework import publish  # reason: start-up time (imports torch)
+    from framework.train import publish  # reason: start-up time (imports torch)
 
     what = ""
     if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
@@ -157,7 +159,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         if export_adapter is None:
             raise UserError(f"apiary export {run_dir}", f"adapter={adapter} has no exporter (export_hf).",
                             "An adapter exports by defining export_hf(run_dir, out_path, family, merged=...), as "
-                            "lora does (framework/contracts.py OPTIONAL_MEMBERS).")
+                            "lora does (framework/contracts/members.py OPTIONAL_MEMBERS).")
         with _one_process_dcp():
             folder, what = export_adapter(run_dir, out, mod, merged=merged)
         if not (Path(folder) / "config.json").is_file():
@@ -243,7 +245,7 @@ def apiary_parser() -> argparsing.Parser:
                                     "training.autotune_configs=all training.kernel_cache=KERNEL_CACHE, e.g. `apiary "
                                     "warmup`) and write, per kernel and tuning key, the configs within 2%% of the fastest "
                                     "(at most 2): the table training.autotune_configs=recorded reads "
-                                    "(framework/autotune_tables/ARCH.json; framework/autotune_table.py).")
+                                    "(framework/train/autotune_tables/ARCH.json; framework/train/autotune_table.py).")
     at.add_argument("cache", metavar="KERNEL_CACHE", help="a training.kernel_cache folder or a Triton cache folder")
     at.add_argument("--out", required=True, metavar="FILE", help="the table to write (never merged: replaced)")
     ex = sub.add_parser("export", help="a run's checkpoint as a HuggingFace folder",

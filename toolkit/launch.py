@@ -22,11 +22,15 @@ from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 from rich.text import Text
 
-from framework import contracts, recipes, registry, run, runlock
+from framework import contracts
 from framework.cli import model_label
+from framework.compose import recipes, registry
+from framework.compose.schema import RecipeConfig
 from framework.errors import UserError, did_you_mean
-from framework.resolve import default_output_dir, resolve
-from framework.schema import RecipeConfig
+from framework.launch import runlock
+from framework.resolve.outputs import default_output_dir
+from framework.resolve.resolver import resolve
+from framework.train import run
 from toolkit import argparsing
 from toolkit.argparsing import Parser, overrides_arg
 

@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 
 from components.data.rollouts import located_records, record_where, rollout_files
-from framework import contracts, integrity, registry
+from framework import contracts
+from framework.compose import registry
 from framework.errors import UserError
-from framework.resolve import model_kwargs, writable_folder
+from framework.resolve.context import model_kwargs
+from framework.resolve.inputs import writable_folder
+from framework.train import integrity
 
 if TYPE_CHECKING:  # annotations only: torch and the model load when a model is scored (start-up time)
     import torch

@@ -27,12 +27,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from framework import planner, recipes
 from framework.cli import _fail
+from framework.compose import recipes
 from framework.errors import UserError
-from framework.layout import derive, params_text
-from framework.planner import Constants
-from framework.resolve import check_candidate, resolve
+from framework.plan import planner
+from framework.plan.planner import Constants
+from framework.resolve.layout import derive, params_text
+from framework.resolve.resolver import check_candidate, resolve
 from toolkit import argparsing
 from toolkit.argparsing import Parser, overrides_arg
 
@@ -143,7 +144,7 @@ _PRODUCTS = {"dp_replicate x tp x pp": {"dp_replicate", "tp"}, "dp_replicate x d
 
 
 def violated(layout, facts, cfg) -> set[str]:
-    """The dims framework.layout.derive refuses for ``layout`` given as-is (none for a derived
+    """The dims framework.resolve.layout.derive refuses for ``layout`` given as-is (none for a derived
     layout; derive reports the first rule broken)."""
     par = SimpleNamespace(**{k: cfg.parallel[k] for k in cfg.parallel})
     for dim, value in layout.dims.items():
@@ -159,7 +160,7 @@ def violated(layout, facts, cfg) -> set[str]:
 
 
 def constraints(layout, facts, cfg) -> dict[str, str]:
-    """What each dim must satisfy, with its numbers; ok / VIOLATED as framework.layout.derive says."""
+    """What each dim must satisfy, with its numbers; ok / VIOLATED as framework.resolve.layout.derive says."""
     W, dpr, dps, cp, pp, tp = (layout.world_size, layout.dp_replicate, layout.dp_shard, layout.cp,
                                layout.pp, layout.tp)
     seq = int(cfg.training.seq_len)

@@ -1,7 +1,7 @@
 """Step-0 probe: the first optimizer step's forward/backward of a resolved run, dumped for
 side-by-side comparison (``apiary compare``).
 
-``probe(resolved)`` builds the run's torchtitan Trainer exactly as ``framework.run`` does,
+``probe(resolved)`` builds the run's torchtitan Trainer exactly as ``framework.train.run`` does,
 loads ``checkpoint.load_path`` (the comparison's seed checkpoint), fetches the first
 global batch (every gradient-accumulation micro-batch) and runs the trainer's own
 ``forward_backward_step`` on it, then stops before clipping and the optimizer. It returns
@@ -46,11 +46,13 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 from torchtitan.distributed import utils as dist_utils
 
-from framework import devices, recipes, registry, run
-from framework.build import trainer_config
+from framework import devices
 from framework.cli import train_main
-from framework.hydra_cli import ALIASES
-from framework.resolve import resolve
+from framework.compose import recipes, registry
+from framework.compose.hydra_cli import ALIASES
+from framework.resolve.resolver import resolve
+from framework.train import run
+from framework.train.build import trainer_config
 
 DEFAULT_MAX_NUMEL = 2**28
 # Wrappers that rename parameters (activation checkpointing, torch.compile, FSDP1).

@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.models.hf_folder import read_config  # the config reader every family uses (no torch)
-from framework import planner, recipes, registry
+from framework.compose import recipes, registry
 from framework.errors import UserError
-from framework.resolve import model_facts as resolve_facts
-from framework.resolve import resolve
+from framework.plan import planner
+from framework.resolve.context import model_facts as resolve_facts
+from framework.resolve.resolver import resolve
 
 
 def _gib(b: float) -> str:

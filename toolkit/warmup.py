@@ -6,7 +6,7 @@ It trains the recipe's first steps in this process, on one device, with the job'
 (model, seq_len, loss, dtype: the shapes its kernels are compiled and tuned for), with
 ``training.steps=2``, ``checkpoint.enable=false`` and a temporary output directory (removed
 afterwards); then prints what the cache holds (files and size, autotuning entries). Training then
-finds the entries under the same ``training.kernel_cache`` (framework/kernel_cache.py). The
+finds the entries under the same ``training.kernel_cache`` (framework/train/kernel_cache.py). The
 Slurm template runs it before the job's first step with ``launcher.warmup=true``.
 
 Refused: ``nproc``/``launcher.*`` other than one local process (warmup runs on one device; the
@@ -23,10 +23,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from framework import kernel_cache, recipes, registry, run
+from framework.compose import recipes, registry
+from framework.compose.hydra_cli import ALIASES
 from framework.errors import UserError
-from framework.hydra_cli import ALIASES
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
+from framework.train import kernel_cache, run
 from toolkit.argparsing import Parser, overrides_arg
 
 console = Console(highlight=False, soft_wrap=True)

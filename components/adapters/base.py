@@ -37,7 +37,7 @@ _CHUNK = 8 << 20
 
 def _digest(path: Path) -> str:
     try:
-        import xxhash  # a datasets dependency (framework/integrity.py uses it too)
+        import xxhash  # a datasets dependency (framework/train/integrity.py uses it too)
 
         h = xxhash.xxh3_64()
         update, out = h.update, h.hexdigest
@@ -147,7 +147,7 @@ def check_resume(cfg, now: dict) -> None:
     step = _step_to_load(cfg)
     saved_file = step / BASE_FILE if step is not None else None
     if saved_file is None or not saved_file.is_file():
-        return  # not an adapter checkpoint: framework/resume.py refuses the change of adapter.name
+        return  # not an adapter checkpoint: framework/resolve/resume.py refuses the change of adapter.name
     saved = json.loads(saved_file.read_text())["base"]
     where = "checkpoint.resume=true"
     fix = (f"Resume with the base it was trained on ({describe(saved)}), or start a new run on this base "

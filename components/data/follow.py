@@ -124,7 +124,7 @@ class _Plan:
 
 
 class FollowRows(IterableDataset, Stateful):
-    NOUN = "rollouts"  # framework/contracts.py FollowedData
+    NOUN = "rollouts"  # framework/contracts/protocols.py FollowedData
     LEDGER = "rollouts.jsonl"
 
     def __init__(self, path: str, *, seq_len: int, dp_rank: int, dp_world_size: int, local_batch: int,

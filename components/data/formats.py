@@ -290,7 +290,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def _check_rollout_settings(d: DataOptions, ctx) -> None:
     """Settings a rollout run refuses before anything is read (``--cfg job`` refuses them as the launch
     does): pipeline parallelism, keys that would be ignored, and follow mode's values (a data.name given
-    with data.follow=true: framework/resolve.py's _NEEDS)."""
+    with data.follow=true: framework/resolve/needs.py's _NEEDS)."""
     cfg = ctx.cfg
     pp = ctx.layout.pp if ctx.layout is not None else int(cfg.parallel.pp or 1)
     if pp > 1:
@@ -409,7 +409,7 @@ class Rollouts:
     def ignored_keys(options: DataOptions, ctx) -> dict[str, tuple[str, str]]:
         """data.name, once data.path is set and the rollouts are not followed: the records are read from
         data.path alone (data.name=packaged names the packaged rollouts only when data.path is unset);
-        followed, framework/resolve.py's _NEEDS refuses it."""
+        followed, framework/resolve/needs.py's _NEEDS refuses it."""
         if options.follow or options.path is None:
             return {}
         return {"data.name": (f"rollouts are read from data.path={options.path} alone (data.name names a text "

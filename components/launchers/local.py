@@ -1,6 +1,6 @@
 """Local launcher: one process for one rank; torchrun on this machine for nproc > 1.
 
-With nproc > 1 this process supervises torchrun (``env.supervise``, framework.lifecycle's): it forwards
+With nproc > 1 this process supervises torchrun (``env.supervise``, framework.launch.lifecycle's): it forwards
 SIGTERM / SIGINT / SIGUSR1 once, so the ranks checkpoint at the next step boundary and exit 75,
 returns the ranks' exit code, stops at once on a second Ctrl-C, and takes torchrun and the
 ranks down with it if it is killed outright."""
@@ -68,7 +68,7 @@ class LocalLauncher:
             print(f"error {e}", file=sys.stderr)
             return e.exit_code
 
-        # torchrun, run as `python -m framework.lifecycle torchrun` (no traceback after a stop signal)
+        # torchrun, run as `python -m framework.launch.lifecycle torchrun` (no traceback after a stop signal)
         cmd = [sys.executable, "-m", env.worker_module, "torchrun", "--standalone", f"--nproc_per_node={opts.nproc}",
                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                f"--shutdown-timeout={int(opts.shutdown_timeout_s)}",

@@ -9,7 +9,7 @@ PATH`` copies it and ``launcher.template=PATH`` renders a customised copy instea
   ``checkpoint.resume=true`` when that directory already holds a checkpoint;
 * handles preemption: ``--signal=B:USR1@<preempt_signal_s>`` reaches the batch shell, which
   forwards USR1 to the training processes; they checkpoint at the next step boundary and exit
-  (framework.preempt), and the script runs ``scontrol requeue $SLURM_JOB_ID``;
+  (framework.train.preempt), and the script runs ``scontrol requeue $SLURM_JOB_ID``;
 * writes one log per rank (torchrun ``--log-dir``/``--tee``) under ``<output_dir>/logs``.
 
 ``device=cpu`` runs ``gpus_per_node`` gloo ranks per node and requests no GPUs (CI, laptops).

@@ -58,7 +58,7 @@ def __getattr__(name: str):
 
 
 class ZLossCrossEntropy:
-    """Registry component (kind ``loss``), see framework/contracts.py."""
+    """Registry component (kind ``loss``), see framework/contracts/protocols.py."""
 
     NEEDS_DATA = ("text",)
 

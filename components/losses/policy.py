@@ -81,7 +81,7 @@ class _Policy:
     NEEDS_DATA: tuple[str, ...] = ("rollouts",)
     PLAN_CONSTANTS = linear_ce.PLAN_CONSTANTS  # planned on the fused LM-head engine
     SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
-    # the rl.* settings this loss acts on (framework/resolve.py refuses them set with a loss that has none)
+    # the rl.* settings this loss acts on (framework/resolve/publishing.py refuses them set with a loss that has none)
     RL_KEYS: tuple[str, ...] = ("tis_cap", "mismatch_threshold")
 
     objective_keys: tuple[str, ...] = ()  # options that change what is optimised (apiary compare)

@@ -20,7 +20,7 @@ from framework.errors import UserError
 @dataclass(kw_only=True)
 class ModelOptions:
     """The value checks of the recipe's ``model:`` section. Its keys, their types, defaults and docs
-    are framework/schema.py's ModelConfig, their one definition: ``contracts.make_options`` builds
+    are framework/compose/schema.py's ModelConfig, their one definition: ``contracts.make_options`` builds
     this class over it (family, flavor, n_layers, vocab_size, attn_backend, flex_autotune,
     hf_checkpoint)."""
 
@@ -143,7 +143,7 @@ class ModelFacts:
     source: str = ""  # where the architecture came from when not the flavor (an HF folder)
     max_seq_len: int = 0  # RoPE length of the attention layers (0: unknown / no limit)
     layer_mixers: tuple = ()  # each layer's mixer kind ("attention" | "linear_attention"); (): all attention
-    # what the planner counts per kind of layer (framework/contracts.py LayerKind); (): the standard
+    # what the planner counts per kind of layer (framework/contracts/plan.py LayerKind); (): the standard
     # kinds of these fields (components/models/layer_kinds.py standard_kinds)
     layer_kinds: tuple = ()
 
@@ -182,7 +182,7 @@ def facts_from_counts(*, family: str, flavor: str, n_layers: int, dim: int, voca
 
 def family_contract(module_name: str):
     """``(model_kwargs, check, apply)`` of a family module that needs nothing of its own beyond
-    :func:`check_model` (framework/contracts.py, kind ``model``)."""
+    :func:`check_model` (framework/contracts/protocols.py, kind ``model``)."""
     def apply(options, tc, ctx) -> None:
         apply_model(sys.modules[module_name], options, tc, ctx)
 

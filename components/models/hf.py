@@ -275,7 +275,7 @@ def to_hf_tensors(state_dict: dict, config, adapter_cls) -> dict:
 
 def write_folder(tensors: dict, hf_config: dict, out_path) -> Path:
     """HF tensors + config dict -> folder (config.json + model.safetensors); shared by `apiary export`
-    and weight publication (framework/publish.py writes its own files around the same tensors)."""
+    and weight publication (framework/train/publish.py writes its own files around the same tensors)."""
     out = Path(out_path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -290,9 +290,9 @@ def save(state_dict: dict, config, adapter_cls, hf_config: dict, out_path) -> Pa
 
 @dataclass
 class HFWriter:
-    """A family's ``hf_writer(options, ctx)`` (framework/contracts.py ``ModelFamily``): called with a
+    """A family's ``hf_writer(options, ctx)`` (framework/contracts/protocols.py ``ModelFamily``): called with a
     full torchtitan state dict of the trained model, returns ``(hf_tensors, hf_config)`` that
-    transformers, vLLM and SGLang load (framework/publish.py writes them as a folder)."""
+    transformers, vLLM and SGLang load (framework/train/publish.py writes them as a folder)."""
 
     config: object  # the torchtitan model config the run builds
     adapter_cls: type  # the family's state-dict adapter (torchtitan <-> HF names)
@@ -374,7 +374,7 @@ def export_groups(keys) -> list[list[str]]:
 
 def shard_plan(sizes: list[tuple[str, int]], shard_bytes: int | None) -> list[list[str]]:
     """Names in order, split into shards of at most ``shard_bytes`` (a tensor larger than that alone);
-    publication's rule (framework/publish.py ``write_version``); None: one shard."""
+    publication's rule (framework/train/publish.py ``write_version``); None: one shard."""
     shards, cur, size = [], [], 0
     for name, n in sizes:
         if cur and shard_bytes is not None and size + n > shard_bytes:

@@ -150,7 +150,7 @@ def refuse(path, what: str, fix: str = "") -> None:
 def check_family(c: dict, path, family: str, model_types) -> None:
     """Refuse a config.json whose ``model_type`` is not one of ``model_types`` (the reading family's
     declared ``HF_MODEL_TYPES``), raising the contract's ``ModelTypeNotRead``: the framework names in
-    its fix the registry's family that does read it (framework/registry.py ``family_of``)."""
+    its fix the registry's family that does read it (framework/compose/registry.py ``family_of``)."""
     mt = str(c.get("model_type", ""))
     if mt and mt not in model_types:
         raise contracts.ModelTypeNotRead(_where(path), mt, family)

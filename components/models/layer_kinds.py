@@ -1,4 +1,4 @@
-"""The layer kinds of apiary's model families, as the planner counts them (framework/contracts.py
+"""The layer kinds of apiary's model families, as the planner counts them (framework/contracts/plan.py
 ``LayerKind``): softmax attention, GatedDeltaNet linear attention, a routed MoE and a dense SwiGLU
 MLP. Each says, per layer and token, the activation elements it saves for backward, the FLOPs
 beyond 6 x its parameters, what recompute keeps of it and what context parallelism adds; the

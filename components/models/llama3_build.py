@@ -100,5 +100,5 @@ def _self():
 
 
 def hf_writer(options, ctx) -> hf.HFWriter:
-    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
     return hf.hf_writer(_self(), options, ctx)

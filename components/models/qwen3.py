@@ -197,7 +197,7 @@ def model_spec(flavor: str, **kwargs):
 
 
 def hf_writer(options, ctx):
-    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts.py)."""
+    """state dict -> (HF tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
     return _build().hf_writer(options, ctx)
 
 
@@ -223,7 +223,7 @@ def hf_config(a: Arch) -> dict:
     return d
 
 
-# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+# -- the component contract (framework/contracts/protocols.py, kind ``model``) --------------------------
 Options = family.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)
 NUMERICS = {"": "any"}

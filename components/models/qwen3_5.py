@@ -134,7 +134,7 @@ def check_layout(cfg, layout) -> None:
                         f"{layout.cp * 128}.", f"Try training.seq_len={(seq // (layout.cp * 128) + 1) * layout.cp * 128}.")
 
 
-# -- the component contract (framework/contracts.py, kind ``model``) --------------------------
+# -- the component contract (framework/contracts/protocols.py, kind ``model``) --------------------------
 Options = family.ModelOptions
 # apiary compare: another family is another model (its options: compare's own table of model.* keys)
 NUMERICS = {"": "any"}
@@ -157,5 +157,5 @@ def apply(options, tc, ctx) -> None:
 
 
 def hf_writer(options, ctx):
-    """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts.py)."""
+    """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
     return _build().hf_writer(options, ctx)

@@ -141,7 +141,7 @@ def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: st
 
 
 def hf_writer(options, ctx) -> hf.HFWriter:
-    """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts.py)."""
+    """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
     kw = model_kwargs(options, ctx)
     a = arch_of(options.flavor, n_layers=kw.get("n_layers"), vocab_size=kw.get("vocab_size"),
                 hf_checkpoint=kw.get("hf_checkpoint"))

@@ -12,7 +12,7 @@ from framework.errors import UserError
 @dataclass(kw_only=True)
 class MoeOptions:
     """The recipe's ``moe:`` section as the ``moe_comm`` and ``moe_chunk`` kinds read it. Its keys,
-    their types, defaults and docs are framework/schema.py's MoEConfig, their one definition:
+    their types, defaults and docs are framework/compose/schema.py's MoEConfig, their one definition:
     ``contracts.make_options`` builds this class over it (comm, chunk, load_balance_coeff, ...)."""
 
 

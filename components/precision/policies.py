@@ -1,7 +1,7 @@
 """Training precision: ``bf16`` (baseline: bf16 GEMMs, fp32 master weights) and ``fp8``
 (FP8 GEMMs for the dense linears and the MoE expert grouped GEMMs; docs/skills/fp8.md).
 
-The precision contract (framework/contracts.py): ``check(options, ctx)`` raises ValueError for
+The precision contract (framework/contracts/protocols.py): ``check(options, ctx)`` raises ValueError for
 option combinations no backend runs (resolve turns it into a user error, also when only
 planning) and, when training, UserError where this machine cannot run it (``check_runtime``: no
 FP8 GPU, backend not importable); ``apply(options, tc, ctx)`` converts the model config on

@@ -22,7 +22,7 @@ PLAN_CONSTANTS = {
 
 # recompute=auto's default margin: the planner's largest measured under-estimate of torch's reserved peak
 # was 2.6% (optimizer offload; every recompute setting, mix and sequence length within +-1.5% below,
-# one H200, 2026-11-27, docs/benchmarks.md); 7% leaves more than twice that. framework.preflight
+# one H200, 2026-11-27, docs/benchmarks.md); 7% leaves more than twice that. framework.plan.preflight
 # passes a plan silently up to the same fraction (MEASURED_UNDER; a test holds them equal).
 MARGIN = 0.07
 
@@ -106,7 +106,7 @@ class FullRecompute(_Recompute):
 
 
 def _mixers(ctx) -> list[str]:
-    """The model's mixer layer kinds (framework/contracts.py LayerTerms, role "mixer")."""
+    """The model's mixer layer kinds (framework/contracts/plan.py LayerTerms, role "mixer")."""
     return [k for k, t in ctx.plan.layers.items() if t.role == "mixer"]
 
 
@@ -135,7 +135,7 @@ class AutoRecompute(_Recompute):
     allows. The candidates run from every block fully recomputed to every block kept, each step
     the one with the most forward time saved per byte it adds to the planned peak (kept blocks go
     last in the stage, where they cost least: ``per_layer_words``); the planner takes the last that
-    fits the GPU less ``margin`` (framework/planner/estimate.choose_candidate) and resolve hands the
+    fits the GPU less ``margin`` (framework/plan/planner/estimate.choose_candidate) and resolve hands the
     choice to ``apply`` (``ctx.derived["recompute"]``). No GPU known: full recompute."""
 
     @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""``publish.transport=hf_folder`` (the baseline): every version is an HF folder (framework/publish.py)."""
+"""``publish.transport=hf_folder`` (the baseline): every version is an HF folder (framework/train/publish.py)."""
 
 from __future__ import annotations
 
@@ -30,5 +30,5 @@ class HFFolder:
 
     @staticmethod
     def sender(options, settings, trainer):
-        """No in-memory sender: framework/publish.py writes the folders."""
+        """No in-memory sender: framework/train/publish.py writes the folders."""
         return None

@@ -61,7 +61,7 @@ class InMemorySender:
         self._nccl = None
         self._inited = False
         self.records: list[dict] = []
-        self.log = settings.log  # the publication log the next metrics record reads (framework.publish.LOG)
+        self.log = settings.log  # the publication log the next metrics record reads (framework.train.publish.LOG)
         if self.link is not None:
             self._await_engine()
 

@@ -35,7 +35,7 @@ from framework.errors import UserError
 @dataclass(kw_only=True)
 class PublishOptions:
     """The recipe's ``publish:`` section as the ``transport`` kind reads it. Its keys, types,
-    defaults and docs are framework/schema.py's PublishConfig (contracts.make_options)."""
+    defaults and docs are framework/compose/schema.py's PublishConfig (contracts.make_options)."""
 
 
 def _vllm_or_refuse(name: str) -> None:

@@ -62,9 +62,9 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from framework import recipes
+from framework.compose import recipes
+from framework.compose.hydra_cli import ALIASES
 from framework.errors import UserError, did_you_mean
-from framework.hydra_cli import ALIASES
 from toolkit import argparsing
 from toolkit.compare.tolerance import TOL_CHOICES
 

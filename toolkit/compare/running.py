@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
+from framework.compose.recipes import DEFAULT_RECIPE, recipe_path
 from framework.errors import UserError
-from framework.recipes import DEFAULT_RECIPE, recipe_path
-from framework.resolve import resolve
+from framework.resolve.resolver import resolve
 from toolkit.compare.args import Options, quote_override, slug
 from toolkit.compare.diffs import check, differences
 from toolkit.compare.tolerance import RESHARDED_NORM, TOLERANCES, Tolerance, classify

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework import contracts, registry
+from framework import contracts
+from framework.compose import registry
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,310 @@
+"""Memory preflight: the planner's per-GPU estimate against the GPU, before any worker starts.
+
+``preflight.memory=refuse`` (default): an estimate above the GPU's memory by more than the planner's
+measured error stops the launch (exit 2) naming the largest memory terms and the cheapest changes
+that fit (from the planner's search); an estimate within that error of the memory is a warning.
+``warn`` only warns; ``off`` skips the check. The GPU is ``preflight.gpu`` (``gpu=H200`` on the
+command line) when set, else the local accelerator. A CPU run on this machine (local launcher, no
+accelerator, no ``preflight.gpu``) is checked against the host's available memory instead: every
+rank's planned terms (activations at the run's dtype, no CUDA reserve) plus one process's fixed
+resident size, times the ranks, against MemAvailable (and a cgroup limit, when one is set).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+from rich.console import Console
+
+from framework.compose import registry
+from framework.errors import UserError
+from framework.plan import planner
+from framework.plan.planner import Constants
+from framework.plan.planner.search import search
+from framework.resolve.layout import check_batch
+
+GiB = 2**30
+# The planner's measured error on memory, as a fraction of the estimate, each way. One H200,
+# 2026-11-28 (docs/benchmarks.md, `benchmarks/planner_accuracy.sh`; qwen35_35b_128k, 4 layers): with the
+# defaults (expandable segments, the lean MoE combine) every recompute=auto candidate from full recompute
+# to every block kept at 32K-128K within +0.3%..+3.4%; with torch's fixed segments or torchtitan's fp32
+# combine -4.2%..+5.6%; optimizer offload -2.6%, many short RL sequences per row +0.5% (2026-11-27), LoRA
+# up to +9.3% (the planner above the peak).
+# MEASURED_UNDER: how far below the peak a plan may be (largest measured 4.2%, with room): a plan
+# within this fraction of the GPU's memory passes silently, and recompute=auto leaves the same
+# margin (components/recompute/policies.MARGIN). MEASURED_ERROR: how far above (largest 9.3%): a plan
+# above the memory by more than this is refused; between the two, a warning.
+MEASURED_UNDER = 0.07
+MEASURED_ERROR = 0.10
+# One CPU rank's resident size beyond the planner's terms: the interpreter with torch, torchtitan and
+# datasets loaded, the model's build. Measured with debug_moe on the 2-core CI box (2026-11-27):
+# max RSS 1.04 GiB at local_batch=32 and 1.42 GiB at 128, where the CPU estimate (activations at 4
+# bytes, no CUDA reserve) is about 0.1 and 0.5 GiB: about 0.9 GiB on top, the same at both sizes.
+CPU_PROCESS_BYTES = int(0.9 * GiB)
+
+
+def target_gpu(cfg) -> tuple[str, int | None, str] | None:
+    """(kind, memory bytes or None for the kind's, where it came from), or None: no GPU to check."""
+    if cfg.preflight.gpu:
+        kind = str(cfg.preflight.gpu).upper()
+        if kind not in Constants().hardware:
+            known = ", ".join(Constants().hardware)
+            raise UserError(f"preflight.gpu={cfg.preflight.gpu}", f"unknown GPU kind; the planner knows {known}.",
+                            "Set gpu=H100 or gpu=H200 (or preflight.memory=off to skip the check).")
+        return kind, None, "preflight.gpu"
+    if not registry.resolve("launcher", str(cfg.launcher.name)).RUNS_HERE:
+        return None  # the job runs elsewhere; this machine's GPU says nothing about it
+    kind, total = _local_gpu()
+    if total is None:
+        return None
+    return kind or ("H200" if total > 100 * GiB else "H100"), total, "this machine's GPU"
+
+
+def _local_gpu() -> tuple[str | None, int | None]:
+    """This process's own GPU (LOCAL_RANK's under torchrun, so no rank touches another's device)."""
+    import torch  # reason: start-up time (only a launch checks the GPU's memory)
+
+    from framework import devices  # reason: as above (it imports torch)
+
+    if not devices.has_accelerator():
+        return None, None
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    name = props.name.upper()
+    return ("H200" if "H200" in name else "H100" if "H100" in name else None), int(props.total_memory)
+
+
+def _changes(p, r) -> list[str]:
+    cur = {"loss": str(r.cfg.loss.name), "state": str(r.cfg.state.name), "recompute": str(r.cfg.recompute.name)}
+    out = [f"parallel.{d}={v}" for d, v in p["dims"].items() if v != r.layout.dims.get(d)
+           and d not in ("dp_shard", "dp_replicate")]
+    out += [f"{k}={p[k]}" for k in ("loss", "state", "recompute") if p[k] != cur[k]]
+    return out
+
+
+def cheapest_fits(r, overrides, kind, memory: int, check, n: int = 3) -> list[str]:
+    """Up to ``n`` override sets from the planner's search that fit with the measured error to spare,
+    fewest changed settings first, then fastest; each checked by ``check`` (framework.resolve's
+    check_candidate: the candidate's layout and component checks, without resolving again)."""
+    ovr = [o for o in overrides if not o.startswith(("preflight.", "output_dir=", "checkpoint.resume"))]
+    try:
+        res = search(r, ovr, r.layout.world_size, top=10**6, plan_kwargs=dict(gpu=kind, gpu_memory_bytes=memory))
+    except UserError:
+        return []
+    rows = list(res["rows"])
+    rows.sort(key=lambda row: (len(_changes(row, r)), -row["tokens_per_s_per_gpu"]))
+    out = []
+    for row in rows:
+        if row["total_bytes"] > memory * (1 - MEASURED_UNDER):  # suggest what the preflight passes silently
+            continue
+        change = _changes(row, r)
+        if not change:
+            continue
+        dims = {d: row["dims"][d] for d in ("ep", "cp", "pp", "tp")}
+        try:
+            check(r, dims, {k: row[k] for k in ("recompute", "loss", "state")}, r.layout.world_size)
+        except UserError:
+            continue
+        out.append(f"{' '.join(change)} ({row['total_bytes'] / GiB:,.1f} GiB, "
+                   f"{row['tokens_per_s_per_gpu']:,.0f} tok/s/GPU est.)")
+        if len(out) >= n:
+            break
+    return out
+
+
+def _budget_target(r, for_training: bool) -> tuple[str, int | None, str] | None:
+    """The GPU a budget-planned component chooses for: ``preflight.gpu``; under torchrun this
+    rank's own GPU (whichever launcher started the job); for a launch from here the target of the
+    memory preflight; a print-only command (--cfg job) asks no GPU (no torch)."""
+    if r.cfg.preflight.gpu:
+        return target_gpu(r.cfg)
+    if not for_training:
+        return None
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        kind, total = _local_gpu()
+        return (kind or ("H200" if total > 100 * GiB else "H100"), total, "this rank's GPU") if total else None
+    return target_gpu(r.cfg)
+
+
+def choose_by_budget(r, for_training: bool) -> None:
+    """Components whose plan terms list candidates by memory (recompute=auto) choose one now, from
+    the planner's estimate on the run's GPU (its option ``budget_gib`` instead when set); the choice
+    goes to ``r.ctx.derived[kind]`` for their ``apply``, to the run's first lines and layout.json.
+    No GPU known: nothing is chosen (the component's fallback: full recompute)."""
+    from framework.plan.planner import parts  # reason: the planner is only asked when a component plans by budget
+
+    comp, opts = r.ctx.components["recompute"], r.ctx.options["recompute"]
+    budget = getattr(opts, "budget_gib", None)
+    if not parts.plans_by_budget(comp):
+        return
+    target = ("H200" if budget > 100 else "H100", int(budget * GiB), "recompute.budget_gib") if budget else \
+        _budget_target(r, for_training)
+    if target is None:
+        r.ctx.derived["recompute"] = {"blocks": None, "reason": "no GPU known here, so every block is recomputed "
+                                      "(set gpu=H100 or gpu=H200, or recompute.budget_gib, to choose per block)"}
+    else:
+        kind, memory, source = target
+        p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
+        r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
+                                      "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
+    blocks = r.ctx.derived["recompute"]["blocks"]
+    what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how.replace('_', ' ')}" for how, n in v.items() if n)
+                     for m, v in blocks.items()) if blocks else "every block recomputed"
+    r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
+
+
+def check_memory(r, recipe, overrides, check) -> None:
+    """Refuse (or warn about) a launch whose estimated per-GPU memory does not fit the GPU; ``check``
+    checks the changes it suggests (framework.resolve.resolver.check_candidate; ``recipe`` is the recipe's name)."""
+    mode = r.cfg.preflight.memory
+    if mode == "off":
+        return
+    target = target_gpu(r.cfg)
+    if target is None:
+        if not r.cfg.preflight.gpu and registry.resolve("launcher", str(r.cfg.launcher.name)).RUNS_HERE:
+            check_host_memory(r, recipe, overrides, check)  # no accelerator here: the ranks run on the CPU
+        return
+    kind, memory, source = target
+    p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
+    cap, total = p.gpu_memory_bytes, p.total_bytes
+    if total <= cap * (1 - MEASURED_UNDER):
+        return
+    terms = sorted(p.terms, key=lambda t: -t.bytes)[:3]
+    named = ", ".join(f"{t.name} {t.bytes / GiB:,.1f}" for t in terms)
+    head = (f"the planner estimates {total / GiB:,.1f} GiB per GPU on {kind} ({cap / GiB:,.1f} GiB, {source}); "
+            f"largest terms (GiB): {named}")
+    if total > cap * (1 + MEASURED_ERROR) and mode == "refuse":
+        fits = cheapest_fits(r, overrides, kind, cap, check)
+        fix = ("Changes that fit, fewest first: " + "; ".join(fits) + ". " if fits else
+               "The planner's search found no layout that fits this world size; use more GPUs or a shorter "
+               "training.seq_len. ")
+        raise UserError("preflight.memory=refuse", f"{head}. That is more than the GPU's memory by more than "
+                        f"the planner's measured error ({MEASURED_ERROR:.0%}), so the run would die of OOM in "
+                        "step 1, after minutes of compiling.",
+                        fix + "`apiary plan ... --search` lists more; preflight.memory=warn launches anyway.")
+    if int(os.environ.get("RANK", "0")) == 0:
+        verdict = "above" if total > cap else "within " + f"{MEASURED_UNDER:.0%} of"
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the GPU's memory (the planner has measured "
+            f"up to {MEASURED_UNDER:.0%} below the peak and {MEASURED_ERROR:.0%} above it), so step 1 may run out of "
+            "memory. `apiary plan` shows the terms.",
+            markup=True)
+
+
+# ----------------------------------------------------------------------------- CPU runs: host memory
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        for line in open(path):
+            k, _, v = line.partition(" ")
+            if k == key and v.strip().isdigit():
+                return int(v)
+    except OSError:
+        pass
+    return 0
+
+
+def host_memory_available() -> tuple[int, str] | None:
+    """(bytes this machine can still give, where that came from), or None where unknown: the kernel's
+    MemAvailable (/proc/meminfo), lowered to a cgroup's limit less its usage (page cache it can drop
+    counted as free) when the process runs under one (a container, a Slurm job)."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail, source = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            import psutil  # reason: optional; only where /proc/meminfo is missing (not Linux)
+        except ImportError:
+            return None
+        avail, source = int(psutil.virtual_memory().available), "psutil.virtual_memory().available"
+    for limit_f, usage_f, stat_f, cache_key in (
+            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+             "inactive_file"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+             "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file")):
+        limit, usage = _read_int(limit_f), _read_int(usage_f)
+        if limit is not None and usage is not None and limit < 2**60:  # a real limit, not "max"
+            free = max(0, limit - usage + _stat_value(stat_f, cache_key))
+            if free < avail:
+                avail, source = free, f"the cgroup limit {limit / GiB:,.1f} GiB less its usage ({limit_f})"
+            break
+    return avail, source
+
+
+def cpu_estimate(r) -> tuple[int, int, object]:
+    """(host bytes for all ranks, bytes per rank, the plan): the planner's terms with activations at
+    the run's dtype and no CUDA context/NCCL reserve, plus ``CPU_PROCESS_BYTES`` per rank; every rank of
+    the local launcher runs on this machine."""
+    act = 4.0 if str(r.cfg.training.dtype) == "float32" else 2.0
+    p = planner.plan(r, calibration={"act_bytes": act, "cuda_context_bytes": 0.0, "nccl_bytes": 0.0})
+    per_rank = p.total_bytes + CPU_PROCESS_BYTES
+    return per_rank * r.layout.world_size, per_rank, p
+
+
+def _batch_that_fits(r, check, avail: int) -> str:
+    """``training.local_batch=N (X GiB)``: the largest local batch (halving from the run's) whose
+    estimate fits with the measured error to spare, checked by ``check`` (the candidate's batch split and
+    component checks, without resolving again); "" when none does."""
+    lb = int(r.cfg.training.local_batch)
+    while lb > 1:
+        lb //= 2
+        cfg = copy.deepcopy(r.cfg)
+        cfg.training.local_batch = lb
+        cand = dataclasses.replace(r, cfg=cfg, ctx=dataclasses.replace(r.ctx, cfg=cfg) if r.ctx is not None else None)
+        try:
+            cand.grad_accum = check_batch(cfg.training, r.layout)
+            check(cand, {d: r.layout.dims[d] for d in ("ep", "cp", "pp", "tp")}, {}, r.layout.world_size)
+        except UserError:
+            continue
+        total = cpu_estimate(cand)[0]
+        if total * (1 + MEASURED_ERROR) <= avail:
+            return f"training.local_batch={lb} ({total / GiB:,.1f} GiB)"
+    return ""
+
+
+def check_host_memory(r, recipe, overrides, check) -> None:
+    """A CPU run on this machine: the estimate for all its ranks against the host's available memory,
+    with ``preflight.memory``'s rules and the planner's measured error, as for a GPU. Checked by the
+    launching process only (the ranks it starts would see each other's memory as taken)."""
+    if "RANK" in os.environ:
+        return
+    have = host_memory_available()
+    if have is None:
+        return
+    avail, source = have
+    total, per_rank, p = cpu_estimate(r)
+    if total <= avail * (1 - MEASURED_ERROR):
+        return
+    n = r.layout.world_size
+    terms = sorted(p.terms, key=lambda t: -t.bytes)[:3]
+    named = ", ".join(f"{t.name} {t.bytes / GiB:,.1f}" for t in terms)
+    head = (f"the planner estimates {total / GiB:,.1f} GiB of host memory for this CPU run ({n} rank(s) x "
+            f"({(per_rank - CPU_PROCESS_BYTES) / GiB:,.1f} GiB planned + {CPU_PROCESS_BYTES / GiB:.1f} GiB per "
+            f"process)), and this machine has {avail / GiB:,.1f} GiB available ({source}); largest terms (GiB): "
+            f"{named}")
+    if total > avail * (1 + MEASURED_ERROR) and r.cfg.preflight.memory == "refuse":
+        fit = _batch_that_fits(r, check, avail)
+        fix = (f"A local batch that fits: {fit}; or a shorter training.seq_len" if fit else
+               "No local batch fits at this training.seq_len; shorten it, or use fewer ranks (nproc)")
+        raise UserError("preflight.memory=refuse", f"{head}. That is more than the available memory by more than "
+                        f"the planner's measured error ({MEASURED_ERROR:.0%}), so the ranks would run out of memory "
+                        "(killed by the kernel, or an allocator error) in step 1.",
+                        f"{fix}. `apiary plan` shows the terms; preflight.memory=warn launches anyway.")
+    verdict = "above" if total > avail else "within " + f"{MEASURED_ERROR:.0%} of"
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the available memory (the planner's "
+        f"measured error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory.", markup=True)

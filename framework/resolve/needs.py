@@ -1,0 +1,106 @@
+"""Settings that act only with another one (``_NEEDS``): given without it, refused, never ignored.
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from framework import contracts
+from framework.compose import registry
+from framework.errors import UserError
+
+
+# Settings that act only with another one: (key, the setting it needs, is that setting off?, what the key does).
+# Given on the command line while the other is off, the key would be ignored: refused. (A recipe may keep
+# such a value for the times the other is on: `train recipe=R checkpoint.enable=false` is not refused for
+# the recipe's checkpoint.interval.)
+def _in_memory(cfg) -> bool:
+    """Whether publish.transport hands weights over in memory (its component's ``IN_MEMORY``)."""
+    name = str(cfg.publish.transport)
+    return bool(contracts.member(registry.resolve("transport", name, where=f"publish.transport={name}"),
+                                 "transport", "IN_MEMORY"))
+
+
+_NEEDS = [
+    ("training.max_skips", "training.on_nonfinite=skip", lambda c: c.training.on_nonfinite != "skip",
+     "how many non-finite steps in a row are skipped before the run stops"),
+    ("data.wait_timeout", "data.follow=true", lambda c: not c.data.follow,
+     "how long a followed folder may stay without new records"),
+    ("data.name", "data.follow=false", lambda c: bool(c.data.follow),
+     "the dataset a run reads when it does not follow a folder (a followed folder is read from data.path alone)"),
+    ("validation.steps", "validation.interval=N", lambda c: c.validation.interval == 0,
+     "the batches of each validation pass"),
+    *((f"publish.{k}", "publish.interval=N", lambda c: c.publish.interval == 0, what) for k, what in (
+        ("dir", "where published weights go"), ("keep", "how many published versions stay"),
+        ("background", "how published weights are written"), ("dtype", "the dtype of published weights"),
+        ("transport", "how published weights reach the generator"))),
+    *((f"publish.{k}", "an in-memory publish.transport", lambda c: not _in_memory(c), what) for k, what in (
+        ("engine", "where the trainer listens for the engine"), ("bucket_mb", "the size of a transfer bucket"),
+        ("engine_timeout", "how long the trainer waits for the engine"))),
+    *((f"checkpoint.{k}", "checkpoint.enable=true", lambda c: not c.checkpoint.enable, what) for k, what in (
+        ("interval", "the steps between saves"), ("keep_latest_k", "how many saved steps stay"),
+        ("model_only_last", "what the last save holds"))),
+    ("logging.wandb_project", "logging.wandb=true", lambda c: not c.logging.wandb,
+     "the W&B project the metrics go to"),
+    ("parallel.pp_microbatch_size", "parallel.pp=N (N > 1)",
+     lambda c: int(c.parallel.pp if c.parallel.pp is not None else c.layout.pp) == 1,
+     "the sequences per pipeline microbatch"),
+]
+
+
+def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+    """Every setting takes effect or is refused: what would load nothing, resume nothing or be ignored."""
+    ck, given = cfg.checkpoint, {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    own_load = ctx.shared.get("checkpoint.load_path reader")  # a component that loads it itself (its check says)
+    if ck.load_path is not None and not ck.enable and not own_load:
+        raise UserError(f"checkpoint.load_path={ck.load_path} with checkpoint.enable=false", "with checkpointing off "
+                        "nothing is loaded: the run would start from initialised weights, not from that step.",
+                        "Drop checkpoint.enable=false (set checkpoint.interval above training.steps to save only "
+                        "the last step), or drop checkpoint.load_path.")
+    if ck.resume and not ck.enable:
+        raise UserError("checkpoint.resume=true with checkpoint.enable=false", "with checkpointing off nothing is "
+                        "loaded: the run would start over at step 1 in the run's folder (its records of those steps "
+                        "moved aside) instead of continuing it.", "Drop checkpoint.enable=false.")
+    if ck.resume and ck.create_seed:
+        raise UserError("checkpoint.create_seed=true with checkpoint.resume=true", "a seed checkpoint is the step-0 "
+                        "weights of a new run (written, then the process exits); it cannot continue a run, and "
+                        "would be written into the run's checkpoints.", "Drop one of them: create the seed in a new "
+                        "output_dir.")
+    for key, needs, off, what in _NEEDS:
+        if key in given and off(cfg):
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
+                            "and this run does not have it, so the setting would be ignored.",
+                            f"Add {needs}, or drop {key}.")
+    _check_ignored_data_keys(cfg, given, ctx)
+    model = cfg.model
+    if "model.flavor" in given and model.get("hf_checkpoint") and ctx.facts is not None:
+        mod = ctx.components["model"]
+        flavor_moe = bool(mod.facts(model.flavor).num_experts)
+        if flavor_moe != bool(ctx.facts.num_experts):
+            kinds = ("an MoE", "a dense") if flavor_moe else ("a dense", "an MoE")
+            raise UserError(f"model.flavor={model.flavor} with model.hf_checkpoint={model.hf_checkpoint}",
+                            f"the flavor is {kinds[0]} model, and the checkpoint's config.json describes {kinds[1]} "
+                            "one, which is what would load (with hf_checkpoint the architecture comes from "
+                            "config.json; the flavor only supplies defaults).",
+                            "Drop model.flavor, or point model.hf_checkpoint at the model you mean.")
+    if ctx.facts is not None and not ctx.facts.num_experts:
+        for key in ("moe.chunk", "moe.comm", "moe.load_balance_coeff"):
+            if key in given:
+                raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
+                                "dense model: it has no MoE layers, so the setting would be ignored.",
+                                f"Drop {key}, or choose an MoE flavor.")
+
+
+def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:
+    """A ``data.*`` key given on the command line that the data format declares it does not read
+    (its ``ignored_keys``) is refused; the recipe's own value of it stays accepted."""
+    data = ctx.components.get("data")
+    ignored = contracts.member(data, "data", "ignored_keys") if data is not None else None
+    if ignored is None:
+        return
+    section, key = contracts.SELECT["data"]
+    for name, (instead, fix) in ignored(ctx.options["data"], ctx).items():
+        if name in given:
+            raise UserError(f"{name}={OmegaConf.select(cfg, name)} with {section}.{key}={ctx.choice('data')}",
+                            f"this data format does not read {name}: {instead}, so the setting would be ignored.",
+                            fix or f"Drop {name}.")

@@ -1,0 +1,137 @@
+"""Where the first step's time goes: printed once (rank 0) after the first step a process trains,
+and recorded in that step's metrics.jsonl record.
+
+* ``first_step_build_s``: from the start of ``framework.train.run.train`` to the first step (model init,
+  parallelize, optimizer, dataloader, checkpoint load); not part of the step's wall time, nor are:
+* ``first_step_data_wait_s``: follow mode (``data.follow=true``), the time the first step waited
+  for its first records (the generator's first shard);
+* ``first_step_publish_s``: with ``publish``, writing the starting weights (``step-0``) before it.
+* ``first_step_wall_s``: the first step, from ``train_step`` to its metrics record.
+* ``first_step_compile_s``: Dynamo/Inductor compile time inside that step (torch's own timers,
+  ``torch._dynamo.utils.compilation_time_metrics``: each frame's ``_compile.compile_inner`` plus
+  lazily compiled backwards, ``backward._backward_impl``); inductor's tuning of flex attention
+  happens inside it. 0 where nothing is compiled (apiary's CPU path).
+* ``first_step_autotune_s`` / ``first_step_autotuned_kernels``: Triton's runtime autotuning in that
+  step (framework.train.kernel_cache.AutotuneLog), including ``first_step_autotune_wait_s``: time spent
+  waiting for another process sharing the cache to finish tuning the same kernel (its lock).
+* ``first_step_autotune_from_table``: kernel/key pairs Triton tuned over a recorded table's winners
+  only (``training.autotune_configs=recorded``, framework/train/autotune_table.py);
+  ``first_step_autotune_slowest`` (metrics.jsonl only): the three kernels whose tuning took longest.
+* ``first_step_other_s``: the rest (first-iteration allocations, the kernels' own run time, the
+  optimizer, communication).
+
+compile + autotune + other = wall (each clamped to be non-negative, so the parts never exceed it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from framework.train import autotune_table, kernel_cache
+
+_COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in Dynamo/Inductor compilation so far (0 if torch never compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    metrics = getattr(utils, "compilation_time_metrics", {}) or {}
+    return float(sum(sum(metrics.get(k, ())) for k in _COMPILE_KEYS))
+
+
+class FirstStep:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.t_begin = self.t_step = None
+        self.data_wait = self.publish = 0.0  # before the first step, not building the trainer
+        self.compile0 = self.autotune0 = self.wait0 = 0.0
+        self.tuned0 = self.table0 = 0
+        self.by_kernel0: dict[str, float] = {}
+        self.slowest: dict[str, float] = {}
+        self.done = False
+
+    def begin(self) -> None:
+        """The trainer starts to be built (framework.train.run.train)."""
+        self.reset()
+        self.t_begin = time.perf_counter()
+
+    def before_first_step(self, *, data_wait_s: float = 0.0, publish_s: float = 0.0) -> None:
+        """Time spent before the first step that is not building the trainer: waiting for the first
+        records (follow mode), publishing the starting weights. Ignored once a step started."""
+        if self.t_step is None and not self.done:
+            self.data_wait += max(data_wait_s, 0.0)
+            self.publish += max(publish_s, 0.0)
+
+    def step_started(self) -> None:
+        """A train step starts; only the first one counts."""
+        if self.t_step is not None or self.done:
+            return
+        self.t_step = time.perf_counter()
+        self.compile0 = compile_seconds()
+        self.autotune0, self.tuned0 = kernel_cache.LOG.total_seconds, kernel_cache.LOG.total_tuned
+        self.wait0 = kernel_cache.LOG.total_wait_seconds
+        self.by_kernel0 = dict(kernel_cache.LOG.by_kernel)
+        self.table0 = autotune_table.COUNTS.exact + autotune_table.COUNTS.union
+
+    def record(self) -> dict:
+        """The breakdown, once (at the first logged step after step_started); {} otherwise."""
+        if self.done or self.t_step is None:
+            return {}
+        self.done = True
+        self.slowest = self._slowest()  # not a scalar: metrics.jsonl only (JsonlLogger), not the other loggers
+        now = time.perf_counter()
+        wall = now - self.t_step
+        before = self.t_step - self.t_begin if self.t_begin is not None else 0.0
+        build = max(before - self.data_wait - self.publish, 0.0)
+        compile_s = min(max(compile_seconds() - self.compile0, 0.0), wall)
+        wait = max(kernel_cache.LOG.total_wait_seconds - self.wait0, 0.0)
+        autotune = min(max(kernel_cache.LOG.total_seconds - self.autotune0, 0.0) + wait, wall - compile_s)
+        other = max(wall - compile_s - autotune, 0.0)
+        waits = {"first_step_data_wait_s": round(self.data_wait, 3)} if self.data_wait else {}
+        if self.publish:
+            waits["first_step_publish_s"] = round(self.publish, 3)
+        return {"first_step_build_s": round(build, 3), **waits, "first_step_wall_s": round(wall, 3),
+                "first_step_compile_s": round(compile_s, 3), "first_step_autotune_s": round(autotune, 3),
+                "first_step_autotuned_kernels": kernel_cache.LOG.total_tuned - self.tuned0,
+                "first_step_autotune_wait_s": round(min(wait, autotune), 3),
+                "first_step_other_s": round(other, 3),
+                "first_step_autotune_from_table": autotune_table.COUNTS.exact + autotune_table.COUNTS.union - self.table0}
+
+    def _slowest(self, n: int = 3) -> dict[str, float]:
+        """The ``n`` kernels whose tuning took longest in this step (seconds, all their keys)."""
+        spent = {k: v - self.by_kernel0.get(k, 0.0) for k, v in kernel_cache.LOG.by_kernel.items()}
+        top = sorted((v, k) for k, v in spent.items() if v > 0)[::-1][:n]
+        return {k: round(v, 2) for v, k in top}
+
+
+def describe(rec: dict) -> str:
+    """The console's first-step line: only the parts that took time (on apiary's CPU path nothing is
+    compiled or tuned, so it says the step's time and the build's)."""
+    parts = []
+    if rec.get("first_step_compile_s"):
+        parts.append(f"compile {rec['first_step_compile_s']:.1f} s")
+    if rec.get("first_step_autotune_s") or rec.get("first_step_autotuned_kernels"):
+        slowest = rec.get("first_step_autotune_slowest") or {}
+        detail = [f"{rec.get('first_step_autotuned_kernels', 0)} kernels tuned"]
+        if rec.get("first_step_autotune_from_table"):
+            detail.append(f"{rec['first_step_autotune_from_table']} over recorded winners only")
+        if rec.get("first_step_autotune_wait_s"):
+            detail.append(f"{rec['first_step_autotune_wait_s']:.1f} s waiting for another process's tuning")
+        if slowest:
+            detail.append("longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slowest.items()))
+        parts.append(f"autotuning {rec['first_step_autotune_s']:.1f} s ({'; '.join(detail)})")
+    split = (" = " + " + ".join(parts + [f"other {rec['first_step_other_s']:.1f} s"])) if parts else ""
+    before = [f"building the trainer before it took {rec['first_step_build_s']:.1f} s"]
+    if rec.get("first_step_publish_s"):
+        before.append(f"publishing the starting weights {rec['first_step_publish_s']:.1f} s")
+    if rec.get("first_step_data_wait_s"):
+        before.append(f"waiting for the first records {rec['first_step_data_wait_s']:.1f} s")
+    return f"first step: {rec['first_step_wall_s']:.1f} s{split}; " + ", ".join(before)
+
+
+STATE = FirstStep()

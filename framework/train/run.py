@@ -1,0 +1,217 @@
+"""Worker side: build the torchtitan Trainer from a resolved recipe and train."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import socket
+import warnings
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from framework import contracts
+from framework.launch import lifecycle
+from framework.report import summary
+from framework.resolve import resume
+from framework.resolve.handoff import write_resolved
+from framework.train import autotune_table, first_step, integrity, kernel_cache, preempt
+
+
+def _single_process_env() -> None:
+    """One process without torchrun: give torch.distributed a one-rank world."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def launch_env(resolved, argv: list[str] | None = None, verbose: bool = False) -> contracts.LaunchEnv:
+    """What a launcher component needs of the framework to start ``resolved``'s ranks with ``train argv``."""
+    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise,
+                               run_here=functools.partial(train_here, resolved, verbose),
+                               worker_env=functools.partial(write_resolved, resolved, list(argv or [])))
+
+
+def train_here(resolved, verbose: bool = False) -> int:
+    """One rank in this process (rank 0 of run.train prints the run's summary); a UserError found while
+    the model loads (e.g. a NaN in a checkpoint tensor) goes to the launching command."""
+    train(resolved, verbose=verbose)
+    return 0
+
+
+def write_run_files(resolved) -> None:
+    out = Path(resolved.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # the first launch's config is config.yaml; a resume's goes beside it (framework/resolve/resume.py)
+    name = resume.config_path_for_launch(out) if resolved.cfg.checkpoint.resume else out / resume.FIRST
+    name.write_text(OmegaConf.to_yaml(resolved.cfg))
+    resume.write_launch(out, resolved.launch)  # the recipe and overrides a later resume keeps
+    derived = resolved.ctx.derived if resolved.ctx is not None else {}
+    (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules,
+                                                 **({"derived": derived} if derived else {})}, indent=2))
+
+
+# torchtitan's log lines that say nothing about an apiary run (dropped unless `train -v`): it runs
+# lspci to name the GPU, falls back to an A100's peak for its MFU (apiary's is framework.devices'),
+# and looks for an HF index in the run folder that a run saving DCP checkpoints never has
+QUIET_LOG_LINES = ("Error running lspci", "Peak flops undefined for", "model.safetensors.index.json not found at")
+# ... and, with pipeline stages, its note that the loss is only visible on the last stage's rank (in
+# color codes): apiary logs that stage's loss on every rank (framework/train/trainer.py)
+QUIET_LOG_PARTS = ("Pipeline Parallel loss is not visible",)
+# ... and its note that it sets an environment variable, when the value stays the same or replaces
+# torchrun's own default (TORCH_NCCL_ASYNC_ERROR_HANDLING=1 -> 3, docs/launching.md); a value a user
+# exported that it overrides is still shown
+_ENV_OVERRIDE = re.compile(r"ENV\[(\w+)\] = (.*) will be overridden to (.*) based on job config$")
+_TORCHRUN_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+
+
+class _QuietLogLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith(QUIET_LOG_LINES) or any(part in msg for part in QUIET_LOG_PARTS):
+            return False
+        m = _ENV_OVERRIDE.match(msg)
+        return not (m and (m.group(2) == m.group(3) or (m.group(1), m.group(2)) in _TORCHRUN_DEFAULTS))
+
+
+_QUIET = _QuietLogLines()
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Drop QUIET_LOG_LINES on torchtitan's logger (the root logger); every other record still shows."""
+    root = logging.getLogger()
+    if verbose:
+        root.removeFilter(_QUIET)
+    elif _QUIET not in root.filters:
+        root.addFilter(_QUIET)
+
+
+def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
+    """Train; returns the last metrics record on rank 0, which prints the end-of-run summary and
+    writes summary.json (``report=False``: neither, for a run whose folder is thrown away)."""
+    from framework import devices  # reason: start-up time (imports torch; `train --help` and --cfg need none)
+
+    devices.install()
+    devices.apply_allocator_default()  # before this rank's first CUDA allocation (framework.alloc_conf)
+    kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
+    kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
+    autotune_table.install(resolved.cfg.training.autotune_configs)  # recorded: tune this GPU's known winners only
+    preempt.arm()  # SIGUSR1/SIGTERM/SIGINT/SIGHUP: checkpoint at the next step boundary, exit 75 (requeue)
+    _single_process_env()
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        if resolved.data_summary:
+            print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
+        for line in resolved.resume_lines:  # which checkpoint was verified and is loaded
+            print(line, flush=True)
+        write_run_files(resolved)
+        if resolved.facts.source:  # which checkpoint and architecture this run loads
+            Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
+    import torch  # reason: below, with torchtitan (slow to import; only workers train)
+    from torchtitan.tools.logging import init_logger  # reason: as above
+
+    from framework.train.build import trainer_config  # reason: as above
+
+    init_logger()
+    for msg in ("In CPU autocast", "DTensor random operators", "'set_vital' is deprecated",
+                "initial_load_model_only=True has no effect",
+                "To get the last learning rate computed by the scheduler",  # torchtitan's resume recomputes it
+                "DTensor manual_seed() may not have complete support on cpu"):  # CPU ranks: seeded as on GPU
+        warnings.filterwarnings("ignore", message=msg)
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    quiet_third_party(verbose)
+    if not devices.has_accelerator():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    tc = trainer_config(resolved)
+    trainer = guard = None
+    report = report and rank == 0 and not resolved.cfg.checkpoint.create_seed
+    first_step.STATE.begin()  # metrics.jsonl's first record: first_step_build_s and the step's breakdown
+    ended = nonfinite = False  # every rank ended the loop together (not a crash)
+    try:
+        trainer = tc.build()
+        guard = preempt.install(trainer)
+        if resolved.cfg.checkpoint.create_seed:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+        ended = True
+    except integrity.NonFiniteStop:
+        nonfinite = True
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()  # the live progress line ends here
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        # torchtitan's flight-recorder folder (GPU) when no rank dumped into it; kept after a crash,
+        # where a rank may still dump there
+        if rank == 0 and (ended or nonfinite):
+            _drop_empty(Path(resolved.cfg.output_dir) / "comm_traces")
+        if nonfinite and report:  # the step is the one that was not applied
+            _report(resolved, "on a non-finite loss or gradient norm", integrity.EXIT_NONFINITE, trainer.step - 1)
+    if preempt.stopped(guard):
+        if report:
+            _report(resolved, "by a signal", preempt.EXIT_CODE, guard.stopped_at)
+        preempt.exit_if_stopped(guard)
+    stop = trainer.follow_stop  # follow mode stopped waiting: a signal, a timeout or a bad shard (FollowStop)
+    if stop is not None:
+        if report:
+            why = {"signal": "by a signal while waiting for data", "malformed": "on a malformed shard of the followed data",
+                   "timeout": "waiting for data (data.wait_timeout)"}[stop.why]
+            _report(resolved, why, stop.exit_code, trainer.step)
+        lifecycle.write_status(stop.exit_code)
+        raise SystemExit(stop.exit_code)
+    metrics = Path(resolved.cfg.output_dir) / "metrics.jsonl"
+    if rank == 0 and metrics.is_file():
+        _record_plan(resolved, metrics)
+        if report:
+            _report(resolved)
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    return None
+
+
+def _drop_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only when empty
+    except OSError:
+        pass
+
+
+def _report(resolved, stop: str | None = None, exit_code: int = 0, step: int | None = None) -> None:
+    """Rank 0, once training ended: the summary on the console and as summary.json."""
+    try:
+        s = summary.summarize(resolved.cfg.output_dir, stop=stop, exit_code=exit_code, stopped_at=step)
+        summary.write(s)
+        summary.render(s, color=bool(resolved.cfg.logging.color))
+    except Exception as e:  # a summary must never fail a finished run
+        logging.getLogger(__name__).warning("apiary: run summary skipped: %s", e)
+
+
+def _record_plan(resolved, metrics: Path) -> None:
+    """Write the planner's per-GPU estimate next to the measured peak (last record) and print both."""
+    from framework import devices  # reason: start-up time (imports torch)
+    from framework.plan.planner import estimate_for_run, merge_into_last_record  # reason: planner is heavy; after the run
+
+    if not devices.has_accelerator():  # the estimate is for GPU memory; CPU RSS is not comparable: none recorded
+        return
+    try:
+        est = estimate_for_run(resolved)
+        merge_into_last_record(metrics, est)
+    except Exception as e:  # an estimate must never fail a finished run
+        logging.getLogger(__name__).warning("apiary: planner estimate skipped: %s", e)
+        return
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    Console(highlight=False, soft_wrap=True).print(
+        f"memory: measured peak {last['peak_mem_bytes'] / 2**30:.2f} GiB ({last['peak_mem_kind']}), "
+        f"planned {est['plan_torch_reserved_bytes'] / 2**30:.2f} GiB (torch reserved; "
+        f"{est['plan_total_bytes'] / 2**30:.2f} GiB with CUDA context and NCCL)")

@@ -1,0 +1,457 @@
+"""apiary's torchtitan ``Trainer``: torchtitan's, plus the RL batch path.
+
+The data component names the extra batch keys (``batch_keys`` per token, ``step_keys`` per
+sample; the rollout loader's samples carry per-token RL tensors (``rl_*``: old log-probs, advantages,
+sequence ids, ...) next to ``input`` and ``positions``). torchtitan would pass every extra key to
+the model's forward, so ``post_dataloading_process`` takes them out first, lets torchtitan shard
+inputs, labels and positions for context parallelism, shards the per-token ``rl_*`` tensors the
+same way (same load balancer, so token t of every tensor lands on the same rank), and hands them
+to the policy loss together with the context-parallel group. Batches without ``rl_*`` keys go
+through unchanged.
+
+Non-finite guard (``training.on_nonfinite``): every micro-step's loss and the step's global grad
+norm (torchtitan's ``clip_grad_norm_``) are checked before ``optimizers.step()``; one all-reduced
+flag makes every rank decide alike. ``stop`` raises ``NonFiniteStop`` (exit 76) with no update
+applied; ``skip`` leaves the optimizer, its state and the LR schedule untouched for that step
+(the schedule counts applied updates; the data moves on), counts it in metrics.jsonl
+(``skipped_steps``, ``nonfinite``) and stops like ``stop`` once more than ``training.max_skips``
+steps in a row would be skipped. Each checkpoint save first checks that the model and optimizer
+state are finite, and writes atomically with a manifest (framework/train/integrity.py).
+
+Policy metrics (clip fractions, KL, entropy) are reduced over the step's micro-steps and the
+data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also
+reports a true ``max_loss``: torchtitan divides each rank's
+loss by the tokens of its whole (unsharded) sequences, so its max over ranks is a max of CP
+shares (about loss / cp). Here each data-parallel rank's loss is summed over its CP group and
+divided by that rank's tokens, then the max is taken over data parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed.context_parallel.api import cp_shard
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from framework import compat, contracts
+from framework.compose.schema import TrainingConfig
+from framework.errors import EXIT_DATA_TIMEOUT, EXIT_USER_ERROR
+from framework.report import metrics
+from framework.train import first_step, integrity, preempt
+
+WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
+WAIT_FIRST_NOTE_S = 1.0
+WAIT_POLL_S = 0.2  # follow mode: how often the folder is looked at while waiting
+_GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
+
+
+def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
+    """Where a stopped run goes on from: its last complete step, or the start when it saved none."""
+    if not integrity.complete_steps(checkpoint_dir):
+        return "No step was checkpointed before this one, so there is nothing to resume: run it again from the start"
+    return (f"Last good checkpoint: {integrity.last_good(checkpoint_dir)}. Resume from it with "
+            f"{resume_hint or 'checkpoint.resume=true'}")
+
+
+@dataclass(frozen=True)
+class FollowStop:
+    """Why a followed run (``data.follow``) stopped waiting for data, before step ``trainer.step + 1``
+    ran: the trainer's ``follow_stop`` once its loop ended that way (None otherwise). framework/train/run.py
+    turns it into the summary line, ``status.json`` and the process's exit code."""
+
+    why: str  # "signal" (preemption while waiting), "timeout" (data.wait_timeout) or "malformed" (a bad shard)
+    exit_code: int  # preempt.EXIT_CODE (75), EXIT_DATA_TIMEOUT (77) or EXIT_USER_ERROR (2)
+    message: str  # the paragraph rank 0 printed: what stopped it, the checkpoint, how to go on
+
+
+def dist_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _init_from_seed() -> None:
+    """The model's initial weights depend on ``training.seed`` alone: the CPU and CUDA generators'
+    states right after torchtitan's ``set_determinism`` are put back just before the model's
+    ``init_weights``, whatever ran in between. Building and parallelizing the model may draw
+    random numbers: with precision.backend=te, TransformerEngine's linears advanced the CUDA
+    generator by 288 before the initialization (measured on an H200), which gave that run other
+    initial weights than bf16 at the same seed (the patch: framework/compat.py)."""
+    compat.init_weights_from_seed()
+
+
+class ApiaryTrainer(Trainer):
+    # Set when follow mode stopped waiting for data (a timeout, a malformed shard, a signal), and read
+    # by framework/train/run.py after the loop; None when the loop ended any other way.
+    follow_stop: FollowStop | None = None
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        on_nonfinite: str = TrainingConfig.on_nonfinite  # stop | skip (training.on_nonfinite; its default there)
+        max_skips: int = TrainingConfig.max_skips  # skip: stop after more than this many non-finite steps in a row
+        resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
+        batch_keys: tuple = ()  # per-token batch tensors for the loss (the data component's BATCH_KEYS)
+        step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
+        follow_wait_timeout: float = 0.0  # > 0: the dataloader follows a growing folder (data.follow); seconds
+        publish: object = None  # framework.train.publish.PublishSettings, or None (publish.interval=0)
+        validation_dataloader: object = None  # the data component's held-out loader config (validation.*)
+
+    @property
+    def _loss_set_batch(self):
+        """The loss's ``set_batch`` (contracts.LossFn), or None for a loss that reads no batch keys."""
+        return contracts.member(self.loss_fn, "loss_fn", "set_batch")
+
+    def __init__(self, config, **kwargs):
+        _init_from_seed()
+        super().__init__(config, **kwargs)
+        self._bad_loss = None
+        self._skips_total = self._skips_in_row = 0
+        self._skipped_now = self._loss_was_bad = False
+        compat.patch_clip_grad_norm()  # keeps the grad norm train_step computes (local to it) for the finite check
+        self._step_optimizers, self._step_schedulers = compat.guard_trainer_steps(
+            self, lambda original, *a, **k: self._guarded_optimizer_step(*a, **k),
+            lambda original, *a, **k: self._guarded_scheduler_step(*a, **k))
+        if self.config.on_nonfinite == "skip":
+            def log_with_skips(log, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+                if self._skipped_now and self._loss_was_bad:  # the logged copy was zeroed (see below)
+                    global_avg_loss = global_max_loss = float("nan")
+                extra = {**(extra_metrics or {}), "health/skipped_steps": self._skips_total,
+                         "health/nonfinite": int(self._skipped_now)}
+                return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+            compat.extend_metrics_log(self.metrics_processor, log_with_skips)
+        self._atomic = None
+        if self.checkpointer.enable:
+            self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+        if self._loss_set_batch is not None:  # policy losses log their clip fractions / KL / entropy
+            self.metrics_processor.extra_source = self._extra_metrics
+        elif isinstance(getattr(self.dataloader, "dataset", None), contracts.FollowedData):
+            self.metrics_processor.extra_source = self._extra_metrics
+        if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
+            self.metrics_processor.max_loss_source = self._max_loss_over_dp
+        if self.parallel_dims.pp_enabled:  # the held-out loss too: only the last stage computes it
+            self.metrics_processor.stage_loss_source = lambda v: float(
+                self._last_stage_loss(torch.as_tensor(float(v), device=self.device)))
+        self._follow_source = self.follow_stop = None
+        self._ledger_started, self._waited_s, self._start_step = False, 0.0, None
+        self._publisher, self._published_initial = None, False
+        if self.config.publish is not None:
+            from framework.train.publish import Publisher  # reason: only runs that publish weights
+
+            self._publisher = Publisher(self.config.publish, self)
+
+    def close(self) -> None:
+        if getattr(self, "_publisher", None) is not None:  # a background publication lands first
+            self._publisher.close()
+        if getattr(self, "_atomic", None) is not None:  # the last saves become visible (step-N) now
+            self._atomic.finish()
+        super().close()
+
+    def train_step(self, data_iterator):
+        if self._publisher is not None and not self._published_initial:  # the weights this run starts from
+            self._published_initial = True
+            t0 = time.monotonic()
+            self._publisher.publish(self, self.step - 1, initial=True)
+            first_step.STATE.before_first_step(publish_s=time.monotonic() - t0)  # not the trainer's build
+        if self._start_step is None:
+            self._start_step = self.step - 1  # the step this process started from (0, or the resumed one)
+        if self.config.follow_wait_timeout > 0:
+            self._wait_for_data()
+            first_step.STATE.before_first_step(data_wait_s=self._waited_s)  # counted only before the first step
+        first_step.STATE.step_started()  # the first step's breakdown (framework/train/first_step.py)
+        # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
+        self._policy_sums, self._policy_tokens = {}, 0.0
+        self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None
+        self._bad_loss, self._skipped_now, self._loss_was_bad = None, False, False
+        _GRAD_NORM[0] = None
+        out = super().train_step(data_iterator)
+        self._after_step()
+        return out
+
+    # -- follow mode (data.follow): wait for each step's rollouts --------------------------------
+    def _followed(self):
+        ds = getattr(self.dataloader, "dataset", None)
+        return ds if isinstance(ds, contracts.FollowedData) else None
+
+    def _wait_for_data(self) -> None:
+        """Before step ``self.step``: every rank's dataset can form the step's rows (agreed over ranks).
+        While it cannot, rank 0 says so every ``WAIT_NOTE_S``; a signal (SIGTERM, SIGUSR1, Ctrl-C) or
+        ``data.wait_timeout`` seconds without the rows stop the run with the last complete step
+        checkpointed (exit 75, or 77 for the timeout); a malformed shard stops it the same way (exit 2,
+        naming file and line). Nothing of this step has run when it stops."""
+        ds = self._followed()
+        if ds is None:
+            return
+        self._follow_source = ds
+        t0 = time.monotonic()
+        last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
+        folder = ds.dir
+        while True:
+            error = ""
+            try:
+                ok = ds.ready()
+            except ValueError as e:
+                ok, error = False, str(e)
+            waited = time.monotonic() - t0
+            bad, missing, stop, timed_out = self._agree([bool(error), not ok, preempt.requested(),
+                                                        waited > self.config.follow_wait_timeout])
+            if bad:
+                self._stop_following("malformed", error or "a rollout shard on another rank is malformed")
+            if not missing:
+                self._waited_s = waited
+                return
+            if stop:
+                self._stop_following("signal", "")
+            if timed_out:
+                held, limit = ds.held(), f"data.wait_timeout={self.config.follow_wait_timeout:g}"
+                self._stop_following("timeout", f"not enough {ds.NOUN} for step {self.step} in {folder} after "
+                                                 f"{waited:.0f} s ({limit}): {held}" if held else
+                                                 f"no {ds.NOUN} for step {self.step} in {folder} for {waited:.0f} s "
+                                                 f"({limit})")
+            now = time.monotonic()
+            if now - last_note >= WAIT_NOTE_S and dist_rank() == 0:
+                last_note = now
+                print(f"waiting for {ds.NOUN} in {folder}: {waited:.0f} s (step {self.step}{ds.waiting_note()})",
+                      flush=True)
+            time.sleep(WAIT_POLL_S)
+
+    def _stop_following(self, why: str, message: str) -> None:
+        """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop
+        (torchtitan's loop ends on DataloaderExhaustedError)."""
+        self.step -= 1
+        guard = getattr(self, "_apiary_preempt", None)
+        ck = self.checkpointer
+        if not ck.enable:
+            note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"
+        elif self.step == self._start_step:
+            note = f"no step trained since the start (step {self.step}); the checkpoint it started from stays"
+        elif guard is not None and guard.last_saved == self.step:  # complete once renamed to step-N
+            note = (f"checkpoint step-{self.step} already written" if preempt.complete(ck, self.step)
+                    else f"checkpoint step-{self.step} NOT saved")
+        else:
+            note = (f"checkpoint step-{self.step} saved" if preempt.force_save(ck, self.step)
+                    else f"checkpoint step-{self.step} NOT saved")
+        code = {"signal": preempt.EXIT_CODE, "timeout": EXIT_DATA_TIMEOUT, "malformed": EXIT_USER_ERROR}[why]
+        if why == "signal" and guard is not None:
+            guard.stopped_at, guard.saved = self.step, True
+            message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
+        self.follow_stop = FollowStop(why, code, f"apiary: {message}; {note}; the rollout position of step "
+                                      f"{self.step} is kept"
+                                      + ("; fix or remove that shard (later shards are untouched), then resume with "
+                                         f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
+                                         else "") + f". Exit code {code}.")
+        if dist_rank() == 0:
+            print(self.follow_stop.message, file=sys.stderr, flush=True)
+        raise DataloaderExhaustedError()
+
+    def _write_ledger(self) -> None:
+        """The followed stream's ledger (its LEDGER file): the records each step trained (rank 0; a
+        resume moves the re-trained steps' lines aside)."""
+        report = self._follow_source.step_report(self.step)
+        if report is None or dist_rank() != 0:
+            return
+        path = Path(self.config.dump_folder) / self._follow_source.LEDGER
+        if not self._ledger_started:
+            self._ledger_started = True
+            metrics.supersede(path, self.step)
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.step, "waited_s": round(self._waited_s, 3), **report}) + "\n")
+
+    def _after_step(self) -> None:
+        """After step ``self.step`` was applied: the rollout ledger (follow mode), then publication."""
+        if self._follow_source is not None:
+            self._write_ledger()
+        if self._publisher is not None:
+            self._publisher.maybe_publish(self, self.step)
+
+    # -- the non-finite guard ----------------------------------------------------------------
+    def _agree(self, flags: list) -> list[bool]:
+        """Each flag OR-ed over every rank (one small all-reduce on the default group)."""
+        t = torch.stack([torch.as_tensor(f, device=self.device).float().reshape(()) for f in flags])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def _guarded_optimizer_step(self, *args, **kwargs):
+        norm = _GRAD_NORM[0]
+        bad_loss = self._bad_loss if self._bad_loss is not None else torch.zeros((), dtype=torch.bool)
+        bad_norm = ~torch.isfinite(norm.detach().float()) if norm is not None else torch.zeros((), dtype=torch.bool)
+        if isinstance(bad_norm, torch.Tensor) and hasattr(bad_norm, "full_tensor"):
+            bad_norm = bad_norm.full_tensor()
+        loss_bad, norm_bad = self._agree([bad_loss, bad_norm])
+        if not (loss_bad or norm_bad):
+            self._skips_in_row = 0
+            return self._step_optimizers(*args, **kwargs)
+        what = " and ".join(w for w, b in (("the loss", loss_bad), ("the gradient norm", norm_bad)) if b)
+        if self.config.on_nonfinite == "skip" and self._skips_in_row < self.config.max_skips:
+            self._skips_in_row += 1
+            self._skips_total += 1
+            self._skipped_now, self._loss_was_bad = True, loss_bad
+            self.optimizers.zero_grad()
+            logger.warning(f"step {self.step}: {what} is not finite; update skipped "
+                           f"({self._skips_in_row} in a row, {self._skips_total} in all)")
+            return None
+        self._stop_nonfinite(what)
+
+    def _guarded_scheduler_step(self, *args, **kwargs):
+        if self._skipped_now:  # the schedule counts applied updates
+            return None
+        return self._step_schedulers(*args, **kwargs)
+
+    def _stop_nonfinite(self, what: str) -> None:
+        if getattr(self, "_atomic", None) is not None:
+            self._atomic.finish()  # the saves before this step are complete before naming the last good one
+        ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
+        norm = _GRAD_NORM[0]
+        norm_s = f"{float(norm.full_tensor() if hasattr(norm, 'full_tensor') else norm):.4g}" if norm is not None else "?"
+        if self.config.on_nonfinite == "skip":
+            why = (f"more than training.max_skips={self.config.max_skips} steps in a row were non-finite, "
+                   f"{self._skips_total} skipped in all")
+            tries = "lower optimizer.lr or training.max_norm (a resume may change both)"
+        else:
+            why = "training.on_nonfinite=stop"
+            tries = ("lower optimizer.lr or training.max_norm (a resume may change both); or set "
+                     "training.on_nonfinite=skip to skip such steps (training.max_skips in a row)")
+        raise integrity.NonFiniteStop(
+            f"apiary: step {self.step}: {what} is not finite (grad norm {norm_s}); no update was applied and "
+            f"nothing was saved from this step ({why}). {_restart_hint(ck, self.config.resume_hint)} after a "
+            f"change: {tries}. "
+            f"Exit code {integrity.EXIT_NONFINITE}.")
+
+    def _check_state_finite(self) -> None:
+        """Before any checkpoint is written: every model and optimizer tensor is finite (all ranks)."""
+        ready = getattr(self.optimizers, "host_state_ready", None)  # state.offload_update=device: copies in flight
+        if ready is not None:
+            ready()
+        flags = []
+        for m in self.model_parts:
+            for p in m.parameters():
+                t = p.to_local() if hasattr(p, "to_local") else p
+                if t.is_floating_point() and t.numel():
+                    flags.append(~torch.isfinite(t.detach()).all())
+        for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                        t = v.to_local() if hasattr(v, "to_local") else v
+                        flags.append(~torch.isfinite(t).all())
+        by_device: dict = {}  # optimizer state may live on the host (state.offload=optimizer)
+        for f in flags:
+            by_device.setdefault(f.device, []).append(f)
+        bad = any(bool(torch.stack(fs).any()) for fs in by_device.values())
+        if self._agree([bad])[0]:
+            if getattr(self, "_atomic", None) is not None:
+                self._atomic.finish()
+            ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
+            raise integrity.NonFiniteStop(
+                f"apiary: step {self.step}: the model or optimizer state holds NaN or Inf values; the checkpoint "
+                f"of this step was not written. {_restart_hint(ck, self.config.resume_hint)} after lowering "
+                f"optimizer.lr or training.max_norm. Exit code {integrity.EXIT_NONFINITE}.")
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=global_valid_tokens)
+        if self.parallel_dims.pp_enabled and self.metrics_processor.should_log(self.step):
+            loss = self._last_stage_loss(loss)
+        bad = ~torch.isfinite(loss.detach().float()).all()  # stays on device: no sync here
+        self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
+        if self.config.on_nonfinite == "skip":  # only the logged copy: torchtitan raises on a NaN it logs
+            loss = torch.where(bad, torch.zeros_like(loss), loss)
+        weight = contracts.member(self.loss_fn, "loss_fn", "metric_weight")
+        if self.metrics_processor.extra_source is not None and weight is not None:
+            w = weight.float()
+            for k, v in contracts.member(self.loss_fn, "loss_fn", "metrics").items():
+                if k.endswith("_max"):  # a max over the step's micro-steps that had trained tokens (no sync)
+                    v = torch.where(w > 0, v.float(), torch.full_like(v.float(), float("-inf")))
+                    self._policy_sums[k] = v if k not in self._policy_sums else torch.maximum(self._policy_sums[k], v)
+                else:
+                    self._policy_sums[k] = self._policy_sums.get(k, 0.0) + v.float() * w
+            self._policy_tokens = self._policy_tokens + w
+        if self.metrics_processor.max_loss_source is not None:
+            self._loss_share = self._loss_share + loss.detach().float()
+            self._rank_tokens = self._rank_tokens + (labels != IGNORE_INDEX).sum()  # before CP sharding
+            self._global_tokens = global_valid_tokens
+        return loss
+
+    def _last_stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """With pipeline stages only the last one computes the loss (torchtitan returns -1 on the
+        others, which rank 0, a first stage, logged; its validator likewise): the last stage's loss,
+        summed over the stage group with 0 from the others, so every stage logs the real loss. One
+        scalar all-reduce, on the steps that are logged and at each validation."""
+        mine = loss.detach().float().sum() if self.pp_has_last_stage else torch.zeros((), device=loss.device)
+        dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())
+        return mine
+
+    def _extra_metrics(self) -> dict[str, float]:
+        """The step's extra scalars: policy metrics (a collective), and what a followed stream consumed."""
+        out = self._policy_metrics() if self._loss_set_batch is not None else {}
+        if self._follow_source is not None:
+            out.update(self._follow_source.step_metrics(self.step))
+            out["data/waited_s"] = float(self._waited_s)
+        elif callable(step_metrics := getattr(getattr(self.dataloader, "dataset", None), "step_metrics", None)):
+            out.update(step_metrics(self.step))  # a static rollout file: the step's mean reward
+        return out
+
+    def _policy_metrics(self) -> dict[str, float]:
+        """The policy metrics as means over the step's trained tokens: each micro-step's value
+        weighed by its local trained tokens, summed over micro-steps and data/context-parallel
+        ranks (a collective: every rank calls it when a step is logged). A key ending in ``_max``
+        is the max over the micro-steps and ranks that had trained tokens (0 where none had)."""
+        if not self._policy_sums:
+            return {}
+        keys = sorted(k for k in self._policy_sums if not k.endswith("_max"))
+        max_keys = sorted(k for k in self._policy_sums if k.endswith("_max"))
+        sums = torch.stack([torch.as_tensor(v).float() for v in (*(self._policy_sums[k] for k in keys),
+                                                                 self._policy_tokens)])
+        maxes = torch.stack([torch.as_tensor(self._policy_sums[k]).float().to(sums.device) for k in max_keys]) \
+            if max_keys else None
+        mesh = self.parallel_dims.get_optional_mesh("loss") if self.parallel_dims.dp_cp_enabled else None
+        if mesh is not None:
+            dist.all_reduce(sums, group=mesh.get_group())
+            if maxes is not None:
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        out = {f"policy/{k}": float(v / sums[-1].clamp_min(1)) for k, v in zip(keys, sums[:-1])}
+        for k, v in zip(max_keys, maxes if maxes is not None else ()):
+            out[f"policy/{k}"] = float(v) if torch.isfinite(v) else 0.0
+        return dict(sorted(out.items()))
+
+    def _max_loss_over_dp(self) -> float:
+        """Max over data-parallel ranks of each rank's mean loss (its CP group's shares summed)."""
+        share = self._loss_share.clone()
+        dist.all_reduce(share, group=self.parallel_dims.get_mesh("cp").get_group())
+        tokens = torch.as_tensor(self._rank_tokens, device=share.device).clamp_min(1)
+        mean = share * self._global_tokens / tokens
+        batch = self.parallel_dims.get_optional_mesh("batch")
+        if batch is not None:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=batch.get_group())
+        return float(mean)
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        keys = (*self.config.batch_keys, *self.config.step_keys)
+        rl = {k: input_dict.pop(k) for k in keys if k in input_dict}
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        # per-token model inputs a component registered on the model (contracts.add_batch_consumer)
+        consumers = contracts.batch_consumers(self.model_parts)
+        if self._loss_set_batch is None and not consumers:
+            return inputs, labels, extra_kwargs
+        group = None
+        if rl and self.parallel_dims.cp_enabled:  # seq dim 1; trailing dims ([B, T, ...]) are kept
+            per_token = [k for k in self.config.batch_keys if k in rl]
+            cp_mesh = self.parallel_dims.get_mesh("cp")
+            sharded, _ = cp_shard(cp_mesh, tuple(rl[k] for k in per_token), None,
+                                  self.config.parallelism.context_parallel_load_balancer)
+            rl.update(zip(per_token, sharded))
+            group = cp_mesh.get_group()
+        for key, fns in consumers.items():  # every micro-batch: its tensor, or None (stale state is cleared)
+            for fn in fns:
+                fn(rl.get(key))
+        if self._loss_set_batch is not None:
+            self._loss_set_batch(rl, group)
+        return inputs, labels, extra_kwargs
