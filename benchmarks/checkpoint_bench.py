@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework.train import integrity
+from framework.train import atomic_save, integrity
 
 
 def make_state(mb: int) -> dict:
@@ -69,7 +69,7 @@ def main() -> None:
             inner.append(timed(lambda: dcp.save(sd, checkpoint_id=checkpoint_id)))
 
     atomic = Ckpt()
-    saves = integrity.install_atomic_save(atomic)
+    saves = atomic_save.install_atomic_save(atomic)
     rows = {k: [] for k in ("save", "save_atomic", "overhead", "finish", "hash_at_save", "load", "verify")}
     try:
         dcp.save(state, checkpoint_id=str(root / "warmup"))  # first-call costs (imports, planner caches)

@@ -37,7 +37,7 @@ from components.transport import link as link_mod  # noqa: E402
 from components.transport.sender import InMemorySender  # noqa: E402
 from framework import api  # noqa: E402
 from framework.resolve.resolver import resolve  # noqa: E402
-from framework.train import publish  # noqa: E402
+from framework.train import published  # noqa: E402
 
 GENERATOR = ROOT / "examples" / "rl_loop" / "vllm_generator.py"
 
@@ -60,7 +60,7 @@ def write_folder(model, writer, directory: Path, version: int) -> float:
     sd = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     tensors, hf_config = writer(sd)
     hf_config = {**hf_config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}
-    publish.write_version(directory, version, tensors, hf_config)
+    published.write_version(directory, version, tensors, hf_config)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

@@ -6,7 +6,7 @@ memory statistics from the device module and captures CUDA graphs by default. On
 machine without CUDA, ``install()`` points torchtitan at the CPU before it is imported,
 gives ``torch.cpu`` the handful of calls torchtitan makes, and makes FSDP2's
 reduce-scatter use plain sums (gloo refuses ReduceOp.PREMUL_SUM). The patches of torch's and
-torchtitan's internals these shims need are framework/compat.py's.
+torchtitan's internals these shims need are framework/compat/'s.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.train import integrity
+from framework.train import atomic_save, integrity
 
 from conftest import run_cli
 
@@ -173,7 +173,7 @@ def test_a_crash_inside_the_save_leaves_the_previous_steps_intact(tmp_path):
 
     fake = type("Ckpt", (), {})()
     fake.dcp_save = dcp_save
-    atomic = integrity.install_atomic_save(fake)
+    atomic = atomic_save.install_atomic_save(fake)
     with pytest.raises(Crash):
         fake.dcp_save({"crash": True}, str(ck / "step-4"), AsyncMode.DISABLED)
     atomic.finish()
@@ -244,10 +244,10 @@ def test_ranks_writing_their_parts_at_once_each_keep_their_own(tmp_path, monkeyp
         return replace(src, dst)
 
     monkeypatch.setattr(integrity.os, "replace", lagging_replace)
-    r1 = integrity._Pending(4, folder, tmp_path / "step-4", sorted(files), 1, 2, 0.0)
+    r1 = atomic_save._Pending(4, folder, tmp_path / "step-4", sorted(files), 1, 2, 0.0)
     while not first:
         time.sleep(0.01)
-    r0 = integrity._Pending(4, folder, tmp_path / "step-4", sorted(files), 0, 2, 0.0)
+    r0 = atomic_save._Pending(4, folder, tmp_path / "step-4", sorted(files), 0, 2, 0.0)
     r0.thread.join(30)
     gate.set()
     r1.thread.join(30)
@@ -268,7 +268,7 @@ def _failing_rank_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torchtitan.components.checkpoint import AsyncMode
 
-    from framework.train import integrity
+    from framework.train import atomic_save, integrity
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -281,7 +281,7 @@ def _failing_rank_worker(rank: int, port: int, out: str) -> None:
 
     fake = type("Ckpt", (), {})()
     fake.dcp_save = dcp_save
-    atomic = integrity.AtomicSaves(fake, wait_s=60)
+    atomic = atomic_save.AtomicSaves(fake, wait_s=60)
     if rank == 1:
         def broken(folder, files, *a, **k):
             raise OSError(28, "No space left on device")

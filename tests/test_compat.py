@@ -1,4 +1,4 @@
-"""framework/compat.py holds every patch of a third-party internal. For each patch target the thing
+"""framework/compat/ holds every patch of a third-party internal. For each patch target the thing
 it replaces or reads still exists with the signature the patch was written against (an upgrade of
 torch, torchtitan, Triton or Hydra that moves one fails here, naming it, rather than in a run);
 each patch function is idempotent; the private names apiary reads are listed there and exist; and
@@ -13,6 +13,8 @@ import inspect
 import pytest
 
 from framework import compat
+from framework.compat import originals as compat_originals
+from framework.compat import torchtitan_patches
 
 from conftest import ROOT
 
@@ -81,7 +83,7 @@ def test_every_target_is_checked_here():
     targets = {t for ts in compat.TARGETS.values() for t in ts}
     assert targets == set(SIGNATURES), "compat.TARGETS and this file's SIGNATURES list different targets"
     public = {n for n, f in vars(compat).items() if inspect.isfunction(f) and not n.startswith("_")
-              and f.__module__ == compat.__name__} - {"original"}
+              and f.__module__.startswith(compat.__name__ + ".")} - {"original"}
     assert public == set(compat.TARGETS), "every compat function names its targets in compat.TARGETS"
     for name in compat.TARGETS:
         doc = inspect.getdoc(getattr(compat, name)) or ""
@@ -121,7 +123,7 @@ def test_private_names_read_still_exist(name):
 def _sources():
     for top in ("framework", "components", "toolkit"):
         for path in sorted((ROOT / top).rglob("*.py")):
-            if path != ROOT / "framework" / "compat.py":
+            if ROOT / "framework" / "compat" not in path.parents:
                 yield path, ast.parse(path.read_text(), str(path))
 
 
@@ -146,7 +148,7 @@ def test_every_private_third_party_import_is_listed_in_compat():
 
 def test_no_module_outside_compat_patches_a_third_party_module_or_class():
     """An assignment to an attribute of a name imported from a third-party package (a module, class
-    or function of it), or setattr on one, is a patch: it belongs in framework/compat.py."""
+    or function of it), or setattr on one, is a patch: it belongs in framework/compat/."""
     found = []
     for path, tree in _sources():
         imported = set()
@@ -170,7 +172,7 @@ def test_no_module_outside_compat_patches_a_third_party_module_or_class():
                     base = base.value
                 if t is not base and isinstance(base, ast.Name) and base.id in imported:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
-    assert not found, "patches of third-party internals outside framework/compat.py:\n" + "\n".join(found)
+    assert not found, "patches of third-party internals outside framework/compat/:\n" + "\n".join(found)
 
 
 def test_hydra_internal_is_imported_only_by_compat():
@@ -183,11 +185,11 @@ def test_hydra_internal_is_imported_only_by_compat():
 def _unpatched(monkeypatch, name):
     """Put ``name``'s targets back to the library's own (restored after the test) and forget what
     compat recorded, so the test sees a first application."""
-    monkeypatch.setattr(compat, "_ORIGINALS", dict(compat._ORIGINALS))
+    monkeypatch.setattr(compat_originals, "_ORIGINALS", dict(compat_originals._ORIGINALS))
     for target in compat.TARGETS[name]:
         holder, attr = _split(target)
         monkeypatch.setattr(holder, attr, compat.original(target))
-        compat._ORIGINALS.pop(target, None)
+        compat_originals._ORIGINALS.pop(target, None)
 
 
 def _state(name):
@@ -267,7 +269,7 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
 
     _unpatched(monkeypatch, "patch_clip_grad_norm")
     torchtitan_clip = dist_utils.clip_grad_norm_
-    monkeypatch.setattr(compat, "LAST_GRAD_NORM", [None])
+    monkeypatch.setattr(torchtitan_patches, "LAST_GRAD_NORM", [None])
     compat.patch_clip_grad_norm()  # the trainer's call
     wrapper = dist_utils.clip_grad_norm_
     compat.patch_clip_grad_norm()  # a state backend's call
@@ -277,7 +279,7 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.full((4,), 3.0)
     norm = dist_utils.clip_grad_norm_([p], 1.0)
-    assert torch.isclose(norm, torch.tensor(6.0)) and compat.LAST_GRAD_NORM[0] is norm
+    assert torch.isclose(norm, torch.tensor(6.0)) and torchtitan_patches.LAST_GRAD_NORM[0] is norm
     assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)  # torchtitan's clipping ran
 
     class Owner:
@@ -288,7 +290,7 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     owner = Owner()
     setattr(p, compat.GRAD_CLIP_OWNER, owner)
     norm = dist_utils.clip_grad_norm_((q for q in [p]), 2.0, foreach=True)
-    assert float(norm) == 42.0 and compat.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)
+    assert float(norm) == 42.0 and torchtitan_patches.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)
 
     class Scaler:  # GRAD_SCALE_OWNER: torchtitan's norm, the gradients left unscaled for the owner
         def scale_grads_(self, max_norm, total_norm):
@@ -299,7 +301,8 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     scaler = Scaler()
     setattr(q, compat.GRAD_SCALE_OWNER, scaler)
     norm = dist_utils.clip_grad_norm_([q], 1.0)
-    assert torch.isclose(norm, torch.tensor(6.0)) and scaler.args == (1.0, norm) and compat.LAST_GRAD_NORM[0] is norm
+    assert torch.isclose(norm, torch.tensor(6.0)) and scaler.args == (1.0, norm)
+    assert torchtitan_patches.LAST_GRAD_NORM[0] is norm
     assert torch.equal(q.grad, torch.full((4,), 3.0))  # not scaled on the device
     assert torch.nn.utils.clip_grads_with_norm_ is compat.original("torch.nn.utils:clip_grads_with_norm_")
 
@@ -382,4 +385,4 @@ def test_no_module_outside_compat_replaces_a_method_of_a_library_object():
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}" for t in targets
                       if isinstance(t, ast.Attribute) and t.attr in methods
                       and not (isinstance(t.value, ast.Name) and t.value.id == "self")]  # own state (a step count)
-    assert not found, "methods of library objects replaced outside framework/compat.py:\n" + "\n".join(found)
+    assert not found, "methods of library objects replaced outside framework/compat/:\n" + "\n".join(found)

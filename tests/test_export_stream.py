@@ -21,7 +21,7 @@ devices.install()  # before torchtitan is imported (CPU shims), as the trainer d
 
 from components.models import hf, qwen3, qwen3_5  # noqa: E402
 from framework.errors import UserError  # noqa: E402
-from framework.train import publish  # noqa: E402
+from framework.train import published  # noqa: E402
 
 from conftest import _child_env  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_streamed_export_is_the_whole_model_conversion(runs, family, tmp_path, c
 @pytest.mark.parametrize("family", list(RECIPES))
 def test_lowered_shard_limit_writes_shards_transformers_loads_with_apiarys_logits(runs, family, tmp_path,
                                                                                     monkeypatch, capsys):
-    """publish.SHARD_BYTES lowered to 64 KiB: several model-0000i-of-0000n files of at most that size (a
+    """published.SHARD_BYTES lowered to 64 KiB: several model-0000i-of-0000n files of at most that size (a
     larger tensor alone) with the index publication writes; the same tensors as one file; transformers'
     AutoModelForCausalLM loads the sharded folders (fp32, bf16) and gives the logits apiary's model
     gives on them."""
@@ -132,7 +132,7 @@ def test_lowered_shard_limit_writes_shards_transformers_loads_with_apiarys_logit
 
     assert _export(runs[family], tmp_path / "one", "--dtype", "float32") == 0
     limit = 64 * 2**10
-    monkeypatch.setattr(publish, "SHARD_BYTES", limit)
+    monkeypatch.setattr(published, "SHARD_BYTES", limit)
     folders = {"float32": tmp_path / "f32", "bfloat16": tmp_path / "bf16"}
     for dtype, d in folders.items():
         assert _export(runs[family], d, "--dtype", dtype) == 0

@@ -244,7 +244,7 @@ def test_export_writes_a_loadable_readable_folder_and_never_into_a_full_one(work
     leaves the first untouched."""
     import os
 
-    from framework.train import publish
+    from framework.train import published
     from toolkit.cli import apiary_main
 
     code, out, err = _train(["recipe=debug_dense", "training.steps=1", "training.seq_len=32", "checkpoint.interval=1",
@@ -266,7 +266,7 @@ def test_export_writes_a_loadable_readable_folder_and_never_into_a_full_one(work
     (tok / "tokenizer_config.json").write_text("{}")
     dest = workdir / "with_tok"
     dest.mkdir()
-    assert publish.add_hf_extras(dest, {"eos_token_id": 3}, str(tok)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert published.add_hf_extras(dest, {"eos_token_id": 3}, str(tok)) == ["tokenizer.json", "tokenizer_config.json"]
     assert json.loads((dest / "generation_config.json").read_text())["eos_token_id"] == 3
 
 

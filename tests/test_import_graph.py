@@ -4,7 +4,7 @@ every `import` / `from ... import` anywhere in a module (module level and inside
 
 framework (the training path) and toolkit (the tools) have no import cycle; framework never
 imports toolkit; components import from framework only its contract, error, device and
-compatibility (framework/compat.py: the patches of third-party internals) modules."""
+compatibility (framework/compat/: the patches of third-party internals) modules."""
 
 from __future__ import annotations
 

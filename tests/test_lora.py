@@ -383,7 +383,7 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
 
 
 def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
-    from framework.train import publish
+    from framework.train import published
     from toolkit.cli import apiary_main
 
     work = runs["work"]
@@ -397,7 +397,7 @@ def test_peft_loads_the_export_with_apiarys_logits(runs, hf_dirs, capsys):
         torch.save(tokens, work / f"{name}_tokens.pt")
         mine[name] = _apiary_logits(run, tokens)
         jobs.append([name, cls, str(base), str(work / f"{name}_peft"), str(work / f"{name}_merged"),
-                     str(work / f"{name}_tokens.pt"), str(publish.read_latest(run / "weights"))])
+                     str(work / f"{name}_tokens.pt"), str(published.read_latest(run / "weights"))])
     said = capsys.readouterr().out
     assert "PEFT LoRA adapter (rank 4, alpha 32)" in said and "routed experts of 2 layers" in said
     cfg35 = json.loads((work / "q35_peft" / "adapter_config.json").read_text())
@@ -429,15 +429,15 @@ def _published_adapters_are_the_export(work: Path) -> None:
     export of the checkpoint of the same step (bitwise; cast with publish.dtype), for the HF base."""
     from safetensors.torch import load_file
 
-    from framework.train import publish
+    from framework.train import published
 
     for name, run, last, dtype in (("q3", "lora", 8, torch.bfloat16), ("q35", "q35", 2, torch.float32)):
         weights = work / run / "weights"
-        assert publish.versions(weights) == ([0, 4, 8] if run == "lora" else [0, 2])
-        assert publish.read_latest(weights).name == f"step-{last}"
+        assert published.versions(weights) == ([0, 4, 8] if run == "lora" else [0, 2])
+        assert published.read_latest(weights).name == f"step-{last}"
         got = weights / f"step-{last}"
         assert sorted(f.name for f in got.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                           publish.VERSION_FILE]  # no base weights, no tokenizer
+                                                           published.VERSION_FILE]  # no base weights, no tokenizer
         exported = work / f"{name}_peft"
         mine, ref = load_file(got / "adapter_model.safetensors"), load_file(exported / "adapter_model.safetensors")
         assert sorted(mine) == sorted(ref)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.train import integrity
+from framework.train import atomic_save, integrity
 
 from conftest import ROOT, run_ranks
 
@@ -100,7 +100,7 @@ class _AtomicCheckpointer(_FakeCheckpointer):
         super().__init__(interval)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True)
-        integrity.install_atomic_save(self)
+        atomic_save.install_atomic_save(self)
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
         Path(checkpoint_id, "__0_0.distcp").write_bytes(b"x" * 4096)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from framework.train import publish
+from framework.train import published
 
 from conftest import _child_env, read_metrics
 
@@ -62,13 +62,13 @@ class _Reader(threading.Thread):
 
     def run(self):
         while not self.stop:
-            target = publish.read_latest(self.dir)
+            target = published.read_latest(self.dir)
             if target is not None:
                 try:
                     with safe_open(str(target / "model.safetensors"), framework="pt") as f:
                         n = len(list(f.keys()))
                     cfg = json.loads((target / "config.json").read_text())
-                    version = json.loads((target / publish.VERSION_FILE).read_text())["version"]
+                    version = json.loads((target / published.VERSION_FILE).read_text())["version"]
                     assert n > 0 and cfg["model_type"] and target.name == f"step-{version}"
                     if not self.seen or self.seen[-1] != target.name:
                         self.seen.append(target.name)
@@ -111,17 +111,17 @@ def runs(tmp_path_factory):
 
 def test_run_publishes_every_interval_atomically(runs):
     fg, bg = runs["fg"] / "weights", runs["bg"] / "weights"
-    assert publish.versions(fg) == [0, 2, 4] and publish.read_latest(fg) == fg / "step-4"
-    assert publish.versions(bg) == [2, 4] and publish.read_latest(bg) == bg / "step-4"  # keep=2: step-0 pruned
+    assert published.versions(fg) == [0, 2, 4] and published.read_latest(fg) == fg / "step-4"
+    assert published.versions(bg) == [2, 4] and published.read_latest(bg) == bg / "step-4"  # keep=2: step-0 pruned
     for line in ("published weights step-0", "published weights step-2", "published weights step-4"):
         assert line in runs["out_fg"] and line in runs["out_bg"]
     assert "in the background" in runs["out_bg"] and "in the background" not in runs["out_fg"]
     for d in (fg, bg):
-        assert sorted(p.name for p in d.iterdir()) == sorted(["latest", *(f"step-{v}" for v in publish.versions(d))])
-        for v in publish.versions(d):  # no .tmp / .del / .old left; each folder whole
+        assert sorted(p.name for p in d.iterdir()) == sorted(["latest", *(f"step-{v}" for v in published.versions(d))])
+        for v in published.versions(d):  # no .tmp / .del / .old left; each folder whole
             files = sorted(p.name for p in (d / f"step-{v}").iterdir())
             assert files == ["apiary_version.json", "config.json", "generation_config.json", "model.safetensors"]
-            meta = json.loads((d / f"step-{v}" / publish.VERSION_FILE).read_text())
+            meta = json.loads((d / f"step-{v}" / published.VERSION_FILE).read_text())
             assert meta == {"version": v, "step": v, "run": str(d.parent)}
     # times in the metrics: the initial publication in step 1's record, step 2's in step 3's
     m = read_metrics(runs["fg"])
@@ -187,34 +187,34 @@ def test_published_qwen3_moe_loads_in_transformers(runs):
 
 
 def test_published_qwen35_loads_in_transformers(runs):
-    assert publish.versions(runs["q35"] / "weights") == [0, 2]
+    assert published.versions(runs["q35"] / "weights") == [0, 2]
     assert _logits_match(runs["q35"] / "weights" / "step-2", "qwen35_debug_moe") == "Qwen3_5MoeForCausalLM"
 
 
 def test_sharded_write_and_latest_pointer(tmp_path, monkeypatch):
     """Large models are written as shards with HF's index; `latest` is replaced, never edited."""
-    monkeypatch.setattr(publish, "SHARD_BYTES", 100)
+    monkeypatch.setattr(published, "SHARD_BYTES", 100)
     t = {f"w{i}": torch.full((10,), float(i)) for i in range(5)}  # 40 bytes each: 2 per shard
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text("{}")
     (tok / "model.safetensors").write_text("not copied")
-    out = publish.write_version(tmp_path / "w", 7, t, {"model_type": "x"}, run="r", tokenizer_dir=str(tok))
+    out = published.write_version(tmp_path / "w", 7, t, {"model_type": "x"}, run="r", tokenizer_dir=str(tok))
     names = sorted(p.name for p in out.iterdir())
     assert names == ["apiary_version.json", "config.json", "generation_config.json", "model-00001-of-00003.safetensors",
                      "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
                      "model.safetensors.index.json", "tokenizer.json"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 200 and len(index["weight_map"]) == 5
-    assert publish.read_latest(tmp_path / "w") == out
+    assert published.read_latest(tmp_path / "w") == out
     for v in (8, 9):
-        publish.write_version(tmp_path / "w", v, t, {"model_type": "x"})
-    assert publish.prune(tmp_path / "w", 1) == [7, 8]
-    assert publish.versions(tmp_path / "w") == [9]
+        published.write_version(tmp_path / "w", v, t, {"model_type": "x"})
+    assert published.prune(tmp_path / "w", 1) == [7, 8]
+    assert published.versions(tmp_path / "w") == [9]
     # a resumed run republishing an older version drops the versions past it, never the latest
-    publish.write_version(tmp_path / "w", 5, t, {"model_type": "x"})
-    assert publish.prune(tmp_path / "w", 3, newer_than=5) == [9]
-    assert publish.versions(tmp_path / "w") == [5] and publish.read_latest(tmp_path / "w").name == "step-5"
+    published.write_version(tmp_path / "w", 5, t, {"model_type": "x"})
+    assert published.prune(tmp_path / "w", 3, newer_than=5) == [9]
+    assert published.versions(tmp_path / "w") == [5] and published.read_latest(tmp_path / "w").name == "step-5"
 
 
 def test_prune_and_republication_never_touch_a_folder_publication_did_not_write(tmp_path):
@@ -233,19 +233,19 @@ def test_prune_and_republication_never_touch_a_folder_publication_did_not_write(
     foreign("step-1")
     foreign("step-9")
     (w / "step-5").mkdir()  # another version's file copied in: not this version's
-    (w / "step-5" / publish.VERSION_FILE).write_text(json.dumps({"version": 3, "step": 3, "run": "r"}))
+    (w / "step-5" / published.VERSION_FILE).write_text(json.dumps({"version": 3, "step": 3, "run": "r"}))
     for v in (2, 3, 4):
-        publish.write_version(w, v, t, {"model_type": "x"})
-    assert publish.versions(w) == [2, 3, 4]
-    assert publish.prune(w, 1) == [2, 3]
-    assert publish.prune(w, 1, newer_than=2) == []  # step-9 and step-5 are not versions past 2
+        published.write_version(w, v, t, {"model_type": "x"})
+    assert published.versions(w) == [2, 3, 4]
+    assert published.prune(w, 1) == [2, 3]
+    assert published.prune(w, 1, newer_than=2) == []  # step-9 and step-5 are not versions past 2
     with pytest.raises(UserError) as e:
-        publish.write_version(w, 1, t, {"model_type": "x"})
+        published.write_version(w, 1, t, {"model_type": "x"})
     assert f"{w / 'step-1'} exists and publication did not write it" in str(e.value)
     assert sorted(p.name for p in w.iterdir()) == ["latest", "step-1", "step-4", "step-5", "step-9"]
     for name in ("step-1", "step-9"):
         assert sorted(p.name for p in (w / name).iterdir()) == [".metadata", "manifest.json"]
-    assert publish.read_latest(w).name == "step-4"
+    assert published.read_latest(w).name == "step-4"
 
 
 @pytest.mark.parametrize("argv,needle", [

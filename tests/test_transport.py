@@ -21,7 +21,7 @@ from components.transport import snapshot
 from framework import api
 from framework.errors import UserError
 from framework.resolve.resolver import resolve
-from framework.train import publish
+from framework.train import publish, published
 
 
 def _writer(recipe: str, *extra):
@@ -47,7 +47,7 @@ def test_buckets_hold_the_published_folder(tmp_path, recipe):
     writer = _writer(recipe)
     sd = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     tensors, hf_config = writer(sd)
-    folder = publish.write_version(tmp_path / "weights", 1, tensors, hf_config)
+    folder = published.write_version(tmp_path / "weights", 1, tensors, hf_config)
     want = _folder_tensors(folder)
 
     p = snapshot.plan(snapshot.meta_state([model]), writer.to_hf, torch.bfloat16, bucket_bytes=64 * 1024)

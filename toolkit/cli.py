@@ -151,7 +151,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")
-    from framework.train import publish  # reason: start-up time (imports torch)
+    from framework.train import published  # reason: start-up time (imports torch)
 
     what = ""
     if adapter != "none":  # the adapter component writes its own format (PEFT's), or the merged model
@@ -169,14 +169,14 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
     else:  # streamed a layer at a time, in publication's shards
         dtype = dtype or EXPORT_DTYPES[0]
         with _one_process_dcp():
-            folder = Path(export(run_dir, out, step=step, dtype=dtype, shard_bytes=publish.SHARD_BYTES))
+            folder = Path(export(run_dir, out, step=step, dtype=dtype, shard_bytes=published.SHARD_BYTES))
         shards = len(list(folder.glob("model-*-of-*.safetensors"))) or 1
         what = f"step {max(steps) if step is None else step}, {dtype}, {shards} safetensors file{'s' * (shards > 1)}; "
     # the tokenizer files and generation_config.json beside the weights
     cfg = OmegaConf.load(cfg_path)
     tok = str(cfg.data.tokenizer)
     tok_dir = tok if Path(tok).is_dir() else None
-    copied = publish.add_hf_extras(folder, json.loads((folder / "config.json").read_text()), tok_dir)
+    copied = published.add_hf_extras(folder, json.loads((folder / "config.json").read_text()), tok_dir)
     byte = "no tokenizer files: the run used the byte-level tokenizer (ids 0-255 are UTF-8 bytes, then BOS and EOS)"
     note = (f"tokenizer files from {tok}: {', '.join(copied)}" if copied else byte if tok == "byte"
             else f"no tokenizer files found in data.tokenizer={tok}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.models.hf_folder import read_config  # the config reader every family uses (no torch)
-from framework.compose import recipes, registry
+from framework.compose import recipe_files, recipes, registry
 from framework.errors import UserError
 from framework.plan import planner
 from framework.resolve.context import model_facts as resolve_facts
@@ -42,7 +42,7 @@ def _setting(name: str, dotted: str, seen: tuple = ()):
     if name in seen or len(seen) > 8:
         return None
     try:
-        data = recipes._read_yaml(recipes.recipe_path(name))
+        data = recipe_files._read_yaml(recipes.recipe_path(name))
     except Exception:  # noqa: BLE001  (an unreadable recipe is not the one to plan with)
         return None
     node = data

@@ -27,7 +27,7 @@ SHARDINGS = ("blocks", "documents")
 @dataclass(kw_only=True)
 class DataOptions:
     """The recipe's ``data:`` section as the ``data`` kind reads it. Its keys, their types, defaults
-    and docs are framework/schema.py's DataConfig, their one definition: ``contracts.make_options``
+    and docs are framework/compose/schema.py's DataConfig, their one definition: ``contracts.make_options``
     builds this class over it (format, name, path, tokenizer, num_workers, sharding, follow,
     wait_timeout)."""
 
@@ -165,7 +165,7 @@ class Text:
         tc.dataloader = text.PackedTextDataLoader.Config(
             dataset=text.register(options.name, options.path, part, v.fraction),
             num_workers=options.num_workers, sharding=options.sharding)
-        if v.interval > 0:  # the held-out text's loader; the framework runs validation (framework/validation.py)
+        if v.interval > 0:  # the held-out text's loader; the framework runs validation (framework/train/validation.py)
             held = (text.register("local", v.path) if v.path is not None
                     else text.register(options.name, options.path, "validation", v.fraction))
             tc.validation_dataloader = text.PackedTextDataLoader.Config(dataset=held, sharding=options.sharding)

@@ -40,5 +40,5 @@ def combine_token_exchange(self, routed_output_RD, pg, input_splits, output_spli
 
 def install() -> None:
     """gloo handles uneven EP splits only through all_to_all_single: point torchtitan's
-    all-to-all dispatcher at the functions above (the patch: framework/compat.py)."""
+    all-to-all dispatcher at the functions above (the patch: framework/compat/torchtitan_patches.py)."""
     compat.route_token_exchange(dispatch_token_exchange, combine_token_exchange)

@@ -365,7 +365,7 @@ def patch_checkpoint_storage_check() -> None:
     save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
     tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
     the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back (the
-    patch: framework/compat.py)."""
+    patch: framework/compat/torchtitan_patches.py)."""
     compat.plain_checkpoint_state_dict(plain_tensor, _shares_storage)
 
 

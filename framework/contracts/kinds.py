@@ -28,8 +28,6 @@ SELECT = {"model": ("model", "family"), "adapter": ("adapter", "name"), "precisi
           "moe_chunk": ("moe", "chunk"), "data": ("data", "format"), "loss": ("loss", "name"),
           "recompute": ("recompute", "name"), "state": ("state", "name"), "launcher": ("launcher", "name"),
           "transport": ("publish", "transport")}
-
-
 GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
 
 

@@ -33,7 +33,6 @@ PROTOCOLS: dict[str, type] = {
 # Contracts that are not registry kinds but whose members the framework reads the same way.
 RUNTIME_PROTOCOLS: dict[str, type] = {"loss_fn": LossFn}
 
-
 _NO_NUMERICS: Mapping[str, Tolerance] = MappingProxyType({})
 
 

@@ -18,18 +18,9 @@ from framework.resolve.context import Resolved, context, model_facts
 from framework.resolve.inputs import world_size_env
 from framework.resolve.layout import Layout
 
-# ----------------------------------------------------------------------------- the hand-off to workers
-# The launching process resolves once and writes the result into the run folder; the ranks it starts
-# (torchrun under the local launcher) load it instead of composing and checking the recipe again.
 RESOLVED_FILE = "resolved.yaml"
-
-
 ENV_RESOLVED = "APIARY_RESOLVED"  # the file's path, set by the launcher for the ranks it starts
-
-
 ENV_RESOLVED_SHA256 = "APIARY_RESOLVED_SHA256"  # its digest: a file changed after the launch is refused
-
-
 _FORMAT = 1
 
 

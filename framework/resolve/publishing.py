@@ -96,12 +96,12 @@ def _check_publish_owner(cfg, where) -> None:
     out = Path(os.path.expanduser(str(cfg.output_dir))).absolute().resolve()
     if folder.resolve() == out or out in folder.resolve().parents:
         return
-    from framework.train import publish  # reason: imports torch (a launch imports it anyway: preflight); --cfg never comes here
+    from framework.train import published  # reason: imports torch (a launch imports it anyway); --cfg never comes here
 
     others: dict[str, list[str]] = {}
-    for v in publish.versions(folder):
+    for v in published.versions(folder):
         try:
-            body = json.loads((folder / f"step-{v}" / publish.VERSION_FILE).read_text())
+            body = json.loads((folder / f"step-{v}" / published.VERSION_FILE).read_text())
         except (OSError, ValueError):
             continue
         run = body.get("run") if isinstance(body, dict) else None
@@ -112,7 +112,7 @@ def _check_publish_owner(cfg, where) -> None:
     run, names = next(iter(others.items()))
     more = f" (and versions of {len(others) - 1} other run(s))" if len(others) > 1 else ""
     raise UserError(f"publish.dir={where}", f"holds weight versions another run published: {', '.join(names)}, whose "
-                    f"{publish.VERSION_FILE} names the run {run}{more}, not this one ({out}). Publishing here would "
+                    f"{published.VERSION_FILE} names the run {run}{more}, not this one ({out}). Publishing here would "
                     "replace that run's versions and `latest` and prune its newer ones (publish.keep), and a generator "
                     "reading the folder would mix the two runs' weights.", f"Give this run a publish.dir of its own "
                     f"(left out it is OUTPUT_DIR/weights), or delete {folder} if that run's versions are no longer "

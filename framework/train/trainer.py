@@ -28,15 +28,12 @@ divided by that rank's tokens, then the max is taken over data parallel.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed.context_parallel.api import cp_shard
 from torchtitan.tools.logging import logger
@@ -44,13 +41,9 @@ from torchtitan.trainer import Trainer
 
 from framework import compat, contracts
 from framework.compose.schema import TrainingConfig
-from framework.errors import EXIT_DATA_TIMEOUT, EXIT_USER_ERROR
-from framework.report import metrics
-from framework.train import first_step, integrity, preempt
+from framework.train import atomic_save, first_step, integrity
+from framework.train.follow import FollowMode, FollowStop
 
-WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
-WAIT_FIRST_NOTE_S = 1.0
-WAIT_POLL_S = 0.2  # follow mode: how often the folder is looked at while waiting
 _GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
 
@@ -62,32 +55,17 @@ def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
             f"{resume_hint or 'checkpoint.resume=true'}")
 
 
-@dataclass(frozen=True)
-class FollowStop:
-    """Why a followed run (``data.follow``) stopped waiting for data, before step ``trainer.step + 1``
-    ran: the trainer's ``follow_stop`` once its loop ended that way (None otherwise). framework/train/run.py
-    turns it into the summary line, ``status.json`` and the process's exit code."""
-
-    why: str  # "signal" (preemption while waiting), "timeout" (data.wait_timeout) or "malformed" (a bad shard)
-    exit_code: int  # preempt.EXIT_CODE (75), EXIT_DATA_TIMEOUT (77) or EXIT_USER_ERROR (2)
-    message: str  # the paragraph rank 0 printed: what stopped it, the checkpoint, how to go on
-
-
-def dist_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _init_from_seed() -> None:
     """The model's initial weights depend on ``training.seed`` alone: the CPU and CUDA generators'
     states right after torchtitan's ``set_determinism`` are put back just before the model's
     ``init_weights``, whatever ran in between. Building and parallelizing the model may draw
     random numbers: with precision.backend=te, TransformerEngine's linears advanced the CUDA
     generator by 288 before the initialization (measured on an H200), which gave that run other
-    initial weights than bf16 at the same seed (the patch: framework/compat.py)."""
+    initial weights than bf16 at the same seed (the patch: framework/compat/torchtitan_patches.py)."""
     compat.init_weights_from_seed()
 
 
-class ApiaryTrainer(Trainer):
+class ApiaryTrainer(FollowMode, Trainer):
     # Set when follow mode stopped waiting for data (a timeout, a malformed shard, a signal), and read
     # by framework/train/run.py after the loop; None when the loop ended any other way.
     follow_stop: FollowStop | None = None
@@ -129,7 +107,7 @@ class ApiaryTrainer(Trainer):
             compat.extend_metrics_log(self.metrics_processor, log_with_skips)
         self._atomic = None
         if self.checkpointer.enable:
-            self._atomic = integrity.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+            self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
         if self._loss_set_batch is not None:  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._extra_metrics
         elif isinstance(getattr(self.dataloader, "dataset", None), contracts.FollowedData):
@@ -174,95 +152,6 @@ class ApiaryTrainer(Trainer):
         out = super().train_step(data_iterator)
         self._after_step()
         return out
-
-    # -- follow mode (data.follow): wait for each step's rollouts --------------------------------
-    def _followed(self):
-        ds = getattr(self.dataloader, "dataset", None)
-        return ds if isinstance(ds, contracts.FollowedData) else None
-
-    def _wait_for_data(self) -> None:
-        """Before step ``self.step``: every rank's dataset can form the step's rows (agreed over ranks).
-        While it cannot, rank 0 says so every ``WAIT_NOTE_S``; a signal (SIGTERM, SIGUSR1, Ctrl-C) or
-        ``data.wait_timeout`` seconds without the rows stop the run with the last complete step
-        checkpointed (exit 75, or 77 for the timeout); a malformed shard stops it the same way (exit 2,
-        naming file and line). Nothing of this step has run when it stops."""
-        ds = self._followed()
-        if ds is None:
-            return
-        self._follow_source = ds
-        t0 = time.monotonic()
-        last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
-        folder = ds.dir
-        while True:
-            error = ""
-            try:
-                ok = ds.ready()
-            except ValueError as e:
-                ok, error = False, str(e)
-            waited = time.monotonic() - t0
-            bad, missing, stop, timed_out = self._agree([bool(error), not ok, preempt.requested(),
-                                                        waited > self.config.follow_wait_timeout])
-            if bad:
-                self._stop_following("malformed", error or "a rollout shard on another rank is malformed")
-            if not missing:
-                self._waited_s = waited
-                return
-            if stop:
-                self._stop_following("signal", "")
-            if timed_out:
-                held, limit = ds.held(), f"data.wait_timeout={self.config.follow_wait_timeout:g}"
-                self._stop_following("timeout", f"not enough {ds.NOUN} for step {self.step} in {folder} after "
-                                                 f"{waited:.0f} s ({limit}): {held}" if held else
-                                                 f"no {ds.NOUN} for step {self.step} in {folder} for {waited:.0f} s "
-                                                 f"({limit})")
-            now = time.monotonic()
-            if now - last_note >= WAIT_NOTE_S and dist_rank() == 0:
-                last_note = now
-                print(f"waiting for {ds.NOUN} in {folder}: {waited:.0f} s (step {self.step}{ds.waiting_note()})",
-                      flush=True)
-            time.sleep(WAIT_POLL_S)
-
-    def _stop_following(self, why: str, message: str) -> None:
-        """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop
-        (torchtitan's loop ends on DataloaderExhaustedError)."""
-        self.step -= 1
-        guard = getattr(self, "_apiary_preempt", None)
-        ck = self.checkpointer
-        if not ck.enable:
-            note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"
-        elif self.step == self._start_step:
-            note = f"no step trained since the start (step {self.step}); the checkpoint it started from stays"
-        elif guard is not None and guard.last_saved == self.step:  # complete once renamed to step-N
-            note = (f"checkpoint step-{self.step} already written" if preempt.complete(ck, self.step)
-                    else f"checkpoint step-{self.step} NOT saved")
-        else:
-            note = (f"checkpoint step-{self.step} saved" if preempt.force_save(ck, self.step)
-                    else f"checkpoint step-{self.step} NOT saved")
-        code = {"signal": preempt.EXIT_CODE, "timeout": EXIT_DATA_TIMEOUT, "malformed": EXIT_USER_ERROR}[why]
-        if why == "signal" and guard is not None:
-            guard.stopped_at, guard.saved = self.step, True
-            message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
-        self.follow_stop = FollowStop(why, code, f"apiary: {message}; {note}; the rollout position of step "
-                                      f"{self.step} is kept"
-                                      + ("; fix or remove that shard (later shards are untouched), then resume with "
-                                         f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
-                                         else "") + f". Exit code {code}.")
-        if dist_rank() == 0:
-            print(self.follow_stop.message, file=sys.stderr, flush=True)
-        raise DataloaderExhaustedError()
-
-    def _write_ledger(self) -> None:
-        """The followed stream's ledger (its LEDGER file): the records each step trained (rank 0; a
-        resume moves the re-trained steps' lines aside)."""
-        report = self._follow_source.step_report(self.step)
-        if report is None or dist_rank() != 0:
-            return
-        path = Path(self.config.dump_folder) / self._follow_source.LEDGER
-        if not self._ledger_started:
-            self._ledger_started = True
-            metrics.supersede(path, self.step)
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": self.step, "waited_s": round(self._waited_s, 3), **report}) + "\n")
 
     def _after_step(self) -> None:
         """After step ``self.step`` was applied: the rollout ledger (follow mode), then publication."""

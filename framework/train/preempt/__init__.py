@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from framework import compat
 from framework.errors import EXIT_PREEMPTED, EXIT_STOP_NOW
 from framework.launch import lifecycle
-from framework.train import integrity
+from framework.train import atomic_save
 
 EXIT_CODE = EXIT_PREEMPTED  # stopped on request with a checkpoint; run it again
 STOP_NOW_EXIT_CODE = EXIT_STOP_NOW  # a second SIGINT: stop at once, no checkpoint
@@ -195,7 +195,7 @@ def _cpu_group():
 def complete(ck, step: int) -> bool:
     """Whether the save of ``step`` is complete on disk (every rank calls it together): with apiary's
     atomic save, after waiting for its manifest and its rename to step-N; else as the save said."""
-    done = integrity.complete_save(ck, step)
+    done = atomic_save.complete_save(ck, step)
     return True if done is None else done
 
 
