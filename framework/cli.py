@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import contracts, hydra_cli, lifecycle, preempt, registry, run, runlock
+from framework import contracts, hydra_cli, lifecycle, paths, preempt, registry, run, runlock
 from framework.errors import UserError
 from framework.resolve import ENV_RESOLVED, load_resolved, resolve
 from framework.schema import DEFAULT_RECIPE
@@ -55,7 +55,8 @@ def _print_cfg(r, args) -> None:
     else:
         console.print(str(cfg), markup=False)
     if args.cfg != "hydra":
-        console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
+        n = r.layout.world_size
+        console.print(f"# derived layout for {n} GPU{'' if n == 1 else 's'}:", markup=False)
         for dim, rule in r.layout.rules.items():
             console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
 
@@ -147,7 +148,7 @@ def model_label(r) -> str:
     """The model a launch's first line names: its family and flavor, or with model.hf_checkpoint the
     folder (its config.json is the architecture, the flavor only supplies defaults; was: the flavor's
     name, e.g. an MoE flavor for a dense folder)."""
-    what = f"HF folder {r.cfg.model.hf_checkpoint}" if r.cfg.model.hf_checkpoint else r.facts.flavor
+    what = f"HF folder {paths.shown(r.cfg.model.hf_checkpoint)}" if r.cfg.model.hf_checkpoint else r.facts.flavor
     return f"{r.facts.family} {what} ({r.facts.n_params / 1e6:,.1f}M params)"
 
 

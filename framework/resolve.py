@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from framework import contracts, integrity, recipes, registry, resume, schema
+from framework import contracts, integrity, paths, recipes, registry, resume, schema
 from framework.errors import UserError, did_you_mean
 from framework.layout import Layout, check_batch, derive
 from framework.preflight import check_memory, choose_by_budget
@@ -814,6 +814,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     _check_publish(cfg, ctx, layout, for_training)
     if for_training:
         _check_overlaps(cfg)
+    paths.absolute_in(cfg)  # stored absolute (framework/paths.py); every check above read them as given
     OmegaConf.set_struct(cfg, True)
     if for_training and step is not None:  # what this resume loads and what changed since the last launch
         plan = resume.check(cfg, Path(cfg.output_dir), step)

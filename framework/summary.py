@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import contracts, integrity, recipes, registry, resume
+from framework import contracts, integrity, paths, recipes, registry, resume
 from framework.errors import UserError
 from framework.progress import duration, make_console, memory_label
 
@@ -155,7 +155,7 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
                   if g in cfg and g in base and cfg[g].name != base[g].name]
         if groups:
             base = recipes.load(recipe, extra + groups)
-        old, new = resume.leaves(base), resume.leaves(cfg)
+        old, new = paths.absolute_leaves(resume.leaves(base)), resume.leaves(cfg)  # paths: as resolve stores them
     except Exception:  # noqa: BLE001  (a UserError, Hydra's or OmegaConf's: the summary still prints)
         return None
     out = extra + groups
@@ -164,6 +164,7 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
             continue
         if key.startswith("parallel.") and key in old and old[key] is None:  # derived from the world size again
             continue
+        v = paths.shown(v) if key in paths.KEYS and v is not None else v  # relative to this folder when under it
         out.append(f"{'' if key in old else '+'}{key}={_value(v)}")
     return out
 
@@ -202,6 +203,19 @@ def _rl(train: list[dict]) -> dict:
             "mismatch_abs_max": max(mism_max) if mism_max else None,
             "mismatch_last": mism[-1] if mism else None,
             "rollout_wait_s": round(sum(waited), 3) if waited else None}
+
+
+def no_base_on_disk(cfg) -> str | None:
+    """Why ``apiary export`` refuses this run's checkpoints, or None: adapters trained on a base built
+    from the seed (no model.hf_checkpoint, no checkpoint.load_path) have no base to be written against
+    (PEFT's folder names one; a merged folder folds them into it)."""
+    if cfg is None or str(OmegaConf.select(cfg, "adapter.name", default="none") or "none") == "none":
+        return None
+    if OmegaConf.select(cfg, "model.hf_checkpoint") or OmegaConf.select(cfg, "checkpoint.load_path"):
+        return None
+    return ("none: the adapters were trained on a base built from the seed, which exists on no disk, so "
+            "apiary export refuses them; train adapters on model.hf_checkpoint=DIR or checkpoint.load_path=STEP "
+            "to export them")
 
 
 def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None) -> dict:
@@ -271,7 +285,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                               f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
                               + (" (and this run's overrides)" if unknown else ""))
-        commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
+        if no_base_on_disk(cfg) is None:
+            commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
     if records:
         commands["plot"] = f"apiary plot {_quote(out)}"
     if (run_dir / "tb").is_dir():
@@ -311,6 +326,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "val_loss_step": vals[-1]["step"] if vals else None,
         "checkpoint": checkpoint,
         "next": commands,
+        "export_missing_because": no_base_on_disk(cfg) if checkpoint is not None else None,
     }
 
 
@@ -404,3 +420,5 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
         console.print(Text("next", style=bold), soft_wrap=True)
         for key, cmd in s["next"].items():
             console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)
+        if s.get("export_missing_because"):
+            console.print(Text(f"  {'export':<{width}}  {s['export_missing_because']}"), soft_wrap=True)
