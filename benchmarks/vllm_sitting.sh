@@ -9,10 +9,11 @@
 #   PART=3: training tok/s at the 4-layer width with an in-memory update every step (GPU 0, the engine
 #           beside it) against none (GPU 1, at the same time), on static synthetic rollouts (the engine,
 #           --serve, only takes the updates); then the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
-# On one H200 (kind nvidia-h200), two parts of the same ground, each under 10 minutes:
+# On one H200 (kind nvidia-h200), three parts of the same ground, each under 10 minutes (a cold Qwen3.5 engine
+# took over 90 s to start on a fresh machine):
 #   PART=4: the tiny Qwen3.5 MoE loop (learn, then routing replay) while a LoRA loop runs beside it, started
-#           once the first engine is up (vLLM sizes its KV cache from what it sees while it starts); then the
-#           Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
+#           once the first engine is up (vLLM sizes its KV cache from what it sees while it starts).
+#   PART=6: the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
 #   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
 #           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}); the update times of that run are
 #           the 4-layer width's IPC hand-off at that bucket size.
@@ -71,7 +72,7 @@ PY
   ;;
 3)
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
-  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false)
+  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false checkpoint.enable=false)
   # no publication on GPU 1 while GPU 0 trains with an update every step into an engine beside it (IPC)
   CUDA_VISIBLE_DEVICES=1 timeout 260 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 \
     > /tmp/tp_none.log 2>&1 &
@@ -110,13 +111,13 @@ m, wr = w.build("debug_grpo_vllm", [])
 w.write_folder(m, wr, Path("/tmp/lbase"), 0)
 PY
   sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
-  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash /tmp/rl35.sh "learn=" > "$OUT/rl_qwen35_learn.log" 2>&1
-   OUT=/tmp/rl35r STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash /tmp/rl35.sh "replay=moe.routing_replay=true:--routing" \
+  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash /tmp/rl35.sh "learn=" > "$OUT/rl_qwen35_learn.log" 2>&1
+   OUT=/tmp/rl35r STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash /tmp/rl35.sh "replay=moe.routing_replay=true:--routing" \
      > "$OUT/rl_qwen35_replay.log" 2>&1) &
   q=$!
   # the LoRA loop starts once the first engine is up (the trainer has written its first step)
   for _ in $(seq 120); do [ -s /tmp/rl35/learn/run/metrics.jsonl ] && break; sleep 1; done
-  (OUT=/tmp/rll STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-140} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+  (OUT=/tmp/rll STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash benchmarks/rl_loop_vllm.sh \
     "lora=adapter=lora,model.hf_checkpoint=/tmp/lbase/step-0,publish.transport=hf_folder,optimizer.lr=2e-2" \
     > "$OUT/rl_lora.log" 2>&1) &
   wait
@@ -124,13 +125,15 @@ PY
   cp /tmp/rll/lora/engine_updates.jsonl "$OUT/lora_engine_updates.jsonl" 2>/dev/null
   for d in /tmp/rl35/learn /tmp/rl35r/replay /tmp/rll/lora; do cp $d/run/metrics.jsonl "$OUT/metrics_$(basename $d).jsonl" 2>/dev/null; done
   errors /tmp/rl35*/*/generator.log /tmp/rl35*/*/train.log /tmp/rll/*/*.log > "$OUT/rl_errors.log"
-  timeout ${TTEST:-220} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
+  ;;
+6)
+  timeout ${TTEST:-400} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
     -k "qwen35 or lora" 2>&1 | grep -v INFO | tee "$OUT/gpu_test.log" | grep -E "passed|failed|logprob diff" | tail -6
   errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors.log"
   ;;
 5)
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
-  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false)
+  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false checkpoint.enable=false)
   timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout 230 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \

@@ -21,6 +21,7 @@ from framework.compose import hydra_cli, registry
 from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
 from framework.launch import lifecycle, runlock
+from framework.resolve import paths
 from framework.resolve.handoff import ENV_RESOLVED, load_resolved
 from framework.resolve.resolver import resolve
 from framework.train import preempt, run
@@ -59,7 +60,8 @@ def _print_cfg(r, args) -> None:
     else:
         console.print(str(cfg), markup=False)
     if args.cfg != "hydra":
-        console.print(f"# derived layout for {r.layout.world_size} GPUs:", markup=False)
+        n = r.layout.world_size
+        console.print(f"# derived layout for {n} GPU{'' if n == 1 else 's'}:", markup=False)
         for dim, rule in r.layout.rules.items():
             console.print(f"#   {dim} = {r.layout.dims[dim]}: {rule}", markup=False)
 
@@ -151,7 +153,7 @@ def model_label(r) -> str:
     """The model a launch's first line names: its family and flavor, or with model.hf_checkpoint the
     folder (its config.json is the architecture, the flavor only supplies defaults; was: the flavor's
     name, e.g. an MoE flavor for a dense folder)."""
-    what = f"HF folder {r.cfg.model.hf_checkpoint}" if r.cfg.model.hf_checkpoint else r.facts.flavor
+    what = f"HF folder {paths.shown(r.cfg.model.hf_checkpoint)}" if r.cfg.model.hf_checkpoint else r.facts.flavor
     return f"{r.facts.family} {what} ({r.facts.n_params / 1e6:,.1f}M params)"
 
 

@@ -197,7 +197,7 @@ def test_a_relative_load_path_reaches_torchtitan_absolute(workdir, clean_env):
     # absolute path" for seed/step-0; importing it here costs seconds: benchmarks/bad_inputs_pass.py
     # case 58 trains from a relative step end to end)
     assert initial_load_path(r.cfg) == str(workdir / "seed" / "step-0")
-    assert r.cfg.checkpoint.load_path == "seed/step-0"  # config.yaml keeps what was asked
+    assert r.cfg.checkpoint.load_path == str(workdir / "seed" / "step-0")  # stored absolute (framework/resolve/paths.py)
 
 
 def test_a_home_relative_path_is_expanded(workdir, clean_env):

@@ -86,6 +86,11 @@ def files(workdir, monkeypatch):
                                              "if __name__ == \"__main__\":"]),
     (["recipe=./mine.yml"], ["recipe=./mine.yml", "only files named *.yaml", "mv mine.yml mine.yaml"]),
     (["recipe=./mine.yaml"], ["no recipe file at mine.yaml", "There is mine.yml"]),
+    # a packaged recipe's name written as a file away from the checkout (was: "no recipe file", nothing more)
+    (["recipe=debug_moe.yaml"], ["no recipe file at debug_moe.yaml", "debug_moe is a packaged recipe",
+                                 "Write recipe=debug_moe, or copy it here"]),
+    (["recipe=recipes/debug_moe.yaml"], ["no recipe file at recipes/debug_moe.yaml", "debug_moe is a packaged recipe",
+                                         "Write recipe=debug_moe,", "apiary cp debug_moe debug_moe.yaml"]),
     # Hydra's '+': a group every recipe has, a key only another option of the group declares, a typo
     (["+loss=chunked"], ["override +loss=chunked", "every recipe already chooses a loss",
                          "Choose the option without '+': loss=chunked."]),

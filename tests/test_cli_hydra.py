@@ -163,7 +163,7 @@ def test_multirun_checks_every_job_before_the_first_starts(capsys, workdir):
 def test_cfg_all_hydra_job_print_and_exit(capsys, workdir):
     assert train_main(["--cfg", "all", "training.steps=3"]) == 0
     out = capsys.readouterr().out
-    assert "steps: 3" in out and "\nhydra:\n" in out and "derived layout for 1 GPUs" in out
+    assert "steps: 3" in out and "\nhydra:\n" in out and "derived layout for 1 GPU:" in out
     assert train_main(["--cfg", "hydra", "-p", "hydra.sweep"]) == 0
     out = capsys.readouterr().out
     assert "# @package hydra.sweep" in out and "dir: runs/debug_moe/multirun-" in out and "steps:" not in out
@@ -195,7 +195,7 @@ def test_tilde_unsets_an_optional_key(capsys, workdir):
     assert "derived layout for 32 GPUs" in capsys.readouterr().out  # the recipe's parallel.gpus
     assert train_main([*base, "~parallel.gpus"]) == 0
     out = capsys.readouterr().out
-    assert "derived layout for 1 GPUs" in out and "gpus: null" in out
+    assert "derived layout for 1 GPU:" in out and "gpus: null" in out
     assert train_main([*base, "~parallel.gpus=32"]) == 0  # Hydra's ~key=VALUE: only when it matches
     assert "gpus: null" in capsys.readouterr().out
     code, err = _err(capsys, [*base, "~parallel.gpus=8"])

@@ -38,6 +38,8 @@ def test_ep_32_above_100b_and_capped_on_small_worlds():
     small = derive(par(), train(256), TABLE, facts(n_params=1e6, experts=8), 2)
     assert small.ep == 2 and "only 2 ranks" in small.rules["ep"]
     assert derive(par(), train(256), TABLE, facts(experts=0), 4).ep == 1
+    one = derive(par(), train(256), TABLE, facts(n_params=1e6, experts=8), 1)
+    assert one.ep == 1 and "only 1 rank in" in one.rules["ep"], one.rules  # singular (was "only 1 ranks")
 
 
 def test_cp_rounds_up_to_a_divisor():

@@ -596,6 +596,28 @@ def test_the_planner_counts_the_frozen_base_once():
     assert "loss_dw_accum" in full_mem and "loss_dw_accum" not in mem
 
 
+def test_the_lora_recipes_description_says_what_full_training_needs_as_planned():
+    """recipes/qwen35_35b_lora_128k.yaml's description names the factor of GPUs full training needs
+    (was "4x", guessed): computed, the whole model at qwen35_35b_128k's derived layout plans OOM on the
+    recipe's GPUs and fits on that factor of them."""
+    import re
+
+    from framework.plan.planner import plan
+    from framework.resolve.resolver import resolve
+
+    lora = resolve("qwen35_35b_lora_128k", [], for_training=False)
+    gpus = int(lora.cfg.parallel.gpus)
+    factor = int(re.search(r"full training, qwen35_35b_128k at its derived layout, needs (\d+)x the GPUs",
+                           lora.cfg.description).group(1))
+    assert plan(lora).verdict != "OOM"
+
+    def whole(n):
+        return plan(resolve("qwen35_35b_128k", [f"parallel.gpus={n}"], for_training=False)).verdict
+
+    assert whole(gpus * (factor - 1)) == "OOM" and whole(gpus * factor) != "OOM"
+    assert f"gpus={gpus}` OOM, gpus={gpus * factor} fits" in lora.cfg.description
+
+
 # ---------------------------------------------------------------- two ranks (opt-in)
 
 

@@ -90,7 +90,7 @@ def test_recipe_plans_prints_and_renders_its_launch(recipe, workdir, capsys, tok
     code, out, err = _run(_cfg, [f"recipe={recipe}"], capsys)
     assert code == 0, err
     assert f"flavor: {flavor}\n" in out and f"seq_len: {cfg.training.seq_len}\n" in out
-    assert f"# derived layout for {gpus} GPUs:" in out
+    assert f"# derived layout for {gpus} GPU{'s' if gpus > 1 else ''}:" in out
 
     tok = [] if cfg.data.tokenizer == "byte" else [f"data.tokenizer={tokenizer_standin}"]
     code, script, err = _run(_launch, [f"recipe={recipe}", f"nodes={nodes}", f"gpus_per_node={per_node}", *tok],

@@ -169,3 +169,17 @@ def test_debug_grpo_on_rewarded_rollouts_logs_the_reward_on_its_console(tmp_path
     assert [r["data/reward_mean"] for r in recs] == pytest.approx([0.25, 1.75 / 3])  # (0 + .25 + .5), (.75 + 1 + 0)
     assert "reward 0.25" in res.stdout and "reward 0.5833" in res.stdout
     assert "reward        first 0.25 · last 0.5833 · best 0.5833 (step 2" in res.stdout
+
+
+def test_a_static_rollouts_file_gets_a_data_line(tmp_path):
+    """data.path=FILE with data.format=rollouts, not followed: the run's first lines name it, as text
+    runs and follow mode do (was: no `data:` line at all); the packaged rollouts too."""
+    from framework.resolve.resolver import resolve
+
+    path = _write(tmp_path / "mine.jsonl", [0.5, None, 1.0])
+    r = resolve("debug_grpo", [f"data.path={path}"], world_size=1)
+    first = r.data_summary.splitlines()[0]
+    n_tokens = sum(len(rec["input_ids"]) for rec in RECORDS[:3])
+    assert first == f"data: local rollouts {path}: 3 records, {n_tokens:,} tokens, a reward in 2", r.data_summary
+    r = resolve("debug_grpo", [], world_size=1)
+    assert r.data_summary.startswith(f"data: packaged rollouts {PACKAGED}: {len(RECORDS):,} records"), r.data_summary

@@ -189,3 +189,20 @@ def test_run_without_checkpoint_or_records(tmp_path):
     text = _text(done)
     assert "checkpoint    none saved" in text and "tok/s (mean)  n/a (one logged step)" in text
     assert "resume" not in text and done["mfu_missing_because"].startswith("one logged step")
+
+
+def test_a_lora_run_on_a_seeded_base_suggests_no_export_it_would_refuse(tmp_path):
+    """Adapters on a base built from the seed: `apiary export` refuses them (the base exists on no
+    disk), so the summary leaves out the `next: export` line and says what an export needs (was: it
+    printed `apiary export RUN --hf RUN/hf`). On a base folder the line is there."""
+    recs = [_rec(n, 6.0 - n, 2.0 * n, tflops=None, mfu=None, device="cpu", peak=None) for n in (1, 2)]
+    s = summary.summarize(_run(tmp_path / "seed", recs, steps=2, checkpoints=(2,), tb=False,
+                               overrides=["adapter=lora", "moe.load_balance_coeff=null"]))
+    assert "export" not in s["next"] and "resume" in s["next"], s["next"]
+    assert "exists on no disk" in s["export_missing_because"]
+    text = " ".join(_text(s).split())
+    assert "apiary export" not in text.replace("so apiary export refuses them", ""), text
+    assert "export none: the adapters were trained on a base built from the seed" in text, text
+    assert "model.hf_checkpoint=DIR or checkpoint.load_path=STEP" in text, text
+    s = summary.summarize(_run(tmp_path / "full", recs, steps=2, checkpoints=(2,), tb=False, overrides=[]))
+    assert "export" in s["next"] and s["export_missing_because"] is None

@@ -191,12 +191,14 @@ def test_a_launch_from_an_hf_folder_names_the_folder_not_the_flavor(tmp_path, mo
 
 
 def test_plan_names_one_pipeline_stage_plainly(capsys):
-    """pp 1: the memory table's title says "one pipeline stage" (was: "peak pipeline stage: only")."""
+    """pp 1: the memory table's title and the notes say "one pipeline stage" (were: "peak pipeline stage: only",
+    "peak stage: only")."""
     from toolkit.cli import apiary_main
 
     assert apiary_main(["plan", "recipe=qwen35_35b_128k", "gpus=32"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "memory per GPU (one pipeline stage; state fsdp2," in out and "pipeline stage: only" not in out, out[:3000]
+    assert "after TP 1; one pipeline stage" in out and "stage: only" not in out, out
 
 
 def test_export_and_logprobs_of_a_run_launched_elsewhere_name_the_launch_folder(tmp_path, monkeypatch, capsys):

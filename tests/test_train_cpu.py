@@ -5,7 +5,19 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from conftest import TRAJ_LOSS_REL, read_metrics, run_cli
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    """One seed checkpoint of the default recipe (`train checkpoint.create_seed=true`), the common
+    start of the 1-rank and 2-rank runs of the tests below: as a checkpoint.load_path override."""
+    work = tmp_path_factory.mktemp("seed")
+    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=work)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return f"checkpoint.load_path={work / 'seed' / 'checkpoint' / 'step-0'}"
 
 
 def test_default_trains_and_resumes(workdir):
@@ -57,11 +69,8 @@ def test_default_trains_and_resumes(workdir):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in m[10:]]
 
 
-def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
+def test_two_ranks_fsdp2_ep2_match_one_rank(workdir, seed):
     steps = ["training.steps=5", "checkpoint.interval=100"]
-    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
-    assert p.returncode == 0, p.stderr[-3000:]
-    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
     with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
         f1 = pool.submit(run_cli, ["train", *steps, seed, "training.global_batch=8", "output_dir=one"], cwd=workdir,
                          env={"OMP_NUM_THREADS": "1"})
@@ -82,15 +91,12 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
     assert one[-1]["loss"] < one[0]["loss"]
 
 
-def test_pipeline_stages_log_the_last_stages_loss(workdir):
+def test_pipeline_stages_log_the_last_stages_loss(workdir, seed):
     """parallel.pp=2 nproc=2: only the last stage computes the loss; rank 0 (the first stage) logged
     torchtitan's -1.0 in metrics.jsonl, the console and summary.json, and the held-out loss as
     -1/tokens. From one seed checkpoint, the pipeline's logged losses are the 1-rank run's."""
     steps = ["training.steps=3", "checkpoint.interval=100", "validation.interval=2", "validation.fraction=0.1",
              "logging.tensorboard=false"]
-    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
-    assert p.returncode == 0, p.stderr[-3000:]
-    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
     with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
         f1 = pool.submit(run_cli, ["train", *steps, seed, "output_dir=one"], cwd=workdir, env={"OMP_NUM_THREADS": "1"})
         f2 = pool.submit(run_cli, ["train", *steps, seed, "parallel.pp=2", "nproc=2", "output_dir=pp"], cwd=workdir)

@@ -219,6 +219,7 @@ def test_generator_loads_a_lora_runs_adapters_as_lora_requests(tmp_path, generat
     assert rc == 0
     model, kw = FakeLLM.made
     assert model == str(base / "step-0") and kw["enable_lora"] and kw["max_lora_rank"] == 64  # 48 -> vLLM's 64
+    assert kw["gdn_prefill_backend"] == "triton"  # no JIT build of flashinfer's GDN kernels at start
     assert FakeLLM.calls[0] == ("LLM", None)  # no weight-transfer engine: adapters arrive as folders
     gens = [c[1] for c in FakeLLM.calls if c[0] == "generate"]
     assert gens == [("step-0", 1, str(weights / "step-0")), ("step-1", 2, str(weights / "step-1"))]

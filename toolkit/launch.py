@@ -162,6 +162,7 @@ def _resolve(recipe, overrides, world_size, *, dry_script: bool, script: bool = 
             raise
         hint, said = e.suggestion, f"{e.where}: {e.reason}"
     r = resolve(recipe, overrides, world_size=world_size, for_training=False)  # every check but the job's files
+    missing = _missing_inputs(recipes.load(recipe, overrides))  # as given (r.cfg stores them absolute)
     if r.cfg.output_dir is None:
         with open_dict(r.cfg):
             r.cfg.output_dir = default_output_dir(r.cfg.recipe)
@@ -169,7 +170,7 @@ def _resolve(recipe, overrides, world_size, *, dry_script: bool, script: bool = 
         return r, [f"{said} The job streams it where it runs, and stops with exit 2 before "
                    "training if it cannot reach it there."]
     return r, [f"{m} does not exist on this machine; the job needs it where it runs, or it stops with exit 2 "
-               f"before training. {hint if i == 0 else ''}".strip() for i, m in enumerate(_missing_inputs(r.cfg))]
+               f"before training. {hint if i == 0 else ''}".strip() for i, m in enumerate(missing)]
 
 
 def launch_main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -280,7 +281,9 @@ def merge_adapter(base: str, adapter: str, dest: Path) -> Path:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     try:
-        merged = PeftModel.from_pretrained(hf, adapter).merge_and_unload()
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias (transformers 5): not the user's
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            merged = PeftModel.from_pretrained(hf, adapter).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(where, f"peft could not apply {adapter} to {base}: {str(e).splitlines()[0][:300]}.",
                         "Is the adapter one of a run on this base?") from None

@@ -352,6 +352,19 @@ def _check_follow(d: DataOptions, ctx) -> None:
                        f"{d.wait_timeout:g} s for each step's rows)")
 
 
+def _rollouts_line(index: RolloutIndex, path, packaged: bool) -> str:
+    """The run's `data:` line for a rollouts file or folder read whole (data.follow=false)."""
+    files = index.files
+    where = f"{files[0]}" if len(files) == 1 else f"{path} ({len(files)} files)"
+    rewards = sum(r is not None for r in index.rewards)
+    n = len(index.lengths)
+    extras = ["a reward each" if rewards == n else f"a reward in {rewards:,}" if rewards else "",
+              "ref_logprobs" if index.with_ref else "",
+              "gen_logprobs" if index.with_gen else ""]
+    return (f"data: {'packaged' if packaged else 'local'} rollouts {where}: {n:,} records, "
+            f"{sum(index.lengths):,} tokens" + "".join(f", {e}" for e in extras if e))
+
+
 class Rollouts:
     """RL rollouts (token ids, loss masks, old log-probs, advantages), packed into windows."""
 
@@ -391,6 +404,7 @@ class Rollouts:
                    if "do not fit" in msg else
                    "Fix the records (docs/rl.md, \"What a record may contain\"), or leave them out.")
             raise UserError(f"data.path={path}", msg, fix) from None
+        ctx.summary.append(_rollouts_line(index, path, packaged=d.path is None))  # what trains, as text runs say
         if index.untrained:  # records that train no token: skipped, said here
             more = f" (and {len(index.untrained) - 3} more)" if len(index.untrained) > 3 else ""
             ctx.summary.append(f"data: {len(index.untrained)} record(s) with no loss_mask=1 token after position 0 "

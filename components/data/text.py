@@ -8,11 +8,13 @@ apiary only registers where the text comes from.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import datasets
 from datasets import load_dataset
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
@@ -33,6 +35,21 @@ def _text_of(sample: dict) -> str:
     return sample["text"]
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """datasets' progress bars ("Generating train split", ...) off while apiary loads a local source in
+    the run (the run's own lines say what it reads), then as they were; a user's
+    HF_DATASETS_DISABLE_PROGRESS_BARS wins."""
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" in os.environ or datasets.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
+
+
 def _load_local(path: str) -> "object":
     files = local_data_files(path)
     kinds = {LOCAL_FORMATS[Path(f).suffix] for f in files}
@@ -42,7 +59,8 @@ def _load_local(path: str) -> "object":
     # a file that starts with a UTF-8 byte-order mark: read as utf-8-sig, so the mark is dropped (the
     # pre-launch check reads it the same way); other files keep the loader's plain utf-8 fast path
     extra = {"encoding": "utf-8-sig"} if kind in ("json", "text") and any(map(has_bom, files)) else {}
-    return load_dataset(kind, data_files=files, split="train", **extra)
+    with _no_progress_bars():
+        return load_dataset(kind, data_files=files, split="train", **extra)
 
 
 def _load_part(path: str, part: str, fraction: float) -> "object":

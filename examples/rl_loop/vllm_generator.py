@@ -61,7 +61,7 @@ class Engine:
     """A vLLM engine that takes weight updates over the trainer's link."""
 
     def __init__(self, folder: Path, backend: str | None, *, routing: bool, memory: float, max_len: int, seed: int,
-                 eager: bool = True):
+                 eager: bool = True, gdn_prefill: str = "triton"):
         from vllm import LLM  # reason: imported after the environment is set
 
         base = adapter_base(folder)  # a LoRA run's version: adapters for this base
@@ -71,7 +71,8 @@ class Engine:
         model = base if base is not None else folder
         self.llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
                        gpu_memory_utilization=memory, max_model_len=max_len, seed=seed,
-                       logprobs_mode="processed_logprobs", enable_return_routed_experts=routing, **kw)
+                       logprobs_mode="processed_logprobs", enable_return_routed_experts=routing,
+                       gdn_prefill_backend=gdn_prefill, **kw)
         self.config = json.loads((model / "config.json").read_text())
         self.conn = None
         self.closed = False  # the trainer closed the link (its run ended): no more versions come
@@ -248,6 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--routing", action="store_true", help="write routed_experts for moe.routing_replay=true")
     p.add_argument("--memory", type=float, default=0.25, help="vLLM's gpu_memory_utilization")
     p.add_argument("--max-len", type=int, default=1024, help="vLLM's max_model_len")
+    p.add_argument("--gdn-prefill", choices=("triton", "flashinfer", "auto"), default="triton",
+                   help="vLLM's GatedDeltaNet prefill kernels (Qwen3.5): triton needs no JIT build on a fresh machine, "
+                   "where flashinfer's took over 60 s before the first sample")
     p.add_argument("--serve", action="store_true", help="only apply updates and answer probes")
     p.add_argument("--log", type=Path, help="write the engine's update times (jsonl) here at the end")
     p.add_argument("--probe-out", type=Path, help="write the greedy probe of the latest version (JSON) and exit")
@@ -257,7 +261,8 @@ def main(argv=None) -> int:
     if folder is None:
         print(f"vllm_generator: no weights in {a.weights} after {a.wait:.0f} s", file=sys.stderr)
         return 1
-    eng = Engine(folder, a.backend, routing=a.routing, memory=a.memory, max_len=a.max_len, seed=a.seed)
+    eng = Engine(folder, a.backend, routing=a.routing, memory=a.memory, max_len=a.max_len, seed=a.seed,
+                 gdn_prefill=a.gdn_prefill)
     if a.probe_out is not None:  # the greedy probe, and the teacher-forced log-probs of fixed sequences
         seqs = probe_prompts(4, 64, seed=1)
         got = {**eng.probe(probe_prompts(), 16), "scored": eng.score(seqs)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 from framework.compat.originals import _keep_original
 
@@ -63,7 +64,11 @@ def init_weights_from_seed() -> None:
     _keep_original("torchtitan.protocols.model:BaseModel.init_weights", init_weights)
 
     def seeded(*args, **kwargs):
-        out = set_determinism(*args, **kwargs)
+        with warnings.catch_warnings():  # a CPU mesh (gloo, nproc=2): torch's DTensor RNG seeding is for GPU
+            # meshes, skipped there with a warning on every rank (torch.manual_seed seeds the CPU); others stay
+            warnings.filterwarnings("ignore", message=r"DTensor manual_seed\(\) may not have complete support on "
+                                    r"cpu device mesh", category=UserWarning)
+            out = set_determinism(*args, **kwargs)
         _SEEDED[0] = _rng_states()
         return out
 

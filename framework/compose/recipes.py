@@ -95,8 +95,15 @@ def recipe_path(name: str) -> Path:
     if p.suffix in (".yaml", ".yml") or "/" in name:
         if not p.is_file():
             other = p.with_suffix(".yaml" if p.suffix == ".yml" else ".yml") if p.suffix else p.with_suffix(".yaml")
-            hint = f" There is {other}: recipe={other}." if other.is_file() else ""
-            raise UserError(f"recipe={name}", f"no recipe file at {p}.{hint}", "Copy one with `apiary cp NAME path`.")
+            if other.is_file():
+                raise UserError(f"recipe={name}", f"no recipe file at {p}. There is {other}: recipe={other}.",
+                                "Copy one with `apiary cp NAME path`.")
+            if (RECIPES_DIR / f"{p.stem}.yaml").is_file():  # recipe=debug_moe.yaml away from the checkout
+                raise UserError(f"recipe={name}", f"no recipe file at {p} (a path is read from this folder, "
+                                f"{Path.cwd()}); {p.stem} is a packaged recipe, which is named without a "
+                                "path or suffix.", f"Write recipe={p.stem}, or copy it here to edit with "
+                                f"`apiary cp {p.stem} {p.name}`.")
+            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
         if p.suffix != ".yaml":
             raise UserError(f"recipe={name}", f"a recipe file is read by Hydra, which finds only files named *.yaml, "
                             f"and {p.name} ends in {p.suffix or 'no suffix'}.",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from framework.compose import recipes, registry
-from framework.resolve import resume
+from framework.resolve import paths, resume
 
 # keys a resume command sets itself, or that follow from the recipe
 _NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description")
@@ -44,7 +44,7 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
                   if g in cfg and g in base and cfg[g].name != base[g].name]
         if groups:
             base = recipes.load(recipe, extra + groups)
-        old, new = resume.leaves(base), resume.leaves(cfg)
+        old, new = paths.absolute_leaves(resume.leaves(base)), resume.leaves(cfg)  # paths: as resolve stores them
     except Exception:  # noqa: BLE001  (a UserError, Hydra's or OmegaConf's: the summary still prints)
         return None
     out = extra + groups
@@ -53,5 +53,6 @@ def run_overrides(cfg, recipe: str | None = None) -> list[str] | None:
             continue
         if key.startswith("parallel.") and key in old and old[key] is None:  # derived from the world size again
             continue
+        v = paths.shown(v) if key in paths.KEYS and v is not None else v  # relative to this folder when under it
         out.append(f"{'' if key in old else '+'}{key}={_value(v)}")
     return out

@@ -161,6 +161,19 @@ def _rl(train: list[dict]) -> dict:
             "rollout_wait_s": round(sum(waited), 3) if waited else None}
 
 
+def no_base_on_disk(cfg) -> str | None:
+    """Why ``apiary export`` refuses this run's checkpoints, or None: adapters trained on a base built
+    from the seed (no model.hf_checkpoint, no checkpoint.load_path) have no base to be written against
+    (PEFT's folder names one; a merged folder folds them into it)."""
+    if cfg is None or str(OmegaConf.select(cfg, "adapter.name", default="none") or "none") == "none":
+        return None
+    if OmegaConf.select(cfg, "model.hf_checkpoint") or OmegaConf.select(cfg, "checkpoint.load_path"):
+        return None
+    return ("none: the adapters were trained on a base built from the seed, which exists on no disk, so "
+            "apiary export refuses them; train adapters on model.hf_checkpoint=DIR or checkpoint.load_path=STEP "
+            "to export them")
+
+
 def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None) -> dict:
     """The summary of ``run_dir`` as a JSON-able dict. ``stop``: why training stopped early (None: it
     ran to its last step), with the ``exit_code`` it exits with and the step it stopped after."""
@@ -228,7 +241,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                               f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
                               + (" (and this run's overrides)" if unknown else ""))
-        commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
+        if no_base_on_disk(cfg) is None:
+            commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
     if records:
         commands["plot"] = f"apiary plot {_quote(out)}"
     if (run_dir / "tb").is_dir():
@@ -268,6 +282,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "val_loss_step": vals[-1]["step"] if vals else None,
         "checkpoint": checkpoint,
         "next": commands,
+        "export_missing_because": no_base_on_disk(cfg) if checkpoint is not None else None,
     }
 
 
@@ -361,3 +376,5 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
         console.print(Text("next", style=bold), soft_wrap=True)
         for key, cmd in s["next"].items():
             console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)
+        if s.get("export_missing_because"):
+            console.print(Text(f"  {'export':<{width}}  {s['export_missing_because']}"), soft_wrap=True)

@@ -131,7 +131,7 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
         elif want > ep_space:
             ep = max(d for d in _divisors(ep_space) if facts.num_experts % d == 0)
             rules["ep"] = (f"table wants EP {want} ({params_text(facts.n_params)} params); only "
-                           f"{ep_space} ranks in dp_shard x cp x tp -> EP {ep}")
+                           f"{ep_space} rank{'' if ep_space == 1 else 's'} in dp_shard x cp x tp -> EP {ep}")
         else:
             raise UserError(where, f"the table's EP {want} (for {params_text(facts.n_params)} parameters) does not "
                             f"divide dp_shard x cp x tp = {ep_space} or the {facts.num_experts} experts.",

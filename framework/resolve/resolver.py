@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from framework import contracts
 from framework.compose import recipes
 from framework.plan.preflight import check_memory, choose_by_budget
-from framework.resolve import resume
+from framework.resolve import paths, resume
 from framework.resolve.context import Resolved, check_components, context, model_facts
 from framework.resolve.inputs import check_environment, check_inputs, check_paths, check_writable, world_size_from
 from framework.resolve.layout import Layout, check_batch, derive
@@ -65,6 +65,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     check_publish(cfg, ctx, layout, for_training)
     if for_training:
         check_overlaps(cfg)
+    paths.absolute_in(cfg)  # stored absolute (framework/resolve/paths.py); every check above read them as given
     OmegaConf.set_struct(cfg, True)
     if for_training and step is not None:  # what this resume loads and what changed since the last launch
         plan = resume.check(cfg, Path(cfg.output_dir), step)

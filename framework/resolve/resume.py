@@ -32,6 +32,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from framework.errors import UserError
+from framework.resolve import paths
 
 FIRST = "config.yaml"
 LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": the recipe as given, "overrides": [...]}
@@ -233,7 +234,7 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
         raise UserError("checkpoint.resume=true", f"{saved_path} is not readable YAML ({type(e).__name__}).",
                         f"Restore it from {configs[0]} or a copy.") from None
     new = OmegaConf.to_container(cfg, resolve=True)
-    old_l, new_l = leaves(saved), leaves(new)
+    old_l, new_l = paths.absolute_leaves(leaves(saved)), leaves(new)  # a config stored before paths were absolute
     refused, changes = [], []
     for key in sorted(set(old_l) | set(new_l)):
         a, b = old_l.get(key), new_l.get(key)

@@ -301,7 +301,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"{hw.nvlink_alltoall_bw / 1e9:.0f} GB/s all-to-all; IB {hw.ib_bw / 1e9:.0f} / "
         f"{hw.ib_alltoall_bw / 1e9:.0f} GB/s per GPU; {c.gpus_per_node} GPUs per node",
         f"local tokens {sh.T:,.0f} per microbatch (micro batch {sh.mb} x seq {sh.seq} / cp {cp}), {sh.Tt:,.0f} per rank "
-        f"after TP {tp}; peak stage: {stage}",
+        f"after TP {tp}; " + ("one pipeline stage" if stage == "only" else f"peak pipeline stage: {stage}"),
         f"state {ch['state']}, recompute {rc}, loss {ch['loss']}, moe.chunk {ch['moe_chunk']}"
         + (f", adapter {asked.names['adapter']}" if asked.names["adapter"] != parts.defaults()["adapter"] else ""),
         *(asked.terms["adapter"].notes if "adapter" in asked.terms else []),

@@ -1,0 +1,109 @@
+"""Console noise from third-party libraries that apiary's own calls trigger, silenced around that call
+only, by message and category (docs/reliability.md, "What a run prints"): torch's DTensor RNG warning on
+a CPU mesh (torchtitan's seeding), datasets' "Generating train split" bar while a run loads a local
+file, peft's FutureWarning in `apiary logprobs --adapter`. Every other warning still reaches the
+user, and the libraries' global settings are as they were afterwards."""
+
+from __future__ import annotations
+
+import json
+import uuid
+import warnings
+
+import pytest
+
+from framework import compat
+from framework.compat import originals as compat_originals
+from framework.compat import torchtitan_patches
+
+CPU_MESH = "DTensor manual_seed() may not have complete support on cpu device mesh"
+
+
+def test_seeding_on_a_cpu_mesh_drops_torchs_dtensor_warning_only(monkeypatch):
+    """nproc=2 on CPU (gloo): torchtitan's set_determinism seeds DTensor's RNG, which torch supports on
+    GPU meshes only, and it warned once per rank (was: two UserWarning lines in the console)."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.protocols.model import BaseModel
+
+    def fake_set_determinism(*args, **kwargs):  # what torchtitan's call warns on a CPU mesh, and a real warning
+        warnings.warn(CPU_MESH, UserWarning, stacklevel=2)
+        warnings.warn("DTensor manual_seed() may not have complete support on cuda device mesh", UserWarning,
+                      stacklevel=2)
+        warnings.warn("something the user should see", UserWarning, stacklevel=2)
+        return "seeded"
+
+    monkeypatch.setattr(dist_utils, "set_determinism", fake_set_determinism)
+    monkeypatch.setattr(BaseModel, "init_weights", BaseModel.init_weights)  # restored after the test
+    monkeypatch.setattr(compat_originals, "_ORIGINALS", dict(compat_originals._ORIGINALS))
+    monkeypatch.setattr(torchtitan_patches, "_SEEDED", [None])
+    compat.init_weights_from_seed()
+    assert dist_utils.set_determinism is not fake_set_determinism  # apiary's wrapper
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dist_utils.set_determinism() == "seeded"
+    messages = [str(w.message) for w in caught]
+    assert CPU_MESH not in messages, messages
+    assert "something the user should see" in messages and any("cuda device mesh" in m for m in messages), messages
+    with warnings.catch_warnings(record=True) as caught:  # outside the call: the filter is gone
+        warnings.simplefilter("always")
+        warnings.warn(CPU_MESH, UserWarning)
+    assert [str(w.message) for w in caught] == [CPU_MESH]
+
+
+def test_loading_a_local_text_file_in_a_run_shows_no_progress_bar(tmp_path, capfd):
+    """The run's loader reads a local jsonl with datasets, whose "Generating train split" bar came out in
+    the middle of the run's console (tutorial 2); off around that call, on again after it."""
+    import datasets
+
+    from components.data.text import _load_local
+
+    path = tmp_path / f"{uuid.uuid4().hex}.jsonl"  # new content: datasets generates its split (no cache hit)
+    path.write_text("".join(json.dumps({"text": f"doc {uuid.uuid4().hex} {i}"}) + "\n" for i in range(5)))
+    capfd.readouterr()
+    assert not datasets.are_progress_bars_disabled()
+    ds = _load_local(str(path))
+    assert len(ds) == 5
+    out, err = capfd.readouterr()
+    assert "Generating train split" not in err + out, err
+    assert not datasets.are_progress_bars_disabled()  # the global setting as it was
+
+
+def test_logprobs_adapter_merge_drops_peft_futurewarning_only(tmp_path, monkeypatch):
+    """`apiary logprobs BASE ROLLOUTS --adapter DIR`: peft reads transformers' deprecated
+    `is_gradient_checkpointing` while applying the adapter (was: a FutureWarning in the console)."""
+    pytest.importorskip("peft")
+    import peft
+    import transformers
+
+    from components.adapters import export
+    from toolkit import logprobs
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    base.mkdir()
+    adapter.mkdir()
+    (base / "config.json").write_text("{}")
+    (adapter / "adapter_config.json").write_text("{}")
+
+    class Merged:
+        def save_pretrained(self, dest):
+            self.dest = dest
+
+    class Applied:
+        def merge_and_unload(self):
+            return Merged()
+
+    def from_pretrained(model, folder):
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                      "`is_activation_checkpointing` instead.", FutureWarning, stacklevel=2)
+        warnings.warn("a peft warning the user should see", UserWarning, stacklevel=2)
+        return Applied()
+
+    monkeypatch.setattr(export, "check_exported_base", lambda *a: None)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: object())
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", from_pretrained)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logprobs.merge_adapter(str(base), str(adapter), tmp_path / "merged")
+    messages = [str(w.message) for w in caught]
+    assert not any("is_gradient_checkpointing" in m for m in messages), messages
+    assert "a peft warning the user should see" in messages, messages
