@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore")
 from framework import devices
 devices.install()
 import torch
-from components.models import hf, qwen3_5
+from components.models import hf_export, qwen3_5
 mode, run, out = sys.argv[1:4]
 t = time.perf_counter()
 if mode == "old":  # what `apiary export` ran before streaming (qwen3_5_build.export_hf then)

@@ -33,7 +33,7 @@ def variants(dim_in: int, dim_out: int):
     try:
         from torchao.float8 import convert_to_float8_training
 
-        from components.precision.policies import torchao_linear_config
+        from components.precision.torchao_fp8 import torchao_linear_config
 
         for scaling in ("tensorwise", "rowwise"):
             def make(scaling=scaling):

@@ -1,4 +1,4 @@
-"""`apiary export RUN --hf OUT [--step N] [--dtype D]` streams (components/models/hf.py
+"""`apiary export RUN --hf OUT [--step N] [--dtype D]` streams (components/models/hf_export.py
 ``export_streamed``): a layer of the DCP checkpoint at a time, converted by the family's adapter,
 written in publication's shards. The streamed folder equals the old whole-model conversion (bit for
 bit in float32, that conversion rounded to bf16 in bfloat16, the default), loads in transformers with
@@ -19,7 +19,7 @@ from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
-from components.models import hf, qwen3, qwen3_5  # noqa: E402
+from components.models import hf_export, qwen3, qwen3_5  # noqa: E402
 from framework.errors import UserError  # noqa: E402
 from framework.train import published  # noqa: E402
 
@@ -66,7 +66,7 @@ def _export(run, out, *flags) -> int:
 
 def _whole_model(run: Path, family: str, step: int) -> dict:
     """What `apiary export` wrote before streaming: every parameter loaded as fp32 at once, converted
-    by the family's adapter in one call (hf.export_run / qwen3_5_build.export_hf then)."""
+    by the family's adapter in one call (hf_export.export_run / qwen3_5_build.export_hf then)."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
@@ -86,7 +86,7 @@ def _whole_model(run: Path, family: str, step: int) -> dict:
               if k in params or k.endswith((".wq.weight", ".wk.weight", ".wv.weight"))}
         adapter = qwen3.STATE_DICT_ADAPTER
     dcp.load(sd, checkpoint_id=str(run / "checkpoint" / f"step-{step}"), no_dist=True)
-    return hf.to_hf_tensors(sd, config, adapter)
+    return hf_export.to_hf_tensors(sd, config, adapter)
 
 
 def _folder(path: Path) -> dict:

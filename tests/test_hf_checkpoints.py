@@ -17,7 +17,7 @@ from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
-from components.models import hf, llama3, qwen3, qwen3_5, qwen3_5_hf  # noqa: E402
+from components.models import hf_export, llama3, qwen3, qwen3_5, qwen3_5_hf  # noqa: E402
 from framework.api import build_model  # noqa: E402
 from framework.errors import UserError  # noqa: E402
 
@@ -127,7 +127,7 @@ def _export(model, family, out):
         return qwen3_5_hf.save_hf(model.state_dict(), qwen3_5_hf.arch_from_hf_config(model.config.hf_checkpoint),
                                   str(out), model.config)
     arch = family.arch_from_config(model.config)
-    return hf.save(model.state_dict(), model.config, family.STATE_DICT_ADAPTER, family.hf_config(arch), out)
+    return hf_export.save(model.state_dict(), model.config, family.STATE_DICT_ADAPTER, family.hf_config(arch), out)
 
 
 @pytest.mark.parametrize("name", ["qwen3_dense_tied", "qwen3_moe", "qwen3_moe_yarn", "llama_tied_scaled",

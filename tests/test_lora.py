@@ -22,7 +22,7 @@ from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
 
-from components.adapters import modules  # noqa: E402
+from components.adapters import modules, runtime  # noqa: E402
 from components.adapters.lora import adapter_counts  # noqa: E402
 from components.adapters.targets import is_adapter_param  # noqa: E402
 from components.models import qwen3, qwen3_5  # noqa: E402
@@ -71,7 +71,7 @@ def _logits(model, tokens):
 def _randomize_b(model, seed=3, scale=0.3):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for n, p in modules.adapter_parameters(model).items():
+        for n, p in runtime.adapter_parameters(model).items():
             if n.rsplit(".", 1)[1].startswith("lora_B"):
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
@@ -91,9 +91,9 @@ def test_a_lora_model_starts_as_its_base_and_switches_back_exactly(family, flavo
     assert lora_sd.keys() == base_sd.keys() and all(torch.equal(base_sd[k], v) for k, v in lora_sd.items())
     # frozen base, trainable adapters, as many as the planner counts
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
-    assert trainable == set(modules.adapter_parameters(lora)) and trainable
+    assert trainable == set(runtime.adapter_parameters(lora)) and trainable
     facts = family.facts(flavor)
-    assert sum(p.numel() for p in modules.adapter_parameters(lora).values()) == \
+    assert sum(p.numel() for p in runtime.adapter_parameters(lora).values()) == \
         sum(adapter_counts(facts, targets, 4)[k] for k in ("dense", "experts"))
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -101,11 +101,11 @@ def test_a_lora_model_starts_as_its_base_and_switches_back_exactly(family, flavo
         assert torch.equal(_logits(lora, tokens), want)  # B = 0: exactly the base
         _randomize_b(lora)
         moved = _logits(lora, tokens)
-        with modules.adapters_disabled(lora):
+        with runtime.adapters_disabled(lora):
             off = _logits(lora, tokens)
     assert (moved - want).abs().max() > 1e-2  # the adapters act ...
     assert torch.equal(off, want)  # ... and switched off, the frozen base's logits exactly
-    assert all(m.lora_enabled for m in modules.adapter_modules(lora))  # restored after the block
+    assert all(m.lora_enabled for m in runtime.adapter_modules(lora))  # restored after the block
 
 
 def _grads_against_fp64(module, forward, reference, inputs):
@@ -157,7 +157,7 @@ def test_adapter_outputs_and_gradients_match_fp64_references(one_thread):
     assert set(base) == {"wq.weight", "wk.weight", "wv.weight"}
 
     def qkv_ref(p, x):
-        merged = modules.merge_into({**base, **p}, s)
+        merged = runtime.merge_into({**base, **p}, s)
         return tuple((x @ merged[f"w{c}.weight"].T).view(*x.shape[:-1], -1, 4) for c in "qkv")
 
     _grads_against_fp64(fused, lambda m, x: m(x), qkv_ref, (torch.randn(2, 3, 16, generator=g),))
@@ -246,7 +246,7 @@ def runs(hf_dirs, tmp_path_factory):
                                      if is_adapter_param(n) and ".lora_B" in n)
         held = {id(p) for opt in trainer.optimizers.optimizers for grp in opt.param_groups for p in grp["params"]}
         seen["optimizer_holds"] = {n for n, p in now.items() if id(p) in held}
-        seen["adapters"] = set(modules.adapter_parameters(model))
+        seen["adapters"] = set(runtime.adapter_parameters(model))
 
     none = _trainer_run(q3[0], q3[1] + ["training.steps=1", "checkpoint.enable=false", f"output_dir={work / 'none'}"])
     lora = _trainer_run(q3[0], q3[1] + ["adapter=lora", f"adapter.targets={Q3_TARGETS}", "adapter.rank=4",
@@ -291,17 +291,17 @@ def _apiary_logits(run: Path, tokens):
     from omegaconf import OmegaConf
 
     from components.adapters import export
-    from components.models import hf
+    from components.models import hf_export
     from framework.compose import registry
 
     cfg = OmegaConf.load(run / "config.yaml")
     fam = registry.resolve("model", cfg.model.family)
     spec, targets = export._spec(cfg)
     model = _built(modules.convert(export._family_config(fam, cfg), spec, targets)[0])
-    model.load_state_dict(export.load_adapters(fam, cfg, hf.latest_step(run)), strict=False)
+    model.load_state_dict(export.load_adapters(fam, cfg, hf_export.latest_step(run)), strict=False)
     with torch.no_grad():
         on = model(tokens)
-        with modules.adapters_disabled(model):
+        with runtime.adapters_disabled(model):
             off = model(tokens)
     return on, off
 

@@ -388,8 +388,8 @@ def test_device_update_plans_its_moment_window():
           "state.offload=optimizer"]
     host = planner.plan(resolve("qwen35_35b_128k", ov, for_training=False), gpu="H200")
     dev = planner.plan(resolve("qwen35_35b_128k", ov + ["state.offload_update=device"], for_training=False), gpu="H200")
+    from components.state.device_update import DeviceUpdateOptimizers
     from components.state.fsdp2 import PLAN_CONSTANTS
-    from components.state.offload import DeviceUpdateOptimizers
 
     window = dev.memory_bytes.pop("offload_moment_window")
     # the largest parameter's chunk (the LM head's 248,320 x 2,048, which the planner counts with the final

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from components.precision import policies
+from components.precision import checkpoint_storage, policies, torchao_fp8
 from components.precision.policies import FP8, FP8_LAYER_TOL
 from framework.errors import UserError
 from framework.plan import planner
@@ -286,7 +286,7 @@ def test_torchao_emulated_fp8_linear_matches_bf16(one_thread, all_gather):
 
     from components.precision.torchao_linear import ApiaryFloat8Linear
 
-    ao = policies.torchao_linear_config("tensorwise", all_gather, emulate=True)
+    ao = torchao_fp8.torchao_linear_config("tensorwise", all_gather, emulate=True)
     layer = ApiaryFloat8Linear.Config(in_features=128, out_features=64, _torchao_config=ao).build()
     assert isinstance(layer.weight, WeightWithDynamicFloat8CastTensor) == all_gather
     torch.manual_seed(0)
@@ -366,7 +366,7 @@ def test_fp8_checkpoints_hold_plain_tensors(tmp_path):
 
     from components.models import qwen3
 
-    policies.patch_checkpoint_storage_check()
+    checkpoint_storage.patch_checkpoint_storage_check()
 
     def config():
         return qwen3.model_spec("tiny_moe", attn_backend="flex", n_layers=None, vocab_size=None,

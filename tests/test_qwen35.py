@@ -104,7 +104,7 @@ def test_n_layers_keeps_the_hybrid_pattern():
 def test_torch_gated_delta_rule_matches_recurrence_with_documents_and_state():
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as naive
 
-    from components.models.gated_deltanet import causal_conv, chunk_gated_delta_rule, l2norm
+    from components.models.gated_deltanet_ops import causal_conv, chunk_gated_delta_rule, l2norm
 
     torch.manual_seed(0)
     B, T, H, HV, K, V = 2, 150, 2, 4, 8, 6

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from components.data import rollout_values
 from components.data import rollouts as R
 
 from conftest import ROOT, _child_env, read_metrics, run_cli, run_ranks
@@ -150,9 +151,9 @@ def test_records_read_routed_experts_unshifted_with_padding():
     with pytest.raises(ValueError, match="routed_experts has 4 entries, input_ids 5"):
         R._check("f:1", {**recs[0], "routed_experts": recs[1]["routed_experts"]})
     with pytest.raises(ValueError, match="must be integers"):
-        R._convert("f:1", {**recs[0], "routed_experts": [[[0.5, 1.0]] * 2] * 5})
+        rollout_values._convert("f:1", {**recs[0], "routed_experts": [[[0.5, 1.0]] * 2] * 5})
     with pytest.raises(ValueError, match="must be integers"):
-        R._convert("f:1", {**recs[0], "routed_experts": [[[0, 1], [2]]] * 5})  # ragged
+        rollout_values._convert("f:1", {**recs[0], "routed_experts": [[[0, 1], [2]]] * 5})  # ragged
 
 
 # ------------------------------------------------------------------ the trainer

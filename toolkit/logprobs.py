@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from components.data.rollouts import located_records, record_where, rollout_files
+from components.data.rollout_sources import located_records, record_where, rollout_files
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError

@@ -35,10 +35,10 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from components.adapters import modules
+from components.adapters import modules, runtime
 from components.adapters.base import BASE_FILE, _files, describe
 from components.adapters.targets import is_adapter_param
-from components.models import hf
+from components.models import hf_export
 from framework import contracts
 from framework.errors import UserError
 
@@ -74,7 +74,7 @@ def check_exported_base(adapter_dir, base_dir, where: str) -> None:
 def _run(run_dir):
     run = Path(run_dir)
     cfg = OmegaConf.load(run / "config.yaml")
-    step_dir = hf.latest_step(run)
+    step_dir = hf_export.latest_step(run)
     f = step_dir / BASE_FILE
     if not f.is_file():
         raise UserError(_where(run_dir), f"{step_dir} has no {BASE_FILE}: it is not an adapter checkpoint.",
@@ -141,7 +141,7 @@ def write_hf(family_mod, cfg, config, state_dict: dict, out) -> Path:
                                   hf_checkpoint=getattr(config, "hf_checkpoint", None))
         return Path(family_mod.save_hf(state_dict, arch, str(out), config))
     arch = family_mod.arch_from_config(config)
-    return Path(hf.save(state_dict, config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(arch), out))
+    return Path(hf_export.save(state_dict, config, family_mod.STATE_DICT_ADAPTER, family_mod.hf_config(arch), out))
 
 
 # ---------------------------------------------------------------------------- the row map
@@ -185,7 +185,7 @@ def _peft_tensors(adapters: dict, rmap: dict, base_sd: dict, r: int, hf_modules:
         if not leaf.startswith("lora_A") or leaf.endswith(("_w1", "_w2", "_w3")):
             continue
         b = adapters[k.rsplit(".", 1)[0] + "." + leaf.replace("lora_A", "lora_B")]
-        by_weight[modules.base_key(k)[0]] = {"A": a, "B": b}
+        by_weight[runtime.base_key(k)[0]] = {"A": a, "B": b}
     tensors, sources = {}, {}
     for module, parts in rmap.items():
         fed = [(k, src, dst) for k, src, dst in parts if k in by_weight]
@@ -303,9 +303,9 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     r, alpha = int(cfg.adapter.rank), float(cfg.adapter.alpha)
     if merged:
         with torch.no_grad():
-            merged_sd = modules.merge_into({k: v.float() for k, v in {**base_sd, **adapters}.items()}, alpha / r)
+            merged_sd = runtime.merge_into({k: v.float() for k, v in {**base_sd, **adapters}.items()}, alpha / r)
         folder = write_hf(family_mod, cfg, config, merged_sd, out)
-        hf.warn_routing_bias(_meta(config), step_dir) if pointer["kind"] == "dcp" else None
+        hf_export.warn_routing_bias(_meta(config), step_dir) if pointer["kind"] == "dcp" else None
         return folder, f"merged: the base of {describe(pointer)} + alpha/r x B A of {step_dir.name}"
     base_path = pointer["path"] if pointer["kind"] == "hf" else None
     note = ""

@@ -32,20 +32,16 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from components.data.rollout_sources import file_digest, located_records, not_a_file, record_where
+from components.data.rollout_values import _convert, routed_problem
 from components.data.rollouts import (
     _check,
-    _convert,
     _id_key,
     build_rows,
     duplicate_error,
-    file_digest,
     gen_presence_error,
-    located_records,
     mean_reward,
-    not_a_file,
     record_reward,
-    record_where,
-    routed_problem,
     trainer_sample,
     trains_a_token,
 )

@@ -12,7 +12,7 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common, hf
+from components.models import common, hf, hf_export
 from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
 from components.models.llama3 import Arch, arch_from_hf, arch_of, hf_config  # noqa: F401
 
@@ -91,14 +91,14 @@ def arch_from_config(config) -> Arch:
 
 def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
               shard_bytes: int | None = None):
-    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf.export_run: streamed)."""
-    return hf.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
+    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf_export.export_run: streamed)."""
+    return hf_export.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def _self():
     return sys.modules[__name__]
 
 
-def hf_writer(options, ctx) -> hf.HFWriter:
+def hf_writer(options, ctx) -> hf_export.HFWriter:
     """state dict -> (HF tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
-    return hf.hf_writer(_self(), options, ctx)
+    return hf_export.hf_writer(_self(), options, ctx)

@@ -19,7 +19,7 @@ from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
 from torchtitan.models.qwen3_5.rope import MRoPE
 from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common, hf
+from components.models import common, hf, hf_export
 from components.models.common import ExactGroupedExperts, replace_config
 from components.models.gated_deltanet import ApiaryGatedDeltaNet, GatedDeltaRule
 from components.models.qwen3_5 import arch_of, model_kwargs
@@ -119,7 +119,7 @@ def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: st
               shard_bytes: int | None = None) -> Path:
     """`apiary export RUN_DIR --hf OUT`: a checkpoint of the run (the latest, or ``step``) -> a HF
     text-only folder in ``dtype``, streamed a layer at a time in shards of at most ``shard_bytes``
-    (hf.export_streamed)."""
+    (hf_export.export_streamed)."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
@@ -127,7 +127,7 @@ def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: st
     cfg = OmegaConf.load(run / "config.yaml")
     if cfg.model.family != "qwen3_5":
         raise UserError(f"apiary export {run_dir}", f"model.family={cfg.model.family}: this exporter writes Qwen3.5.")
-    step_dir = hf.checkpoint_step(run, step)
+    step_dir = hf_export.checkpoint_step(run, step)
     a = arch_of(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size,
                 hf_checkpoint=cfg.model.get("hf_checkpoint"))
     config = build_config(a)
@@ -135,14 +135,14 @@ def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: st
         model = Qwen35TextModel(config)
     # torchtitan's DCP checkpoints hold the model's parameters at top level, fp32 master weights
     keys = {k: tuple(p.shape) for k, p in model.named_parameters()}
-    hf.warn_routing_bias(model, step_dir)
-    return hf.export_streamed(step_dir, out_path, config=config, adapter_cls=TextStateDictAdapter,
+    hf_export.warn_routing_bias(model, step_dir)
+    return hf_export.export_streamed(step_dir, out_path, config=config, adapter_cls=TextStateDictAdapter,
                               hf_config=hf_text_config(a), keys=keys, dtype=dtype, shard_bytes=shard_bytes)
 
 
-def hf_writer(options, ctx) -> hf.HFWriter:
+def hf_writer(options, ctx) -> hf_export.HFWriter:
     """state dict -> (HF text-only tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
     kw = model_kwargs(options, ctx)
     a = arch_of(options.flavor, n_layers=kw.get("n_layers"), vocab_size=kw.get("vocab_size"),
                 hf_checkpoint=kw.get("hf_checkpoint"))
-    return hf.HFWriter(model_config(options.flavor, **kw), STATE_DICT_ADAPTER, hf_text_config(a))
+    return hf_export.HFWriter(model_config(options.flavor, **kw), STATE_DICT_ADAPTER, hf_text_config(a))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
-from components.models import hf
+from components.models import hf, hf_export
 from components.models.qwen3_5_arch import Arch, arch_from_hf_config  # noqa: F401  (read without torch there)
 
 _MM = "model.language_model."
@@ -135,4 +135,4 @@ def load_hf(model: torch.nn.Module, path: str) -> None:
 
 def save_hf(state_dict: dict, arch, out_path: str, model_config) -> Path:
     """A torchtitan state dict of this family -> HF text-only folder."""
-    return hf.save(state_dict, model_config, TextStateDictAdapter, hf_text_config(arch), out_path)
+    return hf_export.save(state_dict, model_config, TextStateDictAdapter, hf_text_config(arch), out_path)

@@ -22,7 +22,7 @@ from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from components.models import common, hf
+from components.models import common, hf, hf_export
 from components.models.common import ExactGroupedExperts, replace_config
 from components.models.family import model_kwargs  # noqa: F401  (hf.py reads it off this module)
 from components.models.qwen3 import (  # noqa: F401  (the torch-free side's names, reachable here too)
@@ -149,9 +149,9 @@ def _self():
     return sys.modules[__name__]
 
 
-def hf_writer(options, ctx) -> hf.HFWriter:
+def hf_writer(options, ctx) -> hf_export.HFWriter:
     """state dict -> (HF tensors, config.json) for weight publication (framework/contracts/protocols.py)."""
-    return hf.hf_writer(_self(), options, ctx)
+    return hf_export.hf_writer(_self(), options, ctx)
 
 
 # --------------------------------------------------------------------------- HuggingFace folders
@@ -190,8 +190,8 @@ def build_config(a: Arch, *, attn_backend: str = "flex", moe_comm_backend: str =
 
 def export_hf(run_dir: str, out_path: str, *, step: int | None = None, dtype: str = "bfloat16",
               shard_bytes: int | None = None):
-    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf.export_run: streamed)."""
-    return hf.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
+    """`apiary export RUN_DIR --hf OUT [--step N] [--dtype D]` for this family (hf_export.export_run: streamed)."""
+    return hf_export.export_run(run_dir, out_path, _self(), step=step, dtype=dtype, shard_bytes=shard_bytes)
 
 
 def arch_from_config(config) -> Arch:

@@ -30,7 +30,8 @@ from dataclasses import replace
 import torch
 from torchtitan.models.common.moe import MoE
 
-from components.data.rollouts import RolloutIndex, routed_problem, source
+from components.data.rollout_values import routed_problem
+from components.data.rollouts import RolloutIndex, source
 from framework import contracts
 from framework.errors import UserError
 

@@ -32,13 +32,14 @@ functions that convert or check a model (`train --help` and `--cfg job` read the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from components.precision.checkpoint_storage import patch_checkpoint_storage_check
+
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
-from framework import compat
+from components.precision.torchao_fp8 import _torchao_experts, _torchao_linears, _torchao_mxfp8
 from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
 from framework.errors import UserError
 
@@ -258,7 +259,7 @@ class FP8:
         if opts.scaling == "mxfp8":
             return _torchao_mxfp8(model_config, opts.experts, linears=not opts.compile)
         if not opts.compile:  # compiled: dense linears stay bf16 (module docstring)
-            model_config = _torchao_linears(model_config, opts, emulate)
+            model_config = _torchao_linears(model_config, opts, emulate, FP8.fp8_all_gather(opts))
         if opts.experts:
             model_config = _torchao_experts(model_config)
         return model_config
@@ -328,47 +329,6 @@ class FP8:
     PLAN_CONSTANTS = PLAN_CONSTANTS
 
 
-def _storage_owner(t):
-    """The plain tensor holding ``t``'s data: through DTensor and torchao's wrapper subclasses
-    (WeightWithDynamicFloat8CastTensor, the FP8 experts' weight wrapper)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # reason: start-up time (torch)
-
-    while is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        t = getattr(t, attrs[0])
-    return t
-
-
-def _shares_storage(a, b) -> bool:
-    return _storage_owner(a).untyped_storage().data_ptr() == _storage_owner(b).untyped_storage().data_ptr()
-
-
-def plain_tensor(v):
-    """``v`` with torchao's wrapper subclass taken off (DTensors keep their mesh and placements),
-    sharing its storage: what a checkpoint stores and loads into."""
-    from torch.distributed.tensor import DTensor  # reason: start-up time (torch)
-
-    if isinstance(v, DTensor):
-        inner = _storage_owner(v._local_tensor)
-        if inner is v._local_tensor:
-            return v
-        return DTensor.from_local(inner, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-                                  stride=v.stride())
-    return _storage_owner(v)
-
-
-def patch_checkpoint_storage_check() -> None:
-    """torchtitan 0.3.0's checkpoint ModelWrapper hands DCP ``model.state_dict()``. With torchao's
-    FP8 weights that holds wrapper subclasses (WeightWithDynamicFloat8CastTensor, the FP8
-    experts' Float8TrainingWeightWrapperTensor) with no storage of their own: its storage check
-    fails ("Attempted to access the data pointer on an invalid python storage") on every load and
-    save, and DCP would pickle them as objects. Here the wrapper hands DCP the wrapped plain
-    tensors instead (same storage, so a load still lands in the parameters): FP8 checkpoints hold
-    the same fp32 tensors as bf16 ones, and a bf16 seed loads into an FP8 model and back (the
-    patch: framework/compat/torchtitan_patches.py)."""
-    compat.plain_checkpoint_state_dict(plain_tensor, _shares_storage)
-
-
 def device_problem(scaling: str) -> str | None:
     """Why this machine's GPU cannot run ``scaling`` FP8 GEMMs, or None."""
     import torch  # reason: start-up time (torch)
@@ -405,60 +365,3 @@ def backend_problem(backend: str) -> tuple[str, str] | None:
                 "Build and install the transformer-engine-torch wheel against this torch with "
                 "scripts/build_te.sh (docs/install.md), or use precision.backend=torchao.")
     return None
-
-
-# ---------------------------------------------------------------------- torchao
-def torchao_linear_config(scaling: str, fp8_all_gather: bool, emulate: bool = False):
-    from torchao.float8 import Float8LinearConfig  # optional dependency: torchao
-
-    c = Float8LinearConfig.from_recipe_name(scaling)
-    return dataclasses.replace(c, enable_fsdp_float8_all_gather=fp8_all_gather, emulate=emulate)
-
-
-def _torchao_linears(model_config, opts, emulate: bool):
-    from torchtitan.models.common.linear import Linear  # reason: start-up time (torchtitan)
-
-    from components.precision.torchao_linear import ApiaryFloat8Linear  # optional dependency: torchao
-
-    ao = torchao_linear_config(opts.scaling, FP8.fp8_all_gather(opts), emulate)
-    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)):
-        if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
-            new = ApiaryFloat8Linear.Config(in_features=lc.in_features, out_features=lc.out_features,
-                                            bias=lc.bias, param_init=lc.param_init, _torchao_config=ao)
-            model_config = swap_config(model_config, parent, attr, new)
-    return model_config
-
-
-def _torchao_experts(model_config):
-    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls  # reason: start-up time
-    from torchtitan.components.quantization.utils import swap_token_dispatcher  # reason: start-up time (torchtitan)
-    from torchtitan.models.common.moe import GroupedExperts  # reason: start-up time (torchtitan)
-
-    for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-        swap_token_dispatcher(parent, PAD_MULTIPLE)
-        cls = _get_float8_grouped_experts_cls(type(ec)._owner)
-        new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
-        model_config = swap_config(model_config, parent, attr, new)
-    return model_config
-
-
-def _torchao_mxfp8(model_config, experts: bool, linears: bool = True):
-    from torchtitan.components.quantization.mx import MXFP8Linear, _get_mxfp8_grouped_experts_cls  # reason: start-up
-    from torchtitan.components.quantization.utils import swap_token_dispatcher  # reason: start-up time (torchtitan)
-    from torchtitan.models.common.linear import Linear  # reason: start-up time (torchtitan)
-    from torchtitan.models.common.moe import GroupedExperts  # reason: start-up time (torchtitan)
-
-    if MXFP8Linear is None:
-        raise RuntimeError("precision.scaling=mxfp8: torchao's MXFP8Linear is not importable")
-    for fqn, lc, parent, attr in list(model_config.traverse(Linear.Config)) if linears else []:
-        if type(lc) is Linear.Config and fp8_linear(fqn, lc.in_features, lc.out_features):
-            new = MXFP8Linear.Config(in_features=lc.in_features, out_features=lc.out_features, bias=lc.bias,
-                                     param_init=lc.param_init)
-            model_config = swap_config(model_config, parent, attr, new)
-    if experts:
-        for _fqn, ec, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-            swap_token_dispatcher(parent, 32)  # MX block size
-            cls = _get_mxfp8_grouped_experts_cls(type(ec)._owner)
-            new = cls.Config(**{f.name: getattr(ec, f.name) for f in dataclasses.fields(ec)})
-            model_config = swap_config(model_config, parent, attr, new)
-    return model_config

@@ -101,7 +101,7 @@ class FSDP2:
         tt_config.parallelism.fsdp_reshard_after_forward = opts.reshard_after_forward
         tt_config.training.enable_cpu_offload = opts.offload == "all"
         if opts.offload == "optimizer" and opts.offload_update == "device":
-            from components.state.offload import DeviceUpdateOptimizers  # reason: start-up time (torch, torchtitan)
+            from components.state.device_update import DeviceUpdateOptimizers  # reason: start-up time (torch, torchtitan)
 
             o = tt_config.optimizer
             tt_config.optimizer = DeviceUpdateOptimizers.Config(

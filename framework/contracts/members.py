@@ -57,7 +57,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
               "model_config": None, "arch_from_config": None, "arch_of": None, "hf_config": None,
               "STATE_DICT_ADAPTER": None,  # the generic HF helpers need these four (qwen3, llama3)
               "hf_key_shapes": None,  # checkpoint keys are the adapter's own names and shapes
-              "save_hf": None,  # the generic writer (hf.save) writes the family's folder
+              "save_hf": None,  # the generic writer (hf_export.save) writes the family's folder
               "PLAN_CONSTANTS": MappingProxyType({})},  # its layer kinds plan with no calibrated constant
     "adapter": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
                 "export_hf": None,  # `apiary export` of a run with this adapter is refused

@@ -72,7 +72,7 @@ def test_torchao_dense_linear_matches_bf16(scaling):
     pytest.importorskip("torchao.float8")
     if scaling == "rowwise" and cc() < (9, 0):
         pytest.skip("rowwise scaled GEMMs need SM 9.0")
-    from components.precision.policies import torchao_linear_config
+    from components.precision.torchao_fp8 import torchao_linear_config
     from components.precision.torchao_linear import ApiaryFloat8Linear
 
     ao = torchao_linear_config(scaling, fp8_all_gather=False)
@@ -89,7 +89,7 @@ def test_torchao_fp8_all_gather_weight_wrapped():
     pytest.importorskip("torchao.float8")
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from components.precision.policies import torchao_linear_config
+    from components.precision.torchao_fp8 import torchao_linear_config
     from components.precision.torchao_linear import ApiaryFloat8Linear
 
     ao = torchao_linear_config("tensorwise", fp8_all_gather=True)
