@@ -40,6 +40,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_", "torch.nn.utils:clip_grads_with_norm_"),
     "fsdp_wrappers_disabled": ("torchtitan.distributed.fsdp:apply_fsdp_to_decoder",),
     "hook_trainer_train": ("torchtitan.trainer:Trainer.train",),
+    "no_closing_sleep": ("torchtitan.trainer:time",),  # a context manager: the module global, for one call
     # instance-level: these replace a method on one object the trainer built, never on the class
     "guard_trainer_steps": ("torchtitan.components.optimizer:OptimizersContainer.step",
                             "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step"),
@@ -345,6 +346,34 @@ def hook_trainer_train(before) -> None:
 
     train._apiary = True
     Trainer.train = train
+
+
+class _TimeWithoutSleep:
+    """The ``time`` module without ``sleep`` (no_closing_sleep)."""
+
+    def __getattr__(self, name):
+        import time  # reason: the real module, read through for everything but sleep
+
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(_seconds: float) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def no_closing_sleep():
+    """torchtitan 0.3.0: ``Trainer.train`` ends on rank 0 with ``time.sleep(2)`` "for other ranks to
+    complete", its module's only sleep. Inside, ``torchtitan.trainer.time`` has no sleep; used by a
+    one-process run (world size 1: no other ranks), which then ends 2 s sooner."""
+    import torchtitan.trainer as tt  # reason: torchtitan, imported when a run trains
+
+    before = tt.time
+    tt.time = _TimeWithoutSleep()
+    try:
+        yield
+    finally:
+        tt.time = before
 
 
 def _replace_on_instance(obj, attr: str, make, patch: str):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -333,9 +334,11 @@ def test_followed_shards_train_like_the_same_files_read_at_once(tmp_path):
         write_shard(data, i)
     common = ["recipe=debug_grpo", "training.local_batch=2", "training.steps=2", "checkpoint.enable=false",
               "logging.tensorboard=false", f"data.path={data}"]
-    static = run_cli([*common, f"output_dir={tmp_path / 'static'}"], tmp_path, timeout=200, env={"OMP_NUM_THREADS": "1"})
-    follow = run_cli([*common, "data.follow=true", "data.wait_timeout=5", f"output_dir={tmp_path / 'follow'}"],
-                     tmp_path, timeout=200, env={"OMP_NUM_THREADS": "1"})
+    with ThreadPoolExecutor(2) as pool:  # side by side (mostly start-up time), one thread each
+        static, follow = pool.map(lambda extra: run_cli([*common, *extra], tmp_path, timeout=200,
+                                                        env={"OMP_NUM_THREADS": "1"}),
+                                  ([f"output_dir={tmp_path / 'static'}"],
+                                   ["data.follow=true", "data.wait_timeout=5", f"output_dir={tmp_path / 'follow'}"]))
     assert static.returncode == 0 and follow.returncode == 0, (static.stderr[-2000:], follow.stderr[-2000:])
     m = [[(r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
          for d in ("static", "follow")]

@@ -5,7 +5,19 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from conftest import TRAJ_LOSS_REL, read_metrics, run_cli
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    """One seed checkpoint of the default recipe (`train checkpoint.create_seed=true`), the common
+    start of the 1-rank and 2-rank runs of the tests below: as a checkpoint.load_path override."""
+    work = tmp_path_factory.mktemp("seed")
+    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=work)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return f"checkpoint.load_path={work / 'seed' / 'checkpoint' / 'step-0'}"
 
 
 def test_default_trains_and_resumes(workdir):
@@ -57,23 +69,25 @@ def test_default_trains_and_resumes(workdir):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in m[10:]]
 
 
-def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
+def test_two_ranks_fsdp2_ep2_match_one_rank(workdir, seed):
     steps = ["training.steps=5", "checkpoint.interval=100"]
-    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
-    assert p.returncode == 0, p.stderr[-3000:]
-    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
     with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
         f1 = pool.submit(run_cli, ["train", *steps, seed, "training.global_batch=8", "output_dir=one"], cwd=workdir,
                          env={"OMP_NUM_THREADS": "1"})
-        f2 = pool.submit(run_cli, ["train", *steps, seed, "nproc=2", "output_dir=two"], cwd=workdir)
+        f2 = pool.submit(run_cli, ["train", *steps, seed, "nproc=2", "output_dir=two",
+                                   f"training.kernel_cache={workdir / 'kc'}"], cwd=workdir)
         p1, p2 = f1.result(), f2.result()
     assert p1.returncode == 0, p1.stderr[-3000:]
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert p2.stdout.count("run summary") == 1 and "steps         5/5" in p2.stdout  # rank 0 of torchrun, once
+    # torchrun's workers take the kernel cache (tests/test_first_step.py's check, on this run's ranks):
+    # the folder is made by the ranks (the launching process does not configure caches)
+    assert (workdir / "kc").is_dir()
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
     assert lay["dp_shard"] == 2 and lay["ep"] == 2
     one, two = read_metrics(workdir / "one"), read_metrics(workdir / "two")
     assert len(one) == len(two) == 5
+    assert two[0]["first_step_wall_s"] > 0
     # another split of the same batch (and EP): rounding-level differences from step 1 on, so
     # conftest's fp32 trajectory bound (the grad norm keeps its looser 1e-3)
     for a, b in zip(one, two):
@@ -82,15 +96,12 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir):
     assert one[-1]["loss"] < one[0]["loss"]
 
 
-def test_pipeline_stages_log_the_last_stages_loss(workdir):
+def test_pipeline_stages_log_the_last_stages_loss(workdir, seed):
     """parallel.pp=2 nproc=2: only the last stage computes the loss; rank 0 (the first stage) logged
     torchtitan's -1.0 in metrics.jsonl, the console and summary.json, and the held-out loss as
     -1/tokens. From one seed checkpoint, the pipeline's logged losses are the 1-rank run's."""
     steps = ["training.steps=3", "checkpoint.interval=100", "validation.interval=2", "validation.fraction=0.1",
              "logging.tensorboard=false"]
-    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
-    assert p.returncode == 0, p.stderr[-3000:]
-    seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
     with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
         f1 = pool.submit(run_cli, ["train", *steps, seed, "output_dir=one"], cwd=workdir, env={"OMP_NUM_THREADS": "1"})
         f2 = pool.submit(run_cli, ["train", *steps, seed, "parallel.pp=2", "nproc=2", "output_dir=pp"], cwd=workdir)
@@ -107,3 +118,33 @@ def test_pipeline_stages_log_the_last_stages_loss(workdir):
     assert summary["loss_first"] == pp[0]["loss"] > 1 and summary["val_loss_last"] == pp[-1]["val_loss"] > 1
     assert "loss -1.0000" not in p2.stdout and "loss 5." in p2.stdout, p2.stdout[-3000:]
     assert "Pipeline Parallel loss is not visible" not in p2.stdout + p2.stderr
+
+
+def test_one_process_skips_torchtitans_closing_sleep(monkeypatch):
+    """torchtitan's train() ends rank 0 with time.sleep(2) "for other ranks to complete": one process
+    (world size 1) skips it, torchtitan.trainer's time module is put back afterwards, and a larger
+    world keeps the sleep."""
+    import time
+
+    from framework import devices
+
+    devices.install()  # device shims before torchtitan
+    import torchtitan.trainer as tt
+
+    from framework import trainer
+
+    slept = []
+
+    def loop(self):  # torchtitan's Trainer.train, reduced to its closing sleep
+        tt.time.sleep(2)
+        return "trained"
+
+    monkeypatch.setattr(tt.Trainer, "train", loop)
+    bare = object.__new__(trainer.ApiaryTrainer)  # no model: only train() runs
+    monkeypatch.setattr(time, "sleep", slept.append)
+    assert bare.train() == "trained"
+    assert slept == [] and tt.time is time
+    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 2)
+    assert bare.train() == "trained"
+    assert slept == [2]
