@@ -1,6 +1,6 @@
 """apiary compare: one seed checkpoint, variants side by side, tolerances and --check.
 
-The paired runs are tiny (4 steps of 64 tokens) and share one seed checkpoint; the whole
+The paired runs are tiny (2 steps of 64 tokens) and share one seed checkpoint; the whole
 file takes about two minutes on two CPU cores. recompute=selective vs full is expected to be
 bitwise identical in fp32 on CPU (recompute reruns the same ops), and it is: every
 difference is asserted to be exactly 0.
@@ -18,7 +18,7 @@ from toolkit import compare
 from toolkit import plot as plots
 from toolkit.compare import TOLERANCES, classify, compare_main
 
-TINY = ["training.steps=4", "training.seq_len=64", "logging.tensorboard=false"]
+TINY = ["training.steps=2", "training.seq_len=64", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_identical_pair_is_bitwise_equal(identical):
     assert res["tolerance"]["kind"] == "exact"
     base, var = res["variants"]
     assert base["status"] == var["status"] == "ok"
-    assert base["steps"] == var["steps"] == [1, 2, 3, 4]
+    assert base["steps"] == var["steps"] == [1, 2]
     # the shared seed: one seed checkpoint, both runs loaded it
     seed = out / "seed" / "checkpoint" / "step-0"
     assert (seed / ".metadata").is_file()
@@ -60,7 +60,7 @@ def test_identical_pair_is_bitwise_equal(identical):
     assert "lm_head.weight" in grads and grads["lm_head.weight"].shape == (320, 64)
     assert all(float(g.abs().sum()) > 0 for k, g in grads.items() if "lm_head" in k or "tok_embeddings" in k)
     md = (out / "compare.md").read_text()
-    assert "apiary compare recompute=selective,full training.steps=4" in md
+    assert "apiary compare recompute=selective,full training.steps=2" in md
     assert "| recompute=selective | recompute=full |" in md.replace("| metric ", "")
 
 

@@ -21,6 +21,7 @@ from conftest import ROOT
 # target -> the parameter names the patch expects (None: an attribute whose presence is the contract)
 SIGNATURES = {
     "torch.cuda.memory:_set_allocator_settings": ["env"],
+    "torchtitan.trainer:time": None,  # the module global no_closing_sleep swaps (test_the_attribute_targets_...)
     "torch.cpu:current_device": [],
     "torch._utils:_get_available_device_type": [],
     "torch.distributed.tensor.experimental._context_parallel._attention:_compiled_create_block_mask": None,
@@ -109,6 +110,12 @@ def test_the_attribute_targets_hold_what_the_patches_assume():
     from triton.runtime.autotuner import Autotuner
 
     assert isinstance(_cp_options.enable_load_balance, bool)
+    import time
+
+    import torchtitan.trainer as tt
+
+    # no_closing_sleep: the module's time is the time module, and train() sleeps through it once
+    assert tt.time is time and inspect.getsource(tt.Trainer.train).count("time.sleep(") == 1
     assert {"max_autotune", "coordinate_descent_tuning"} <= set(FlexAttention.inductor_configs)
     assert "self.cache_results" in inspect.getsource(Autotuner.__init__)
     assert callable(compat.original("torchtitan.distributed.fsdp:apply_fsdp_to_decoder"))
@@ -226,7 +233,7 @@ def _apply(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", [n for n in PATCHES if n not in ("fsdp_wrappers_disabled", "compile_flex_attention",
-                                                                   "plain_cuda_segments")])
+                                                                   "plain_cuda_segments", "no_closing_sleep")])
 def test_each_patch_is_idempotent(name, monkeypatch):
     _unpatched(monkeypatch, name)
     fn, args = _apply(name, monkeypatch)

@@ -74,15 +74,20 @@ def test_two_ranks_fsdp2_ep2_match_one_rank(workdir, seed):
     with ThreadPoolExecutor(2) as pool:  # the 1-rank run beside the 2 ranks, one thread each
         f1 = pool.submit(run_cli, ["train", *steps, seed, "training.global_batch=8", "output_dir=one"], cwd=workdir,
                          env={"OMP_NUM_THREADS": "1"})
-        f2 = pool.submit(run_cli, ["train", *steps, seed, "nproc=2", "output_dir=two"], cwd=workdir)
+        f2 = pool.submit(run_cli, ["train", *steps, seed, "nproc=2", "output_dir=two",
+                                   f"training.kernel_cache={workdir / 'kc'}"], cwd=workdir)
         p1, p2 = f1.result(), f2.result()
     assert p1.returncode == 0, p1.stderr[-3000:]
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert p2.stdout.count("run summary") == 1 and "steps         5/5" in p2.stdout  # rank 0 of torchrun, once
+    # torchrun's workers take the kernel cache (tests/test_first_step.py's check, on this run's ranks):
+    # the folder is made by the ranks (the launching process does not configure caches)
+    assert (workdir / "kc").is_dir()
     lay = json.loads((workdir / "two" / "layout.json").read_text())["dims"]
     assert lay["dp_shard"] == 2 and lay["ep"] == 2
     one, two = read_metrics(workdir / "one"), read_metrics(workdir / "two")
     assert len(one) == len(two) == 5
+    assert two[0]["first_step_wall_s"] > 0
     # another split of the same batch (and EP): rounding-level differences from step 1 on, so
     # conftest's fp32 trajectory bound (the grad norm keeps its looser 1e-3)
     for a, b in zip(one, two):
@@ -113,3 +118,33 @@ def test_pipeline_stages_log_the_last_stages_loss(workdir, seed):
     assert summary["loss_first"] == pp[0]["loss"] > 1 and summary["val_loss_last"] == pp[-1]["val_loss"] > 1
     assert "loss -1.0000" not in p2.stdout and "loss 5." in p2.stdout, p2.stdout[-3000:]
     assert "Pipeline Parallel loss is not visible" not in p2.stdout + p2.stderr
+
+
+def test_one_process_skips_torchtitans_closing_sleep(monkeypatch):
+    """torchtitan's train() ends rank 0 with time.sleep(2) "for other ranks to complete": one process
+    (world size 1) skips it, torchtitan.trainer's time module is put back afterwards, and a larger
+    world keeps the sleep."""
+    import time
+
+    from framework import devices
+
+    devices.install()  # device shims before torchtitan
+    import torchtitan.trainer as tt
+
+    from framework.train import trainer
+
+    slept = []
+
+    def loop(self):  # torchtitan's Trainer.train, reduced to its closing sleep
+        tt.time.sleep(2)
+        return "trained"
+
+    monkeypatch.setattr(tt.Trainer, "train", loop)
+    bare = object.__new__(trainer.ApiaryTrainer)  # no model: only train() runs
+    monkeypatch.setattr(time, "sleep", slept.append)
+    assert bare.train() == "trained"
+    assert slept == [] and tt.time is time
+    monkeypatch.setattr(trainer.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 2)
+    assert bare.train() == "trained"
+    assert slept == [2]

@@ -46,6 +46,7 @@ from framework.compat.torchtitan_patches import (
     hook_trainer_train,
     init_weights_from_seed,
     keep_frozen_through_distribute,
+    no_closing_sleep,
     observe_checkpoint_saves,
     patch_clip_grad_norm,
     plain_checkpoint_state_dict,
@@ -75,6 +76,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "patch_clip_grad_norm": ("torchtitan.distributed.utils:clip_grad_norm_", "torch.nn.utils:clip_grads_with_norm_"),
     "fsdp_wrappers_disabled": ("torchtitan.distributed.fsdp:apply_fsdp_to_decoder",),
     "hook_trainer_train": ("torchtitan.trainer:Trainer.train",),
+    "no_closing_sleep": ("torchtitan.trainer:time",),  # a context manager: the module global, for one call
     # instance-level: these replace a method on one object the trainer built, never on the class
     "guard_trainer_steps": ("torchtitan.components.optimizer:OptimizersContainer.step",
                             "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step"),
@@ -142,6 +144,7 @@ __all__ = [
     "patch_clip_grad_norm",
     "fsdp_wrappers_disabled",
     "hook_trainer_train",
+    "no_closing_sleep",
     "guard_trainer_steps",
     "extend_metrics_log",
     "wrap_checkpoint_saves",

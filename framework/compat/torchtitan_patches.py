@@ -187,6 +187,34 @@ def hook_trainer_train(before) -> None:
     Trainer.train = train
 
 
+class _TimeWithoutSleep:
+    """The ``time`` module without ``sleep`` (no_closing_sleep)."""
+
+    def __getattr__(self, name):
+        import time  # reason: the real module, read through for everything but sleep
+
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(_seconds: float) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def no_closing_sleep():
+    """torchtitan 0.3.0: ``Trainer.train`` ends on rank 0 with ``time.sleep(2)`` "for other ranks to
+    complete", its module's only sleep. Inside, ``torchtitan.trainer.time`` has no sleep; used by a
+    one-process run (world size 1: no other ranks), which then ends 2 s sooner."""
+    import torchtitan.trainer as tt  # reason: torchtitan, imported when a run trains
+
+    before = tt.time
+    tt.time = _TimeWithoutSleep()
+    try:
+        yield
+    finally:
+        tt.time = before
+
+
 def _replace_on_instance(obj, attr: str, make, patch: str):
     """Set ``obj.attr`` to ``make(current)`` unless ``patch`` already wrapped it (anywhere in the
     chain of wrappers); returns the method ``patch`` wrapped (the object's own, or the wrapper below)."""

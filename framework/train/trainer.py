@@ -125,6 +125,14 @@ class ApiaryTrainer(FollowMode, Trainer):
 
             self._publisher = Publisher(self.config.publish, self)
 
+    def train(self):
+        """torchtitan's loop. One process (world size 1) skips the 2 s sleep that ends it on rank 0
+        ("for other ranks to complete": there are none; compat.no_closing_sleep); a larger world keeps it."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return super().train()
+        with compat.no_closing_sleep():
+            return super().train()
+
     def close(self) -> None:
         if getattr(self, "_publisher", None) is not None:  # a background publication lands first
             self._publisher.close()
