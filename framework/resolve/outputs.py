@@ -9,6 +9,7 @@ from pathlib import Path
 
 from framework import contracts
 from framework.errors import UserError
+from framework.resolve import paths
 from framework.resolve.inputs import what_is
 from framework.train import integrity
 
@@ -118,7 +119,7 @@ def check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
         return
     changed = [(a, b) for key, a, b in plan.changes if key == "checkpoint.load_path" and b is not None]
     if changed:
-        before, now = changed[0]
+        before, now = (None if v is None else paths.shown(v) for v in changed[0])  # as given (stored absolute)
         raise UserError(f"checkpoint.resume=true with checkpoint.load_path={now}", "both name what to load: a resume "
                         "loads the run's own latest step (checkpoint.load_step picks another of its steps), so "
                         "checkpoint.load_path would be ignored (the run was launched "
