@@ -26,6 +26,21 @@ export PYTHONPATH=/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages:$P
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 errors() { for f in "$@"; do [ -f "$f" ] && { echo "== $f"; grep -E "Error|Traceback" "$f" | tail -6; }; done; }
+# the runs' tok/s (median of steps >= 4) and publication times, from /tmp/tp/{none,every}/metrics.jsonl
+throughput_table() {
+  $PY - /tmp/tp <<'PY'
+import json, statistics, sys
+from pathlib import Path
+for name in ("none", "every"):
+    f = Path(sys.argv[1]) / name / "metrics.jsonl"
+    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
+    steady = [r for r in recs if r["step"] >= 4]
+    tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
+    med = lambda k: statistics.median(v) if (v := [r[k] for r in steady if k in r]) else float("nan")
+    print(f"{name:6s} tok/s {tps:10.0f}  steps {len(recs)}  blocked {med('publish/blocked_s'):.3f} s  "
+          f"transfer {med('publish/transfer_s'):.3f} s  engine paused {med('publish/engine_s'):.3f} s (medians, steps >= 4)")
+PY
+}
 case "$PART" in
 1)
   timeout 330 $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt tests/gpu/test_vllm_gpu.py 2>&1 \
@@ -83,17 +98,7 @@ PY
   CUDA_VISIBLE_DEVICES=0 timeout 260 $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
     --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
   wait $tp $tn
-  $PY - /tmp/tp > "$OUT/throughput.table" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-for name in ("none", "every"):
-    f = Path(sys.argv[1]) / name / "metrics.jsonl"
-    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
-    steady = [r for r in recs if r["step"] >= 4]
-    tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
-    bl = [r["publish/blocked_s"] for r in recs if "publish/blocked_s" in r]
-    print(f"{name:6s} tok/s {tps:10.0f}  publications {len(bl)}  blocked median {statistics.median(bl) if bl else 0:.3f} s")
-PY
+  throughput_table > "$OUT/throughput.table"
   cat "$OUT/throughput.table"
   errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
   # the Qwen3.5 engine case and the LoRA adapters case of tests/gpu/test_vllm_gpu.py
@@ -143,18 +148,7 @@ PY
     --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
   wait $tp
   cp /tmp/tp/every/metrics.jsonl "$OUT/metrics_every.jsonl" 2>/dev/null
-  $PY - /tmp/tp > "$OUT/throughput.table" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-for name in ("none", "every"):
-    f = Path(sys.argv[1]) / name / "metrics.jsonl"
-    recs = [json.loads(l) for l in f.read_text().splitlines()] if f.is_file() else []
-    steady = [r for r in recs if r["step"] >= 4]
-    tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
-    med = lambda k: statistics.median(v) if (v := [r[k] for r in steady if k in r]) else float("nan")
-    print(f"{name:6s} tok/s {tps:10.0f}  steps {len(recs)}  blocked {med('publish/blocked_s'):.3f} s  "
-          f"transfer {med('publish/transfer_s'):.3f} s  engine paused {med('publish/engine_s'):.3f} s (medians, steps >= 4)")
-PY
+  throughput_table > "$OUT/throughput.table"
   cat "$OUT/throughput.table"
   errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
   tail -3 /tmp/tp_every.log /tmp/tp_gen.log
