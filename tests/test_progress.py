@@ -143,11 +143,13 @@ LIVE = re.compile(r"^step (\d)/2 \S+ +\d+%  elapsed \d+:\d\d  ETA \d+:\d\d  [\d,
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 def test_terminal_shows_the_live_line_in_place(tmp_path):
     """A real 2-step CPU training in a tmux pane (a terminal): while it trains, the pane's last line
-    is the live progress line; when it ends, the pane's history holds that line once (redrawn in
-    place), the per-step lines, the summary, and none of the dropped noise."""
+    is the live progress line (24 layers, so that step 2, the only step the live line is up for,
+    lasts long enough to be seen: a one-process run has no closing wait after it); when it ends,
+    the pane's history holds that line once (redrawn in place), the per-step lines, the summary,
+    and none of the dropped noise."""
     out, session = tmp_path / "run", f"apiary-test-{tmp_path.name}"
     cmd = (f"cd {tmp_path} && env -u COLUMNS -u LINES PYTHONPATH={ROOT} {sys.executable} -m framework.cli training.steps=2 "
-           f"training.seq_len=64 model.n_layers=1 logging.tensorboard=false checkpoint.enable=false output_dir={out}; "
+           f"training.seq_len=64 model.n_layers=24 logging.tensorboard=false checkpoint.enable=false output_dir={out}; "
            "echo __EXIT__$?; sleep 600")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd], check=True)
     live_seen, screen = [], ""
