@@ -15,8 +15,8 @@
 #           once the first engine is up (vLLM sizes its KV cache from what it sees while it starts).
 #   PART=6: the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
 #   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
-#           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}); the update times of that run are
-#           the 4-layer width's IPC hand-off at that bucket size.
+#           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}), one rollout of SEQ tokens per step
+#           (default 4096); the update times of that run are the 4-layer width's IPC hand-off at that bucket size.
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -137,8 +137,10 @@ PY
   errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors.log"
   ;;
 5)
-  $PY benchmarks/synthetic_rollouts.py --count 64 --tokens 4096 --out /tmp/syn.jsonl > /dev/null 2>&1
-  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false checkpoint.enable=false)
+  SEQ=${SEQ:-4096}
+  $PY benchmarks/synthetic_rollouts.py --count 64 --tokens $SEQ --out /tmp/syn.jsonl > /dev/null 2>&1
+  BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false
+        checkpoint.enable=false training.seq_len=$SEQ)
   timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout 230 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
