@@ -37,7 +37,7 @@ from components.transport import link as link_mod  # noqa: E402
 from components.transport.sender import InMemorySender  # noqa: E402
 from framework import api  # noqa: E402
 from framework.resolve.resolver import resolve  # noqa: E402
-from framework.train import published  # noqa: E402
+from framework.train import publish, published  # noqa: E402
 
 GENERATOR = ROOT / "examples" / "rl_loop" / "vllm_generator.py"
 
@@ -73,7 +73,9 @@ def start_engine(weights: Path, backend: str, gpu: int, memory: float, log: Path
 
 
 def sender(model, writer, weights: Path, backend: str, bucket_mb: int = 1024, timeout: float = 300):
-    settings = SimpleNamespace(convert=writer, dtype="bfloat16", dir=str(weights))
+    # the trainer's own settings type, so a field the sender reads is never missing here
+    settings = publish.PublishSettings(interval=1, dir=str(weights), keep=2, background="true", convert=writer,
+                                       dtype="bfloat16", log=publish.PublishLog())
     options = SimpleNamespace(engine="127.0.0.1:0", engine_timeout=timeout, background="true", bucket_mb=bucket_mb)
     name = {"ipc": "vllm_ipc", "nccl": "vllm_nccl"}[backend]
     return InMemorySender(backend, name, options, settings, SimpleNamespace(model_parts=[model]))
