@@ -218,6 +218,19 @@ def test_warmup_trains_two_steps_and_lists_the_cache(tmp_path):
     assert not (tmp_path / "runs").exists()  # temporary output, removed
 
 
+def test_warmup_of_a_live_vllm_loop_recipe_needs_no_generator_or_engine(tmp_path):
+    """The loop's recipe follows a generator's folder and hands weights to a vLLM engine; warmup trains its
+    shapes on the packaged rollouts with publication off, so it runs alone (here: a CPU without vLLM)."""
+    kc = tmp_path / "kc"
+    res = run_cli(["apiary", "warmup", "recipe=qwen35_debug_grpo_vllm",
+                   f"training.kernel_cache={kc}"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = " ".join(res.stdout.split())
+    assert "the job follows live/rollouts; warmup trains on the packaged rollouts" in out
+    assert "warmup publishes none" in out and "step 2/2" in out
+    assert not (tmp_path / "live").exists()  # no rollouts folder waited on, no weights published
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["nproc=8"], "apiary warmup nproc=8"),
     (["launcher=slurm"], "launcher options belong to the job"),

@@ -9,6 +9,11 @@ afterwards); then prints what the cache holds (files and size, autotuning entrie
 finds the entries under the same ``training.kernel_cache`` (framework/train/kernel_cache.py). The
 Slurm template runs it before the job's first step with ``launcher.warmup=true``.
 
+An RL loop's recipe (one that follows a generator's rollouts, or publishes weights to an engine)
+warms up on the packaged rollouts with publication off: the kernels see the same shapes
+(``training.seq_len`` x ``training.local_batch`` rows of the same model), and no generator or engine
+has to run beside it. Warmup says so in one line.
+
 Refused: ``nproc``/``launcher.*`` other than one local process (warmup runs on one device; the
 job's launcher options belong to `apiary launch`), and ``training.cache_autotuning=false`` (the
 tuning results would not be kept). Per-rank shapes under context or tensor parallelism differ
@@ -81,6 +86,20 @@ def warmup_overrides(words: list[str], output_dir: str) -> tuple[str | None, lis
     return recipe, out, notes
 
 
+def loop_overrides(recipe: str | None, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, notes) that let an RL loop's recipe warm up alone: rollouts from the packaged file
+    instead of a generator's folder, no publication (so no engine link and no vLLM import)."""
+    cfg = recipes.load(recipe, overrides)
+    extra, notes = [], []
+    if cfg.data.follow:
+        extra += ["data.follow=false", "data.path=null", "rl.max_lag=null"]
+        notes.append(f"the job follows {cfg.data.path}; warmup trains on the packaged rollouts (same shapes)")
+    if cfg.publish.interval > 0:
+        extra += ["publish.interval=0"]
+        notes.append("the job publishes its weights; warmup publishes none (no engine or generator needed)")
+    return overrides + extra, notes
+
+
 def cache_summary(dirs: dict[str, Path]) -> list[tuple[str, Path, int, int, int]]:
     """(name, dir, files, bytes, autotuning entries) for each cache directory."""
     rows = []
@@ -95,6 +114,8 @@ def warmup_args(ns) -> int:
     tmp = tempfile.mkdtemp(prefix="apiary-warmup-")
     try:
         recipe, overrides, notes = warmup_overrides(ns.overrides, str(Path(tmp) / "run"))
+        overrides, loop_notes = loop_overrides(recipe, overrides)
+        notes += loop_notes
         r = resolve(recipe, overrides, world_size=1)
         if not r.cfg.training.cache_autotuning:
             raise UserError("apiary warmup training.cache_autotuning=false",

@@ -82,8 +82,9 @@ class _InMemory:
         if not math.isfinite(options.engine_timeout) or options.engine_timeout <= 0:
             raise UserError(f"publish.engine_timeout={options.engine_timeout}", "must be a finite number > 0 (seconds).",
                             "For example publish.engine_timeout=600.")
-        # checked where the ranks start: a job rendered here for a cluster (launcher=slurm) is checked on its nodes
-        if ctx is not None and ctx.for_training and str(ctx.cfg.launcher.name) == "local":
+        # checked where the ranks start: a job rendered here for a cluster (launcher=slurm) is checked on its nodes;
+        # a run that publishes nothing (publish.interval=0, e.g. `apiary warmup` of a loop's recipe) starts no link
+        if ctx is not None and ctx.for_training and str(ctx.cfg.launcher.name) == "local" and options.interval > 0:
             _port_free_or_refuse(options.engine)
             _vllm_or_refuse(name)
             import torch  # reason: the trainer's device, asked only when a local run starts
