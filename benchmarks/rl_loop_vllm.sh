@@ -44,6 +44,9 @@ for spec in sys.argv[2:]:
     mx = [r["policy/mismatch_abs_max"] for r in recs if "policy/mismatch_abs_max" in r]
     bl = [r["publish/blocked_s"] for r in recs if "publish/blocked_s" in r]
     en = [r["publish/engine_s"] for r in recs if "publish/engine_s" in r]
+    up = d / "engine_updates.jsonl"  # the generator's own log: a LoRA run's adapter loads (no link, no publish/engine_s)
+    if not en and up.is_file():
+        en = [u["paused_s"] for u in map(json.loads, up.read_text().splitlines()) if u.get("version", 0) > 0]
     med = lambda v: f"{statistics.median(v):.3g}" if v else "-"
     first = f"{statistics.mean(rewards[:3]):.3f}" if rewards else "-"
     last = f"{statistics.mean(rewards[-3:]):.3f}" if rewards else "-"

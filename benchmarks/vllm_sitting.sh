@@ -11,8 +11,9 @@
 #           --serve, only takes the updates); then the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
 # On one H200 (kind nvidia-h200), three parts of the same ground, each under 10 minutes (a cold Qwen3.5 engine
 # took over 90 s to start on a fresh machine):
-#   PART=4: the tiny Qwen3.5 MoE loop (learn, then routing replay) while a LoRA loop runs beside it, started
-#           once the first engine is up (vLLM sizes its KV cache from what it sees while it starts).
+#   PART=4: `apiary warmup` of the tiny Qwen3.5 MoE loop's recipe (its kernel cache) beside a LoRA loop (the
+#           adapters' load times: lora_engine_updates.jsonl);
+#   PART=7: the tiny Qwen3.5 MoE loop, learning, then with routing replay.
 #   PART=6: the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
 #   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
 #           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}), one rollout of SEQ tokens per step
@@ -107,6 +108,10 @@ PY
   errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors3.log"
   ;;
 4)
+  # the kernel cache for the Qwen3.5 loop's shapes (apiary warmup: packaged rollouts, no engine; a fresh machine's
+  # first step otherwise autotunes fla's kernels for minutes while the engine waits), beside the LoRA loop
+  (timeout 400 $PY -m toolkit.cli warmup recipe=qwen35_debug_grpo_vllm > "$OUT/warmup_qwen35.log" 2>&1) &
+  w=$!
   CUDA_VISIBLE_DEVICES=0 $PY - <<'PY' > "$OUT/lora_base.log" 2>&1
 import sys
 from pathlib import Path
@@ -115,21 +120,23 @@ import weight_sync_bench as w
 m, wr = w.build("debug_grpo_vllm", [])
 w.write_folder(m, wr, Path("/tmp/lbase"), 0)
 PY
-  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
-  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash /tmp/rl35.sh "learn=" > "$OUT/rl_qwen35_learn.log" 2>&1
-   OUT=/tmp/rl35r STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash /tmp/rl35.sh "replay=moe.routing_replay=true:--routing" \
-     > "$OUT/rl_qwen35_replay.log" 2>&1) &
-  q=$!
-  # the LoRA loop starts once the first engine is up (the trainer has written its first step)
-  for _ in $(seq 120); do [ -s /tmp/rl35/learn/run/metrics.jsonl ] && break; sleep 1; done
-  (OUT=/tmp/rll STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash benchmarks/rl_loop_vllm.sh \
+  OUT=/tmp/rll STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-240} PY=$PY bash benchmarks/rl_loop_vllm.sh \
     "lora=adapter=lora,model.hf_checkpoint=/tmp/lbase/step-0,publish.transport=hf_folder,optimizer.lr=2e-2" \
-    > "$OUT/rl_lora.log" 2>&1) &
-  wait
-  tail -4 "$OUT/rl_qwen35_learn.log" "$OUT/rl_qwen35_replay.log" "$OUT/rl_lora.log"
+    > "$OUT/rl_lora.log" 2>&1
   cp /tmp/rll/lora/engine_updates.jsonl "$OUT/lora_engine_updates.jsonl" 2>/dev/null
-  for d in /tmp/rl35/learn /tmp/rl35r/replay /tmp/rll/lora; do cp $d/run/metrics.jsonl "$OUT/metrics_$(basename $d).jsonl" 2>/dev/null; done
-  errors /tmp/rl35*/*/generator.log /tmp/rl35*/*/train.log /tmp/rll/*/*.log > "$OUT/rl_errors.log"
+  cp /tmp/rll/lora/run/metrics.jsonl "$OUT/metrics_lora.jsonl" 2>/dev/null
+  tail -3 "$OUT/rl_lora.log"
+  wait $w; tail -4 "$OUT/warmup_qwen35.log"
+  errors /tmp/rll/*/*.log > "$OUT/rl_errors.log"
+  ;;
+7)
+  # the tiny Qwen3.5 MoE loop, learning then with routing replay (after PART=4's warmup on the same machine)
+  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
+  OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-250} PY=$PY bash /tmp/rl35.sh "learn=" "replay=moe.routing_replay=true:--routing" \
+    > "$OUT/rl_qwen35.log" 2>&1
+  tail -5 "$OUT/rl_qwen35.log"
+  for n in learn replay; do cp /tmp/rl35/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null; done
+  errors /tmp/rl35/*/generator.log /tmp/rl35/*/train.log > "$OUT/rl_errors.log"
   ;;
 6)
   timeout ${TTEST:-400} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
@@ -143,10 +150,10 @@ PY
         checkpoint.enable=false training.seq_len=$SEQ)
   timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
-  timeout 230 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
+  timeout ${TEVERY:-230} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
     publish.bucket_mb=${BUCKET_MB:-4096} > /tmp/tp_every.log 2>&1 &
   tp=$!
-  timeout 230 $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
+  timeout ${TEVERY:-230} $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
     --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1
   wait $tp
   cp /tmp/tp/every/metrics.jsonl "$OUT/metrics_every.jsonl" 2>/dev/null

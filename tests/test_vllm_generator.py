@@ -213,10 +213,16 @@ def test_generator_loads_a_lora_runs_adapters_as_lora_requests(tmp_path, generat
 
     t = threading.Thread(target=trainer)
     t.start()
+    log = tmp_path / "updates.jsonl"
     rc = generator.main(["--weights", str(weights), "--out", str(out), "--shards", "2", "--prompts", "1", "--group",
-                         "2", "--prompt-tokens", "4", "--new-tokens", "3", "--patience", "30", "--wait", "30"])
+                         "2", "--prompt-tokens", "4", "--new-tokens", "3", "--patience", "30", "--wait", "30",
+                         "--log", str(log)])
     t.join(30)
     assert rc == 0
+    # each adapter load is appended as it lands (version, seconds), so a killed generator keeps the ones before
+    updates = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(u["version"], u["adapters"]) for u in updates] == [(0, True), (1, True)]
+    assert all(u["paused_s"] >= 0 for u in updates)
     model, kw = FakeLLM.made
     assert model == str(base / "step-0") and kw["enable_lora"] and kw["max_lora_rank"] == 64  # 48 -> vLLM's 64
     assert kw["gdn_prefill_backend"] == "triton"  # no JIT build of flashinfer's GDN kernels at start

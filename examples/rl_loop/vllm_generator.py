@@ -61,7 +61,7 @@ class Engine:
     """A vLLM engine that takes weight updates over the trainer's link."""
 
     def __init__(self, folder: Path, backend: str | None, *, routing: bool, memory: float, max_len: int, seed: int,
-                 eager: bool = True, gdn_prefill: str = "triton"):
+                 eager: bool = True, gdn_prefill: str = "triton", log: Path | None = None):
         from vllm import LLM  # reason: imported after the environment is set
 
         base = adapter_base(folder)  # a LoRA run's version: adapters for this base
@@ -77,6 +77,9 @@ class Engine:
         self.conn = None
         self.closed = False  # the trainer closed the link (its run ended): no more versions come
         self.updates: list[dict] = []  # per applied update: version, seconds paused
+        self.log = log  # each update is appended here as it lands (a killed generator keeps the ones before)
+        if log is not None:
+            log.write_text("")
         self.lora = None  # the LoRARequest of the adapters in use
         self.version = version_of(folder)
         if base is not None:
@@ -95,7 +98,17 @@ class Engine:
         if self.lora is not None:
             self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
         self.version, self.lora = version, request
-        self.updates.append({"version": version, "paused_s": time.perf_counter() - t0, "adapters": True})
+        self.applied({"version": version, "paused_s": time.perf_counter() - t0, "adapters": True})
+
+    def applied(self, update: dict) -> None:
+        """One update landed: kept, appended to the log file, and said on the console."""
+        self.updates.append(update)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps(update) + "\n")
+        what = "adapters" if update.get("adapters") else "weights"
+        print(f"vllm_generator: version {update['version']} {what} applied, engine paused {update['paused_s']:.3f} s",
+              flush=True)
 
     def poll_adapters(self, weights: Path) -> bool:
         """Take the newest published adapters when they are newer than those in use."""
@@ -168,7 +181,7 @@ class Engine:
                 continue
             self.conn.send(("ok", time.perf_counter() - t0))
             if method == "finish_weight_update":
-                self.updates.append({"version": self.version, "paused_s": time.perf_counter() - paused_at})
+                self.applied({"version": self.version, "paused_s": time.perf_counter() - paused_at})
                 return True
             if method == "init_weight_transfer_engine":
                 return True
@@ -253,7 +266,7 @@ def main(argv=None) -> int:
                    help="vLLM's GatedDeltaNet prefill kernels (Qwen3.5): triton needs no JIT build on a fresh machine, "
                    "where flashinfer's took over 60 s before the first sample")
     p.add_argument("--serve", action="store_true", help="only apply updates and answer probes")
-    p.add_argument("--log", type=Path, help="write the engine's update times (jsonl) here at the end")
+    p.add_argument("--log", type=Path, help="append each update's times here (jsonl) as it lands")
     p.add_argument("--probe-out", type=Path, help="write the greedy probe of the latest version (JSON) and exit")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -262,7 +275,7 @@ def main(argv=None) -> int:
         print(f"vllm_generator: no weights in {a.weights} after {a.wait:.0f} s", file=sys.stderr)
         return 1
     eng = Engine(folder, a.backend, routing=a.routing, memory=a.memory, max_len=a.max_len, seed=a.seed,
-                 gdn_prefill=a.gdn_prefill)
+                 gdn_prefill=a.gdn_prefill, log=a.log)
     if a.probe_out is not None:  # the greedy probe, and the teacher-forced log-probs of fixed sequences
         seqs = probe_prompts(4, 64, seed=1)
         got = {**eng.probe(probe_prompts(), 16), "scored": eng.score(seqs)}
@@ -277,58 +290,54 @@ def main(argv=None) -> int:
     else:
         print(f"vllm_generator: engine on the base {adapter_base(folder)} with the adapters of {folder} "
               f"(version {eng.version}); new versions load as LoRA adapters", flush=True)
-    try:
-        if a.serve:
-            while eng.serve(block=True):
-                pass
-            return 0
-        a.out.mkdir(parents=True, exist_ok=True)
-        rng = random.Random(a.seed)
-        index = len([f for f in a.out.iterdir() if f.suffix == ".jsonl" and not f.name.startswith(".")])
-        used = None
-        while a.shards == 0 or index < a.shards:
-            if not eng.serve(block=False) or eng.closed:  # the trainer ended: stop sampling
-                break
-            eng.poll_adapters(a.weights)
-            if used == eng.version:  # on-policy: wait (bounded) for the version this shard trains into
-                end = time.time() + a.patience
-                while eng.conn is not None and used == eng.version and time.time() < end:
-                    if eng.conn.poll(0.05) and not eng.serve(block=True):
-                        break
-                while eng.lora is not None and not eng.poll_adapters(a.weights) and time.time() < end:
-                    time.sleep(0.05)
-                if eng.closed:  # the run ended while this shard waited for its version
-                    break
-            used = eng.version
-            prompts = [[rng.randrange(256) for _ in range(a.prompt_tokens)] for _ in range(a.prompts)]
-            groups = eng.sample(prompts, a.group, a.new_tokens, a.temperature, a.seed * 1_000_003 + index, a.routing)
-            records, rewards = [], []
-            for i, (prompt, rows) in enumerate(zip(prompts, groups)):
-                rs = [reward(ids) for ids, _, _ in rows]
-                adv = grpo_advantages(rs)
-                for j, (ids, lps, routed) in enumerate(rows):
-                    records.append({
-                        "input_ids": prompt + ids,
-                        "loss_mask": [0] * len(prompt) + [1] * len(ids),
-                        "old_logprobs": [0.0] * len(prompt) + lps,
-                        "advantages": adv[j],
-                        "policy_version": used,
-                        "sequence_id": f"{index:06d}-{i * a.group + j}",
-                        "group_id": f"{index:06d}-{i}",
-                        "reward": rs[j],
-                        **({"routed_experts": routed} if routed is not None else {}),
-                    })
-                rewards += rs
-            write_shard(a.out, index, records)
-            print(f"vllm_generator: shard {index} from version {used}: mean reward "
-                  f"{sum(rewards) / len(rewards):.3f}", flush=True)
-            index += 1
-        while eng.conn is not None and eng.serve(block=True):  # the trainer's last updates, until it closes the link
+    if a.serve:
+        while eng.serve(block=True):
             pass
         return 0
-    finally:
-        if a.log is not None:
-            a.log.write_text("".join(json.dumps(u) + "\n" for u in eng.updates))
+    a.out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(a.seed)
+    index = len([f for f in a.out.iterdir() if f.suffix == ".jsonl" and not f.name.startswith(".")])
+    used = None
+    while a.shards == 0 or index < a.shards:
+        if not eng.serve(block=False) or eng.closed:  # the trainer ended: stop sampling
+            break
+        eng.poll_adapters(a.weights)
+        if used == eng.version:  # on-policy: wait (bounded) for the version this shard trains into
+            end = time.time() + a.patience
+            while eng.conn is not None and used == eng.version and time.time() < end:
+                if eng.conn.poll(0.05) and not eng.serve(block=True):
+                    break
+            while eng.lora is not None and not eng.poll_adapters(a.weights) and time.time() < end:
+                time.sleep(0.05)
+            if eng.closed:  # the run ended while this shard waited for its version
+                break
+        used = eng.version
+        prompts = [[rng.randrange(256) for _ in range(a.prompt_tokens)] for _ in range(a.prompts)]
+        groups = eng.sample(prompts, a.group, a.new_tokens, a.temperature, a.seed * 1_000_003 + index, a.routing)
+        records, rewards = [], []
+        for i, (prompt, rows) in enumerate(zip(prompts, groups)):
+            rs = [reward(ids) for ids, _, _ in rows]
+            adv = grpo_advantages(rs)
+            for j, (ids, lps, routed) in enumerate(rows):
+                records.append({
+                    "input_ids": prompt + ids,
+                    "loss_mask": [0] * len(prompt) + [1] * len(ids),
+                    "old_logprobs": [0.0] * len(prompt) + lps,
+                    "advantages": adv[j],
+                    "policy_version": used,
+                    "sequence_id": f"{index:06d}-{i * a.group + j}",
+                    "group_id": f"{index:06d}-{i}",
+                    "reward": rs[j],
+                    **({"routed_experts": routed} if routed is not None else {}),
+                })
+            rewards += rs
+        write_shard(a.out, index, records)
+        print(f"vllm_generator: shard {index} from version {used}: mean reward "
+              f"{sum(rewards) / len(rewards):.3f}", flush=True)
+        index += 1
+    while eng.conn is not None and eng.serve(block=True):  # the trainer's last updates, until it closes the link
+        pass
+    return 0
 
 
 if __name__ == "__main__":
