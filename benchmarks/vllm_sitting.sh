@@ -18,6 +18,7 @@
 #   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
 #           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}), one rollout of SEQ tokens per step
 #           (default 4096); the update times of that run are the 4-layer width's IPC hand-off at that bucket size.
+#           EVERY_OV="publish.when_busy=skip" adds overrides to the run with updates.
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -38,8 +39,10 @@ for name in ("none", "every"):
     steady = [r for r in recs if r["step"] >= 4]
     tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else float("nan")
     med = lambda k: statistics.median(v) if (v := [r[k] for r in steady if k in r]) else float("nan")
+    sent, deferred = (sum(k in r for r in recs) for k in ("publish/transfer_s", "publish/deferred"))
     print(f"{name:6s} tok/s {tps:10.0f}  steps {len(recs)}  blocked {med('publish/blocked_s'):.3f} s  "
-          f"transfer {med('publish/transfer_s'):.3f} s  engine paused {med('publish/engine_s'):.3f} s (medians, steps >= 4)")
+          f"transfer {med('publish/transfer_s'):.3f} s  engine paused {med('publish/engine_s'):.3f} s (medians, steps >= 4)  "
+          f"versions sent {sent}, deferred {deferred}")
 PY
 }
 case "$PART" in
@@ -151,7 +154,7 @@ PY
   timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout ${TEVERY:-230} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
-    publish.bucket_mb=${BUCKET_MB:-4096} > /tmp/tp_every.log 2>&1 &
+    publish.bucket_mb=${BUCKET_MB:-4096} ${EVERY_OV:-} > /tmp/tp_every.log 2>&1 &
   tp=$!
   timeout ${TEVERY:-230} $PY examples/rl_loop/vllm_generator.py --weights /tmp/tp/w --serve --memory 0.2 \
     --log "$OUT/tp_engine_updates.jsonl" > /tmp/tp_gen.log 2>&1

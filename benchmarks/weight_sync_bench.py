@@ -76,7 +76,8 @@ def sender(model, writer, weights: Path, backend: str, bucket_mb: int = 1024, ti
     # the trainer's own settings type, so a field the sender reads is never missing here
     settings = publish.PublishSettings(interval=1, dir=str(weights), keep=2, background="true", convert=writer,
                                        dtype="bfloat16", log=publish.PublishLog())
-    options = SimpleNamespace(engine="127.0.0.1:0", engine_timeout=timeout, background="true", bucket_mb=bucket_mb)
+    options = SimpleNamespace(engine="127.0.0.1:0", engine_timeout=timeout, background="true", bucket_mb=bucket_mb,
+                              when_busy="wait")
     name = {"ipc": "vllm_ipc", "nccl": "vllm_nccl"}[backend]
     return InMemorySender(backend, name, options, settings, SimpleNamespace(model_parts=[model]))
 

@@ -182,8 +182,11 @@ def test_a_followed_folder_holding_part_of_a_step_says_how_much(tmp_path, capsys
     trainer.dataloader, trainer.device, trainer.step, trainer._start_step = SimpleNamespace(dataset=ds), "cpu", 1, 0
     trainer.config = SimpleNamespace(follow_wait_timeout=0.01, resume_hint=None)
     trainer.checkpointer = SimpleNamespace(enable=False)
+    flushed = []  # publish.when_busy=skip: a deferred version goes before the wait (the engine may need it), once
+    trainer._publisher = SimpleNamespace(flush=lambda t: flushed.append(t.step))
     with pytest.raises(DataloaderExhaustedError):  # how the wait ends torchtitan's loop
         trainer._wait_for_data()
+    assert flushed == [1]
     assert trainer.follow_stop.why == "timeout" and trainer.follow_stop.exit_code == 77
     err = capsys.readouterr().err
     assert f"not enough rollouts for step 1 in {tmp_path} after 0 s (data.wait_timeout=0.01): {said}" in err, err

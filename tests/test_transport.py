@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
@@ -115,8 +116,10 @@ HF = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "voc
 class FakeEngine(threading.Thread):
     """A generator's side of the link: connects with the file's key, says hello, records requests."""
 
-    def __init__(self, directory: Path, hf_config: dict, key: bytes | None = None, fail: str | None = None):
+    def __init__(self, directory: Path, hf_config: dict, key: bytes | None = None, fail: str | None = None,
+                 finish_s: float = 0.0):
         super().__init__(daemon=True)
+        self.finish_s = finish_s  # how long a finish_weight_update takes (a slow engine)
         self.info = json.loads((directory / link_mod.LINK_FILE).read_text())
         self.hf_config, self.key, self.fail = hf_config, key, fail
         self.calls: list = []
@@ -138,6 +141,8 @@ class FakeEngine(threading.Thread):
             self.calls.append((method, arg))
             if method == "close":
                 return
+            if method == "finish_weight_update":
+                time.sleep(self.finish_s)
             conn.send(("error", "boom") if method == self.fail else ("ok", 0.25))
 
 
@@ -282,6 +287,54 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
     assert len(sent) == len(set(sent)) and set(sent) == folder  # every tensor of the folder, once
     assert methods.count("update_weights") == 2 * buckets and methods.count("start_weight_update") == 2
     assert not (tmp_path / "w" / "step-1").exists()  # in memory: no folder for the later versions
+
+
+@pytest.mark.parametrize("when_busy, finished", [("wait", ["1", "2", "3", "4"]), ("skip", ["1", "4"])])
+def test_a_version_due_mid_transfer_waits_or_is_deferred_to_the_next_free_moment(tmp_path, when_busy, finished):
+    """publish.when_busy: with an engine slower than the steps, `wait` hands over every version (each
+    publication waiting for the last transfer), `skip` defers a version due while one is landing and
+    hands over the newest once the engine is free: at the flush before the trainer waits for rollouts
+    (or ends), without waiting at the steps in between."""
+    from types import SimpleNamespace
+
+    from components.transport.vllm import VllmIPC
+
+    model = api.build_model("debug_moe")
+    writer = _writer("debug_moe")
+    r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", f"publish.when_busy={when_busy}",
+                                    f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
+    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="true", convert=writer,
+                                transport=VllmIPC, transport_options=r.ctx.options["transport"], log=publish.PublishLog())
+    trainer = SimpleNamespace(model_parts=[model])
+    pub = publish.Publisher(s)
+    started = {}
+
+    def engine():
+        link_mod.wait_for(lambda: (tmp_path / "w" / link_mod.LINK_FILE).is_file(), 30)
+        started["eng"] = FakeEngine(tmp_path / "w", writer.hf_config, finish_s=1.0)
+        started["eng"].run()
+
+    threading.Thread(target=engine, daemon=True).start()
+    pub.publish(trainer, 0, initial=True)
+    t0 = time.perf_counter()
+    for v in (1, 2, 3, 4):  # steps far shorter than the engine's 1 s per version
+        pub.publish(trainer, v)
+    at_steps = time.perf_counter() - t0
+    deferred = s.log.take().get("deferred")
+    pub.flush(trainer)  # before the trainer waits for rollouts, or at its end
+    pub.close()
+    eng = started["eng"]
+    link_mod.wait_for(lambda: eng.calls and eng.calls[-1][0] == "close", 10)
+    assert [a for m, a in eng.calls if m == "finish_weight_update"] == finished
+    if when_busy == "skip":
+        assert at_steps < 0.5 and deferred == 4  # no step waited for the engine; the newest version went later
+    else:
+        assert at_steps > 2.5 and deferred is None  # versions 2, 3 and 4 each waited for the one before
+
+
+def test_when_busy_with_files_is_refused_as_without_effect():
+    with pytest.raises(UserError, match="publish.when_busy"):
+        resolve("debug_grpo_live", ["publish.when_busy=skip"], world_size=1, for_training=False)
 
 
 def test_no_engine_within_the_timeout_stops_the_run_before_its_first_step(tmp_path):

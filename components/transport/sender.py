@@ -34,6 +34,8 @@ class InMemorySender:
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.timeout = float(options.engine_timeout)
         self.background = str(options.background).lower() != "false"
+        self.skip_busy = str(options.when_busy) == "skip"  # publish.when_busy: defer a version due mid-transfer
+        self.deferred: int | None = None  # the newest version deferred so (its weights are the trainer's now)
         self.to_hf = settings.convert.to_hf
         meta = snapshot.meta_state(trainer.model_parts)
         trained = next((v.dtype for v in meta.values() if v.is_floating_point()), torch.float32)
@@ -80,13 +82,22 @@ class InMemorySender:
             same_gpu_or_refuse(self.backend, str(torch.cuda.get_device_properties(self.snap.device.index).uuid), hello)
 
     # -- the loop's part ---------------------------------------------------------------------------
-    def publish(self, trainer, version: int) -> None:
+    def publish(self, trainer, version: int, defer: bool = True) -> bool:
+        """Hand ``version`` (the trainer's current weights) to the engine (a collective: every rank calls it).
+        With ``publish.when_busy=skip`` and the last transfer still landing, nothing moves: the version is
+        deferred (False) until the next publication or ``flush``."""
+        if self.skip_busy and defer and self._busy():
+            self.deferred = version
+            if self.rank == 0:
+                self.log.put(deferred=version)
+            return False
+        self.deferred = None
         t0 = time.perf_counter()
         self._join()
         waited = time.perf_counter() - t0
         self.snap.fill(trainer.model_parts, self.to_hf)
         if self.rank != 0:
-            return
+            return True
         if self.snap.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the copies have landed before the engine reads them
         if not self.link.connected:
@@ -98,6 +109,22 @@ class InMemorySender:
             self._thread.start()
         else:
             self._send(version, blocked, waited)
+        return True
+
+    def flush(self, trainer) -> None:
+        """The deferred version, now (the trainer is between steps, so its weights are still that version's):
+        before the trainer waits for rollouts the engine may need, and before the run ends."""
+        if self.deferred is not None:
+            self.publish(trainer, self.deferred, defer=False)
+
+    def _busy(self) -> bool:
+        """Whether the last transfer is still landing, as rank 0 sees it; every rank gets rank 0's answer."""
+        busy = self._thread is not None and self._thread.is_alive()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([int(busy)], device=self.snap.device)
+            dist.broadcast(t, src=0)
+            busy = bool(t.item())
+        return busy
 
     def _send_guarded(self, *args) -> None:
         try:

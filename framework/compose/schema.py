@@ -137,6 +137,10 @@ class PublishConfig:
     engine: str = "127.0.0.1:0"  # in-memory transports: HOST:PORT rank 0 listens on for the engine (0: a free port)
     bucket_mb: int = 1024  # in-memory transports: MiB per transfer bucket
     engine_timeout: float = 600.0  # in-memory transports: seconds to wait for the engine to connect
+    # in-memory transports: a version due while the last transfer is still landing waits for it (wait), or is
+    # deferred (skip): the newest weights go once the engine is free, and at the latest before the trainer waits
+    # for rollouts or ends
+    when_busy: str = one_of("wait", "skip")
 
 
 @dataclass

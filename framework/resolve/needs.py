@@ -36,7 +36,8 @@ _NEEDS = [
         ("transport", "how published weights reach the generator"))),
     *((f"publish.{k}", "an in-memory publish.transport", lambda c: not _in_memory(c), what) for k, what in (
         ("engine", "where the trainer listens for the engine"), ("bucket_mb", "the size of a transfer bucket"),
-        ("engine_timeout", "how long the trainer waits for the engine"))),
+        ("engine_timeout", "how long the trainer waits for the engine"),
+        ("when_busy", "what a version due during the last transfer does"))),
     *((f"checkpoint.{k}", "checkpoint.enable=true", lambda c: not c.checkpoint.enable, what) for k, what in (
         ("interval", "the steps between saves"), ("keep_latest_k", "how many saved steps stay"),
         ("model_only_last", "what the last save holds"))),

@@ -61,6 +61,7 @@ class FollowMode:
         t0 = time.monotonic()
         last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
         folder = ds.dir
+        flushed = False
         while True:
             error = ""
             try:
@@ -75,6 +76,9 @@ class FollowMode:
             if not missing:
                 self._waited_s = waited
                 return
+            if not flushed:  # the rollouts may need the trainer's newest weights: a deferred version goes first
+                flushed = True
+                self.flush_publication()
             if stop:
                 self._stop_following("signal", "")
             if timed_out:

@@ -281,6 +281,12 @@ class Publisher:
         t = self.s.transport
         return t is not None and bool(t.IN_MEMORY)
 
+    def flush(self, trainer) -> None:
+        """An in-memory version deferred while the last transfer landed (``publish.when_busy=skip``) goes
+        now (every rank calls it, between steps)."""
+        if self._sender is not None:
+            self._sender.flush(trainer)
+
     def close(self) -> None:
         """Wait for a background write or transfer to land (and raise its error, if any)."""
         try:

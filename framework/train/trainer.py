@@ -129,9 +129,17 @@ class ApiaryTrainer(FollowMode, Trainer):
         """torchtitan's loop. One process (world size 1) skips the 2 s sleep that ends it on rank 0
         ("for other ranks to complete": there are none; compat.no_closing_sleep); a larger world keeps it."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            return super().train()
-        with compat.no_closing_sleep():
-            return super().train()
+            out = super().train()
+        else:
+            with compat.no_closing_sleep():
+                out = super().train()
+        self.flush_publication()  # the last weights reach the engine (publish.when_busy=skip may have deferred them)
+        return out
+
+    def flush_publication(self) -> None:
+        """A version deferred while the engine took the last one goes now (every rank, between steps)."""
+        if self._publisher is not None:
+            self._publisher.flush(self)
 
     def close(self) -> None:
         if getattr(self, "_publisher", None) is not None:  # a background publication lands first
