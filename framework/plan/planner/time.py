@@ -26,6 +26,7 @@ class StepInputs:
     chunking: PlanTerms
     precision: PlanTerms
     adapter: PlanTerms | None = None  # kind adapter: factors of the compute parts, the trained fraction
+    data: PlanTerms | None = None  # kind data: facts["document_tokens"], the documents a row packs
 
 
 @dataclass
@@ -63,6 +64,26 @@ def flops_per_token(sh: Shapes, adapter: PlanTerms | None = None) -> tuple[dict[
     parts["lm_head"] = 6 * split["head"]
     factor = adapter.flops_factor if adapter is not None else {}
     return {k: v * factor.get(k, 1.0) for k, v in parts.items()}, expert_active
+
+
+def context_share(sh: Shapes, data: PlanTerms | None) -> float:
+    """The fraction of a whole-sequence causal context a token attends: the data's documents
+    (``document_tokens``, sum L^2 / sum L: a packed row attends within each document) over the
+    sequence, at most 1 (no data fact: documents as long as a row)."""
+    n = (data.facts.get("document_tokens") if data is not None else None) or 0
+    return min(1.0, float(n) / sh.seq) if n > 0 else 1.0
+
+
+def time_flops_per_token(sh: Shapes, parts: dict[str, float], share: float) -> dict[str, float]:
+    """``parts`` (``flops_per_token``) with each mixer kind's context part (``LayerTerms.
+    context_flops_per_token``) scaled by ``share``: the FLOPs the kernels run, which the step time
+    counts; the model FLOPs a run logs keep the whole causal square."""
+    out = dict(parts)
+    for k in mixers(sh.layers):
+        t = sh.layers[k]
+        if t.context_flops_per_token and t.flops_per_token:
+            out[k] = parts[k] * (1 - (1 - share) * t.context_flops_per_token / t.flops_per_token)
+    return out
 
 
 def efficiencies(sh: Shapes) -> tuple[dict[str, float], float]:
@@ -131,7 +152,8 @@ def step_time(inp: StepInputs) -> StepTime:
     parts, expert_active = flops_per_token(sh, inp.adapter)
     eff, scale = efficiencies(sh)
     per_gpu_tokens = tokens_step / W
-    time_s = compute_times(inp, parts, eff, per_gpu_tokens)
+    share = context_share(sh, inp.data)
+    time_s = compute_times(inp, time_flops_per_token(sh, parts, share), eff, per_gpu_tokens)
     model_flops_gpu = sum(parts.values()) * per_gpu_tokens
     overlap: dict[str, float] = {}
     for k, v in comm_times(inp, overlap).items():
