@@ -325,9 +325,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         "-4.2%..+5.6% with torch's fixed segments or torchtitan's fp32 combine, -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
-        "docs/skills/preflight.md); step time: "
-        "the compute efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to "
-        "apiary runs",
+        "docs/skills/preflight.md); step time: the efficiencies are measured on one H200 (the 4-layer "
+        "Qwen3.5-35B-A3B part by part), the context FLOPs' over long documents from seed 000's PP1 point; planned "
+        "-6%..+7% against 26 measured steps at 16K-256K on one and two H200s (benchmarks/step_time_check.py)",
     ]
     return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
                 memory_bytes=memory, total_bytes=total, gpu_memory_bytes=mem_cap, fits=verdict != "OOM",

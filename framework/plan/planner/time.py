@@ -1,6 +1,9 @@
-"""Step time: a roofline of model FLOPs per part over the GPU's peak x efficiency, the
-components' time factors and extra compute, plus the exposed part of EP / CP / TP and the state
-backend's traffic, times the pipeline bubble, plus the optimizer step."""
+"""Step time: a roofline of FLOPs per part over the GPU's peak x efficiency, the components' time
+factors and extra compute, plus the exposed part of EP / CP / TP and the state backend's traffic,
+times the pipeline bubble, plus the optimizer step. A mixer kind's context FLOPs count the data's
+documents (a packed row of short documents attends within each one: ``context_share``); the model
+FLOPs a run logs count the whole causal square. The efficiencies are measured (framework/plan/planner/
+constants.py; benchmarks/step_time_check.py holds the estimate to measured steps)."""
 
 from __future__ import annotations
 
@@ -179,6 +182,9 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
     state_overlap = next(iter(inp.state.facts.get("overlap", {}).values()), 0)
     loss_factor = inp.loss.time_factor.get("lm_head", 1.0)
     T_local = sh.mb * sh.seq / lay.cp
+    share = context_share(sh, inp.data)
+    docs = (f"context FLOPs over the data's documents of {share * sh.seq:,.0f} tokens, x{share:.3g} of the causal "
+            "square's" if share < 1 else "context FLOPs over the whole causal square (documents as long as a row)")
     return [
         f"FLOPs/token: 6 x active params (dense {params_text(split['dense_blocks'])} + experts "
         f"{params_text(expert_active)} + lm_head {params_text(split['head'])})"
@@ -191,7 +197,8 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
         "as a run's logged tflops_per_gpu and MFU do",
         f"recompute {names['recompute']}: " + "; ".join(inp.recompute.notes)
         + f"; loss layer x {loss_factor:g} of its GEMM time ({names['loss']})",
-        f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}",
+        f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}; "
+        + docs,
         f"EP {ep} all-to-all over {where_ep}, {int(100 * overlap.get('ep_alltoall', 0))}% overlapped "
         f"(moe.chunk {names['moe_chunk']}); CP {lay.cp} {int(100 * c.cp_overlap)}% overlapped; "
         f"{inp.state.facts.get('label', names['state'])} {int(100 * state_overlap)}% "
