@@ -162,6 +162,9 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "train recipe=qwen35_35b_128k --cfg job": RUN,
     "apiary launch recipe=qwen35_35b_128k launcher=slurm nodes=4 gpus_per_node=8 data.tokenizer=PATH --dry-run":
         Run(subs={"PATH": "{tok}"}),
+    # docs/benchmarks.md
+    "python benchmarks/step_time_check.py": Skip("tests/test_step_time_check.py runs it (the planner on CPU against "
+                                                  "the measured points, ~40 s)"),
     # docs/testing.md
     "OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/fp32_divergence.py 8 1":
         Skip("a measurement of minutes (8 trials of paired 10-step trainings per setting)"),

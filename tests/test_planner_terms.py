@@ -293,15 +293,15 @@ def test_components_constants_live_in_the_components_and_calibrate_by_name(base)
     c = planner.Constants()
     assert c.zero1_param_bytes == zero1.PLAN_CONSTANTS["zero1_param_bytes"].value == 2.0
     assert c.gdn_chunk == layer_kinds.PLAN_CONSTANTS["gdn_chunk"].value
-    assert c.loss_time_factor == {"ce": 1.65, "chunked": 1.70, "linear_ce": 1.25}  # each loss's entry, merged
+    assert c.loss_time_factor == {"ce": 1.65, "chunked": 1.70, "linear_ce": 1.13}  # each loss's entry, merged
     assert planner.Constants.doc("zero1_overlap").startswith("fraction of ZeRO-1")
     assert replace(c, zero1_param_bytes=4.0).zero1_param_bytes == 4.0
     with pytest.raises(TypeError, match="no_such"):
         planner.Constants(no_such=1)
     lin = planner.plan(base, loss="linear_ce")
     slow = planner.plan(base, loss="linear_ce", calibration={"loss_time_factor.linear_ce": 2.5})
-    assert slow.time_s["compute_lm_head"] == pytest.approx(lin.time_s["compute_lm_head"] * 2.5 / 1.25)
-    assert linear_ce.PLAN_CONSTANTS["loss_time_factor"].value == {"linear_ce": 1.25}  # the default is not changed
+    assert slow.time_s["compute_lm_head"] == pytest.approx(lin.time_s["compute_lm_head"] * 2.5 / 1.13)
+    assert linear_ce.PLAN_CONSTANTS["loss_time_factor"].value == {"linear_ce": 1.13}  # the default is not changed
     z = planner.plan(base, state="zero1")
     z4 = planner.plan(base, state="zero1", calibration={"zero1_param_bytes": 4})
     assert z4.memory_bytes["parameters"] == 2 * z.memory_bytes["parameters"]

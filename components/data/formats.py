@@ -13,7 +13,16 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from components.data.local_text import HUB_FREE_NAMES, PACKAGED_CORPUS, held_out_count, inspect_local, local_data_files
+from components.data.local_text import (
+    HUB_FREE_NAMES,
+    PACKAGED_CORPUS,
+    document_tokens,
+    held_out_count,
+    inspect_local,
+    local_data_files,
+    source_kind,
+)
+from framework.contracts import PlanTerms
 from framework.errors import UserError, did_you_mean
 
 SHARDINGS = ("blocks", "documents")
@@ -150,6 +159,22 @@ class Text:
         kind = "packaged" if d.path is None else "local"
         ctx.shared["text.source"] = summary  # _check_enough_text: at least one step's tokens
         return f"data: {summary.describe(kind, d.tokenizer)}, tokenizer {d.tokenizer}"
+
+    @staticmethod
+    def plan_terms(options: DataOptions | None, ctx) -> PlanTerms:
+        """The documents a packed row holds (``document_tokens``): counted in the packaged corpus or a
+        local jsonl / txt source, in the byte tokenizer's tokens (an upper bound for a subword
+        tokenizer); a hub dataset or a parquet source is not read (None: documents as long as a row)."""
+        d = options if options is not None else ctx.cfg.data
+        try:
+            kind = source_kind(str(d.name), None if d.path is None else str(d.path))
+        except ValueError:
+            return PlanTerms()
+        path = str(PACKAGED_CORPUS) if kind == "packaged" else str(d.path) if kind == "local" else None
+        n = document_tokens(path) if path is not None else None
+        return PlanTerms(facts={"document_tokens": n},
+                         notes=[f"data: documents of {n:,.0f} tokens (sum L^2 / sum L, byte tokenizer's count)"]
+                         if n else [])
 
     @staticmethod
     def apply(options: DataOptions, tc, ctx) -> None:

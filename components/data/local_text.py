@@ -5,6 +5,7 @@ launcher checks data without importing torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -38,6 +39,38 @@ def source_kind(name: str, path: str | None) -> str:
     if name == "local":
         raise ValueError("data.name=local needs data.path")
     return "hub"
+
+
+DOCUMENT_SCAN_BYTES = 256 * 2**20  # document_tokens reads sources up to this size (a planner's estimate, not a check)
+
+
+@functools.lru_cache(maxsize=16)
+def document_tokens(path: str) -> float | None:
+    """The mean document length a token sits in, ``sum L^2 / sum L`` over the documents of a local
+    jsonl / txt source (L: the byte tokenizer's tokens, the text's UTF-8 bytes plus BOS and EOS; for a
+    subword tokenizer an upper bound). What a packed row of these documents attends per token, as a
+    causal mask over a sequence of this length would (the planner's attention time). None: a source
+    it does not read (parquet, a JSON array, more than DOCUMENT_SCAN_BYTES, unreadable)."""
+    files = local_data_files(path)
+    if not files or any(Path(f).suffix not in (".jsonl", ".json", ".txt") for f in files):
+        return None
+    try:
+        if sum(os.path.getsize(f) for f in files) > DOCUMENT_SCAN_BYTES or \
+                any(Path(f).suffix == ".json" and _starts_array(f) for f in files):
+            return None
+        total = squares = 0
+        for f in files:
+            with open(f, "rb") as fh:
+                for raw in fh:
+                    raw = raw.removeprefix(BOM)
+                    if not raw.strip():
+                        continue
+                    text = json.loads(raw)["text"] if Path(f).suffix != ".txt" else raw.decode("utf-8").rstrip("\r\n")
+                    n = len(text.encode("utf-8")) + 2
+                    total, squares = total + n, squares + n * n
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return squares / total if total else None
 
 
 def held_out_count(documents: int, fraction: float) -> int:

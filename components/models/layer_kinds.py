@@ -44,9 +44,19 @@ PLAN_CONSTANTS = {
         "a rerun net of the saves already freed (framework.contracts.stage_activation_elements). An FFN kind "
         "alone (key without '+'): its own part, for a block that keeps its mixer and reruns the FFN (the MoE: "
         "4.67 GiB measured over 3.03 counted). Dense blocks are not measured (1.0, the count as it is)"),
-    "eff_attention": PlanConstant(0.30, "achieved/peak FLOPs of causal flash/flex attention fwd+bwd."),
-    "eff_linear_attention": PlanConstant(0.17, "achieved/peak FLOPs of fla's chunked gated-delta-rule kernels "
-                                               "(largely memory bound)."),
+    "eff_attention": PlanConstant(
+        0.49, "achieved/peak FLOPs of causal flash/flex attention fwd+bwd over long documents. apiary's measured "
+              "runs train packed documents of about 1.3K tokens (the packaged corpus), whose attention is ~1% of "
+              "the step, so no apiary run measures it; the one measurement over long documents is seed 000's PP1 "
+              "point (180.18 TFLOPs/GPU, Megatron, 32 x H100, 128K, CP 4: attention two thirds of its FLOPs), "
+              "which the planner reproduces with 0.49 and the other parts at their measured efficiencies "
+              "(eff_dense, eff_expert, eff_head: framework/plan/planner/constants.py)."),
+    "eff_linear_attention": PlanConstant(
+        0.05, "achieved/peak FLOPs of GatedDeltaNet's own part (fla's chunked gated delta rule, the causal conv, "
+              "l2 norms, gates; largely memory bound), per FLOP of its count: a GatedDeltaNet mixer's forward "
+              "less its projections at the attention mixer's rate, one H200 (block_parts_32k_recompute_none.txt: "
+              "13.5 ms against 8.4 ms, 0.033; block_parts_64k_recompute_full.txt: 22.9 against 16.8, 0.10; "
+              "docs/bench_data/h200_20261127c)."),
     "gdn_chunk": PlanConstant(64, "GatedDeltaNet chunk length of fla's chunked kernels (FLOPs of the intra-chunk "
                                   "part)."),
     "cp_kv_copies": PlanConstant(2.0, "CP: all-gathered K,V of one attention layer plus their gradients."),
@@ -102,6 +112,7 @@ class Attention:
             flops_how=f"12 x seq x {self.n_heads} heads x {self.head_dim} / 2 (causal; torchtitan's count, "
                       "logged as tflops_per_gpu_torchtitan, does not halve it)",
             efficiency=float(c.eff_attention),
+            context_flops_per_token=6 * s.seq * q,  # all of it: QK^T and PV grow with the context attended
             # projections (q with its gate), then QK^T and PV over a causal context
             forward_flops_per_token=2 * (d * (2 * q + 2 * kv) + q * d) + 2 * s.seq * q,
             # K,V all-gather fwd, dK,dV reduce-scatter bwd: the other ranks' K,V in bf16

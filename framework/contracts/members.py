@@ -65,7 +65,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "precision": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_comm": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
-    "data": {**_SHARED_OPTIONAL,
+    "data": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,  # without plan_terms: documents as long as a row
              "ignored_keys": None},  # reads every data.* key it is given
     "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
     "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},

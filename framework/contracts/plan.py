@@ -47,7 +47,8 @@ class PlanTerms:
     # planner takes the last that fits the GPU less facts["margin"], the first when none does);
     # state "comm" {name: seconds},
     # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap" (the fraction of the EP
-    # all-to-all hidden under compute); precision its FP8 shares
+    # all-to-all hidden under compute); precision its FP8 shares; data "document_tokens" (the mean
+    # document length a token sits in, sum L^2 / sum L, or None: documents as long as a row)
     facts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,6 +100,10 @@ class LayerTerms:
     flops_per_token: float = 0.0  # fwd + bwd model FLOPs per token in one layer beyond 6 x its parameters
     flops_how: str = ""  # how flops_per_token was counted (printed with the plan's assumptions)
     efficiency: float = 1.0  # achieved / peak FLOPs of those FLOPs (mixer: its own compute part)
+    # of flops_per_token, the part that grows with the context a token attends (counted for a causal
+    # mask over the whole sequence): the step time scales it by the data's documents (a packed row of
+    # short documents attends within each one), the model FLOPs a run logs keep it whole
+    context_flops_per_token: float = 0.0
     forward_flops_per_token: float = 0.0  # forward FLOPs per token of one layer, projections included
     cp_comm_bytes: float = 0.0  # CP: bytes one rank sends per layer, microbatch and pass (fwd, bwd, rerun)
     cp_memory: list[Term] = field(default_factory=list)  # CP: buffers of one layer of the kind (category buffers)

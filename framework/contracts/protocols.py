@@ -26,8 +26,9 @@ class Component(Protocol):
 
 class Planned(Protocol):
     """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_comm, moe_chunk,
-    precision, adapter). The model's share comes from its ``facts`` (``layer_kinds``: one ``LayerKind``
-    per kind of layer); data and launchers add none. ``PLAN_CONSTANTS`` (optional) are the
+    precision, adapter, data). The model's share comes from its ``facts`` (``layer_kinds``: one ``LayerKind``
+    per kind of layer); data says what the documents of its rows are (``facts["document_tokens"]``);
+    launchers add none. ``PLAN_CONSTANTS`` (optional) are the
     component's own calibrated constants (``PlanConstant``)."""
 
     PLAN_CONSTANTS: ClassVar[Mapping[str, PlanConstant]]  # optional: {} (plans with no constant of its own)
@@ -206,7 +207,7 @@ class Precision(Component, Planned, Protocol):
     """kind ``precision``: converts the model spec's linears and sets compile / hooks."""
 
 
-class Data(Component, Protocol):
+class Data(Component, Planned, Protocol):
     """kind ``data``: sets ``tc.dataloader`` and ``tc.tokenizer``; ``summary`` is the run's first
     line (what it trains on); ``STEP_KEYS`` / ``BATCH_KEYS`` are what its batches carry beyond
     tokens and labels (the trainer forwards them to the loss)."""

@@ -95,14 +95,25 @@ class Constants:
 
     # ---- step time ----------------------------------------------------------------------------
     gpus_per_node: int = _c(8, "GPUs behind one NVLink domain; groups spanning more use IB.")
-    eff_dense: float = _c(0.40, "achieved/peak FLOPs of dense GEMMs (mixer projections, shared "
-                          "expert, dense FFN) at 16K-32K local tokens. The eff_* values (these three and the layer "
-                          "kinds' own) are one guess (0.60/0.40/0.45/0.25/0.60) times 0.66, the factor that "
-                          "reproduces seed 000's PP1 anchor (180.18 TFLOPs/GPU, Megatron, 32 x H100); see "
-                          "docs/skills/planner.md.")
-    eff_expert: float = _c(0.26, "achieved/peak FLOPs of routed-expert grouped GEMMs (small expert hidden "
-                           "sizes such as 512 run far from peak).")
-    eff_head: float = _c(0.40, "achieved/peak FLOPs of the lm_head GEMMs before loss_time_factor.")
+    # The step time's efficiencies (achieved / peak bf16 FLOPs per compute part, fwd + bwd) are
+    # measured on one H200 with the 4-layer Qwen3.5-35B-A3B at full width (docs/benchmarks.md "The
+    # planner's step time against measured steps"; benchmarks/step_time_check.py holds the planner to
+    # the measured steps). The layer kinds' own (attention, GatedDeltaNet) live with them
+    # (components/models/layer_kinds.py).
+    eff_dense: float = _c(0.17, "achieved/peak FLOPs of the blocks' dense GEMMs (mixer projections, shared "
+                          "expert, router), with what runs around them per block (norms, convolutions, gates, "
+                          "rotary embeddings), per FLOP of 6 x the dense parameters. Measured part by part on one "
+                          "H200 (4-layer Qwen3.5-35B-A3B, 64K tokens, each block part's forward between device "
+                          "syncs; docs/bench_data/h200_20261127c/block_parts_64k_recompute_full.txt): the 4 mixers "
+                          "22.9, 22.7, 22.9 and 16.8 ms, 8 norms 1.8 ms each, the shared expert and router's FLOP "
+                          "share of the MoE forward: 0.170 (0.152 at 32K, block_parts_32k_recompute_none.txt).")
+    eff_expert: float = _c(0.17, "achieved/peak FLOPs of the routed experts (grouped GEMMs of hidden 512, with "
+                           "the permutation and the combine). Measured as eff_dense: the MoE forward (22.2 ms at "
+                           "64K) less the shared expert's FLOP share: 0.172 (0.164 at 32K).")
+    eff_head: float = _c(0.69, "achieved/peak FLOPs of the lm_head's three GEMMs (before the loss's "
+                         "loss_time_factor). Measured on one H200: 146.2 ms for 32K tokens x vocab 248,320 x dim "
+                         "2048, 36.0 ms for 8K (docs/bench_data/h200_20261127c/loss_bench_fwdgrad_sweep_32k.txt, "
+                         "row gemms): 0.69 and 0.70.")
     tp_gemm_scale: float = _c(0.9, "efficiency multiplier per doubling of TP (narrower GEMMs, more launches); "
                               "a guess, so that TP is not free in --search.")
     efficiency_ref_tokens: int = _c(16384, "per-rank tokens per microbatch at and above which the efficiencies "
@@ -112,7 +123,15 @@ class Constants:
                                           "reference (a guess).")
     cp_overlap: float = _c(0.3, "fraction of CP K/V all-gather traffic hidden under compute.")
     tp_overlap: float = _c(0.0, "fraction of TP traffic hidden (async TP off).")
-    optimizer_passes: float = _c(2.0, "HBM passes over the local static state in the optimizer step (read+write).")
+    optimizer_passes: float = _c(6.0, "HBM passes over the local static state (fp32 master + Adam + grads, 16 B "
+                                 "per parameter) a step makes outside the blocks: the optimizer's read and write (2; "
+                                 "AdamW measured 32 ms a step for 4.4B parameters on one H200, "
+                                 "docs/bench_data/h200_20261127d/profile_64k_a_g2kept_top.txt) and FSDP2's bf16 "
+                                 "casts before the forward and the rerun, the fp32 gradient copies and the clip "
+                                 "norm's read. 6 fits the fixed part of the measured steps (one H200, 4-layer "
+                                 "Qwen3.5-35B-A3B, full recompute: 0.642 / 1.168 / 2.252 s at 32K / 64K / 128K, "
+                                 "0.106 s + 16.4 us per token; docs/bench_data/h200_20261128/s5_*.txt), and the "
+                                 "6-layer model's 16K step (0.529 s, pf_6layers_16k.txt) within 3%.")
 
     hardware: dict = _c({k: asdict(v) for k, v in HARDWARE.items()}, "GPU peak numbers by name (see HARDWARE).")
     components: dict = _c({}, "the registered components' and model families' own constants (their PLAN_CONSTANTS), "

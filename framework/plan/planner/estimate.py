@@ -150,6 +150,7 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
     asked.names["moe_comm"], asked.terms["moe_comm"] = parts.ask("moe_comm", choices(resolved.cfg, moe_comm=None)
                                                                  ["moe_comm"], ctx, warnings)
     asked.names["adapter"], asked.terms["adapter"] = ask_adapter(resolved, ctx, warnings)
+    asked.terms["data"] = ask_data(resolved, ctx)
     publish = resolved.cfg.get("publish")
     if publish is not None and int(publish.get("interval") or 0) > 0:  # the weight hand-off's buffers
         asked.names["transport"], asked.terms["transport"] = parts.ask("transport", str(publish.transport), ctx,
@@ -160,6 +161,15 @@ def ask_components(resolved, ch: dict[str, str], pc: PlanContext, warnings: list
 def ask_adapter(resolved, ctx: Context, warnings: list[str]) -> tuple[str, PlanTerms]:
     adapter_name = str(getattr(resolved.cfg.get("adapter"), "name", parts.defaults()["adapter"]))
     return parts.ask("adapter", adapter_name, ctx, warnings)
+
+
+def ask_data(resolved, ctx: Context) -> PlanTerms:
+    """The data component's terms (the documents of its rows); a format without ``plan_terms``
+    adds none (documents as long as a row), with no warning: its rows are what the time assumes."""
+    section = resolved.cfg.get("data") if hasattr(resolved.cfg, "get") else None
+    name = choices(resolved.cfg, data=None)["data"]
+    obj = parts.component("data", name)
+    return obj.plan_terms(section, ctx) if obj is not None and section is not None else PlanTerms()
 
 
 def model_flops_per_token(resolved) -> float:
@@ -292,7 +302,8 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
 
     st = step_time(StepInputs(sh=sh, hw=hw, names={**ch, "recompute": rc}, recompute=asked.terms["recompute"],
                               loss=last["loss"], state=last["state"], chunking=asked.terms["moe_chunk"],
-                              precision=asked.terms["precision"], adapter=asked.terms.get("adapter")))
+                              precision=asked.terms["precision"], adapter=asked.terms.get("adapter"),
+                              data=asked.terms.get("data")))
     step = sum(st.time_s.values())
     W, dpr, dps, cp, ep, pp, tp = lay.world_size, lay.dp_replicate, lay.dp_shard, lay.cp, lay.ep, lay.pp, lay.tp
     assumptions = [
@@ -314,9 +325,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         "-4.2%..+5.6% with torch's fixed segments or torchtitan's fp32 combine, -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
-        "docs/skills/preflight.md); step time: "
-        "the compute efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to "
-        "apiary runs",
+        "docs/skills/preflight.md); step time: the efficiencies are measured on one H200 (the 4-layer "
+        "Qwen3.5-35B-A3B part by part), the context FLOPs' over long documents from seed 000's PP1 point; planned "
+        "-6%..+7% against 26 measured steps at 16K-256K on one and two H200s (benchmarks/step_time_check.py)",
     ]
     return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
                 memory_bytes=memory, total_bytes=total, gpu_memory_bytes=mem_cap, fits=verdict != "OOM",

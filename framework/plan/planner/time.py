@@ -1,6 +1,9 @@
-"""Step time: a roofline of model FLOPs per part over the GPU's peak x efficiency, the
-components' time factors and extra compute, plus the exposed part of EP / CP / TP and the state
-backend's traffic, times the pipeline bubble, plus the optimizer step."""
+"""Step time: a roofline of FLOPs per part over the GPU's peak x efficiency, the components' time
+factors and extra compute, plus the exposed part of EP / CP / TP and the state backend's traffic,
+times the pipeline bubble, plus the optimizer step. A mixer kind's context FLOPs count the data's
+documents (a packed row of short documents attends within each one: ``context_share``); the model
+FLOPs a run logs count the whole causal square. The efficiencies are measured (framework/plan/planner/
+constants.py; benchmarks/step_time_check.py holds the estimate to measured steps)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class StepInputs:
     chunking: PlanTerms
     precision: PlanTerms
     adapter: PlanTerms | None = None  # kind adapter: factors of the compute parts, the trained fraction
+    data: PlanTerms | None = None  # kind data: facts["document_tokens"], the documents a row packs
 
 
 @dataclass
@@ -63,6 +67,26 @@ def flops_per_token(sh: Shapes, adapter: PlanTerms | None = None) -> tuple[dict[
     parts["lm_head"] = 6 * split["head"]
     factor = adapter.flops_factor if adapter is not None else {}
     return {k: v * factor.get(k, 1.0) for k, v in parts.items()}, expert_active
+
+
+def context_share(sh: Shapes, data: PlanTerms | None) -> float:
+    """The fraction of a whole-sequence causal context a token attends: the data's documents
+    (``document_tokens``, sum L^2 / sum L: a packed row attends within each document) over the
+    sequence, at most 1 (no data fact: documents as long as a row)."""
+    n = (data.facts.get("document_tokens") if data is not None else None) or 0
+    return min(1.0, float(n) / sh.seq) if n > 0 else 1.0
+
+
+def time_flops_per_token(sh: Shapes, parts: dict[str, float], share: float) -> dict[str, float]:
+    """``parts`` (``flops_per_token``) with each mixer kind's context part (``LayerTerms.
+    context_flops_per_token``) scaled by ``share``: the FLOPs the kernels run, which the step time
+    counts; the model FLOPs a run logs keep the whole causal square."""
+    out = dict(parts)
+    for k in mixers(sh.layers):
+        t = sh.layers[k]
+        if t.context_flops_per_token and t.flops_per_token:
+            out[k] = parts[k] * (1 - (1 - share) * t.context_flops_per_token / t.flops_per_token)
+    return out
 
 
 def efficiencies(sh: Shapes) -> tuple[dict[str, float], float]:
@@ -131,7 +155,8 @@ def step_time(inp: StepInputs) -> StepTime:
     parts, expert_active = flops_per_token(sh, inp.adapter)
     eff, scale = efficiencies(sh)
     per_gpu_tokens = tokens_step / W
-    time_s = compute_times(inp, parts, eff, per_gpu_tokens)
+    share = context_share(sh, inp.data)
+    time_s = compute_times(inp, time_flops_per_token(sh, parts, share), eff, per_gpu_tokens)
     model_flops_gpu = sum(parts.values()) * per_gpu_tokens
     overlap: dict[str, float] = {}
     for k, v in comm_times(inp, overlap).items():
@@ -157,6 +182,9 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
     state_overlap = next(iter(inp.state.facts.get("overlap", {}).values()), 0)
     loss_factor = inp.loss.time_factor.get("lm_head", 1.0)
     T_local = sh.mb * sh.seq / lay.cp
+    share = context_share(sh, inp.data)
+    docs = (f"context FLOPs over the data's documents of {share * sh.seq:,.0f} tokens, x{share:.3g} of the causal "
+            "square's" if share < 1 else "context FLOPs over the whole causal square (documents as long as a row)")
     return [
         f"FLOPs/token: 6 x active params (dense {params_text(split['dense_blocks'])} + experts "
         f"{params_text(expert_active)} + lm_head {params_text(split['head'])})"
@@ -169,7 +197,8 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
         "as a run's logged tflops_per_gpu and MFU do",
         f"recompute {names['recompute']}: " + "; ".join(inp.recompute.notes)
         + f"; loss layer x {loss_factor:g} of its GEMM time ({names['loss']})",
-        f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}",
+        f"efficiency (achieved/peak, after x{scale:.2f} for TP {tp} and {T_local:,.0f} local tokens): {eff_txt}; "
+        + docs,
         f"EP {ep} all-to-all over {where_ep}, {int(100 * overlap.get('ep_alltoall', 0))}% overlapped "
         f"(moe.chunk {names['moe_chunk']}); CP {lay.cp} {int(100 * c.cp_overlap)}% overlapped; "
         f"{inp.state.facts.get('label', names['state'])} {int(100 * state_overlap)}% "
