@@ -109,8 +109,8 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _train_worker(argv: list[str], verbose: bool) -> int:
-    """A rank that `train` started through its launcher: load the run the launching process resolved
-    (``ENV_RESOLVED``) and train it; nothing is composed or checked again."""
+    """A rank that an apiary launch started (`train`'s torchrun, a Slurm job's first start): load the run
+    the launching process resolved (``ENV_RESOLVED``) and train it; nothing is composed or checked again."""
     try:
         r = load_resolved(argv)
     except UserError as e:  # every rank reads the same file

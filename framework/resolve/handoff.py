@@ -71,11 +71,12 @@ def preview_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
 
 
 def _handoff_error(path, what: str) -> UserError:
-    return UserError(f"{ENV_RESOLVED}={path}", f"{what} This rank was started by `train` (the launching process), "
-                     "which resolved the recipe once and wrote that file into the run folder for its ranks; they "
-                     "train exactly what it holds and check nothing again.", "Launch the run again with the same "
-                     f"`train ...` command (it rewrites the file); do not edit {RESOLVED_FILE}, and unset "
-                     f"{ENV_RESOLVED} and {ENV_RESOLVED_SHA256} in a shell that starts its own torchrun.")
+    return UserError(f"{ENV_RESOLVED}={path}", f"{what} This rank was started by an apiary launch (`train`, "
+                     "`apiary launch`, a Slurm job it submitted), which resolved the recipe once and wrote that "
+                     "file into the run folder for its ranks; they train exactly what it holds and check nothing "
+                     "again.", "Launch the run again with the same command (it rewrites the file); do not edit "
+                     f"{RESOLVED_FILE}, and unset {ENV_RESOLVED} and {ENV_RESOLVED_SHA256} in a shell that starts "
+                     "its own torchrun.")
 
 
 def load_resolved(argv: list[str], env=os.environ) -> Resolved:
