@@ -16,12 +16,10 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from framework import contracts
-from framework.compose import hydra_cli, registry
+from framework.compose import hydra_cli
 from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
-from framework.launch import lifecycle, runlock
-from framework.resolve import paths
+from framework.launch import lifecycle, runlock, start
 from framework.resolve.handoff import ENV_RESOLVED, load_resolved
 from framework.resolve.resolver import resolve
 from framework.train import preempt, run
@@ -96,25 +94,23 @@ def train_main(argv: list[str] | None = None) -> int:
             hydra_cli.info(recipe, overrides, args.info)
             return 0
 
-        if _under_torchrun() and not any(o.startswith("output_dir=") for o in overrides):
+        if args.cfg:
+            _print_cfg(resolve(recipe, overrides, for_training=False), args)
+            return 0
+        if not _under_torchrun():  # resolved for the launcher's ranks, then started or submitted
+            return start.launch(recipe, overrides, verbose=args.verbose)
+        if not any(o.startswith("output_dir=") for o in overrides):  # a torchrun no apiary launch started
             run_id = os.environ.get("TORCHELASTIC_RUN_ID", "job")
             overrides.append(f"output_dir=runs/{recipe or DEFAULT_RECIPE}/torchrun-{run_id}")
-        r = resolve(recipe, overrides, for_training=args.cfg is None)
-        if args.cfg:
-            _print_cfg(r, args)
-            return 0
+        r = resolve(recipe, overrides)
     except UserError as e:
         return _fail(e)
-
-    if _under_torchrun():
-        return _train_rank(r, args.verbose)
-    worker_argv = [a for a in argv if not a.startswith("output_dir=")] + [f"output_dir={r.cfg.output_dir}"]
-    return _launch(r, worker_argv, args.verbose)
+    return _train_rank(r, args.verbose)
 
 
 def _train_worker(argv: list[str], verbose: bool) -> int:
-    """A rank that `train` started through its launcher: load the run the launching process resolved
-    (``ENV_RESOLVED``) and train it; nothing is composed or checked again."""
+    """A rank that an apiary launch started (`train`'s torchrun, a Slurm job's first start): load the run
+    the launching process resolved (``ENV_RESOLVED``) and train it; nothing is composed or checked again."""
     try:
         r = load_resolved(argv)
     except UserError as e:  # every rank reads the same file
@@ -149,45 +145,12 @@ def _rank_fail(e: UserError) -> int:
     return e.exit_code
 
 
-def model_label(r) -> str:
-    """The model a launch's first line names: its family and flavor, or with model.hf_checkpoint the
-    folder (its config.json is the architecture, the flavor only supplies defaults; was: the flavor's
-    name, e.g. an MoE flavor for a dense folder)."""
-    what = f"HF folder {paths.shown(r.cfg.model.hf_checkpoint)}" if r.cfg.model.hf_checkpoint else r.facts.flavor
-    return f"{r.facts.family} {what} ({r.facts.n_params / 1e6:,.1f}M params)"
-
-
-def _launch(r, worker_argv: list[str], verbose: bool) -> int:
-    launcher = registry.resolve("launcher", r.cfg.launcher.name)
-    try:  # one run per output_dir, checked before any worker starts
-        check_options = contracts.member(launcher, "launcher", "check_options")
-        if check_options is not None:
-            check_options(r.cfg.launcher)
-        lock = runlock.hold_for_launch(launcher, r.cfg.output_dir)
-    except UserError as e:
-        return _fail(e)
-    if r.cfg.checkpoint.resume:  # the directory is fixed now; workers resume it
-        worker_argv = [a for a in worker_argv if not a.startswith("checkpoint.resume")] + ["checkpoint.resume=true"]
-    dims = " · ".join(f"{k} {v}" for k, v in r.layout.dims.items())
-    console.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe}: {model_label(r)} · {dims} · output {r.cfg.output_dir}"))
-
-    try:
-        return launcher.launch(r.cfg.launcher, worker_argv, run.launch_env(r, worker_argv, verbose))
-    except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
-        return _fail(e)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
 def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
     """One job of a `train -m` sweep, in the directory Hydra's launcher made for it."""
     restore = hydra_cli.env_snapshot()
     try:
         overrides = [o for o in job if not o.startswith("output_dir=")] + [f"output_dir={output_dir}"]
-        r = resolve(recipe, overrides)
-        worker_argv = ([f"recipe={recipe}"] if recipe else []) + overrides + (["-v"] if verbose else [])
-        return _launch(r, worker_argv, verbose)
+        return start.launch(recipe, overrides, verbose=verbose)
     finally:
         restore()
 

@@ -315,6 +315,13 @@ def test_slurm_job_is_preempted_requeued_and_resumes(capsys, workdir, slurm_clus
     rank0 = next((run / "logs" / f"job{job}.1" / "node0").glob("*/attempt_0/0/stdout.log")).read_text()
     assert re.search(rf"step\s+{k + 1}/{steps}", rank0), rank0[-2000:]
 
+    # the first start's ranks loaded the run apiary launch resolved at submit time (its launch, with the
+    # launcher's keys, is the run's first); the requeued job's ranks resolved the resume themselves
+    launches = [json.loads(x) for x in (run / "launches.jsonl").read_text().splitlines()]
+    assert (run / "resolved.yaml").is_file() and len(launches) == 2, launches
+    assert launches[0]["overrides"][0] == "launcher=slurm", launches[0]
+    assert "checkpoint.resume=true" in launches[1]["overrides"], launches[1]
+
     # checkpoints: the preemption's and the last; metrics: every step exactly once
     for s in (k, steps):
         assert (run / "checkpoint" / f"step-{s}" / ".metadata").is_file(), s

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from framework.compose import recipes
 from framework.report import summary
+from framework.resolve import resume
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -25,8 +26,9 @@ def _run(tmp_path, records, steps=4, checkpoints=(), incomplete=(), tb=True, ext
     if overrides is None:
         (d / "config.yaml").write_text(f"recipe: debug_moe\ntraining:\n  steps: {steps}\n")
     else:
-        OmegaConf.save(recipes.load("debug_moe", [f"training.steps={steps}", f"output_dir={d}", *overrides]),
-                       d / "config.yaml")
+        given = [f"training.steps={steps}", f"output_dir={d}", *overrides]
+        OmegaConf.save(recipes.load("debug_moe", given), d / "config.yaml")
+        resume.write_launch(d, {"recipe": "debug_moe", "overrides": given})  # as rank 0 writes it
     for name, text in extra_configs:
         (d / name).write_text(text)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -80,7 +82,7 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
     # resume refuses another model, data or schedule: framework/resolve/resume.py)
     assert s["next"] == {
         "resume": f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=8 loss=chunked "
-                  "training.seq_len=64 loss.num_chunks=4 launcher.nproc=2 lr.total_steps=8",
+                  "loss.num_chunks=4 launcher.nproc=2 training.seq_len=64 lr.total_steps=8",
         "export": f"apiary export {d} --hf {d / 'hf'}",
         "plot": f"apiary plot {d}",
         "tensorboard": f"tensorboard --logdir {d / 'tb'}",
@@ -101,12 +103,10 @@ def test_resume_command_of_a_recipe_file_runs(tmp_path, monkeypatch):
     """A run of `train recipe=my_recipe.yaml optimizer.lr=1e-2`: the resume command names the file as
     given (the config holds its stem, an unknown recipe), repeats the override and stretches the
     schedule; with no overrides it claims none."""
-    from framework.resolve import resume
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_recipe.yaml").write_text((recipes.RECIPES_DIR / "debug_moe.yaml").read_text())
     recs = [_rec(n, 6.0 - n, 2.0 * n) for n in (1, 2, 3, 4)]
-    for over, want in ((["optimizer.lr=1e-2"], " optimizer.lr=0.01 lr.total_steps=8"), ([], " lr.total_steps=8")):
+    for over, want in ((["optimizer.lr=1e-2"], " optimizer.lr=1e-2 lr.total_steps=8"), ([], " lr.total_steps=8")):
         d = tmp_path / "run"
         if d.exists():
             import shutil
@@ -123,6 +123,34 @@ def test_resume_command_of_a_recipe_file_runs(tmp_path, monkeypatch):
         s = summary.summarize("run")
         assert s["next"]["resume"] == ("train recipe=my_recipe.yaml output_dir=run checkpoint.resume=true "
                                        "training.steps=8" + want), s["next"]["resume"]
+
+
+def test_rank_0s_resume_line_composes_nothing(tmp_path, monkeypatch):
+    """Rank 0 prints the summary's resume command from the launch the hand-off carries
+    (``Resolved.launch``): nothing is composed (compose raises here), the folder's own launch record is
+    not what it reads, and the last of a key given twice is the one repeated."""
+    from types import SimpleNamespace
+
+    from framework.train import run
+
+    d = _run(tmp_path, [_rec(n, 6.0 - n, 2.0 * n) for n in (1, 2)], steps=2, checkpoints=(2,), tb=False,
+             overrides=["optimizer.lr=1e-3"])
+
+    composed = []
+
+    def compose(*a, **k):
+        composed.append(a)
+        raise AssertionError("composed the recipe again")
+
+    monkeypatch.setattr(recipes, "load", compose)
+    launch = {"recipe": "debug_moe", "overrides": ["loss=chunked", "training.steps=2", f"output_dir={d}",
+                                                   "optimizer.lr=1e-3", "optimizer.lr=2e-3", "checkpoint.resume=true"]}
+    resolved = SimpleNamespace(cfg=OmegaConf.create({"output_dir": str(d), "logging": {"color": False}}), launch=launch)
+    run._report(resolved)
+    got = json.loads((d / "summary.json").read_text())["next"]["resume"]
+    assert got == (f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=4 loss=chunked "
+                   "optimizer.lr=2e-3 lr.total_steps=4"), got
+    assert composed == []
 
 
 def test_records_of_an_older_apiary_show_torchtitans_count_as_torchtitans(tmp_path):

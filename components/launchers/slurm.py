@@ -182,8 +182,9 @@ class SlurmLauncher:
 
     # ------------------------------------------------------------------ render
     @staticmethod
-    def render(opts, resolved, argv: list[str]) -> str:
-        """The batch script for ``train argv`` (recipe=... and overrides) with these options."""
+    def render(opts, resolved, argv: list[str], worker_env=None) -> str:
+        """The batch script for ``train argv`` (recipe=... and overrides) with these options; with
+        ``worker_env`` (LaunchEnv's) its ranks get the run resolved here (``handoff`` in the template)."""
         import jinja2  # reason: start-up time (only rendering a script needs it)
 
         SlurmLauncher.check_warmup(opts, resolved)
@@ -193,7 +194,7 @@ class SlurmLauncher:
                                  trim_blocks=True, lstrip_blocks=True, autoescape=False)
         env.filters["shquote"] = lambda v: shlex.quote(str(v))
         try:
-            return env.get_template(path.name).render(**context(opts, resolved, argv))
+            return env.get_template(path.name).render(**context(opts, resolved, argv, worker_env))
         except jinja2.TemplateError as e:
             line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
             raise UserError(f"launcher.template={path}", f"does not render ({type(e).__name__}{line}: {e}).",
@@ -204,14 +205,15 @@ class SlurmLauncher:
     def launch(opts, argv: list[str], env: LaunchEnv) -> int:
         """Write the script into the run directory and submit it; returns sbatch's exit code
         (or the job's, with launcher.wait=true). ``env.resolved`` is the run, resolved for
-        this launcher's world size. The job's ranks resolve the recipe themselves (``env.worker_env``
-        is not used): a requeued job resumes, which changes what resolve checks and prints."""
+        this launcher's world size; ``env.worker_env`` writes it into the run folder, and the job's
+        first start hands it to its ranks (they load it, nothing is composed again). A requeued job
+        resumes from a checkpoint the submission did not see: its ranks resolve that resume themselves."""
         resolved = env.resolved
         try:
             if not env.warned:  # `train launcher=slurm ...` (apiary launch ran preflight itself)
                 for w in SlurmLauncher.preflight(opts, resolved):
                     print(f"warning: {w}", file=sys.stderr)
-            script = SlurmLauncher.render(opts, resolved, argv)
+            script = SlurmLauncher.render(opts, resolved, argv, env.worker_env)
         except UserError as e:
             print(f"error {e}", file=sys.stderr)
             return e.exit_code
@@ -322,7 +324,24 @@ def worker_args(argv: list[str]) -> list[str]:
     return out
 
 
-def context(opts, resolved, argv: list[str]) -> dict:
+def latest_step(out: Path) -> int | None:
+    """The newest ``checkpoint/step-N`` folder's N, as the batch script finds it (LATEST), or None."""
+    steps = [int(p.name[5:]) for p in (out / "checkpoint").glob("step-*") if p.name[5:].isdigit()]
+    return max(steps) if steps else None
+
+
+def handoff(worker_env, argv: list[str], out: Path) -> dict | None:
+    """The resolved run for the job's ranks: the variables that hand it to them (``env``), the ``argv``
+    they get it with, and the checkpoint ``step`` it was resolved against ("none": a fresh run). The
+    script hands it over only while that is still the newest checkpoint (not after a requeue)."""
+    if worker_env is None:
+        return None
+    step = latest_step(out)
+    ranks = [*worker_args(argv), f"output_dir={out}", *(["checkpoint.resume=true"] if step is not None else [])]
+    return {"env": dict(worker_env(ranks)), "step": "none" if step is None else str(step)}
+
+
+def context(opts, resolved, argv: list[str], worker_env=None) -> dict:
     """Everything the template may use (documented in docs/launching.md)."""
     cfg = resolved.cfg
     out = Path(cfg.output_dir).resolve()
@@ -348,6 +367,7 @@ def context(opts, resolved, argv: list[str]) -> dict:
         python=sys.executable,
         torchrun=str(venv_bin / "torchrun"),
         train_args=worker_args(argv),
+        handoff=handoff(worker_env, argv, out),
         warmup=bool(o.get("warmup", False)),
         kernel_cache=str(Path(cfg.training.kernel_cache).expanduser().resolve()) if cfg.training.kernel_cache else "",
         total_steps=int(cfg.training.steps),

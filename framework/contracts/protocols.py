@@ -254,8 +254,9 @@ class LaunchEnv:
     supervise: Any  # supervise(cmd, env, nproc) -> exit code: run torchrun and forward stop signals
     # run_here() -> exit code: train ``resolved`` in this process (one rank; framework.train.run.train_here)
     run_here: Any = None
-    # worker_env() -> {name: value}: writes the resolved run into its folder and returns the environment
-    # variables that hand it to the ranks a launcher starts (they load it instead of resolving again)
+    # worker_env(argv=None) -> {name: value}: writes the resolved run into its folder and returns the
+    # environment variables that hand it to the ranks a launcher starts as ``train argv`` (default: the
+    # launch's argv); they load it instead of resolving again
     worker_env: Any = None
     warned: bool = False  # the launcher's preflight warnings were printed already (apiary launch)
     worker_module: str = "framework.launch.lifecycle"  # `python -m MODULE torchrun ...` starts torchrun quietly
@@ -275,10 +276,11 @@ class Launcher(Component, Protocol):
 
     # optional (None): checks of the launcher's own options before resolve (``check_options(options)``),
     # the launch's warnings (``preflight(options, resolved, *, dry_run) -> list[str]``) and, for a
-    # launcher that submits a batch script (Slurm), the script (``render(options, resolved, argv) -> str``;
-    # the job's rank 0 then takes the run lock, not the launching process)
+    # launcher that submits a batch script (Slurm), the script (``render(options, resolved, argv, worker_env)
+    # -> str``, ``worker_env`` as LaunchEnv's: a dry run's writes nothing; the job's rank 0 then takes the
+    # run lock, not the launching process)
     def check_options(self, options: Any) -> None: ...
 
     def preflight(self, options: Any, resolved: Any, *, dry_run: bool = False) -> list[str]: ...
 
-    def render(self, options: Any, resolved: Any, argv: list[str]) -> str: ...
+    def render(self, options: Any, resolved: Any, argv: list[str], worker_env: Any = None) -> str: ...

@@ -174,9 +174,12 @@ def no_base_on_disk(cfg) -> str | None:
             "to export them")
 
 
-def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None) -> dict:
+def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: int | None = None,
+              launch: dict | None = None) -> dict:
     """The summary of ``run_dir`` as a JSON-able dict. ``stop``: why training stopped early (None: it
-    ran to its last step), with the ``exit_code`` it exits with and the step it stopped after."""
+    ran to its last step), with the ``exit_code`` it exits with and the step it stopped after.
+    ``launch``: the run's recipe and overrides as given (the resolved run's; default: the folder's
+    newest launch), which its resume command repeats."""
     run_dir = Path(run_dir)
     cfg = _config(run_dir)
     records = read_records(run_dir)
@@ -223,14 +226,12 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     checkpoint = str(run_dir / "checkpoint" / f"step-{steps[-1]}") if steps else None
 
     recipe = cfg.recipe if cfg is not None else "RECIPE"
-    launch = resume.last_launch(run_dir)
+    launch = launch if launch is not None else resume.last_launch(run_dir)
     given = (launch or {}).get("recipe") or recipe  # a recipe file by its path, as given at launch
     out = str(run_dir)
     commands = {}
     if checkpoint is not None:
-        overrides = run_overrides(cfg, given) if cfg is not None else None
-        if overrides is None and launch is not None:  # the recipe no longer composes: the launch's own
-            overrides = resume.kept_overrides(run_dir, [])
+        overrides = run_overrides(launch)
         unknown = overrides is None
         overrides = overrides or []
         to = total_steps

@@ -1,6 +1,6 @@
 """The hand-off to workers: the launching process resolves once and writes the result into the run
-folder; the ranks it starts (torchrun under the local launcher) load it instead of composing and
-checking the recipe again.
+folder; the ranks it starts (torchrun under the local launcher, the first start of a Slurm job) load it
+instead of composing and checking the recipe again.
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ def _json_values(d: dict) -> dict:
     return out
 
 
-def write_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
-    """Write ``r`` into ``output_dir/resolved.yaml`` for the ranks started with ``train argv``; returns
-    the environment variables that hand it to them."""
-    out = Path(r.cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def _text(r: Resolved, argv: list[str]) -> bytes:
     ctx = r.ctx
     doc = {"format": _FORMAT, "argv": list(argv), "cfg": OmegaConf.to_container(r.cfg, resolve=False),
            "layout": {"world_size": r.layout.world_size, "dims": r.layout.dims, "rules": dict(r.layout.rules)},
@@ -49,20 +45,38 @@ def write_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
            "given_parallel": dict(r.given_parallel), "launch": r.launch,
            "derived": dict(ctx.derived) if ctx is not None else {},
            "shared": _json_values(ctx.shared) if ctx is not None else {}}
-    text = yaml.safe_dump(doc, sort_keys=False).encode()
+    return yaml.safe_dump(doc, sort_keys=False).encode()
+
+
+def _env(path: Path, text: bytes) -> dict[str, str]:
+    return {ENV_RESOLVED: str(path.resolve()), ENV_RESOLVED_SHA256: hashlib.sha256(text).hexdigest()}
+
+
+def write_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
+    """Write ``r`` into ``output_dir/resolved.yaml`` for the ranks started with ``train argv``; returns
+    the environment variables that hand it to them."""
+    out = Path(r.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = _text(r, argv)
     path = out / RESOLVED_FILE
     tmp = path.with_name(f".{RESOLVED_FILE}.tmp")
     tmp.write_bytes(text)
     tmp.replace(path)
-    return {ENV_RESOLVED: str(path.resolve()), ENV_RESOLVED_SHA256: hashlib.sha256(text).hexdigest()}
+    return _env(path, text)
+
+
+def preview_resolved(r: Resolved, argv: list[str]) -> dict[str, str]:
+    """The variables ``write_resolved(r, argv)`` would return, writing nothing (a dry run's script)."""
+    return _env(Path(r.cfg.output_dir) / RESOLVED_FILE, _text(r, argv))
 
 
 def _handoff_error(path, what: str) -> UserError:
-    return UserError(f"{ENV_RESOLVED}={path}", f"{what} This rank was started by `train` (the launching process), "
-                     "which resolved the recipe once and wrote that file into the run folder for its ranks; they "
-                     "train exactly what it holds and check nothing again.", "Launch the run again with the same "
-                     f"`train ...` command (it rewrites the file); do not edit {RESOLVED_FILE}, and unset "
-                     f"{ENV_RESOLVED} and {ENV_RESOLVED_SHA256} in a shell that starts its own torchrun.")
+    return UserError(f"{ENV_RESOLVED}={path}", f"{what} This rank was started by an apiary launch (`train`, "
+                     "`apiary launch`, a Slurm job it submitted), which resolved the recipe once and wrote that "
+                     "file into the run folder for its ranks; they train exactly what it holds and check nothing "
+                     "again.", "Launch the run again with the same command (it rewrites the file); do not edit "
+                     f"{RESOLVED_FILE}, and unset {ENV_RESOLVED} and {ENV_RESOLVED_SHA256} in a shell that starts "
+                     "its own torchrun.")
 
 
 def load_resolved(argv: list[str], env=os.environ) -> Resolved:

@@ -36,9 +36,11 @@ def _single_process_env() -> None:
 
 def launch_env(resolved, argv: list[str] | None = None, verbose: bool = False) -> contracts.LaunchEnv:
     """What a launcher component needs of the framework to start ``resolved``'s ranks with ``train argv``."""
+    def worker_env(ranks_argv: list[str] | None = None) -> dict[str, str]:
+        return write_resolved(resolved, list(argv or []) if ranks_argv is None else list(ranks_argv))
+
     return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise,
-                               run_here=functools.partial(train_here, resolved, verbose),
-                               worker_env=functools.partial(write_resolved, resolved, list(argv or [])))
+                               run_here=functools.partial(train_here, resolved, verbose), worker_env=worker_env)
 
 
 def train_here(resolved, verbose: bool = False) -> int:
@@ -190,7 +192,8 @@ def _drop_empty(folder: Path) -> None:
 def _report(resolved, stop: str | None = None, exit_code: int = 0, step: int | None = None) -> None:
     """Rank 0, once training ended: the summary on the console and as summary.json."""
     try:
-        s = summary.summarize(resolved.cfg.output_dir, stop=stop, exit_code=exit_code, stopped_at=step)
+        s = summary.summarize(resolved.cfg.output_dir, stop=stop, exit_code=exit_code, stopped_at=step,
+                              launch=resolved.launch)  # what the hand-off carries: nothing composed again
         summary.write(s)
         summary.render(s, color=bool(resolved.cfg.logging.color))
     except Exception as e:  # a summary must never fail a finished run
