@@ -314,7 +314,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         "-4.2%..+5.6% with torch's fixed segments or torchtitan's fp32 combine, -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
-        "docs/skills/preflight.md); step time: "
+        "docs/skills/preflight.md); with CP > 1 (two H200s, CP 2 x EP 2) the activation terms are "
+        f"{c.cp_activation_overhead:.0%} larger than counted (cp_activation_overhead): -0.0%..+1.4% (+6.5% LoRA) "
+        "with it, and the preflight allows 7% below and 8% above; step time: "
         "the compute efficiencies carry one factor fitted to a published Megatron point (seed 000 PP1), not to "
         "apiary runs",
     ]
