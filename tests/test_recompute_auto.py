@@ -186,10 +186,14 @@ def _auto_mix(tmp_path, monkeypatch):
     derived = json.loads((out / "layout.json").read_text())["derived"]["recompute"]
     assert derived["blocks"] == blocks
     assert len(wrapped) == r.facts.n_layers and all("Checkpoint" in t for t in wrapped.values()), wrapped
-    from components.recompute.per_block import _call
+    from components.recompute.per_block import Rerun
 
-    plain = [n for n, m in layers.items() if getattr(m.checkpoint_fn, "func", None) is _call]
-    ffn_only = [n for n in plain if "Checkpoint" in type(layers[n]._checkpoint_wrapped_module.moe).__name__]
+    def switch(m):  # a kept or FFN-rerun block's switchable checkpoint_fn (None: a checkpointed block)
+        fn = getattr(m.checkpoint_fn, "func", None)
+        return fn if isinstance(fn, Rerun) else None
+
+    plain = [n for n, m in layers.items() if switch(m) is not None and not switch(m).rerun]
+    ffn_only = [n for n in plain if switch(layers[n]._checkpoint_wrapped_module.moe).rerun]
     assert len(plain) == kept + blocks["linear_attention"]["ffn_rerun"], (plain, blocks)
     assert len(ffn_only) == blocks["linear_attention"]["ffn_rerun"] == 1, (ffn_only, blocks)
     return auto

@@ -165,7 +165,9 @@ class AutoRecompute(_Recompute):
 
         choice = ctx.derived.get("recompute") or {}
         tc.activation_checkpoint = per_block_config(choice.get("blocks"), getattr(ctx.facts, "layer_mixers", ()),
-                                                    ctx.facts.n_layers)
+                                                    ctx.facts.n_layers, choice.get("fallbacks"),
+                                                    planned=choice.get("planned") or choice.get("blocks"),
+                                                    taken=int(choice.get("fallbacks_taken") or 0))
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 from rich.console import Console
 
+from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
 from framework.plan import planner
@@ -161,11 +164,45 @@ def choose_by_budget(r, for_training: bool) -> None:
         kind, memory, source = target
         p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
         r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
-                                      "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})"}
+                                      "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})",
+                                      "fallbacks": p.choices.get("recompute_fallbacks", [])}
+        learned_choice(r, "recompute")
     blocks = r.ctx.derived["recompute"]["blocks"]
     what = "; ".join(f"{m} blocks: " + ", ".join(f"{n} {how.replace('_', ' ')}" for how, n in v.items() if n)
                      for m, v in blocks.items()) if blocks else "every block recomputed"
     r.ctx.summary.append(f"recompute per block: {what} ({r.ctx.derived['recompute']['reason']})")
+
+
+def read_learned(output_dir) -> dict:
+    """The run folder's learned state ({kind: state}, framework.contracts.LEARNED_FILE), {} without one."""
+    if not output_dir:  # a print-only resolve names no run folder
+        return {}
+    path = Path(output_dir) / contracts.LEARNED_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def learned_choice(r, kind: str) -> None:
+    """A run whose choice stepped back at run time (the allocator retried: framework.train.trainer and
+    the component's memory listener) starts its resume from the choice it learned, when the plan is
+    still the one it learned from; another plan (changed settings) starts afresh, said."""
+    derived = r.ctx.derived[kind]
+    got = read_learned(r.cfg.output_dir).get(kind)
+    if not isinstance(got, dict) or not got.get("fallbacks"):
+        return
+    n = int(got["fallbacks"])
+    if got.get("planned") != derived["blocks"] or n > len(derived["fallbacks"]):
+        r.ctx.summary.append(f"{kind}: {contracts.LEARNED_FILE} in the run folder stepped back from another plan; "
+                             "planned afresh")
+        return
+    derived.update(planned=derived["blocks"], blocks=derived["fallbacks"][n - 1], fallbacks=derived["fallbacks"][n:],
+                   fallbacks_taken=n,
+                   reason=f"{derived['reason']}; learned in this run: the allocator retried {got.get('retries')} "
+                          f"time(s) in step {got.get('step')}, so it starts {n} candidate(s) back "
+                          f"({contracts.LEARNED_FILE})")
 
 
 def check_memory(r, recipe, overrides, check) -> None:

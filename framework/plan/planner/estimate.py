@@ -257,7 +257,9 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
     why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
            f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
            f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
-    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why},
+    # the cheaper candidates, nearest first: where the run steps back to if the allocator retries
+    fallbacks = [cands[j].facts["blocks"] for j in range(best - 1, -1, -1)]
+    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why, "fallbacks": fallbacks},
                                        notes=[*chosen.notes, why])
     if not fits:
         warnings.append(f"recompute: no per-block choice fits {budget / GiB:,.1f} GiB; planned with full recompute.")
@@ -328,7 +330,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 flops_per_token=st.model_flops_gpu * W / st.tokens_step if st.tokens_step else 0.0,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
                                                         **({"recompute_blocks": asked.terms["recompute"].facts["blocks"],
-                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", "")}
+                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", ""),
+                                                            "recompute_fallbacks": asked.terms["recompute"].facts.get(
+                                                                "fallbacks", [])}
                                                            if "blocks" in asked.terms["recompute"].facts else {}),
                                                         "adapter": asked.names["adapter"],
                                                         "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},
