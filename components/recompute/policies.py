@@ -136,7 +136,9 @@ class AutoRecompute(_Recompute):
     the one with the most forward time saved per byte it adds to the planned peak (kept blocks go
     last in the stage, where they cost least: ``per_layer_words``); the planner takes the last that
     fits the GPU less ``margin`` (framework/plan/planner/estimate.choose_candidate) and resolve hands the
-    choice to ``apply`` (``ctx.derived["recompute"]``). No GPU known: full recompute."""
+    choice to ``apply`` (``ctx.derived["recompute"]``, with the cheaper candidates, nearest first). No
+    GPU known: full recompute. At run time a step with allocator retries (after the warm-up) moves the
+    run to the next cheaper candidate (per_block.Fallback); a resume of the same plan starts there."""
 
     @dataclass(kw_only=True)
     class Options:
@@ -165,7 +167,9 @@ class AutoRecompute(_Recompute):
 
         choice = ctx.derived.get("recompute") or {}
         tc.activation_checkpoint = per_block_config(choice.get("blocks"), getattr(ctx.facts, "layer_mixers", ()),
-                                                    ctx.facts.n_layers)
+                                                    ctx.facts.n_layers, choice.get("fallbacks"),
+                                                    planned=choice.get("planned") or choice.get("blocks"),
+                                                    taken=int(choice.get("fallbacks_taken") or 0))
 
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:

@@ -35,7 +35,8 @@ name)``, never through ``hasattr``/``getattr``, so a name missing from these tab
 The package, one file per reason to change: ``kinds`` (the kinds, ``SELECT``, ``Context``),
 ``protocols`` (each kind's members), ``plan`` (what a component tells the planner), ``options``
 (``make_options`` and the other Options helpers), ``members`` (required and optional members,
-``member``), ``batch`` (batch consumers). Its names are re-exported here: components import
+``member``), ``batch`` (batch consumers), ``memory`` (listeners to the allocator's retries). Its
+names are re-exported here: components import
 ``framework.contracts``, never a file of it.
 """
 
@@ -63,6 +64,14 @@ from framework.contracts.members import (
     member,
     missing_members,
     required_members,
+)
+from framework.contracts.memory import (
+    LEARNED_FILE,
+    MEMORY_LISTENERS_ATTR,
+    MemoryListener,
+    MemoryReaction,
+    add_memory_listener,
+    memory_listeners,
 )
 from framework.contracts.options import (
     check_choices,
@@ -141,6 +150,12 @@ __all__ = [
     "BATCH_CONSUMERS_ATTR",
     "add_batch_consumer",
     "batch_consumers",
+    "LEARNED_FILE",
+    "MEMORY_LISTENERS_ATTR",
+    "MemoryListener",
+    "MemoryReaction",
+    "add_memory_listener",
+    "memory_listeners",
     "choices",
     "check_choices",
     "field_docs",

@@ -117,6 +117,7 @@ class JsonlLogger(BaseLogger):
             **{k: v for k, v in metrics.items() if k.startswith(("policy/", "data/", "publish/"))},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
+            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("memory/")},  # recompute_fallbacks
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("first_step/")},
         }
         if "first_step_wall_s" in rec:

@@ -18,6 +18,11 @@ applied; ``skip`` leaves the optimizer, its state and the LR schedule untouched 
 steps in a row would be skipped. Each checkpoint save first checks that the model and optimizer
 state are finite, and writes atomically with a manifest (framework/train/integrity.py).
 
+Memory listeners (``contracts.add_memory_listener``, e.g. recompute=auto's per-block wrappers): after
+each step the CUDA caching allocator's retries in that step, the most over all ranks (one small
+all-reduce, only in runs with a listener), go to each listener; a reaction's line is printed on rank 0,
+its learned state written to the run folder (``contracts.LEARNED_FILE``) and its metrics logged.
+
 Policy metrics (clip fractions, KL, entropy) are reduced over the step's micro-steps and the
 data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also
 reports a true ``max_loss``: torchtitan divides each rank's
@@ -28,6 +33,8 @@ divided by that rank's tokens, then the max is taken over data parallel.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +46,7 @@ from torchtitan.distributed.context_parallel.api import cp_shard
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from framework import compat, contracts
+from framework import compat, contracts, devices
 from framework.compose.schema import TrainingConfig
 from framework.train import atomic_save, first_step, integrity
 from framework.train.follow import FollowMode, FollowStop
@@ -96,15 +103,21 @@ class ApiaryTrainer(FollowMode, Trainer):
         self._step_optimizers, self._step_schedulers = compat.guard_trainer_steps(
             self, lambda original, *a, **k: self._guarded_optimizer_step(*a, **k),
             lambda original, *a, **k: self._guarded_scheduler_step(*a, **k))
-        if self.config.on_nonfinite == "skip":
-            def log_with_skips(log, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-                if self._skipped_now and self._loss_was_bad:  # the logged copy was zeroed (see below)
-                    global_avg_loss = global_max_loss = float("nan")
-                extra = {**(extra_metrics or {}), "health/skipped_steps": self._skips_total,
-                         "health/nonfinite": int(self._skipped_now)}
+        # components that react to the allocator's retries (contracts.add_memory_listener); their metrics
+        self._memory_listeners, self._retries_before = contracts.memory_listeners(self.model_parts), 0
+        skip = self.config.on_nonfinite == "skip"
+        if skip or self._memory_listeners:
+            def log_with_extras(log, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+                extra = dict(extra_metrics or {})
+                if skip:
+                    if self._skipped_now and self._loss_was_bad:  # the logged copy was zeroed (see below)
+                        global_avg_loss = global_max_loss = float("nan")
+                    extra.update({"health/skipped_steps": self._skips_total, "health/nonfinite": int(self._skipped_now)})
+                for listener in self._memory_listeners:
+                    extra.update({f"memory/{k}": v for k, v in listener.metrics.items()})
                 return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
-            compat.extend_metrics_log(self.metrics_processor, log_with_skips)
+            compat.extend_metrics_log(self.metrics_processor, log_with_extras)
         self._atomic = None
         if self.checkpointer.enable:
             self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
@@ -170,11 +183,41 @@ class ApiaryTrainer(FollowMode, Trainer):
         return out
 
     def _after_step(self) -> None:
-        """After step ``self.step`` was applied: the rollout ledger (follow mode), then publication."""
+        """After step ``self.step`` was applied: the allocator's retries to the memory listeners, the
+        rollout ledger (follow mode), then publication."""
+        if self._memory_listeners:
+            self._react_to_retries()
         if self._follow_source is not None:
             self._write_ledger()
         if self._publisher is not None:
             self._publisher.maybe_publish(self, self.step)
+
+    def _react_to_retries(self) -> None:
+        """The allocator's retries in this step (the most of any rank: one small all-reduce, so every
+        rank's listeners decide alike) to each memory listener; a reaction's line is printed (rank 0)
+        and its learned state written into the run folder (contracts.LEARNED_FILE, under its kind)."""
+        now = int(devices.allocator_counters().get("alloc_retries", 0))
+        mine, self._retries_before = max(0, now - self._retries_before), now
+        t = torch.tensor([mine], device=self.device, dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        retries = int(t.item())
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        for listener in self._memory_listeners:
+            reaction = listener.on_step(self.step, self.step - self._start_step, retries)
+            if reaction is None or not rank0:
+                continue
+            jsonl = self.metrics_processor._jsonl
+            (jsonl.progress.note if jsonl is not None else print)(reaction.line)
+            if reaction.learned:
+                path = Path(self.config.dump_folder) / contracts.LEARNED_FILE
+                learned = {}
+                if path.is_file():
+                    learned = json.loads(path.read_text())
+                learned[listener.kind] = reaction.learned
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps(learned, indent=2) + "\n")
+                os.replace(tmp, path)
 
     # -- the non-finite guard ----------------------------------------------------------------
     def _agree(self, flags: list) -> list[bool]:

@@ -77,6 +77,18 @@ class Constants:
     moe_buffer_copies_fp32_combine: float = _c(4.0, "the same with torchtitan's combine (moe.lean_combine=false, "
                                                "or where the lean one does not run): its fp32 copy and product of "
                                                "the expert outputs on top (the earlier fit).")
+    cp_activation_overhead: float = _c(0.16, "with context parallelism (cp > 1): the saved activations and the backward "
+                                       "working set take this fraction more than counted (the head-tail shard's two "
+                                       "parts copied around each layer kind, fla's CP kernels' states, and the routed "
+                                       "tokens each EP rank saves, which follow the routing's imbalance); 0 at cp 1. "
+                                       "Fitted on two H200s (2026-11-28; qwen35_35b_128k, 8 layers, CP 2 x EP 2, torch "
+                                       "max reserved against planned): full recompute at 128K 90.3 GiB against 87.75, "
+                                       "auto at 256K 129.3 against 121.5; least squares over those two, where the "
+                                       "activation terms were 18.2 and 48.6 GiB. auto at 128K (130.2 against 123.4) "
+                                       "is left out: its allocator retried every step, so 130.2 is a floor, not the "
+                                       "peak. Residuals: +0.4%, -0.0%; auto 128K planned +1.4% over its floor; the "
+                                       "40-layer LoRA run (124.7 against 125.65) +6.5%. Every point had EP 2 with CP 2, "
+                                       "so the fit does not tell the two apart.")
     ep_load_imbalance: float = _c(1.2, "tokens received by the busiest EP rank over the mean (no token "
                                   "dropping in torchtitan, so the busiest rank sizes buffers and time).")
     # ---- reserve ------------------------------------------------------------------------------

@@ -267,7 +267,9 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
     why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
            f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
            f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
-    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why},
+    # the cheaper candidates, nearest first: where the run steps back to if the allocator retries
+    fallbacks = [cands[j].facts["blocks"] for j in range(best - 1, -1, -1)]
+    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why, "fallbacks": fallbacks},
                                        notes=[*chosen.notes, why])
     if not fits:
         warnings.append(f"recompute: no per-block choice fits {budget / GiB:,.1f} GiB; planned with full recompute.")
@@ -325,9 +327,12 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         "-4.2%..+5.6% with torch's fixed segments or torchtitan's fp32 combine, -2.6% with the optimizer "
         "offloaded, +0.5% for many short RL "
         "sequences per row; the preflight allows 7% below and 10% above (docs/benchmarks.md, "
-        "docs/skills/preflight.md); step time: the efficiencies are measured on one H200 (the 4-layer "
-        "Qwen3.5-35B-A3B part by part), the context FLOPs' over long documents from seed 000's PP1 point; planned "
-        "-6%..+7% against 26 measured steps at 16K-256K on one and two H200s (benchmarks/step_time_check.py)",
+        "docs/skills/preflight.md); with CP > 1 (two H200s, CP 2 x EP 2) the activation terms are "
+        f"{c.cp_activation_overhead:.0%} larger than counted (cp_activation_overhead): -0.0%..+1.4% (+6.5% LoRA) "
+        "with it, and the preflight allows 7% below and 8% above; step time: the efficiencies are measured on one "
+        "H200 (the 4-layer Qwen3.5-35B-A3B part by part), the context FLOPs' over long documents from seed 000's "
+        "PP1 point; planned -6%..+7% against 26 measured steps at 16K-256K on one and two H200s "
+        "(benchmarks/step_time_check.py)",
     ]
     return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
                 memory_bytes=memory, total_bytes=total, gpu_memory_bytes=mem_cap, fits=verdict != "OOM",
@@ -337,7 +342,9 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 flops_per_token=st.model_flops_gpu * W / st.tokens_step if st.tokens_step else 0.0,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
                                                         **({"recompute_blocks": asked.terms["recompute"].facts["blocks"],
-                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", "")}
+                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", ""),
+                                                            "recompute_fallbacks": asked.terms["recompute"].facts.get(
+                                                                "fallbacks", [])}
                                                            if "blocks" in asked.terms["recompute"].facts else {}),
                                                         "adapter": asked.names["adapter"],
                                                         "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},

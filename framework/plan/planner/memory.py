@@ -1,7 +1,8 @@
 """Per-GPU memory of one pipeline stage: shapes of the model, then a list of named terms.
 
 Terms, in order: the state backend's static state; activations kept for backward (as the
-recompute component says); the backward working set of one block; MoE dispatch/combine
+recompute component says); the backward working set of one block; with CP, what those two take
+beyond their count (a fitted fraction); MoE dispatch/combine
 buffers (per the moe_chunk component's chunk count); the precision's buffers; the loss's terms
 (last stage); the state backend's buffers; CP buffers; the reserve (fragmentation, CUDA context
 and NCCL). The components' terms come from their ``plan_terms``, the model's per layer kind from
@@ -215,6 +216,16 @@ def cp_terms(sh: Shapes) -> list[Term]:
     return [Term.of(x) for k, t in sh.layers.items() if sh.counts[k] > 0 for x in t.cp_memory]
 
 
+def cp_activation_terms(sh: Shapes, activations: list[Term]) -> list[Term]:
+    """CP: what the activation terms take beyond their count on a context-parallel rank
+    (``Constants.cp_activation_overhead``, fitted on two H200s at CP 2); none at cp 1."""
+    if sh.lay.cp <= 1 or not sh.c.cp_activation_overhead:
+        return []
+    counted = sum(t.bytes for t in activations)
+    return [Term("cp_activation_overhead", counted, sh.c.cp_activation_overhead, "activations",
+                 f"{sh.c.cp_activation_overhead:g} x the activation terms {counted / GiB:.2f} GiB (cp {sh.lay.cp})")]
+
+
 def reserve_terms(c: Constants, terms: list[Term]) -> list[Term]:
     """Allocator fragmentation over the allocated terms; CUDA context and NCCL outside the allocator."""
     allocated = sum(x.bytes for x in terms)
@@ -235,7 +246,8 @@ def stage_terms(sh: Shapes, *, state: PlanTerms, recompute: str, rec: PlanTerms,
     weight hand-off's buffers, on the stage of rank 0; ``comm``: the moe_comm backend's own). Terms of
     category "outside" (outside torch's allocator) come after the reserve: no fragmentation on them."""
     t = of_category(state, "static")
-    t += activation_terms(sh, recompute, rec, in_flight)
+    acts = activation_terms(sh, recompute, rec, in_flight)
+    t += acts + cp_activation_terms(sh, acts)
     t += moe_terms(sh, chunking)
     if comm is not None:
         t += [Term.of(x) for x in comm.memory if x.category != OUTSIDE]
