@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 
-from framework import compat
+from framework import compat, contracts
 from framework.compat import originals as compat_originals
 from framework.compat import torchtitan_patches
 
@@ -39,8 +39,16 @@ SIGNATURES = {
     "torchtitan.trainer:Trainer.train": ["self"],
     "torchtitan.components.optimizer:OptimizersContainer.step": ["self", "closure"],
     "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step": ["self"],
-    "torchtitan.components.metrics:MetricsProcessor.log": ["self", "step", "global_avg_loss", "global_max_loss",
-                                                           "grad_norm", "extra_metrics"],
+    "torchtitan.components.optimizer:OptimizersContainer.load_state_dict": ["self", "state_dict"],
+    "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.load_state_dict": ["self", "state_dict"],
+    "torchtitan.models.common.token_dispatcher:LocalTokenDispatcher.combine": ["self", "routed_output_RD", "metadata",
+                                                                              "x_TD"],
+    "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher.combine": ["self", "routed_output_RD",
+                                                                                 "metadata", "x_TD"],
+    "torchtitan.protocols.module:Module._sharding_config": None,
+    "torchtitan.models.common.decoder:Decoder._skip_lm_head": None,
+    "torch.optim.lr_scheduler:LambdaLR.get_lr": ["self"],
+    "torch.nn.modules.module:Module.__call__": None,
     "torchtitan.components.checkpointer.dcp:CheckpointManager.dcp_save":
         ["self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"],
     "torchtitan.components.checkpointer.dcp:CheckpointManager.save": ["self", "curr_step", "last_step"],
@@ -65,8 +73,9 @@ SIGNATURES = {
 }
 THIRD_PARTY = ("torch", "torchtitan", "triton", "hydra", "omegaconf", "fla", "torchao", "transformer_engine",
                "deep_ep")
-INSTANCE_PATCHES = ("guard_trainer_steps", "extend_metrics_log", "wrap_checkpoint_saves", "gate_training_loop",
-                    "observe_checkpoint_saves")  # one object, not a class
+INSTANCE_PATCHES = ("guard_trainer_steps", "wrap_checkpoint_saves", "gate_training_loop", "observe_checkpoint_saves",
+                    "after_state_load", "replace_token_combine", "add_state_shardings", "hidden_states_only",
+                    "hold_final_rate", "module_forward")  # one object, not a class
 PATCHES = sorted(n for n in compat.TARGETS if not n.startswith("hydra_") and n not in INSTANCE_PATCHES)
 
 
@@ -119,12 +128,25 @@ def test_the_attribute_targets_hold_what_the_patches_assume():
     assert {"max_autotune", "coordinate_descent_tuning"} <= set(FlexAttention.inductor_configs)
     assert "self.cache_results" in inspect.getsource(Autotuner.__init__)
     assert callable(compat.original("torchtitan.distributed.fsdp:apply_fsdp_to_decoder"))
+    # the instance patches' targets: what the class reads on the object
+    from torch.optim.lr_scheduler import LambdaLR
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.protocols.module import Module
+
+    assert "self.lr_lambdas" in inspect.getsource(LambdaLR.get_lr)
+    assert "self.forward" in inspect.getsource(__import__("torch").nn.Module._call_impl)
+    assert "self._skip_lm_head" in inspect.getsource(Decoder.forward)
+    assert "state_shardings" in inspect.getsource(Module) and "_sharding_config" in inspect.getsource(Module)
 
 
-@pytest.mark.parametrize("name", sorted(compat.PRIVATE_NAMES))
+@pytest.mark.parametrize("name", sorted({**compat.PRIVATE_NAMES, **compat.PRIVATE_OVERRIDES}))
 def test_private_names_read_still_exist(name):
     holder, attr = _split(name)
-    assert hasattr(holder, attr), f"{name} (read by {compat.PRIVATE_NAMES[name]}) is gone"
+    files, _why = {**compat.PRIVATE_NAMES, **compat.PRIVATE_OVERRIDES}[name]
+    # an instance attribute (a module's _parameters) is there when its class's module sets it by name
+    assert hasattr(holder, attr) or (inspect.isclass(holder)
+                                     and f'"{attr}"' in inspect.getsource(inspect.getmodule(holder))), \
+        f"{name} (read by {', '.join(files)}) is gone"
 
 
 def _sources():
@@ -295,7 +317,7 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
             return torch.tensor(42.0)
 
     owner = Owner()
-    setattr(p, compat.GRAD_CLIP_OWNER, owner)
+    contracts.own_gradients(p, clip=owner)
     norm = dist_utils.clip_grad_norm_((q for q in [p]), 2.0, foreach=True)
     assert float(norm) == 42.0 and torchtitan_patches.LAST_GRAD_NORM[0] is norm and owner.args == (2.0, 2.0, False)
 
@@ -306,7 +328,7 @@ def test_clip_grad_norm_is_wrapped_once_and_records_the_norm(monkeypatch):
     q = torch.nn.Parameter(torch.ones(4))
     q.grad = torch.full((4,), 3.0)
     scaler = Scaler()
-    setattr(q, compat.GRAD_SCALE_OWNER, scaler)
+    contracts.own_gradients(q, scale=scaler)
     norm = dist_utils.clip_grad_norm_([q], 1.0)
     assert torch.isclose(norm, torch.tensor(6.0)) and scaler.args == (1.0, norm)
     assert torchtitan_patches.LAST_GRAD_NORM[0] is norm
@@ -351,12 +373,6 @@ def test_instance_patches_change_the_object_once_and_never_its_class():
     assert seen == ["guard", "guard"] and trainer.optimizers.calls == ["own"]
     assert _Container.step is not trainer.optimizers.step and "step" not in vars(_Container()).keys()
 
-    proc = _Container()
-    compat.extend_metrics_log(proc, lambda log, step, a, m, g, extra_metrics=None: log(step, a, m, g, {"x": 1}))
-    compat.extend_metrics_log(proc, lambda log, *a, **k: None)  # ignored: already extended
-    proc.log(3, 1.0, 1.0, 0.5)
-    assert proc.calls == [("log", 3, {"x": 1})]
-
     ck = _Container()
     saved = []
     originals = compat.wrap_checkpoint_saves(ck, lambda *a, **k: saved.append("atomic dcp"),
@@ -393,3 +409,48 @@ def test_no_module_outside_compat_replaces_a_method_of_a_library_object():
                       if isinstance(t, ast.Attribute) and t.attr in methods
                       and not (isinstance(t.value, ast.Name) and t.value.id == "self")]  # own state (a step count)
     assert not found, "methods of library objects replaced outside framework/compat/:\n" + "\n".join(found)
+
+
+def test_the_new_instance_patches_change_one_object_once():
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    calls = []
+    box = _Container()
+    box.load_state_dict = lambda sd: calls.append(("load", sd))
+    compat.after_state_load(box, lambda: calls.append("then"))
+    compat.after_state_load(box, lambda: calls.append("twice"))
+    box.load_state_dict({"a": 1})
+    assert calls == [("load", {"a": 1}), "then"]
+    compat.after_state_load([], lambda: None)  # a plain list: left alone
+
+    d = SimpleNamespace(combine=lambda *a: "own")
+    assert compat.replace_token_combine(d, lambda original: (lambda *a: "lean:" + original(*a))) is True
+    assert compat.replace_token_combine(d, lambda original: (lambda *a: "again")) is False
+    assert d.combine(1, 2, 3) == "lean:own"
+
+    @dataclasses.dataclass
+    class Sc:
+        state_shardings: dict
+
+    m = SimpleNamespace(_sharding_config=Sc({"w": "shard0"}))
+    compat.add_state_shardings(m, ["lora_A", "lora_B"], "w")
+    assert m._sharding_config.state_shardings == {"w": "shard0", "lora_A": "shard0", "lora_B": "shard0"}
+
+    dec = SimpleNamespace(_skip_lm_head=False)
+    with compat.hidden_states_only(dec):
+        assert dec._skip_lm_head is True
+    assert dec._skip_lm_head is False
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.1 * s)
+    compat.hold_final_rate(sch, 3)
+    compat.hold_final_rate(sch, 1)  # held already: unchanged
+    assert [f(s) for f in sch.lr_lambdas for s in (2, 3, 9)] == pytest.approx([0.8, 0.7, 0.7])
+
+    lin = torch.nn.Linear(2, 2)
+    with compat.module_forward(lin, lambda x: "head"):
+        assert lin(torch.ones(2)) == "head"
+    assert "forward" not in lin.__dict__ and lin(torch.ones(2)).shape == (2,)

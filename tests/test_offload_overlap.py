@@ -9,7 +9,7 @@ clips every step (training.max_norm far below the grad norm), checkpointing at s
   with offload_update=device (moments on the host, the update on the device, in small chunks);
   dev->resume: dev's step-2 checkpoint resumed with dev; none->dev: none's resumed with dev.
 On CPU the overlap's copies are synchronous, but the path is the GPU's: FSDP2 calls the hooks after
-each reduce-scatter, the clip goes through framework.compat's GRAD_SCALE_OWNER and the host update
+each reduce-scatter, the clip goes through the gradients' scale owner (contracts.own_gradients) and the host update
 runs chunk by chunk.
 """
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from framework import contracts
 from framework.compose import recipes
 from framework.errors import UserError
 
@@ -103,7 +104,7 @@ def test_a_rank_rebuilds_what_the_parent_resolved(workdir, monkeypatch):
     r = resolve("debug_moe", argv[1:])
     # what resolve chose for a budget-planned component, and what a check leaves for an apply
     r.ctx.derived["recompute"] = {"blocks": {"moe": {"full": 2}}, "reason": "a test's"}
-    r.ctx.shared.update({"adapter_base": {"kind": "dcp", "sha256": "ab"}, "text.source": object()})
+    r.ctx.shared.adapter_base, r.ctx.shared.text_source = {"kind": "dcp", "sha256": "ab"}, object()
     env = write_resolved(r, argv)
     calls = []
     monkeypatch.setattr(recipes, "load", lambda *a, **k: calls.append(a))
@@ -113,7 +114,8 @@ def test_a_rank_rebuilds_what_the_parent_resolved(workdir, monkeypatch):
     assert w.layout == r.layout and w.grad_accum == r.grad_accum and w.facts == r.facts
     assert w.data_summary == r.data_summary and w.resume_lines == r.resume_lines
     assert w.ctx.derived == r.ctx.derived
-    assert w.ctx.shared == {"adapter_base": {"kind": "dcp", "sha256": "ab"}}  # plain data; objects serve checks only
+    # plain data; objects serve checks only
+    assert w.ctx.shared.plain() == {**contracts.Shared().plain(), "adapter_base": {"kind": "dcp", "sha256": "ab"}}
     assert w.ctx.options == r.ctx.options and w.ctx.layout == r.layout
 
 

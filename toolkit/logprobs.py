@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from omegaconf import OmegaConf
 
 from components.data.rollout_sources import located_records, record_where, rollout_files
-from framework import contracts
+from framework import compat, contracts
 from framework.compose import registry
 from framework.errors import UserError
 from framework.resolve.context import model_kwargs
@@ -195,9 +195,7 @@ def _score(model, sequences: list[list[int]], temperature: float, batch_tokens: 
     weight = model.lm_head.weight
     out: list = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    skip = model._skip_lm_head
-    model._skip_lm_head = True  # the decoder returns its final hidden states (after the last norm)
-    try:
+    with compat.hidden_states_only(model):  # the decoder returns its final hidden states (after the last norm)
         i = 0
         while i < len(order):
             width = len(sequences[order[i]])
@@ -216,8 +214,6 @@ def _score(model, sequences: list[list[int]], temperature: float, batch_tokens: 
             for r, j in enumerate(batch):
                 out[j] = [0.0] + lp[r, :len(sequences[j]) - 1].cpu().tolist()
             i += len(batch)
-    finally:
-        model._skip_lm_head = skip
     return out
 
 

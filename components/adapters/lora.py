@@ -129,7 +129,7 @@ class LoRA:
         cfg = ctx.cfg
         # checkpoint.load_path is the frozen base, loaded here at every launch (checkpointing on or off,
         # resumed or not): the framework's checks of what it loads leave it to the adapter
-        ctx.shared["checkpoint.load_path reader"] = "adapter=lora (the frozen base, loaded at every launch)"
+        ctx.shared.load_path_reader = "adapter=lora (the frozen base, loaded at every launch)"
         widths = _widths(ctx)
         if widths is not None:
             missing = [t for t in options.targets if t not in widths]
@@ -154,7 +154,7 @@ class LoRA:
                 return
             if cfg.checkpoint.resume:
                 base.check_resume(cfg, now)
-            ctx.shared["adapter_base"] = now
+            ctx.shared.adapter_base = now
             ctx.summary.append(f"adapter: LoRA rank {options.rank} alpha {options.alpha:g} on "
                                f"{', '.join(options.targets)}{_trainable(options, ctx)}; frozen base: "
                                f"{base.describe(now)}")
@@ -182,7 +182,7 @@ class LoRA:
         ck = tc.checkpoint
         values = {f.name: getattr(ck, f.name) for f in dataclasses.fields(ck) if f.init}
         values.update(initial_load_path=None, initial_load_model_only=False,
-                      base=ctx.shared.get("adapter_base") or {"kind": "unhashed"})  # only rank 0 writes it
+                      base=ctx.shared.adapter_base or {"kind": "unhashed"})  # only rank 0 writes it
         tc.checkpoint = AdapterCheckpointManager.Config(**values)
         spec_ = tc.model_spec
         previous = spec_.post_optimizer_build_fn

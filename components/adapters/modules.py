@@ -132,12 +132,7 @@ class _Adapted:
 
 def _with_adapter_shardings(instance, base_param: str) -> None:
     """The adapters take the base weight's placement (expert parallelism shards them over the experts)."""
-    sc = getattr(instance, "_sharding_config", None)
-    layouts = getattr(sc, "state_shardings", None) if sc is not None else None
-    if not layouts or base_param not in layouts:
-        return
-    extra = {n: layouts[base_param] for n in instance.adapter_names()}
-    instance._sharding_config = dataclasses.replace(sc, state_shardings={**layouts, **extra})
+    compat.add_state_shardings(instance, instance.adapter_names(), base_param)
 
 
 # ---------------------------------------------------------------------------- linears

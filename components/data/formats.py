@@ -157,7 +157,7 @@ class Text:
                             "(jsonl/json: one JSON object with a string 'text' per line; txt: UTF-8, a document "
                             "per line; parquet: a 'text' column).") from None
         kind = "packaged" if d.path is None else "local"
-        ctx.shared["text.source"] = summary  # _check_enough_text: at least one step's tokens
+        ctx.shared.text_source = summary  # _check_enough_text: at least one step's tokens
         return f"data: {summary.describe(kind, d.tokenizer)}, tokenizer {d.tokenizer}"
 
     @staticmethod
@@ -199,7 +199,7 @@ def _check_enough_text(d: DataOptions, ctx) -> None:
     at every pass. Tokens: the byte tokenizer's count, an upper bound for a subword tokenizer (each of
     its tokens covers at least one byte); parquet is not read before launch and is not checked. The
     packaged corpus (data.name=packaged, 251K tokens) is exempt: benchmarks re-loop it on purpose."""
-    summary = ctx.shared.get("text.source")
+    summary = ctx.shared.text_source
     tokens = summary.tokens() if summary is not None and d.path is not None else None
     if tokens is None or ctx.layout is None:
         return

@@ -28,6 +28,8 @@ from dataclasses import replace
 
 import torch
 
+from framework import compat
+
 ROW_BLOCK = 32768  # rows per block: 32K x 2048 fp32 = 256 MiB of transient per op
 
 
@@ -98,7 +100,6 @@ def _lean_combine(dispatcher, original):
         idx = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
         return deterministic_scatter_add(torch.zeros_like(x_TD), idx, scored)
 
-    combine.lean = True
     return combine
 
 
@@ -113,9 +114,8 @@ def install(model: torch.nn.Module) -> int:
         if getattr(m, "LEAN_SCORING", None) is False:  # ChunkedRoutedExperts: its chunked path
             m.LEAN_SCORING = True
         d = getattr(m, "token_dispatcher", None)
-        if type(d) in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher) and not getattr(d.combine, "lean", False):
-            d.combine = _lean_combine(d, d.combine)
-            changed += 1
+        if type(d) in (td.LocalTokenDispatcher, td.AllToAllTokenDispatcher):
+            changed += compat.replace_token_combine(d, lambda original, d=d: _lean_combine(d, original))
     return changed
 
 

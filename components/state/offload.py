@@ -19,7 +19,7 @@ step's critical path. Each gradient leaves the device during the backward: a pos
 hook (FSDP2 runs it right after the parameter's reduce-scatter) enqueues, on the last micro-batch
 of the step, its device->host copy on a side stream that first waits on the current stream. The
 clip runs on the host: the trainer's ``clip_grad_norm_`` computes torchtitan's norm over the device
-gradients without scaling them (framework.compat ``GRAD_SCALE_OWNER``), and ``scale_grads_``
+gradients without scaling them (``contracts.GradScaleOwner``), and ``scale_grads_``
 keeps the coefficient, which the step multiplies into the staged gradients (the same fp32 product
 the device would form, so bit-equal to the non-overlapped offload). The step then updates the
 masters in chunks of ``chunk_bytes`` in the model's forward order; each chunk's shards go back on
@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
 from components.state.common import host_threads, local, materialize_state, torch_threads
-from framework import compat, devices
+from framework import compat, contracts, devices
 
 
 def _like(template, t):
@@ -149,10 +149,10 @@ class HostOptimizers(OptimizersContainer):
             self._chunks[-1].append(i)
             size += master.numel() * master.element_size()
         self._stream = torch.cuda.Stream() if devices.has_accelerator() else None
-        compat.patch_clip_grad_norm()  # the clip leaves the device gradients to scale_grads_ (GRAD_SCALE_OWNER)
+        compat.patch_clip_grad_norm()  # the clip leaves the device gradients to scale_grads_ (contracts.own_gradients)
         for m in self.model_parts:
             for p in m.parameters():
-                setattr(p, compat.GRAD_SCALE_OWNER, self)
+                contracts.own_gradients(p, scale=self)
         for p, _, _ in self._pairs:  # torch may set attributes on hooks: a plain function
             p.register_post_accumulate_grad_hook(lambda q: self._on_grad(q))
 
@@ -180,7 +180,7 @@ class HostOptimizers(OptimizersContainer):
         self._copied[i] = self._count[i]
 
     def scale_grads_(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """The trainer's clip (framework.compat ``GRAD_SCALE_OWNER``): ``total_norm`` is torchtitan's,
+        """The trainer's clip (``contracts.GradScaleOwner``): ``total_norm`` is torchtitan's,
         the device gradients stay as they are; keep torch's coefficient min(max_norm / (norm + 1e-6), 1),
         formed with torch's own ops so its fp32 value is the one the device would multiply by."""
         self._coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)

@@ -19,7 +19,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 
 from components.state.common import host_threads, local, materialize_state, torch_threads
 from components.state.zero1_layout import _Bucket, _checkpointable, _Layout, _Slot, chunk_offset, master_dtensor
-from framework import compat, devices
+from framework import compat, contracts, devices
 
 # --------------------------------------------------------------------------------------
 # parallelize: torchtitan's model parallelism (EP/TP/CP/PP, AC, compile) without FSDP
@@ -101,7 +101,7 @@ class Zero1Optimizers(OptimizersContainer):
             self._install_checkpoint_hooks()
         self._slot_by_fqn = {s.fqn: (b, s) for b in self.buckets for s in b.slots}
         self._reduced = False
-        compat.patch_clip_grad_norm()  # clip_grad_norm_ asks this optimizer for its parameters (GRAD_CLIP_OWNER)
+        compat.patch_clip_grad_norm()  # clip_grad_norm_ asks this optimizer for its parameters (contracts.own_gradients)
         torch.optim.Optimizer.__init__(self, [p for m in model_parts for p in m.parameters() if p.requires_grad], {})
 
     def _init_masters(self, reduce_dtype) -> None:
@@ -131,7 +131,7 @@ class Zero1Optimizers(OptimizersContainer):
         for b in self.buckets:
             for s in b.slots:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_hook(b, s)))
-                setattr(s.param, compat.GRAD_CLIP_OWNER, self)
+                contracts.own_gradients(s.param, clip=self)
 
     def _make_optimizers(self, bucket_group: list[int], impl: dict) -> None:
         """One torch optimizer per param group, over the owned master chunks."""
@@ -222,7 +222,7 @@ class Zero1Optimizers(OptimizersContainer):
         """Reduce the gradients, return the global norm and clip the owned rows in place. torchtitan's
         trainer calls its ``clip_grad_norm_`` on the model's parameters, but the reduced gradients live
         in this optimizer's buckets: framework.compat's ``patch_clip_grad_norm`` routes the call here
-        for parameters that name this optimizer as their ``GRAD_CLIP_OWNER``."""
+        for parameters that have this optimizer as their ``contracts.GradClipOwner``."""
         if float(norm_type) != 2.0:
             raise NotImplementedError("state=zero1 clips by the 2-norm only")
         self._reduce()

@@ -1,14 +1,18 @@
 """Every change apiary makes to a third-party library's internals, and every private name of
 Hydra it calls, in one place.
 
-Each function is one patch, in one file per library (torch_patches.py, torchtitan_patches.py,
-triton_patches.py, hydra_calls.py; re-exported here: callers use ``compat.NAME``): its docstring
+Each function is one patch, in one file per library (torch_patches.py, torchtitan_patches.py with
+torchtitan_instances.py for the patches of one object, triton_patches.py, hydra_calls.py;
+re-exported here: callers use ``compat.NAME``): its docstring
 says what it changes, why, and the version it was written against (torch 2.14.1, torchtitan 0.3.0,
 Triton 3.8.0, hydra-core 1.3.8; pyproject.toml pins the first three and keeps hydra-core below
 1.4). Each is idempotent (a second call changes nothing) and is called from where apiary needs it
 (the device shims, the trainer, a component's ``apply``). ``TARGETS`` lists what each patch
 replaces or reads; tests/test_compat.py checks that every target still exists with the signature
-the patch expects, so an upgrade that moves one fails there rather than in a run.
+the patch expects, so an upgrade that moves one fails there rather than in a run. ``PRIVATE_NAMES``
+and ``PRIVATE_OVERRIDES`` (listed.py) list the private names read or overridden elsewhere, with the
+files and why; tests/test_compat_scan.py fails on a patch outside this package, or a private read or
+override that is not listed.
 
 Importing this package imports nothing heavy: torch, torchtitan, Triton and Hydra's internals are
 imported inside the functions, so ``import framework`` and the command line's start-up stay free
@@ -23,35 +27,41 @@ from framework.compat.hydra_calls import (
     hydra_sanitized_cfg,
     hydra_split_sweep,
 )
+from framework.compat.listed import PRIVATE_NAMES, PRIVATE_OVERRIDES
 from framework.compat.originals import (
     original,
 )
 from framework.compat.torch_patches import (
     eager_cp_block_masks,
+    hold_final_rate,
+    module_forward,
     patch_torch_cpu_module,
     plain_cuda_segments,
     report_cpu_device_type,
     set_cp_block_mask_load_balance,
 )
+from framework.compat.torchtitan_instances import (
+    add_state_shardings,
+    after_state_load,
+    gate_training_loop,
+    guard_trainer_steps,
+    hidden_states_only,
+    observe_checkpoint_saves,
+    replace_token_combine,
+    wrap_checkpoint_saves,
+)
 from framework.compat.torchtitan_patches import (
-    GRAD_CLIP_OWNER,
-    GRAD_SCALE_OWNER,
     LAST_GRAD_NORM,
     compile_flex_attention,
     eager_block_masks,
-    extend_metrics_log,
     fsdp_wrappers_disabled,
-    gate_training_loop,
-    guard_trainer_steps,
     hook_trainer_train,
     init_weights_from_seed,
     keep_frozen_through_distribute,
     no_closing_sleep,
-    observe_checkpoint_saves,
     patch_clip_grad_norm,
     plain_checkpoint_state_dict,
     route_token_exchange,
-    wrap_checkpoint_saves,
 )
 from framework.compat.triton_patches import (
     cache_existing_autotuners,
@@ -80,7 +90,14 @@ TARGETS: dict[str, tuple[str, ...]] = {
     # instance-level: these replace a method on one object the trainer built, never on the class
     "guard_trainer_steps": ("torchtitan.components.optimizer:OptimizersContainer.step",
                             "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.step"),
-    "extend_metrics_log": ("torchtitan.components.metrics:MetricsProcessor.log",),
+    "after_state_load": ("torchtitan.components.optimizer:OptimizersContainer.load_state_dict",
+                         "torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.load_state_dict"),
+    "replace_token_combine": ("torchtitan.models.common.token_dispatcher:LocalTokenDispatcher.combine",
+                              "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher.combine"),
+    "add_state_shardings": ("torchtitan.protocols.module:Module._sharding_config",),
+    "hidden_states_only": ("torchtitan.models.common.decoder:Decoder._skip_lm_head",),
+    "hold_final_rate": ("torch.optim.lr_scheduler:LambdaLR.get_lr",),  # reads the instance's lr_lambdas
+    "module_forward": ("torch.nn.modules.module:Module.__call__",),  # runs the instance's forward
     "wrap_checkpoint_saves": ("torchtitan.components.checkpointer.dcp:CheckpointManager.dcp_save",
                               "torchtitan.components.checkpointer.dcp:CheckpointManager.save"),
     "gate_training_loop": ("torchtitan.trainer:Trainer.should_continue_training",),
@@ -103,32 +120,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Private names apiary reads (imports or calls) without patching them: "module:name" -> where.
-# tests/test_compat.py checks that each still exists, and that every private third-party import
-# in framework/, components/ and toolkit/ is listed here.
-PRIVATE_NAMES: dict[str, str] = {
-    "torch:_grouped_mm": "components/models/common.py, components/moe/chunked_experts.py, components/adapters/modules.py",
-    "torch:_foreach_norm": "components/state/zero1_optimizer.py",
-    "torch:_foreach_mul_": "components/state/zero1_optimizer.py",
-    "torch._dynamo.utils:compilation_time_metrics": "framework/train/first_step.py",
-    "torch._inductor.runtime.cache_dir_utils:default_cache_dir": "framework/train/kernel_cache.py",
-    "torch.utils._python_dispatch:is_traceable_wrapper_subclass": "components/precision/policies.py",
-    "torch.distributed.tensor._utils:compute_local_shape_and_global_offset": "components/state/zero1_optimizer.py",
-    "torch.distributed.tensor.placement_types:_StridedShard": "components/state/zero1_optimizer.py",
-    "torch.distributed.tensor._dtensor_spec:TensorMeta": "components/state/offload.py (_like: a DTensor of host state "
-                                                         "without from_local's copy to the mesh's device)",
-    "torchtitan.components.lora:_make_frozen_config": "components/adapters/modules.py",
-    "torchtitan.components.loss:_DecoderOutputGradientBackProp": "components/losses/lm_head/head_loss.py",
-    "torchtitan.models.qwen3_5.sharding:_GROUPED_EXPERTS_PARAM_LAYOUT": "components/models/qwen3_5_model.py",
-    "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls": "components/precision/policies.py",
-    "torchtitan.components.quantization.mx:_get_mxfp8_grouped_experts_cls": "components/precision/policies.py",
-    "torchtitan.distributed.activation_checkpoint:_disable_dynamo_lru_cache": "components/recompute/per_block.py",
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper": "components/recompute/per_block.py",
-}
-
 __all__ = [
     "TARGETS",
     "PRIVATE_NAMES",
+    "PRIVATE_OVERRIDES",
     "original",
     "patch_torch_cpu_module",
     "report_cpu_device_type",
@@ -138,15 +133,18 @@ __all__ = [
     "eager_block_masks",
     "compile_flex_attention",
     "init_weights_from_seed",
-    "GRAD_CLIP_OWNER",
-    "GRAD_SCALE_OWNER",
     "LAST_GRAD_NORM",
     "patch_clip_grad_norm",
     "fsdp_wrappers_disabled",
     "hook_trainer_train",
     "no_closing_sleep",
     "guard_trainer_steps",
-    "extend_metrics_log",
+    "after_state_load",
+    "replace_token_combine",
+    "add_state_shardings",
+    "hidden_states_only",
+    "hold_final_rate",
+    "module_forward",
     "wrap_checkpoint_saves",
     "gate_training_loop",
     "observe_checkpoint_saves",

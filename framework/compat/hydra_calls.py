@@ -5,12 +5,17 @@ its basic sweeper's expansion, which Hydra exposes only under hydra._internal.
 from __future__ import annotations
 
 
-def hydra_args_parser():
+def hydra_args_parser(prog: str, on_error):
     """hydra-core 1.3.8: ``hydra._internal.utils.get_args_parser()``, the argparse parser of Hydra's
-    command line (overrides, -m, --cfg, --info, ...)."""
+    command line (overrides, -m, --cfg, --info, ...), named ``prog``, with ``on_error(message)`` in
+    place of its ``error`` (argparse's would print its usage and exit 2; apiary's errors are one
+    paragraph)."""
     from hydra._internal.utils import get_args_parser  # reason: start-up time (no library at module level)
 
-    return get_args_parser()
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.error = on_error
+    return parser
 
 
 def hydra_for_config_dir(config_dir: str, task_name: str):

@@ -92,3 +92,31 @@ def plain_cuda_segments():
     finally:
         if was:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def hold_final_rate(scheduler, total: int) -> None:
+    """torch 2.14.1. ``LambdaLR.get_lr`` reads the scheduler's ``lr_lambdas`` (one factor function
+    per parameter group); on this scheduler (not its class) each ``f`` becomes ``f(min(step, total))``:
+    past ``total`` steps the rate stays the final one (framework/train/build.py). A second call
+    changes nothing."""
+    if getattr(scheduler, "_apiary_held", None) is not None:
+        return
+    scheduler.lr_lambdas = [(lambda s, f=f: f(min(s, total))) for f in scheduler.lr_lambdas]
+    scheduler._apiary_held = total
+
+
+@contextlib.contextmanager
+def module_forward(module, forward):
+    """torch 2.14.1. ``Module.__call__`` runs ``self.forward``; for the block this module's (not its
+    class's) ``forward`` is ``forward``, then the class's again (or the module's own, where it had
+    one). The fused LM-head losses (components/losses/lm_head/head_loss.py) run the head's loss in
+    its place, inside torchtitan's forward."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield module
+    finally:
+        if own is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = own

@@ -1,6 +1,7 @@
 """The patches of torchtitan's internals (torchtitan 0.3.0): attention masks and flex attention,
 seeded initialisation, the one clip_grad_norm_ wrapper, FSDP wrapping, the trainer's loop and steps,
-the checkpointer, the MoE token exchange and frozen parameters.
+the checkpointer's state dict, the MoE token exchange and frozen parameters (the patches of one
+object: torchtitan_instances.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import sys
 import warnings
 
 from framework.compat.originals import _keep_original
+from framework.contracts.grads import gradient_owners
 
 
 def eager_block_masks() -> None:
@@ -87,11 +89,6 @@ def init_weights_from_seed() -> None:
     BaseModel.init_weights = init_from_seed
 
 
-GRAD_CLIP_OWNER = "_apiary_grad_clip_owner"  # a parameter's attribute: the object that clips its gradients
-
-
-# a parameter's attribute: the object that applies the clip to its gradients itself (the norm stays torchtitan's)
-GRAD_SCALE_OWNER = "_apiary_grad_scale_owner"
 LAST_GRAD_NORM: list = [None]  # the last global grad norm clip_grad_norm_ returned (the trainer resets it)
 
 
@@ -100,9 +97,9 @@ def patch_clip_grad_norm() -> None:
     ``torchtitan.distributed.utils.clip_grad_norm_`` and keeps it local to ``train_step``. One
     wrapper (installed once, whoever asks first) does two things: it keeps the norm it returns in
     ``LAST_GRAD_NORM`` (the trainer's non-finite check reads it before the optimizer step), and
-    when the first parameter carries ``GRAD_CLIP_OWNER`` (a state backend whose reduced gradients
-    live outside ``param.grad``) it asks that owner's ``clip_grad_norm_(max_norm, norm_type,
-    error_if_nonfinite)`` instead of torchtitan's. When it carries ``GRAD_SCALE_OWNER`` instead (a
+    when the first parameter has a ``contracts.GradClipOwner`` (``contracts.own_gradients``: a state
+    backend whose reduced gradients live outside ``param.grad``) it asks that owner's ``clip_grad_norm_(max_norm, norm_type,
+    error_if_nonfinite)`` instead of torchtitan's. When it has a ``GradScaleOwner`` instead (a
     state backend that copied the gradients elsewhere before the clip), torchtitan's function
     computes the norm (same reductions, EP and PP included) with ``torch.nn.utils.clip_grads_with_norm_``
     a no-op for that call, and the owner's ``scale_grads_(max_norm, total_norm)`` applies the clip."""
@@ -117,8 +114,7 @@ def patch_clip_grad_norm() -> None:
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
                         pp_mesh=None, ep_enabled=False):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        owner = getattr(params[0], GRAD_CLIP_OWNER, None) if params else None
-        scaler = getattr(params[0], GRAD_SCALE_OWNER, None) if params and owner is None else None
+        owner, scaler = gradient_owners(params[0]) if params else (None, None)
         if owner is not None:
             norm = owner.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         elif scaler is not None:
@@ -213,87 +209,6 @@ def no_closing_sleep():
         yield
     finally:
         tt.time = before
-
-
-def _replace_on_instance(obj, attr: str, make, patch: str):
-    """Set ``obj.attr`` to ``make(current)`` unless ``patch`` already wrapped it (anywhere in the
-    chain of wrappers); returns the method ``patch`` wrapped (the object's own, or the wrapper below)."""
-    current = getattr(obj, attr)
-    link = current
-    while getattr(link, "_apiary_patch", None) is not None:
-        if link._apiary_patch == patch:
-            return link._apiary_original
-        link = link._apiary_original
-    new = make(current)
-    new._apiary_patch, new._apiary_original = patch, current
-    setattr(obj, attr, new)
-    return current
-
-
-def guard_trainer_steps(trainer, optimizer_step, scheduler_step) -> tuple:
-    """torchtitan 0.3.0. ``Trainer.train_step`` ends with ``self.optimizers.step()`` and
-    ``self.lr_schedulers.step()``; on this trainer's two containers (not their classes) they become
-    ``optimizer_step(original, ...)`` and ``scheduler_step(original, ...)``, where ``original`` is
-    the container's own bound ``step`` (the non-finite guard: framework/train/trainer.py). Returns the two
-    originals."""
-    def make(wrap):
-        def build(current):
-            def step(*args, **kwargs):
-                return wrap(current, *args, **kwargs)
-            return step
-        return build
-
-    return (_replace_on_instance(trainer.optimizers, "step", make(optimizer_step), "guard_trainer_steps"),
-            _replace_on_instance(trainer.lr_schedulers, "step", make(scheduler_step), "guard_trainer_steps"))
-
-
-def extend_metrics_log(processor, log) -> None:
-    """torchtitan 0.3.0. ``MetricsProcessor.log(step, global_avg_loss, global_max_loss, grad_norm,
-    extra_metrics=None)`` on this processor (not its class) becomes ``log(original, ...)`` with the
-    same arguments (the skipped-step metrics of ``training.on_nonfinite=skip``)."""
-    def build(current):
-        def wrapped(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            return log(current, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-        return wrapped
-
-    _replace_on_instance(processor, "log", build, "extend_metrics_log")
-
-
-def wrap_checkpoint_saves(checkpointer, dcp_save, save) -> tuple:
-    """torchtitan 0.3.0. ``CheckpointManager.dcp_save(state_dict, checkpoint_id, async_mode, ...)`` and
-    ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer (not its class) become
-    ``dcp_save`` and ``save`` (the atomic, manifest-writing saves: framework/train/integrity.py). A
-    checkpointer without ``save`` (a test's stand-in) keeps none. Returns the originals
-    ``(dcp_save, save or None)``."""
-    own_dcp = _replace_on_instance(checkpointer, "dcp_save", lambda current: (lambda *a, **k: dcp_save(*a, **k)),
-                                   "wrap_checkpoint_saves")
-    own_save = None
-    if getattr(checkpointer, "save", None) is not None:
-        own_save = _replace_on_instance(checkpointer, "save", lambda current: (lambda *a, **k: save(*a, **k)),
-                                        "wrap_checkpoint_saves")
-    return own_dcp, own_save
-
-
-def gate_training_loop(trainer, should_continue) -> None:
-    """torchtitan 0.3.0. ``Trainer.train`` loops while ``self.should_continue_training()``; on this
-    trainer (not its class) that becomes ``should_continue(original)`` (the preemption guard:
-    framework/train/preempt)."""
-    _replace_on_instance(trainer, "should_continue_training",
-                         lambda current: (lambda: should_continue(current)), "gate_training_loop")
-
-
-def observe_checkpoint_saves(checkpointer, after) -> None:
-    """torchtitan 0.3.0. ``CheckpointManager.save(curr_step, last_step=False)`` on this checkpointer
-    (not its class) also calls ``after(curr_step, written)`` with what it returned (the preemption
-    guard's last saved step: framework/train/preempt)."""
-    def build(current):
-        def save(curr_step, last_step=False):
-            written = current(curr_step, last_step=last_step)
-            after(curr_step, written)
-            return written
-        return save
-
-    _replace_on_instance(checkpointer, "save", build, "observe_checkpoint_saves")
 
 
 def plain_checkpoint_state_dict(to_plain, shares_storage) -> None:

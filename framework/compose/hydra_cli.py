@@ -55,10 +55,8 @@ def _refuse(msg: str):
 
 def parser() -> argparse.ArgumentParser:
     """Hydra's own argument parser, plus apiary's -v/--verbose."""
-    p = compat.hydra_args_parser()
-    p.prog = "train"
+    p = compat.hydra_args_parser("train", _refuse)
     p.add_argument("-v", "--verbose", action="store_true", help="log every step (torchtitan's INFO logging)")
-    p.error = _refuse  # argparse would exit with its own usage; apiary's errors are one paragraph
     return p
 
 
@@ -365,7 +363,7 @@ def help_text() -> str:
         out.append(f"  {kind}:")
         for name in registry.names(kind):
             out.append(f"    {name:<12} {registry.doc(kind, name)}")
-            opts = getattr(registry.resolve(kind, name), "Options", None)
+            opts = registry.options_of(kind, name)
             if opts is not None and dataclasses.is_dataclass(opts):
                 keys = [ln.strip() for ln in _keys(opts, f"{kind}.")]
                 if keys:

@@ -154,7 +154,7 @@ def _option_of(key: str) -> str:
     if kind not in registry.GROUP_KINDS or not leaf or "." in leaf:
         return ""
     for name in registry.names(kind):
-        opts = getattr(registry.resolve(kind, name), "Options", None)
+        opts = registry.options_of(kind, name)
         if opts is not None and dataclasses.is_dataclass(opts) and leaf in {f.name for f in dataclasses.fields(opts)}:
             return f"{kind}={name}"
     return ""
@@ -176,7 +176,7 @@ def _schema_keys() -> list[str]:
     walk(RecipeConfig, "")
     for kind in registry.GROUP_KINDS:
         for name in registry.names(kind):
-            opts = getattr(registry.resolve(kind, name), "Options", None)
+            opts = registry.options_of(kind, name)
             if opts is not None and dataclasses.is_dataclass(opts):
                 out.extend(f"{kind}.{f.name}" for f in dataclasses.fields(opts))
     return list(dict.fromkeys(out))

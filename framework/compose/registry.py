@@ -171,3 +171,12 @@ def resolve(kind: str, name: str, where: str | None = None):
         raise UserError(where or f"{kind}={name}", f"importing {e['target']} (from {e['source']}) raised "
                         f"{type(err).__name__}: {err}.", f"Fix {module}; `python -c 'import {module}'` beside "
                         f"{e['source']} shows the traceback.") from None
+
+
+def options_of(kind: str, name: str):
+    """The ``Options`` (a declared member: contracts) of kind/name; None for an object without one
+    (a user's registry entry that resolve would refuse), which the listings skip."""
+    try:
+        return contracts.member(resolve(kind, name), kind, "Options")
+    except AttributeError:
+        return None

@@ -35,8 +35,8 @@ name)``, never through ``hasattr``/``getattr``, so a name missing from these tab
 The package, one file per reason to change: ``kinds`` (the kinds, ``SELECT``, ``Context``),
 ``protocols`` (each kind's members), ``plan`` (what a component tells the planner), ``options``
 (``make_options`` and the other Options helpers), ``members`` (required and optional members,
-``member``), ``batch`` (batch consumers), ``memory`` (listeners to the allocator's retries). Its
-names are re-exported here: components import
+``member``), ``batch`` (batch consumers), ``memory`` (listeners to the allocator's retries), ``grads``
+(gradient owners). Its names are re-exported here: components import
 ``framework.contracts``, never a file of it.
 """
 
@@ -47,12 +47,22 @@ from framework.contracts.batch import (
     add_batch_consumer,
     batch_consumers,
 )
+from framework.contracts.grads import (
+    GRAD_CLIP_OWNER,
+    GRAD_SCALE_OWNER,
+    GradClipOwner,
+    GradScaleOwner,
+    StagedHostState,
+    gradient_owners,
+    own_gradients,
+)
 from framework.contracts.kinds import (
     APPLY_ORDER,
     GROUP_KINDS,
     KINDS,
     SELECT,
     Context,
+    Shared,
     Tolerance,
 )
 from framework.contracts.members import (
@@ -96,6 +106,7 @@ from framework.contracts.protocols import (
     Adapter,
     Component,
     Data,
+    DataStepMetrics,
     FollowedData,
     LaunchEnv,
     Launcher,
@@ -120,6 +131,14 @@ __all__ = [
     "GROUP_KINDS",
     "Tolerance",
     "Context",
+    "GRAD_CLIP_OWNER",
+    "GRAD_SCALE_OWNER",
+    "GradClipOwner",
+    "GradScaleOwner",
+    "StagedHostState",
+    "gradient_owners",
+    "own_gradients",
+    "Shared",
     "Term",
     "PlanTerms",
     "PlanConstant",
@@ -144,6 +163,7 @@ __all__ = [
     "PublishedForm",
     "Precision",
     "Data",
+    "DataStepMetrics",
     "FollowedData",
     "LaunchEnv",
     "Launcher",

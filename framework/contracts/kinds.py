@@ -4,6 +4,7 @@ the recipe, and the ``Context`` a component sees.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +36,37 @@ GROUP_KINDS = tuple(k for k in KINDS if SELECT[k] == (k, "name"))
 Tolerance = Literal["exact", "dp", "fp32", "bf16", "dtype", "fp8", "any"]
 
 
+@dataclass(slots=True)
+class Shared:
+    """What one component's check leaves for another kind's check or apply (``ctx.shared``), one
+    declared field each (an undeclared one is refused: the class has slots). The plain-data fields go
+    to the ranks with the resolved run (framework/resolve/handoff.py); objects serve the checks only."""
+
+    load_path_reader: str | None = None
+    """a component that loads ``checkpoint.load_path`` itself, resumed or not (adapter=lora: the frozen
+    base), in words; resolve then leaves the path to it (framework/resolve/outputs.py, needs.py)"""
+    adapter_base: dict | None = None
+    """adapter=lora: the frozen base's identity (``components.adapters.base.for_launch``), which its
+    apply records in the adapters' checkpoint"""
+    text_source: Any = None
+    """data.format=text: the text source's summary object (its ``tokens()``), for the data's own check
+    that one step's tokens exist"""
+    rollouts_with_ref: bool | None = None
+    """data.format=rollouts: whether the rollouts carry reference log-probs (None: not known before
+    launch); a policy loss with a KL term refuses False"""
+
+    def plain(self) -> dict:
+        """The fields that are plain data (JSON), by name: what resolved.yaml keeps."""
+        out = {}
+        for name in self.__slots__:
+            try:
+                json.dumps(getattr(self, name))
+            except (TypeError, ValueError):
+                continue
+            out[name] = getattr(self, name)
+        return out
+
+
 @dataclass
 class Context:
     """What a component sees at check / apply / plan time (read-only by convention)."""
@@ -46,7 +78,7 @@ class Context:
     components: dict = field(default_factory=dict)  # kind -> the chosen component (registry object)
     options: dict = field(default_factory=dict)  # kind -> its Options instance
     summary: list = field(default_factory=list)  # lines rank 0 prints first (what the run trains on)
-    shared: dict = field(default_factory=dict)  # facts one component's check leaves for another's
+    shared: Shared = field(default_factory=Shared)  # facts one component's check leaves for another's
     plan: Any = None  # a PlanContext while the planner asks plan_terms, else None
     # kind -> what resolve chose for a component that plans by memory budget (PlanTerms
     # ``facts["candidates"]``, e.g. recompute=auto): the chosen candidate's facts and the reason

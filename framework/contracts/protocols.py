@@ -225,6 +225,14 @@ class Data(Component, Planned, Protocol):
 
 
 @runtime_checkable
+class DataStepMetrics(Protocol):
+    """A dataset with scalars of its own for each step's metrics.jsonl record (a static rollout file:
+    the step's mean reward); a ``FollowedData`` has them too."""
+
+    def step_metrics(self, step: int) -> dict[str, float]: ...  # "data/..." keys
+
+
+@runtime_checkable
 class FollowedData(Protocol):
     """A dataset that follows a growing folder (``data.follow``): the trainer asks, at each step's
     start, whether the next step's rows can be formed from what is there now (every rank alike; the

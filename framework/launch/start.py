@@ -28,7 +28,8 @@ from framework.resolve import paths
 from framework.resolve.handoff import preview_resolved
 from framework.resolve.inputs import world_size_env
 from framework.resolve.outputs import default_output_dir
-from framework.resolve.resolver import resolve
+from framework.plan.preflight import check_memory
+from framework.resolve.resolver import check_candidate, resolve
 from framework.train import run
 
 console = Console(highlight=False, soft_wrap=True)
@@ -114,6 +115,7 @@ def _resolve(recipe, overrides, *, dry_run: bool):
     if not hub and not (dry_run and script and first.where in missing):
         raise first
     r = resolve(recipe, overrides, world_size=world_size, for_training=False)  # every check but the job's files
+    check_memory(r, recipe, overrides, check_candidate)  # the memory preflight needs none of them: it still holds
     if r.cfg.output_dir is None:
         with open_dict(r.cfg):
             r.cfg.output_dir = default_output_dir(r.cfg.recipe)

@@ -179,6 +179,7 @@ class ApiaryMetrics(MetricsProcessor):
     extra_source = None  # callable -> dict of extra scalars for each logged step (policy metrics)
     max_loss_source = None  # callable -> max loss over data parallel, replacing torchtitan's (under CP)
     stage_loss_source = None  # callable(loss) -> the last pipeline stage's loss on every stage (with PP)
+    log_wrapper = None  # callable(log, step, avg, max, grad_norm, extra_metrics=None) -> what log returns (skips)
     _jsonl = None  # rank 0's JsonlLogger
 
     def __init__(self, config, **kwargs):
@@ -202,6 +203,14 @@ class ApiaryMetrics(MetricsProcessor):
         return super().should_log(step) or step == self.config.total_steps
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        """torchtitan's log; through ``log_wrapper`` where the trainer set one (``training.on_nonfinite=skip``:
+        the skipped-step metrics)."""
+        if self.log_wrapper is not None:
+            return self.log_wrapper(self._log_on_grid, step, global_avg_loss, global_max_loss, grad_norm,
+                                    extra_metrics=extra_metrics)
+        return self._log_on_grid(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+    def _log_on_grid(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         last, self._last_logged = self._last_logged, step
         freq = self.config.log_freq
         if last is None or step != self.config.total_steps or step - last in (0, freq):

@@ -6,7 +6,6 @@ instead of composing and checking the recipe again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -24,19 +23,6 @@ ENV_RESOLVED_SHA256 = "APIARY_RESOLVED_SHA256"  # its digest: a file changed aft
 _FORMAT = 1
 
 
-def _json_values(d: dict) -> dict:
-    """The entries of ``d`` that a YAML file keeps as they are (ctx.shared: what a check leaves for a
-    component's apply is plain data; objects there serve other checks only)."""
-    out = {}
-    for k, v in d.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue
-        out[k] = v
-    return out
-
-
 def _text(r: Resolved, argv: list[str]) -> bytes:
     ctx = r.ctx
     doc = {"format": _FORMAT, "argv": list(argv), "cfg": OmegaConf.to_container(r.cfg, resolve=False),
@@ -44,7 +30,7 @@ def _text(r: Resolved, argv: list[str]) -> bytes:
            "grad_accum": int(r.grad_accum), "data_summary": r.data_summary, "resume_lines": list(r.resume_lines),
            "given_parallel": dict(r.given_parallel), "launch": r.launch,
            "derived": dict(ctx.derived) if ctx is not None else {},
-           "shared": _json_values(ctx.shared) if ctx is not None else {}}
+           "shared": ctx.shared.plain() if ctx is not None else {}}
     return yaml.safe_dump(doc, sort_keys=False).encode()
 
 
@@ -112,7 +98,8 @@ def load_resolved(argv: list[str], env=os.environ) -> Resolved:
     facts = model_facts(cfg, ctx)
     ctx.facts, ctx.layout = facts, layout
     ctx.derived.update(doc.get("derived") or {})
-    ctx.shared.update(doc.get("shared") or {})
+    for name, value in (doc.get("shared") or {}).items():  # contracts.Shared's fields
+        setattr(ctx.shared, name, value)
     summary = str(doc.get("data_summary") or "")
     ctx.summary[:] = summary.splitlines()
     return Resolved(cfg=cfg, facts=facts, layout=layout, grad_accum=int(doc["grad_accum"]), data_summary=summary,

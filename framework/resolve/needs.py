@@ -52,7 +52,7 @@ _NEEDS = [
 def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
     """Every setting takes effect or is refused: what would load nothing, resume nothing or be ignored."""
     ck, given = cfg.checkpoint, {o.lstrip("+~").split("=", 1)[0] for o in overrides}
-    own_load = ctx.shared.get("checkpoint.load_path reader")  # a component that loads it itself (its check says)
+    own_load = ctx.shared.load_path_reader  # a component that loads it itself (its check says)
     if ck.load_path is not None and not ck.enable and not own_load:
         raise UserError(f"checkpoint.load_path={ck.load_path} with checkpoint.enable=false", "with checkpointing off "
                         "nothing is loaded: the run would start from initialised weights, not from that step.",

@@ -115,7 +115,7 @@ def check_overlaps(cfg) -> None:
 def check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
     """A resume loads the run's own step, so a checkpoint.load_path other than the one the run was launched
     with would be ignored (the same one, as the resume command a run prints repeats it, is harmless)."""
-    if ctx.shared.get("checkpoint.load_path reader"):  # a component that loads it itself, resumed or not
+    if ctx.shared.load_path_reader:  # a component that loads it itself, resumed or not
         return
     changed = [(a, b) for key, a, b in plan.changes if key == "checkpoint.load_path" and b is not None]
     if changed:

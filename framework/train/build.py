@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from framework import contracts, devices
+from framework import compat, contracts, devices
 from framework.errors import UserError
 from framework.plan import planner
 from framework.resolve import resume
@@ -25,7 +25,7 @@ def _held_schedule_config(base):
             container = base.build(self, optimizers=optimizers, training_steps=training_steps)
             total = self.total_steps if self.total_steps is not None else training_steps
             for sch in container.schedulers:
-                sch.lr_lambdas = [(lambda s, f=f: f(min(s, total))) for f in sch.lr_lambdas]
+                compat.hold_final_rate(sch, total)
 
             def sync_rates():
                 for sch in container.schedulers:
@@ -36,9 +36,8 @@ def _held_schedule_config(base):
             # (after it) puts back the rate the checkpoint saved (the old schedule's, the old
             # optimizer.lr's): the first resumed step would log one rate and use another. After
             # either load, the optimizer's groups get the schedule's rate.
-            for obj in (container, optimizers):
-                if hasattr(obj, "load_state_dict"):  # torchtitan's containers (a plain list in unit tests)
-                    obj.load_state_dict = (lambda sd, load=obj.load_state_dict: (load(sd), sync_rates())[0])
+            for obj in (container, optimizers):  # torchtitan's containers (a plain list in unit tests)
+                compat.after_state_load(obj, sync_rates)
             return container
 
     return HeldSchedule

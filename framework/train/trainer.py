@@ -117,7 +117,7 @@ class ApiaryTrainer(FollowMode, Trainer):
                     extra.update({f"memory/{k}": v for k, v in listener.metrics.items()})
                 return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
-            compat.extend_metrics_log(self.metrics_processor, log_with_extras)
+            self.metrics_processor.log_wrapper = log_with_extras
         self._atomic = None
         if self.checkpointer.enable:
             self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
@@ -275,9 +275,8 @@ class ApiaryTrainer(FollowMode, Trainer):
 
     def _check_state_finite(self) -> None:
         """Before any checkpoint is written: every model and optimizer tensor is finite (all ranks)."""
-        ready = getattr(self.optimizers, "host_state_ready", None)  # state.offload_update=device: copies in flight
-        if ready is not None:
-            ready()
+        if isinstance(self.optimizers, contracts.StagedHostState):  # state.offload_update=device: copies in flight
+            self.optimizers.host_state_ready()
         flags = []
         for m in self.model_parts:
             for p in m.parameters():
@@ -343,8 +342,8 @@ class ApiaryTrainer(FollowMode, Trainer):
         if self._follow_source is not None:
             out.update(self._follow_source.step_metrics(self.step))
             out["data/waited_s"] = float(self._waited_s)
-        elif callable(step_metrics := getattr(getattr(self.dataloader, "dataset", None), "step_metrics", None)):
-            out.update(step_metrics(self.step))  # a static rollout file: the step's mean reward
+        elif isinstance(dataset := getattr(self.dataloader, "dataset", None), contracts.DataStepMetrics):
+            out.update(dataset.step_metrics(self.step))  # a static rollout file: the step's mean reward
         return out
 
     def _policy_metrics(self) -> dict[str, float]:

@@ -26,6 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import ChunkedLossWrapper, _DecoderOutputGradientBackProp
 
+from framework import compat
+
 _CLASSES: dict[str, type] = {}
 
 
@@ -59,7 +61,6 @@ def _build(name, head_loss, fields, methods):
     @contextlib.contextmanager
     def _fused_lm_head(self, labels, global_valid_tokens):
         head = self.lm_head
-        had_own = "forward" in head.__dict__
 
         def forward(h2d):
             if getattr(head, "bias", None) is not None:
@@ -72,12 +73,8 @@ def _build(name, head_loss, fields, methods):
                     "argument but not wired into the trainer yet. Use tp=1.")
             return head_loss(self, h2d, w, labels, global_valid_tokens)
 
-        head.forward = forward
-        try:
+        with compat.module_forward(head, forward):
             yield head
-        finally:
-            if not had_own:
-                del head.__dict__["forward"]
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor,
                  global_valid_tokens: torch.Tensor | None = None, **loss_inputs: Any):
