@@ -132,6 +132,36 @@ def test_multirun_2x2_sweep_one_resolved_config_per_job(workdir):
     assert seen == {("ce", 1), ("ce", 2), ("chunked", 1), ("chunked", 2)}
 
 
+def test_multirun_of_a_recipe_file_that_chooses_a_component_in_its_own_section(workdir):
+    """A recipe file setting `loss: {name: chunked, num_chunks: 4}` trains as written, and a `-m` sweep of it
+    composes every job with that choice (Hydra's own composition had the default loss's schema refuse
+    num_chunks: a traceback, exit 1)."""
+    import subprocess
+    import sys
+
+    (workdir / "mine.yaml").write_text("defaults:\n  - debug_moe\n  - _self_\nloss:\n  name: chunked\n  num_chunks: 4\n")
+    script = textwrap.dedent(f"""
+        import sys
+        from framework import cli
+        from framework.train import run
+        from framework.resolve.resolver import resolve
+
+        def job_without_training(recipe, job, output_dir, verbose):
+            run.write_run_files(resolve(recipe, [*job, "output_dir=" + output_dir]))
+            return 0
+
+        cli._run_job = job_without_training
+        sys.exit(cli.train_main(["-m", "recipe=mine.yaml", "training.steps=1,2", *{TINY!r}]))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=workdir, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (sweep,) = (workdir / "runs" / "mine").glob("multirun-*")
+    for job in range(2):
+        cfg = yaml.safe_load((sweep / str(job) / "config.yaml").read_text())
+        assert (cfg["loss"]["name"], cfg["loss"]["num_chunks"], cfg["training"]["steps"]) == ("chunked", 4, job + 1)
+
+
 def test_multirun_trains_a_user_loss_from_a_registry_file(workdir, user_registry):
     """A real sweep of 2 runs; the loss comes from a user registry file (registry=PATH) and a module
     outside the package, and takes effect (step-1 loss = 2 x cross-entropy's)."""

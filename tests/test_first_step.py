@@ -228,6 +228,7 @@ def test_warmup_of_a_live_vllm_loop_recipe_needs_no_generator_or_engine(tmp_path
     out = " ".join(res.stdout.split())
     assert "the job follows live/rollouts; warmup trains on the packaged rollouts" in out
     assert "warmup publishes none" in out and "step 2/2" in out
+    assert "this machine has no GPU: nothing is compiled or tuned for one here" in out  # CPU: it says so
     assert not (tmp_path / "live").exists()  # no rollouts folder waited on, no weights published
 
 

@@ -135,6 +135,21 @@ def test_more_steps_on_a_decaying_schedule_asks_for_a_choice(tmp_path):
     assert "spans 30 steps" in resume.check(new, tmp_path, 20).lines(tmp_path)[-1]
 
 
+def test_a_resume_of_an_unfinished_run_without_its_steps_offers_the_launched_steps(tmp_path):
+    """A run launched with training.steps=300 and stopped at step 4, resumed without repeating the steps (a
+    resume keeps the launch's overrides, not training.steps): the refusal names the launched steps first."""
+    cfg = OmegaConf.structured(RecipeConfig)
+    cfg.recipe, cfg.training.steps = "debug_moe", 300
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    new = cfg.copy()
+    new.training.steps = 20
+    with pytest.raises(Exception) as e:
+        resume.check(new, tmp_path, 4)
+    msg = " ".join(str(e.value).split())
+    assert "Choose one: training.steps=300 finishes the run as it was launched" in msg, msg
+    assert "lr.total_steps=20 stretches" in msg
+
+
 @pytest.mark.parametrize("extra", [[], ["checkpoint.resume=true"]])
 def test_steps_past_a_horizon_that_ends_at_lr_0_are_refused(extra, tmp_path):
     """lr.total_steps=30 with training.steps=60 (a 30-step run extended to 60) would train steps 31-60 at

@@ -93,7 +93,8 @@ def loop_overrides(recipe: str | None, overrides: list[str]) -> tuple[list[str],
     extra, notes = [], []
     if cfg.data.follow:
         extra += ["data.follow=false", "data.path=null", "rl.max_lag=null"]
-        notes.append(f"the job follows {cfg.data.path}; warmup trains on the packaged rollouts (same shapes)")
+        notes.append(f"the job follows {cfg.data.path}; warmup trains on the packaged rollouts (same shapes; "
+                     "this model did not sample them, so their mismatch and loss mean nothing)")
     if cfg.publish.interval > 0:
         extra += ["publish.interval=0"]
         notes.append("the job publishes its weights; warmup publishes none (no engine or generator needed)")
@@ -126,6 +127,11 @@ def warmup_args(ns) -> int:
             if problem:
                 raise UserError(f"apiary warmup training.kernel_cache={r.cfg.training.kernel_cache}",
                                 f"cannot hold the cache ({problem}).", "Give a writable directory.")
+        from framework import devices  # reason: start-up time of the CLI (devices imports torch)
+
+        if not devices.has_accelerator():
+            notes.append("this machine has no GPU: nothing is compiled or tuned for one here; run warmup where "
+                         "the job runs (or on a machine with the same GPU and a shared training.kernel_cache)")
         for n in notes:
             console.print(f"warmup: {n}", markup=False)
         kernel_cache.configure(r.cfg.training.kernel_cache, r.cfg.training.cache_autotuning)  # run.train's too

@@ -34,7 +34,7 @@ from rich.table import Table
 from rich.text import Text
 
 from framework import compat, contracts
-from framework.compose import recipes, registry
+from framework.compose import recipe_files, recipes, registry
 from framework.compose.schema import RecipeConfig
 from framework.errors import UserError
 from framework.resolve.resolver import resolve
@@ -200,9 +200,15 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
         return code
 
     h, name, base = hydra_for(recipe)
+    # a recipe file that chooses a component in its own section (`loss: {name: chunked, num_chunks: 4}`): Hydra
+    # composes each job itself, so the choice goes first as a group override, as recipes.load does for a run
+    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    chosen, _ = recipe_files.file_group_choices(recipes.recipe_path(recipe or recipes.DEFAULT_RECIPE), [])
+    chosen = [g for g in chosen if g.partition("=")[0] not in given]
     try:
         with _own_logging():
-            h.multirun(config_name=name, task_function=task, overrides=[*base, *extra, *unset_to_null(overrides)])
+            h.multirun(config_name=name, task_function=task,
+                       overrides=[*base, *extra, *chosen, *unset_to_null(overrides)])
     finally:
         GlobalHydra.instance().clear()
     sweep_table(done, [o.partition("=")[0] for o in sweep_keys(overrides)])

@@ -104,7 +104,7 @@ def _not_extending(path: Path, data: dict, why: str) -> UserError:
     return UserError(f"recipe {path}", f"{what}, so it does not extend apiary's defaults, {why}.", _EXTEND_HINT)
 
 
-def _file_group_choices(path: Path, group_overrides: list[str]) -> tuple[list[str], list[str]]:
+def file_group_choices(path: Path, group_overrides: list[str]) -> tuple[list[str], list[str]]:
     """A recipe that chooses a component in its own section (``loss: {name: NAME, OPTION: VALUE}``):
     the same choice as ``defaults: [..., override /loss: NAME]``, so the section's other keys are
     that component's options. A group the command line chooses wins; the section's ``name`` then

@@ -25,10 +25,10 @@ from framework.compose.recipe_files import (
     RECIPES_DIR,
     _check_recipe_file,
     _check_yaml,
-    _file_group_choices,
     _not_extending,
     _option_of,
     _unknown_key_in_file,
+    file_group_choices,
 )
 from framework.compose.schema import DEFAULT_RECIPE, RecipeConfig
 from framework.errors import UserError, closest, did_you_mean
@@ -190,7 +190,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             group_overrides.append(raw)
         else:
             value_overrides.append((raw, ov))
-    group_overrides, extra = _file_group_choices(path, group_overrides)
+    group_overrides, extra = file_group_choices(path, group_overrides)
     overrides = [*[g for g in group_overrides if g not in overrides], *overrides, *extra]
     try:
         base = _compose(path, group_overrides)

@@ -24,11 +24,11 @@ from framework import contracts
 from framework.compose import recipes, registry
 from framework.errors import UserError
 from framework.launch import runlock
+from framework.plan.preflight import check_memory
 from framework.resolve import paths
 from framework.resolve.handoff import preview_resolved
 from framework.resolve.inputs import world_size_env
 from framework.resolve.outputs import default_output_dir
-from framework.plan.preflight import check_memory
 from framework.resolve.resolver import check_candidate, resolve
 from framework.train import run
 

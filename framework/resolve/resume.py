@@ -271,11 +271,14 @@ def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan) -> None
                               f"{step} used lr {was:.3g}, step {nxt} uses {now:.3g}")
         return
     keep = then
+    launched = int(saved["training"]["steps"])  # a resume keeps a launch's overrides but not training.steps
+    finish = (f"training.steps={launched} finishes the run as it was launched (the schedule unchanged); or "
+              if launched > step and launched != int(new["training"]["steps"]) else "")
     raise UserError(
         f"checkpoint.resume=true training.steps={new['training']['steps']}",
         f"the learning-rate schedule spans the run's steps: it was trained over {old_total} steps (step {step} used "
         f"lr {was:.3g}); over {new_total} steps step {nxt} would use lr {now:.3g}.",
-        f"Choose one: lr.total_steps={new_total} stretches the schedule over the new steps (lr {was:.3g} -> "
+        f"Choose one: {finish}lr.total_steps={new_total} stretches the schedule over the new steps (lr {was:.3g} -> "
         f"{now:.3g} at step {nxt}); " + (
             f"lr.total_steps={old_total} keeps the schedule trained so far (steps after {old_total} keep its final "
             f"lr {keep:.3g})." if keep != 0 else
