@@ -133,8 +133,11 @@ def peak_flops(name: str | None = None) -> float | None:
 
 
 # Third-party warnings that say nothing about an apiary run (each an exact message at its source):
-# fla warns on import that Triton has no GPU to run on; apiary's CPU path uses its torch kernels.
-QUIET_WARNINGS = ("Triton is not supported on current platform",)
+# fla warns on import that Triton has no GPU to run on; apiary's CPU path uses its torch kernels. torchtitan's
+# MoE router runs under autocast to float32, which CPU autocast does not take, so torch says it disables it
+# (the router then computes in float32 as it asked: nothing changes).
+QUIET_WARNINGS = ("Triton is not supported on current platform",
+                  "In CPU autocast, but the target dtype is not supported. Disabling autocast.")
 
 
 def quiet_warnings() -> None:

@@ -48,6 +48,13 @@ def test_user_errors(capsys, workdir, argv, needles):
     assert not (workdir / "runs").exists()  # nothing started, nothing written
 
 
+def test_a_wrong_type_in_a_recipe_file_names_its_key(capsys, workdir):
+    (workdir / "wtype.yaml").write_text("defaults:\n  - debug_moe\n  - _self_\ntraining:\n  steps: five\n")
+    code, err = _err(capsys, ["recipe=wtype.yaml", "--cfg", "job"])
+    assert code == 2 and "does not compose: training.steps:" in err and "'five'" in err, err
+    assert f"Check training.steps in {workdir / 'wtype.yaml'}" in err
+
+
 def test_corrupt_checkpoint_is_refused_and_kept(capsys, workdir):
     step = workdir / "old" / "checkpoint" / "step-10"
     step.mkdir(parents=True)

@@ -7,6 +7,7 @@ user, and the libraries' global settings are as they were afterwards."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 import warnings
 
@@ -107,3 +108,19 @@ def test_logprobs_adapter_merge_drops_peft_futurewarning_only(tmp_path, monkeypa
     messages = [str(w.message) for w in caught]
     assert not any("is_gradient_checkpointing" in m for m in messages), messages
     assert "a peft warning the user should see" in messages, messages
+
+
+def test_the_python_api_on_cpu_prints_no_autocast_warning(tmp_path):
+    """README's Python API example on an MoE recipe printed torch's "In CPU autocast, but the target dtype
+    is not supported" (torchtitan's router asks for float32 autocast) three lines per call."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import torch\nfrom framework import api\nm = api.build_model('debug_moe')\n"
+            "print(tuple(m(torch.randint(0, 256, (1, 16))).shape))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "(1, 16," in p.stdout and "autocast" not in p.stderr, p.stderr

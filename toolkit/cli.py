@@ -101,7 +101,7 @@ def _takes(fn, *names: str) -> bool:
 
 @contextlib.contextmanager
 def _one_process_dcp():
-    """Export reads a checkpoint in this one process on purpose: DCP's UserWarning that it assumes so
+    """Export and logprobs read a checkpoint in this one process on purpose: DCP's UserWarning that it assumes so
     ("torch.distributed is disabled, ...") is silenced (was: printed on every export)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -316,7 +316,8 @@ def apiary_main(argv: list[str] | None = None) -> int:
         if cmd == "autotune-table":
             return _autotune_table(ns.cache, ns.out)
         if cmd == "logprobs":
-            return logprobs.logprobs_args(ns)
+            with _one_process_dcp():  # a run folder's checkpoint is read in this one process
+                return logprobs.logprobs_args(ns)
         if cmd == "plot":
             from toolkit import plot  # reason: start-up time (matplotlib, inside plot.run)
 

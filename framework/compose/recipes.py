@@ -199,8 +199,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         if "defaults" not in data and group_overrides:
             raise _not_extending(path, data, f"and it has no component groups for {' '.join(group_overrides)} "
                                  "to choose from") from None
-        raise UserError(where, f"does not compose: {_first_line(e)}.",
-                        f"Check {path} and what it extends.") from None
+        key = _full_key(e)  # the key a wrong value sits at (`steps: five`), which the message leaves out
+        raise UserError(where, f"does not compose: {f'{key}: ' if key else ''}{_first_line(e)}.",
+                        f"Check {f'{key} in ' if key else ''}{path} and what it extends.") from None
     if OmegaConf.get_type(base) is not RecipeConfig:  # only a complete config (a run's config.yaml) stands alone
         try:
             OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(RecipeConfig), base), throw_on_missing=True)
@@ -331,6 +332,17 @@ def _deletion(base: DictConfig, raw: str, ov) -> str:
         raise UserError(f"override {raw}", f"{key} is {current}, not {expected}; nothing deleted.",
                         f"Use ~{key} to unset it whatever its value.")
     return f"{key}=null"
+
+
+def _full_key(e: BaseException | None) -> str:
+    """The dotted key an OmegaConf error names (its ``full_key``), through the causes Hydra wraps it in."""
+    seen = 0
+    while e is not None and seen < 5:
+        key = getattr(e, "full_key", None) if isinstance(e, OmegaConfBaseException) else None
+        if key:
+            return str(key)
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return ""
 
 
 def _first_line(e: Exception) -> str:
