@@ -80,3 +80,18 @@ def test_lr_0_does_not_rise_and_routing_replay_closes_the_mismatch(tmp_path):
     assert max(m["policy/mismatch_abs_max"] for m in metrics) < 3e-3
     assert max(m["policy/mismatch_abs_mean"] for m in metrics) < 3e-4
 
+
+
+def test_a_generator_waiting_for_a_trainer_that_never_starts_says_so(tmp_path, monkeypatch, capsys):
+    """The example generator waits --wait seconds for the first weights; it says so while it waits (it was
+    silent for 300 s when the trainer had failed to start), then gives up with exit 1."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rl_generator", ROOT / "examples" / "rl_loop" / "generator.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    monkeypatch.setattr(gen, "SAY_EVERY_S", 0.2)
+    assert gen.main(["--weights", str(tmp_path / "w"), "--out", str(tmp_path / "r"), "--wait", "0.7"]) == 1
+    out = capsys.readouterr()
+    assert "waiting for the trainer's first weights" in out.out and "is the trainer running?" in out.out
+    assert f"no weights in {tmp_path / 'w'} after" in out.err

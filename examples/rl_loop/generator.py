@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
 from shards import adapter_base, add_task_args, grpo_advantages, latest, reward, version_of, write_shard  # noqa: E402
 
+SAY_EVERY_S = 30.0  # how often a generator waiting for the first weights says so
 
 def load(folder: Path):
     """The published version in ``folder``: a whole model, or (a LoRA run) adapters that peft applies to
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--shards", type=int, default=0, help="stop after this many shards (0: until stopped)")
     p.add_argument("--patience", type=float, default=5.0,
                    help="seconds to wait for a new version before sampling another shard with the current one")
-    p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the first weights")
+    p.add_argument("--wait", type=float, default=300.0,
+                   help="seconds to wait for the first weights (default: %(default)s; said every 30 s while waiting)")
     p.add_argument("--routing", action="store_true",
                    help="write routed_experts (the experts each MoE layer chose per token) for moe.routing_replay")
     a = p.parse_args(argv)
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     index = len([f for f in a.out.iterdir() if f.suffix == ".jsonl" and not f.name.startswith(".")])
     model, version, used = None, -1, None
-    t0 = time.time()
+    t0, said = time.time(), 0.0
     while a.shards == 0 or index < a.shards:
         folder = latest(a.weights)
         if folder is None or folder == used:
@@ -125,6 +127,10 @@ def main(argv=None) -> int:
             if folder is None and waited > a.wait:
                 print(f"generator: no weights in {a.weights} after {waited:.0f} s", file=sys.stderr)
                 return 1
+            if folder is None and waited >= said + SAY_EVERY_S:  # a trainer that failed to start leaves this waiting
+                said = waited
+                print(f"generator: waiting for the trainer's first weights in {a.weights}: {waited:.0f} s "
+                      f"(gives up after --wait {a.wait:.0f} s; is the trainer running?)", flush=True)
             if folder is None or waited < a.patience:
                 time.sleep(0.05)
                 continue
