@@ -33,8 +33,6 @@ divided by that rank's tokens, then the max is taken over data parallel.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +46,7 @@ from torchtitan.trainer import Trainer
 
 from framework import compat, contracts, devices
 from framework.compose.schema import TrainingConfig
-from framework.train import atomic_save, first_step, integrity
+from framework.train import atomic_save, first_step, integrity, learned
 from framework.train.follow import FollowMode, FollowStop
 
 _GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
@@ -210,14 +208,7 @@ class ApiaryTrainer(FollowMode, Trainer):
             jsonl = self.metrics_processor._jsonl
             (jsonl.progress.note if jsonl is not None else print)(reaction.line)
             if reaction.learned:
-                path = Path(self.config.dump_folder) / contracts.LEARNED_FILE
-                learned = {}
-                if path.is_file():
-                    learned = json.loads(path.read_text())
-                learned[listener.kind] = reaction.learned
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(json.dumps(learned, indent=2) + "\n")
-                os.replace(tmp, path)
+                learned.record(self.config.dump_folder, listener.kind, reaction.learned)
 
     # -- the non-finite guard ----------------------------------------------------------------
     def _agree(self, flags: list) -> list[bool]:
