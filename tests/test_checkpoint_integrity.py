@@ -91,6 +91,7 @@ def test_flipped_byte_is_refused_and_load_step_resumes_the_previous_step(run):
     p = _resume(run, "checkpoint.load_step=2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step     3/6" in p.stdout
+    assert "checkpoint step-4 replaces the step-4 saved before it" in p.stdout  # said, not silent
     for step in (2, 4, 6):
         assert integrity.verify(run / "checkpoint" / f"step-{step}") is None
     assert not list((run / "checkpoint").glob(".partial-*"))

@@ -92,6 +92,8 @@ class _Pending:
         aside = self.final.parent / f"{integrity.PARTIAL}replaced-{self.step}"
         if self.final.exists():  # re-saving a step (e.g. after checkpoint.load_step): replace it whole
             os.rename(self.final, aside)
+            print(f"checkpoint step-{self.step} replaces the step-{self.step} saved before it (this run went on "
+                  "from an earlier step)", flush=True)
         os.rename(self.tmp, self.final)
         _fsync_dir(self.final.parent)
         shutil.rmtree(aside, ignore_errors=True)
