@@ -80,7 +80,7 @@ def _check_follow(d: DataOptions, ctx) -> None:
                         "writes rollout shards into.", "Point data.path at a folder, or drop data.follow.")
     # the shards' records are checked as they arrive (a malformed one stops the run at its step,
     # naming file and line, with the position of the last complete step saved)
-    ctx.shared.rollouts_with_ref = None
+    ctx.shared.records_with_ref = None
     ctx.summary.append(f"data: rollouts followed in {p} (shards in name order; waiting up to "
                        f"{d.wait_timeout:g} s for each step's rows)")
 
@@ -146,7 +146,7 @@ class Rollouts:
             more = f" (and {len(index.skipped) - 3} more)" if len(index.skipped) > 3 else ""
             ctx.summary.append(f"data: {len(index.skipped)} duplicate(s) skipped, each trained once: "
                                f"{'; '.join(index.skipped[:3])}{more}")
-        ctx.shared.rollouts_with_ref = bool(index.with_ref)  # a loss with a KL term needs them
+        ctx.shared.records_with_ref = bool(index.with_ref)  # a loss with a KL term needs them
 
     @staticmethod
     def summary(options: DataOptions, ctx) -> str:

@@ -114,7 +114,7 @@ class _Policy:
                             "Add data.format=rollouts data.path=ROLLOUTS (jsonl/parquet records with input_ids, "
                             "loss_mask, old_logprobs, advantages; see docs/skills/rl_objectives.md).")
         kl = getattr(options, "kl_coef", 0.0)
-        if kl and ctx.shared.rollouts_with_ref is False:
+        if kl and ctx.shared.records_with_ref is False:
             raise UserError(f"loss.kl_coef={kl}", "needs ref_logprobs in every rollout record.",
                             "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
 

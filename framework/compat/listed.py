@@ -53,7 +53,7 @@ PRIVATE_NAMES: dict[str, tuple[tuple[str, ...], str]] = {
     "torchtitan.components.lora:_make_frozen_config": (("components/adapters/modules.py",),
                                                        "the frozen base's config, as torchtitan's LoRA makes it"),
     "torchtitan.components.loss:_DecoderOutputGradientBackProp": (("components/losses/lm_head/head_loss.py",),
-                                                                  "the chunked loss's gradient hand-back"),
+                                                                  "a piecewise loss's gradient hand-back"),
     "torchtitan.models.qwen3_5.sharding:_GROUPED_EXPERTS_PARAM_LAYOUT": (("components/models/qwen3_5_model.py",),
                                                                         "the experts' placements"),
     "torchtitan.components.quantization.float8:_get_float8_grouped_experts_cls": (

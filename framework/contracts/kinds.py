@@ -43,16 +43,16 @@ class Shared:
     to the ranks with the resolved run (framework/resolve/handoff.py); objects serve the checks only."""
 
     load_path_reader: str | None = None
-    """a component that loads ``checkpoint.load_path`` itself, resumed or not (adapter=lora: the frozen
-    base), in words; resolve then leaves the path to it (framework/resolve/outputs.py, needs.py)"""
+    """a component that loads ``checkpoint.load_path`` itself, resumed or not (an adapter's frozen base),
+    in words; resolve then leaves the path to it (framework/resolve/outputs.py, needs.py)"""
     adapter_base: dict | None = None
-    """adapter=lora: the frozen base's identity (``components.adapters.base.for_launch``), which its
+    """an adapter's frozen base: its identity (as the adapter's check states it), which the adapter's
     apply records in the adapters' checkpoint"""
     text_source: Any = None
     """data.format=text: the text source's summary object (its ``tokens()``), for the data's own check
     that one step's tokens exist"""
-    rollouts_with_ref: bool | None = None
-    """data.format=rollouts: whether the rollouts carry reference log-probs (None: not known before
+    records_with_ref: bool | None = None
+    """RL records (a data format's check): whether they carry reference log-probs (None: not known before
     launch); a policy loss with a KL term refuses False"""
 
     def plain(self) -> dict:

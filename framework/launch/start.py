@@ -86,18 +86,25 @@ def worker_argv(recipe, overrides: list[str], r, verbose: bool) -> list[str]:
     return argv
 
 
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name the file system cannot hold (too long): nothing there
+        return False
+
+
 def _missing_inputs(cfg) -> list[str]:
     """``key=PATH`` for each input file or folder of JOB_INPUTS that this machine does not have."""
     out = []
     for key in JOB_INPUTS:
         value = OmegaConf.select(cfg, key)
-        if value not in (None, "", "byte") and not Path(str(value)).exists():
+        if value not in (None, "", "byte") and not _exists(str(value)):
             out.append(f"{key}={value}")
     return out
 
 
 def _resolve(recipe, overrides, *, dry_run: bool):
-    """The launch resolved, and its warnings. For a batch-script launcher (slurm) the job runs elsewhere:
+    """The launch resolved, and its warnings. For a batch-script launcher the job runs elsewhere:
     a hub dataset this machine cannot reach is a warning (the job streams it, and checks it, where it runs),
     and a dry run renders its script although an input the job reads (a tokenizer, data) is missing here
     (a login node, a laptop), each missing one a warning naming what the job will need."""
