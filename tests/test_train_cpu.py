@@ -141,6 +141,7 @@ def test_one_process_skips_torchtitans_closing_sleep(monkeypatch):
 
     monkeypatch.setattr(tt.Trainer, "train", loop)
     bare = object.__new__(trainer.ApiaryTrainer)  # no model: only train() runs
+    bare._publisher = None  # nothing published, so nothing deferred to flush at the end
     monkeypatch.setattr(time, "sleep", slept.append)
     assert bare.train() == "trained"
     assert slept == [] and tt.time is time
