@@ -39,6 +39,7 @@ class _FakeTrainer:
 
     def __init__(self, steps, interval, signal_at=None, sig=signal.SIGUSR1):
         self.step, self.steps, self.signal_at, self.sig = 0, steps, signal_at, sig
+        self.preempt_guard = None  # ApiaryTrainer's member: preempt.install sets it
         self.checkpointer = _FakeCheckpointer(interval)
 
     def should_continue_training(self):

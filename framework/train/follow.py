@@ -98,7 +98,7 @@ class FollowMode:
         """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop
         (torchtitan's loop ends on DataloaderExhaustedError)."""
         self.step -= 1
-        guard = getattr(self, "_apiary_preempt", None)
+        guard = self.preempt_guard
         ck = self.checkpointer
         if not ck.enable:
             note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"

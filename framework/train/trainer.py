@@ -48,6 +48,7 @@ from framework import compat, contracts, devices
 from framework.compose.schema import TrainingConfig
 from framework.train import atomic_save, first_step, integrity, learned
 from framework.train.follow import FollowMode, FollowStop
+from framework.train.preempt import Guard
 
 _GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
@@ -74,6 +75,9 @@ class ApiaryTrainer(FollowMode, Trainer):
     # Set when follow mode stopped waiting for data (a timeout, a malformed shard, a signal), and read
     # by framework/train/run.py after the loop; None when the loop ended any other way.
     follow_stop: FollowStop | None = None
+    # The preemption guard framework/train/preempt.install hooked on this trainer (run.py, after the
+    # build); None until then. Follow mode reads it to say whether its last step was saved.
+    preempt_guard: Guard | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -128,7 +132,7 @@ class ApiaryTrainer(FollowMode, Trainer):
         if self.parallel_dims.pp_enabled:  # the held-out loss too: only the last stage computes it
             self.metrics_processor.stage_loss_source = lambda v: float(
                 self._last_stage_loss(torch.as_tensor(float(v), device=self.device)))
-        self._follow_source = self.follow_stop = None
+        self._follow_source = self.follow_stop = self.preempt_guard = None
         self._ledger_started, self._waited_s, self._start_step = False, 0.0, None
         self._publisher, self._published_initial = None, False
         if self.config.publish is not None:

@@ -216,8 +216,9 @@ def force_save(ck, step: int) -> bool:
 
 
 def install(trainer, *, check_every: int = 1, signals=SIGNALS) -> Guard:
-    """Hook ``trainer`` (a built torchtitan Trainer): every rank must call this, in the same order."""
-    existing = getattr(trainer, "_apiary_preempt", None)
+    """Hook ``trainer`` (a built torchtitan Trainer with the member ``preempt_guard``, ApiaryTrainer's:
+    the guard, once hooked): every rank must call this, in the same order."""
+    existing = trainer.preempt_guard
     if existing is not None:
         return existing
     arm(signals)
@@ -237,7 +238,7 @@ def install(trainer, *, check_every: int = 1, signals=SIGNALS) -> Guard:
                 guard.last_saved = int(curr_step)
 
         compat.observe_checkpoint_saves(ck, saved)
-    trainer._apiary_preempt = guard
+    trainer.preempt_guard = guard
     _GUARDS.append(guard)
     return guard
 
