@@ -42,7 +42,7 @@ def _torch_reserved(r, blocks, calibration=None) -> float:
     sh, pc = shapes_and_context(r, c, hw)
     asked = ask_components(r, ch, pc, [])
     if blocks is not None:
-        cand = next(x for x in asked.terms["recompute"].facts["candidates"] if x.facts["blocks"] == blocks)
+        cand = next(x for x in asked.terms["recompute"].facts.candidates if x.facts.blocks == blocks)
         asked = Asked(names=asked.names, terms={**asked.terms, "recompute": cand})
     terms = stage_memory(r, sh, asked, pc, [])[1]
     return sum(t.bytes for t in terms if t.name != "cuda_context_nccl" and t.group != OUTSIDE) / GiB

@@ -32,11 +32,11 @@ def _chain_totals(r, gpu_bytes: int):
     c = run_constants(r, Constants(), ch, hw)
     sh, pc = shapes_and_context(r, c, hw)
     asked = ask_components(r, ch, pc, [])
-    cands = asked.terms["recompute"].facts["candidates"]
+    cands = asked.terms["recompute"].facts.candidates
     out = []
     for cand in cands:
         trial = Asked(names=asked.names, terms={**asked.terms, "recompute": cand})
-        out.append((cand.facts["blocks"], sum(x.bytes for x in stage_memory(r, sh, trial, pc, [])[1])))
+        out.append((cand.facts.blocks, sum(x.bytes for x in stage_memory(r, sh, trial, pc, [])[1])))
     return out
 
 

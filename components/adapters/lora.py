@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from components.adapters.targets import DEFAULT_TARGETS, TARGETS
-from framework.contracts import PlanTerms, Term, check_choices
+from framework.contracts import PlanFacts, PlanTerms, Term, check_choices
 from framework.errors import UserError, did_you_mean
 
 # losses that call the lm_head module (the others read lm_head.weight in their own fused GEMMs)
@@ -70,7 +70,7 @@ class NoAdapter:
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
         """Nothing frozen: the state backend's terms stand."""
-        return PlanTerms(facts={"summary": "every parameter trains"})
+        return PlanTerms(facts=PlanFacts(summary="every parameter trains"))
 
     # apiary compare: switching the adapter trains other parameters (another run)
     NUMERICS = {"": "any"}
@@ -242,11 +242,11 @@ class LoRA:
                 "base: fp32 storage only, its GEMMs skip the weight gradient (x2/3 + the adapters' FLOPs)")
         ag, rb = c.fsdp_allgather_bytes, c.fsdp_reduce_bytes  # FSDP2 still all-gathers the base, fwd and bwd
         return PlanTerms(memory=memory, flops_factor=factor, notes=[note],
-                         facts={"replace": replace, "trainable_fraction": trainable, "summary": f"lora rank {opts.rank}",
-                                # a frozen LM head has no weight gradient: the fused head skips its dW accumulator
-                                "drop_loss_terms": () if "lm_head" in opts.targets else ("loss_dw_accum",),
-                                "buffer_scale": {"fsdp_reduce_scatter": trainable},
-                                "comm_scale": {"fsdp": (2 * ag + trainable * rb) / (2 * ag + rb)}})
+                         facts=PlanFacts(replace=replace, trainable_fraction=trainable, summary=f"lora rank {opts.rank}",
+                                         # a frozen LM head has no weight gradient: the fused head skips its dW accumulator
+                                         drop_loss_terms=() if "lm_head" in opts.targets else ("loss_dw_accum",),
+                                         buffer_scale={"fsdp_reduce_scatter": trainable},
+                                         comm_scale={"fsdp": (2 * ag + trainable * rb) / (2 * ag + rb)}))
 
     @staticmethod
     def export_hf(run_dir, out_path, family_mod, merged: bool = False):

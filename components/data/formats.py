@@ -22,7 +22,7 @@ from components.data.local_text import (
     local_data_files,
     source_kind,
 )
-from framework.contracts import PlanTerms
+from framework.contracts import PlanFacts, PlanTerms
 from framework.errors import UserError, did_you_mean
 
 SHARDINGS = ("blocks", "documents")
@@ -172,7 +172,7 @@ class Text:
             return PlanTerms()
         path = str(PACKAGED_CORPUS) if kind == "packaged" else str(d.path) if kind == "local" else None
         n = document_tokens(path) if path is not None else None
-        return PlanTerms(facts={"document_tokens": n},
+        return PlanTerms(facts=PlanFacts(document_tokens=n),
                          notes=[f"data: documents of {n:,.0f} tokens (sum L^2 / sum L, byte tokenizer's count)"]
                          if n else [])
 

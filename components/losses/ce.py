@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from framework.contracts import PlanConstant, PlanTerms, Term
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, Term
 
 # the planner's constants of the materialised-logits losses (ce, chunked, ce_zloss); calibrate as
 # `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
@@ -71,4 +71,4 @@ def logits_plan_terms(ctx, rows: int, how: str, time_key: str) -> PlanTerms:
                 Term("logits_grad", rows * cols, c.ce_grad_bytes, "loss",
                      f"{how} x vocab/TP {cols:,} x {c.ce_grad_bytes:g} B")],
         time_factor={"lm_head": float(c.loss_time_factor.get(time_key, c.loss_time_factor.get("ce", 1.65)))},
-        facts={"objective": "cross_entropy", "summary": "materialised logits"})
+        facts=PlanFacts(objective="cross_entropy", summary="materialised logits"))

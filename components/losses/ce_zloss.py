@@ -90,7 +90,7 @@ class ZLossCrossEntropy:
         for plain cross-entropy."""
         T = ctx.plan.tokens
         terms = logits_plan_terms(ctx, int(T), f"{T:,.0f} tokens", "ce")
-        terms.facts["objective"] = "cross_entropy+z_loss"
+        terms.facts.objective = "cross_entropy+z_loss"
         return terms
 
     # apiary compare: plain cross-entropy and another z_loss are other objectives (compare cannot

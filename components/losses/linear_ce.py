@@ -50,7 +50,7 @@ from typing import Literal
 
 from components.losses.ce import check_data
 from components.losses.lm_head.knobs import chunk_tokens_for  # torch-free: the planner sizes chunks with it
-from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, Term, check_choices
 
 # the planner's constants of every loss on the fused LM-head engine (linear_ce, the policy losses);
 # calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
@@ -222,4 +222,4 @@ def fused_head_plan_terms(ctx, objective: str, opts: EngineOptions | None = None
                 Term("loss_hidden_grad", T * dim, c.linear_ce_hidden_grad_bytes, "loss",
                      f"{T:,.0f} tokens x dim {dim} x {c.linear_ce_hidden_grad_bytes:g} B")],
         time_factor={"lm_head": float(c.loss_time_factor.get("linear_ce", c.loss_time_factor.get("ce", 1.65)))},
-        facts={"objective": objective})
+        facts=PlanFacts(objective=objective))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from components.moe import replay
 from components.moe.auto_chunks import AUTO_MIN_EP
 from components.moe.comm import MoeOptions
-from framework.contracts import PlanConstant, PlanTerms
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms
 from framework.errors import UserError
 
 # the planner's constant of the chunk policies; calibrate as `apiary plan calib.ep_overlap.chunk2=0.3`
@@ -27,7 +27,7 @@ PLAN_CONSTANTS = {
 
 
 def _overlap(ctx, policy: str) -> float:
-    """The calibrated fraction of the EP all-to-all that ``policy`` hides (PlanTerms facts "overlap")."""
+    """The calibrated fraction of the EP all-to-all that ``policy`` hides (PlanFacts.ep_overlap)."""
     return float(ctx.plan.constants.ep_overlap.get(policy, 0.0))
 
 
@@ -103,8 +103,8 @@ class NoChunk:
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
         """One chunk; the all-to-all hides ``ep_overlap.none`` under compute."""
-        return PlanTerms(facts={"chunks": 1, "overlap": _overlap(ctx, "none"),
-                                "fp32_combine": _fp32_combine(opts, ctx)})
+        return PlanTerms(facts=PlanFacts(chunks=1, ep_overlap=_overlap(ctx, "none"),
+                                         fp32_combine=_fp32_combine(opts, ctx)))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -143,8 +143,8 @@ class Chunked:
 
     def plan_terms(self, opts, ctx) -> PlanTerms:
         """Dispatch/combine buffers per chunk; the all-to-all hides ``ep_overlap.chunkN``."""
-        return PlanTerms(facts={"chunks": self.num_chunks, "overlap": _overlap(ctx, f"chunk{self.num_chunks}"),
-                                "fp32_combine": _fp32_combine(opts, ctx)})
+        return PlanTerms(facts=PlanFacts(chunks=self.num_chunks, ep_overlap=_overlap(ctx, f"chunk{self.num_chunks}"),
+                                         fp32_combine=_fp32_combine(opts, ctx)))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).
@@ -178,8 +178,8 @@ class AutoChunk:
     def plan_terms(opts, ctx) -> PlanTerms:
         """Planned as 2 chunks of buffers; below ``AUTO_MIN_EP`` auto runs unchunked, so its
         all-to-all is planned as the unchunked one's (``ep_overlap.none``), else ``ep_overlap.auto``."""
-        return PlanTerms(facts={"chunks": 2, "overlap": _overlap(ctx, "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"),
-                                "fp32_combine": _fp32_combine(opts, ctx)})
+        return PlanTerms(facts=PlanFacts(chunks=2, ep_overlap=_overlap(ctx, "none" if ctx.layout.ep < AUTO_MIN_EP else "auto"),
+                                         fp32_combine=_fp32_combine(opts, ctx)))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (chunking reschedules dispatch/combine around the same expert GEMMs).

@@ -40,7 +40,7 @@ from components.precision.checkpoint_storage import patch_checkpoint_storage_che
 # keep_bf16 stays readable here (the policy's public name)
 from components.precision.fp8_targets import PAD_MULTIPLE, fp8_linear, keep_bf16, swap_config  # noqa: F401
 from components.precision.torchao_fp8 import _torchao_experts, _torchao_linears, _torchao_mxfp8
-from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, Term, check_choices
 from framework.errors import UserError
 
 # the planner's constants of precision=fp8 (FSDP2's plan reads fp8_allgather_bytes); calibrate as
@@ -110,7 +110,7 @@ class BF16:
     def plan_terms(opts, ctx) -> PlanTerms:
         """Every GEMM at the bf16 peak; nothing converted."""
         return PlanTerms(notes=["precision bf16: every GEMM at bf16 peak"],
-                         facts={"dense_share": 0.0, "fp8_all_gather": False})
+                         facts=PlanFacts(dense_share=0.0, fp8_all_gather=False))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).
@@ -321,7 +321,7 @@ class FP8:
                          f"one block's FP8-converted params {conv / 1e6:,.1f}M x {c.fp8_copy_bytes:g} B "
                          f"(FP8 weight + transposed copy; {how})")],
             time_factor={k: (1 - s) + s * factor for k, s in share.items()},
-            notes=[note], facts={"dense_share": dense_share, "fp8_all_gather": all_gather})
+            notes=[note], facts=PlanFacts(dense_share=dense_share, fp8_all_gather=all_gather))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (FP8 GEMMs round to 3/2 mantissa bits; compile: kernels of the same math).

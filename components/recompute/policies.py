@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from components.recompute.placement import POLICY_OF, per_layer_words
-from framework.contracts import PlanConstant, PlanTerms, block_saves, stage_activation_elements
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, block_saves, stage_activation_elements
 
 # the planner's constant of the recompute policies (the layer kinds' selective_keep and
 # saved_activation_factor are the model's: components/models/layer_kinds.py); calibrate as
@@ -53,7 +53,7 @@ class NoRecompute(_Recompute):
     def plan_terms(opts, ctx) -> PlanTerms:
         """Every saved activation kept; nothing rerun."""
         keep = {k: 1.0 for k in ctx.plan.counts}
-        return PlanTerms(notes=["no extra compute"], facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
+        return PlanTerms(notes=["no extra compute"], facts=PlanFacts(keep=keep, inputs_only=False, forward_reruns=0))
 
 
 class SelectiveRecompute(_Recompute):
@@ -79,7 +79,7 @@ class SelectiveRecompute(_Recompute):
         extra = c.selective_recompute_fraction / 3  # of fwd + bwd = 3 x fwd
         return PlanTerms(extra_compute={"dense": extra, "experts": extra},
                          notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
-                         facts={"keep": keep, "inputs_only": False, "forward_reruns": 0})
+                         facts=PlanFacts(keep=keep, inputs_only=False, forward_reruns=0))
 
 
 class FullRecompute(_Recompute):
@@ -102,7 +102,7 @@ class FullRecompute(_Recompute):
         keep = {k: 0.0 for k in ctx.plan.counts}
         return PlanTerms(extra_compute={k: 1 / 3 for k in ("dense", "experts", *_mixers(ctx))},
                          notes=["+1 forward of every block (+1/3 of block FLOPs)"],
-                         facts={"keep": keep, "inputs_only": True, "forward_reruns": 1})
+                         facts=PlanFacts(keep=keep, inputs_only=True, forward_reruns=1))
 
 
 def _mixers(ctx) -> list[str]:
@@ -156,6 +156,11 @@ class AutoRecompute(_Recompute):
                 raise ValueError(f"recompute.budget_gib must be > 0, got {self.budget_gib}")
 
     @staticmethod
+    def memory_budget(options) -> Optional[float]:
+        """Plans by memory budget: ``budget_gib`` (GiB), None for the run's GPU."""
+        return options.budget_gib if options is not None else None
+
+    @staticmethod
     def check(options, ctx) -> None:
         if ctx.layout is not None and ctx.layout.pp > 1:
             raise ValueError("recompute=auto plans one pipeline stage; with parallel.pp > 1 choose "
@@ -207,9 +212,9 @@ class AutoRecompute(_Recompute):
             desc = "; ".join(f"{m}: {state[m]['kept']} kept, " + (f"{state[m]['ffn_rerun']} FFN rerun, " if ffn else "")
                              + f"{state[m]['partial']} selective, {state[m]['recomputed']} full" for m in n)
             return PlanTerms(extra_compute=extra, notes=[f"auto per block ({desc})"],
-                             facts={"blocks": {m: dict(v) for m, v in state.items()}, "keep": keep_sel,
-                                    "layers": order(), "forward_reruns": share["recomputed"], "margin": margin,
-                                    **({"budget_bytes": budget} if budget else {})})
+                             facts=PlanFacts(blocks={m: dict(v) for m, v in state.items()}, keep=keep_sel,
+                                             layers=order(), forward_reruns=share["recomputed"], fit_margin=margin,
+                                             budget_bytes=budget or None))
 
         # a block goes one step at a time (through keeping its mixer, where it has an FFN), so the
         # candidates grow in small steps and the last that fits leaves little memory unused
@@ -237,4 +242,4 @@ class AutoRecompute(_Recompute):
             state[m][dst] += 1
             chain.append(terms())
         first = chain[0]
-        return replace(first, facts={**first.facts, "candidates": chain})
+        return replace(first, facts=replace(first.facts, candidates=chain))

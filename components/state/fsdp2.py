@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
-from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, Term, check_choices
 
 # the planner's constants of this backend; calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
 PLAN_CONSTANTS = {
@@ -131,7 +131,7 @@ class FSDP2:
         the reduce-scatter buffer; all-gather fwd + bwd and reduce-scatter traffic per step."""
         c, f, lay, pc = ctx.plan.constants, ctx.facts, ctx.layout, ctx.plan
         dps, cp, ep, tp = lay.dp_shard, lay.cp, lay.ep, lay.tp
-        fp8 = pc.earlier["precision"].facts if "precision" in pc.earlier else {}
+        fp8 = pc.earlier["precision"].facts if "precision" in pc.earlier else PlanFacts()
         dense_stage, exp_stage = stage_params(ctx)
         offload = opts is not None and str(opts.offload) == "all"
         shard = dps * cp * tp
@@ -166,9 +166,9 @@ class FSDP2:
         units += [block] * (max(1, int(c.fsdp_allgather_units)) - 1)
         k = max(1, int(c.fsdp_allgather_units))
         ag = c.fsdp_allgather_bytes
-        if fp8.get("fp8_all_gather"):  # the block's converted dense linears arrive in FP8
+        if fp8.fp8_all_gather:  # the block's converted dense linears arrive in FP8
             dense_block = split["dense_blocks"] / f.n_layers / tp
-            ag_block = (block - dense_block * fp8["dense_share"]) * ag + dense_block * fp8["dense_share"] * \
+            ag_block = (block - dense_block * fp8.dense_share) * ag + dense_block * fp8.dense_share * \
                 c.fp8_allgather_bytes
             units_b = [u * ag if u != block else ag_block for u in units[:k]]
             mem.append(Term("fsdp_allgather", 1, sum(units_b), "buffers",
@@ -188,14 +188,14 @@ class FSDP2:
         s_d, s_e = dps * cp, dps * cp * tp // max(ep, 1)
         per = 2 * c.fsdp_allgather_bytes + c.fsdp_reduce_bytes
         per_d = per
-        if fp8.get("fp8_all_gather"):  # converted dense linears all-gather 1 B/element
-            sh = fp8["dense_share"] * split["dense_blocks"] / lay.pp / dense_t if dense_t else 0.0
+        if fp8.fp8_all_gather:  # converted dense linears all-gather 1 B/element
+            sh = fp8.dense_share * split["dense_blocks"] / lay.pp / dense_t if dense_t else 0.0
             per_d = per - 2 * sh * (c.fsdp_allgather_bytes - c.fp8_allgather_bytes)
         vol_d = pc.grad_accum * dense_t / tp * per_d * (s_d - 1) / s_d if s_d > 1 else 0.0
         vol_e = pc.grad_accum * exp_t / ep * per * (s_e - 1) / s_e if s_e > 1 else 0.0
         comm = vol_d / pc.link_bw(s_d, tp) + vol_e / pc.link_bw(s_e, ep)
-        return PlanTerms(memory=mem, facts={"comm": {"fsdp": comm}, "overlap": {"fsdp": c.fsdp_overlap},
-                                            "label": "FSDP"})
+        return PlanTerms(memory=mem, facts=PlanFacts(comm={"fsdp": comm}, overlap={"fsdp": c.fsdp_overlap},
+                                                     label="FSDP"))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (another sharding of the same update changes reduction order).

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from components.state.common import check_threads, stage_params, step_params
-from framework.contracts import PlanConstant, PlanTerms, Term, check_choices
+from framework.contracts import PlanConstant, PlanFacts, PlanTerms, Term, check_choices
 
 # the planner's constants of this backend; calibrate as `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
 PLAN_CONSTANTS = {
@@ -138,8 +138,8 @@ class Zero1:
         vol_d = dense_t / tp * (4 + 2) * (s_d - 1) / s_d
         vol_e = exp_t / ep * (4 + 2) * (s_e - 1) / s_e if s_e > 1 else 0.0
         comm = vol_d / pc.link_bw(s_d, tp) + vol_e / pc.link_bw(s_e, ep)
-        return PlanTerms(memory=mem, facts={"comm": {"zero1": comm}, "overlap": {"zero1": c.zero1_overlap},
-                                            "label": "ZeRO-1"})
+        return PlanTerms(memory=mem, facts=PlanFacts(comm={"zero1": comm}, overlap={"zero1": c.zero1_overlap},
+                                                     label="ZeRO-1"))
 
     # apiary compare: how runs differing in this component or its options are held to each other
     # (another sharding of the same update changes reduction order).

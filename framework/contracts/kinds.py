@@ -81,7 +81,7 @@ class Context:
     shared: Shared = field(default_factory=Shared)  # facts one component's check leaves for another's
     plan: Any = None  # a PlanContext while the planner asks plan_terms, else None
     # kind -> what resolve chose for a component that plans by memory budget (PlanTerms
-    # ``facts["candidates"]``, e.g. recompute=auto): the chosen candidate's facts and the reason
+    # ``facts.candidates``, e.g. recompute=auto): the chosen candidate's facts and the reason
     derived: dict = field(default_factory=dict)
 
     def choice(self, kind: str) -> str:

@@ -68,7 +68,8 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "data": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,  # without plan_terms: documents as long as a row
              "ignored_keys": None},  # reads every data.* key it is given
     "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
-    "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
+    "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
+                  "memory_budget": None},  # does not plan by memory budget: resolve chooses nothing
     "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
               "layout": None},  # runs the degrees layout.derive chose
     "launcher": {**_SHARED_OPTIONAL, "check_options": None, "preflight": None, "render": None, "TEMPLATE": None},

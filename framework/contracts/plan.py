@@ -26,6 +26,75 @@ class Term:
         return self.count * self.bytes_per
 
 
+@dataclass(slots=True)
+class PlanFacts:
+    """The kind-specific numbers a component's ``PlanTerms`` tells the planner, one declared field each
+    (an undeclared one is refused: ``PlanFacts(other=1)`` raises TypeError, setting one AttributeError).
+    A field left at its default is what the planner assumes when a component says nothing."""
+
+    # kind data
+    document_tokens: float | None = None
+    """the mean document length a token sits in (sum L^2 / sum L); None: documents as long as a row"""
+    # kind loss (and adapter: summary)
+    objective: str | None = None
+    """what the loss optimises: ``--search`` varies the loss among those with the recipe's objective"""
+    summary: str | None = None
+    """a few words on the component, shown when the planner plans a name it does not know as this one"""
+    # kind recompute
+    keep: dict[str, float] = field(default_factory=dict)
+    """layer kind (and "norms") -> fraction of its saved activations kept"""
+    inputs_only: bool = False
+    """only each block's input is kept (full recompute)"""
+    forward_reruns: float = 0.0
+    """forwards rerun in backward per block (a fraction under a per-block mix): the passes of EP, CP, TP traffic"""
+    blocks: dict[str, dict[str, int]] | None = None
+    """a per-block mix: mixer kind -> {"kept", "ffn_rerun", "partial", "recomputed"} -> blocks of that
+    kind on the stage treated so; None: one policy for every block"""
+    layers: list[tuple[str, str]] | None = None
+    """the mix placed layer by layer, in forward order: (mixer kind, how the block is treated)"""
+    candidates: list[PlanTerms] | None = None
+    """terms that plan by memory budget, in increasing memory: the planner takes the last that fits
+    the GPU less ``fit_margin``, the first when none does"""
+    fit_margin: float = 0.0
+    """fraction of the GPU's memory the choice among ``candidates`` leaves unplanned"""
+    budget_bytes: int | None = None
+    """the memory the choice among ``candidates`` fits instead of the GPU's"""
+    reason: str = ""
+    """set by the planner on the chosen candidate: why it was chosen"""
+    fallbacks: list[dict[str, dict[str, int]]] = field(default_factory=list)
+    """set by the planner on the chosen candidate: the ``blocks`` of the cheaper candidates, nearest first"""
+    # kind moe_chunk
+    chunks: int = 1
+    """chunks the dispatch/combine buffers of one MoE layer are split into"""
+    ep_overlap: float = 0.0
+    """the fraction of the EP all-to-all hidden under compute"""
+    fp32_combine: bool = False
+    """the MoE combine accumulates in fp32 (the planner's constants for that setting)"""
+    # kind state
+    comm: dict[str, float] = field(default_factory=dict)
+    """collective name -> seconds on the wire per optimizer step"""
+    overlap: dict[str, float] = field(default_factory=dict)
+    """collective name -> the fraction of ``comm`` hidden under compute"""
+    label: str | None = None
+    """the name the step-time assumptions give the state backend (None: its registry name)"""
+    # kind adapter
+    trainable_fraction: float = 1.0
+    """the fraction of the parameters that train (the optimizer step's share)"""
+    replace: dict[str, Term] = field(default_factory=dict)
+    """state memory term name -> the term that replaces it (a frozen base has no gradient or optimizer state)"""
+    buffer_scale: dict[str, float] = field(default_factory=dict)
+    """state buffer term name -> the factor its count is scaled by"""
+    comm_scale: dict[str, float] = field(default_factory=dict)
+    """state collective name -> the factor its traffic is scaled by"""
+    drop_loss_terms: tuple[str, ...] = ()
+    """loss memory terms that do not exist under the adapter (a frozen LM head has no dW accumulator)"""
+    # kind precision
+    dense_share: float = 0.0
+    """the share of the dense blocks' parameters in FP8-converted linears"""
+    fp8_all_gather: bool = False
+    """FSDP all-gathers the converted linears in FP8 (1 B/element)"""
+
+
 @dataclass
 class PlanTerms:
     """A component's share of the planner's estimate (every field optional)."""
@@ -39,17 +108,13 @@ class PlanTerms:
     # extra forward FLOPs as a fraction of a part's fwd+bwd FLOPs (recompute)
     extra_compute: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # printed as assumptions
-    # kind-specific numbers the planner reads: loss "objective" (--search varies the loss among
-    # those with the recipe's objective), "summary"; recompute "keep" (layer kind -> fraction of
-    # saved activations kept), "inputs_only", "forward_reruns", or "blocks" (mixer kind -> blocks of
-    # that kind on the stage that are "kept" whole, "partial" (keep "keep" of each kind) or
-    # "recomputed" (the block input only)) and "candidates" (PlanTerms, in increasing memory: the
-    # planner takes the last that fits the GPU less facts["margin"], the first when none does);
-    # state "comm" {name: seconds},
-    # "overlap" {name: fraction}, "label"; moe_chunk "chunks", "overlap" (the fraction of the EP
-    # all-to-all hidden under compute); precision its FP8 shares; data "document_tokens" (the mean
-    # document length a token sits in, sum L^2 / sum L, or None: documents as long as a row)
-    facts: dict[str, Any] = field(default_factory=dict)
+    # the kind-specific numbers the planner reads (PlanFacts); a mapping given here is taken as
+    # PlanFacts(**mapping), so an undeclared key raises TypeError
+    facts: PlanFacts = field(default_factory=PlanFacts)
+
+    def __post_init__(self):
+        if not isinstance(self.facts, PlanFacts):
+            self.facts = PlanFacts(**self.facts)
 
 
 @dataclass(frozen=True)

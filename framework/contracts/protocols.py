@@ -27,7 +27,7 @@ class Component(Protocol):
 class Planned(Protocol):
     """Kinds the planner asks for their share of the estimate (loss, recompute, state, moe_comm, moe_chunk,
     precision, adapter, data). The model's share comes from its ``facts`` (``layer_kinds``: one ``LayerKind``
-    per kind of layer); data says what the documents of its rows are (``facts["document_tokens"]``);
+    per kind of layer); data says what the documents of its rows are (``facts.document_tokens``);
     launchers add none. ``PLAN_CONSTANTS`` (optional) are the
     component's own calibrated constants (``PlanConstant``)."""
 
@@ -124,7 +124,14 @@ class LossFn(Protocol):
 
 
 class Recompute(Component, Planned, Protocol):
-    """kind ``recompute``: sets ``tc.activation_checkpoint``; its ``plan_terms`` say what is kept."""
+    """kind ``recompute``: sets ``tc.activation_checkpoint``; its ``plan_terms`` say what is kept.
+
+    ``memory_budget(options) -> float | None`` (optional): the component plans by memory budget (its
+    ``plan_terms`` list ``facts.candidates``, of which resolve has the planner choose one for
+    ``apply``: ``ctx.derived``): the GPU memory it plans for, in GiB, or None for the run's GPU.
+    Without it resolve chooses nothing for the component."""
+
+    def memory_budget(self, options: Any) -> float | None: ...
 
 
 class State(Component, Planned, Protocol):
@@ -169,8 +176,8 @@ class MoeChunk(Component, Planned, Protocol):
 class Adapter(Component, Planned, Protocol):
     """kind ``adapter``: converts the model spec before it is built (adapters on a frozen base) and
     its checkpoint; its ``plan_terms`` may replace the state backend's static terms by name
-    (``facts["replace"]``), scale its buffers and traffic (``facts["buffer_scale"]``,
-    ``facts["comm_scale"]``) and the optimizer step (``facts["trainable_fraction"]``).
+    (``facts.replace``), scale its buffers and traffic (``facts.buffer_scale``,
+    ``facts.comm_scale``) and the optimizer step (``facts.trainable_fraction``).
 
     ``export_hf(run_dir, out_path, family, *, merged)`` (optional): `apiary export` of a run that
     trained adapters; returns (folder, what it holds): the adapters alone (PEFT's format) or, with

@@ -146,15 +146,14 @@ def _budget_target(r, for_training: bool) -> tuple[str, int | None, str] | None:
 
 def choose_by_budget(r, for_training: bool) -> None:
     """Components whose plan terms list candidates by memory (recompute=auto) choose one now, from
-    the planner's estimate on the run's GPU (its option ``budget_gib`` instead when set); the choice
+    the planner's estimate on the run's GPU (the budget its ``memory_budget`` gives instead when set); the choice
     goes to ``r.ctx.derived[kind]`` for their ``apply``, to the run's first lines and layout.json.
     No GPU known: nothing is chosen (the component's fallback: full recompute)."""
-    from framework.plan.planner import parts  # reason: the planner is only asked when a component plans by budget
-
     comp, opts = r.ctx.components["recompute"], r.ctx.options["recompute"]
-    budget = getattr(opts, "budget_gib", None)
-    if not parts.plans_by_budget(comp):
+    memory_budget = contracts.member(comp, "recompute", "memory_budget")
+    if memory_budget is None:
         return
+    budget = memory_budget(opts)
     target = ("H200" if budget > 100 else "H100", int(budget * GiB), "recompute.budget_gib") if budget else \
         _budget_target(r, for_training)
     if target is None:

@@ -100,7 +100,7 @@ def run_constants(resolved, base: Constants, ch: dict[str, str], hw: Hardware) -
                   components=_chosen(resolved))
     moe = parts.ask("moe_chunk", ch["moe_chunk"], ctx, [])[1]
     return for_settings(base, expandable=alloc_conf.expandable(), fp32_combine=True) \
-        if moe.facts.get("fp32_combine") else c
+        if moe.facts.fp32_combine else c
 
 
 def gpu_for(c: Constants, gpu: str | None, gpu_memory_bytes: int | None) -> tuple[Hardware, int]:
@@ -190,13 +190,13 @@ def model_flops_per_token(resolved) -> float:
 
 def with_adapter(state: PlanTerms, adapter: PlanTerms | None) -> PlanTerms:
     """The state backend's terms under an adapter (kind ``adapter``): its static terms named in the
-    adapter's ``facts["replace"]`` replaced (a frozen base has no gradient or optimizer state), its
-    buffers scaled by ``facts["buffer_scale"]`` and its traffic by ``facts["comm_scale"]``, the
+    adapter's ``facts.replace`` replaced (a frozen base has no gradient or optimizer state), its
+    buffers scaled by ``facts.buffer_scale`` and its traffic by ``facts.comm_scale``, the
     adapter's own memory terms added."""
-    if adapter is None or not (adapter.memory or adapter.facts.get("replace")):
+    if adapter is None or not (adapter.memory or adapter.facts.replace):
         return state
-    repl = adapter.facts.get("replace", {})
-    scale = adapter.facts.get("buffer_scale", {})
+    repl = adapter.facts.replace
+    scale = adapter.facts.buffer_scale
     memory = []
     for t in state.memory:
         if t.name in repl:
@@ -204,8 +204,8 @@ def with_adapter(state: PlanTerms, adapter: PlanTerms | None) -> PlanTerms:
         elif t.name in scale:
             t = replace(t, count=t.count * scale[t.name], how=f"{t.how} x {scale[t.name]:.3g} (adapters' share)")
         memory.append(t)
-    comm = {k: v * adapter.facts.get("comm_scale", {}).get(k, 1.0) for k, v in state.facts.get("comm", {}).items()}
-    return replace(state, memory=memory + list(adapter.memory), facts={**state.facts, "comm": comm})
+    comm = {k: v * adapter.facts.comm_scale.get(k, 1.0) for k, v in state.facts.comm.items()}
+    return replace(state, memory=memory + list(adapter.memory), facts=replace(state.facts, comm=comm))
 
 
 def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: list[str]):
@@ -219,7 +219,7 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
         ctx = Context(resolved.cfg, resolved.facts, resolved.layout, for_training=False, plan=spc)
         state = with_adapter(parts.ask("state", asked.names["state"], ctx, warnings)[1], asked.terms.get("adapter"))
         loss = parts.ask("loss", asked.names["loss"], ctx, warnings)[1] if is_last else None
-        drop = set(asked.terms["adapter"].facts.get("drop_loss_terms", ())) if asked.terms.get("adapter") else set()
+        drop = set(asked.terms["adapter"].facts.drop_loss_terms) if asked.terms.get("adapter") else set()
         if loss is not None and drop:  # e.g. a frozen LM head: the fused head allocates no dW accumulator
             loss = replace(loss, memory=[t for t in loss.memory if t.name not in drop])
         stages[stage] = stage_terms(sh, state=state, recompute=asked.names["recompute"],
@@ -235,17 +235,17 @@ def stage_memory(resolved, sh: Shapes, asked: Asked, pc: PlanContext, warnings: 
 
 def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_cap: int,
                      warnings: list[str]) -> None:
-    """A recompute component that plans by memory budget lists ``facts["candidates"]`` in increasing
+    """A recompute component that plans by memory budget lists ``facts.candidates`` in increasing
     memory (decreasing step time): take the last whose total fits ``mem_cap`` (or the component's
-    ``facts["budget_bytes"]``) less its ``facts["margin"]`` (binary search: totals only grow along
+    ``facts.budget_bytes``) less its ``facts.fit_margin`` (binary search: totals only grow along
     the list), the first when none does.
-    The chosen candidate replaces the component's terms; its facts get "reason"."""
+    The chosen candidate replaces the component's terms; its facts get ``reason`` and ``fallbacks``."""
     rec = asked.terms["recompute"]
-    cands = rec.facts.get("candidates")
+    cands = rec.facts.candidates
     if not cands:
         return
-    mem_cap = int(rec.facts.get("budget_bytes") or mem_cap)
-    budget = mem_cap * (1 - float(rec.facts.get("margin", 0.0)))
+    mem_cap = int(rec.facts.budget_bytes or mem_cap)
+    budget = mem_cap * (1 - float(rec.facts.fit_margin))
 
     def items(i):
         trial = Asked(names=asked.names, terms={**asked.terms, "recompute": cands[i]})
@@ -265,11 +265,11 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
     chosen = cands[best]
     outside = sum(x.bytes for x in items(best) if x.name == "cuda_context_nccl" or x.group == OUTSIDE)  # not torch's
     why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
-           f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.get('margin', 0):.0%} "
+           f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.fit_margin:.0%} "
            f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
     # the cheaper candidates, nearest first: where the run steps back to if the allocator retries
-    fallbacks = [cands[j].facts["blocks"] for j in range(best - 1, -1, -1)]
-    asked.terms["recompute"] = replace(chosen, facts={**chosen.facts, "reason": why, "fallbacks": fallbacks},
+    fallbacks = [cands[j].facts.blocks for j in range(best - 1, -1, -1)]
+    asked.terms["recompute"] = replace(chosen, facts=replace(chosen.facts, reason=why, fallbacks=fallbacks),
                                        notes=[*chosen.notes, why])
     if not fits:
         warnings.append(f"recompute: no per-block choice fits {budget / GiB:,.1f} GiB; planned with full recompute.")
@@ -341,11 +341,10 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
                 tokens_per_s_per_gpu=st.tokens_step / W / step if step else 0.0, assumptions=assumptions,
                 flops_per_token=st.model_flops_gpu * W / st.tokens_step if st.tokens_step else 0.0,
                 terms=terms, time_s=st.time_s, choices={"gpu": hw.name, **ch, "recompute": rc, "stage": stage,
-                                                        **({"recompute_blocks": asked.terms["recompute"].facts["blocks"],
-                                                            "recompute_reason": asked.terms["recompute"].facts.get("reason", ""),
-                                                            "recompute_fallbacks": asked.terms["recompute"].facts.get(
-                                                                "fallbacks", [])}
-                                                           if "blocks" in asked.terms["recompute"].facts else {}),
+                                                        **({"recompute_blocks": asked.terms["recompute"].facts.blocks,
+                                                            "recompute_reason": asked.terms["recompute"].facts.reason,
+                                                            "recompute_fallbacks": asked.terms["recompute"].facts.fallbacks}
+                                                           if asked.terms["recompute"].facts.blocks is not None else {}),
                                                         "adapter": asked.names["adapter"],
                                                         "grad_accum": sh.grad_accum, "microbatches": sh.n_mb},
                 warnings=warnings)

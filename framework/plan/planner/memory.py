@@ -11,7 +11,7 @@ its ``ModelFacts.layer_kinds`` (framework.contracts.LayerTerms); the rest is mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from framework.contracts import LayerShape, LayerTerms, PlanTerms, block_saves, stage_activation_elements
 from framework.plan.planner.constants import Constants, GiB
@@ -144,21 +144,21 @@ def _ffn(sh: Shapes) -> str | None:
 
 
 def _mixed_activations(sh: Shapes, rec: PlanTerms, in_flight: int) -> Term:
-    """Saved activations of a per-block mix of policies (``rec.facts["blocks"]``, placed layer by
-    layer as ``rec.facts["layers"]`` says): the block inputs full recompute saves, plus what the mix
+    """Saved activations of a per-block mix of policies (``rec.facts.blocks``, placed layer by
+    layer as ``rec.facts.layers`` says): the block inputs full recompute saves, plus what the mix
     adds to the stage's peak of saves and reruns over every block recomputed
     (framework.contracts.block_saves, stage_activation_elements). With the working set below, every
     block recomputed plans what recompute=full does."""
     Tt, c = sh.Tt, sh.c
-    elems = block_saves(sh.saved, sh.layers, rec.facts.get("keep", {}), float(sh.f.dim), _ffn(sh))
-    order = rec.facts.get("layers") or [(m, p) for m, by in rec.facts["blocks"].items()
+    elems = block_saves(sh.saved, sh.layers, rec.facts.keep, float(sh.f.dim), _ffn(sh))
+    order = rec.facts.layers or [(m, p) for m, by in rec.facts.blocks.items()
                                         for p, k in by.items() for _ in range(int(k))]
     order = [(m, p) for m, p in order if m in elems]
     _, peak = stage_activation_elements([elems[m][p] for m, p in order])
     _, peak0 = stage_activation_elements([elems[m]["recomputed"] for m, _ in order])
     inputs = len(order) * float(sh.f.dim)
     per_tok = inputs + peak - peak0
-    desc = [f"{n:g} {mixer} {policy}" for mixer, by in rec.facts["blocks"].items() for policy, n in by.items() if n]
+    desc = [f"{n:g} {mixer} {policy}" for mixer, by in rec.facts.blocks.items() for policy, n in by.items() if n]
     return Term("activations", in_flight * Tt * per_tok, c.act_bytes, "activations",
                 f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x ({inputs:,.0f} block inputs + {peak - peak0:,.0f} "
                 f"the kept blocks add to the stage's peak) elements per token (blocks: {', '.join(desc)}; "
@@ -169,17 +169,17 @@ def activation_terms(sh: Shapes, recompute: str, rec: PlanTerms, in_flight: int)
     """Saved activations of the microbatches in flight, and one block's backward working set."""
     f, c, pp, Tt, saved, counts = sh.f, sh.c, sh.lay.pp, sh.Tt, sh.saved, sh.counts
     ab = c.act_bytes
-    keep = rec.facts.get("keep", {})
+    keep = rec.facts.keep
     present = [k for k in mixers(sh.layers) if counts[k] > 0]
     mixer = max(present, key=lambda k: saved[k], default=None)
     ffn = _ffn(sh)
     block = [k for k in (mixer, ffn) if k is not None]
     block_elems = sum(saved[k] for k in block) + saved["norms"]
-    if "blocks" in rec.facts or all(keep.get(k, 0) >= 1 for k in saved):  # a per-block mix, or every block kept
-        blocks = rec.facts.get("blocks") or {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
-        t = [_mixed_activations(sh, PlanTerms(facts={**rec.facts, "blocks": blocks}), in_flight)]
+    if rec.facts.blocks is not None or all(keep.get(k, 0) >= 1 for k in saved):  # a per-block mix, or every block kept
+        blocks = rec.facts.blocks or {m: {"kept": counts[m]} for m in mixers(sh.layers) if counts[m] > 0}
+        t = [_mixed_activations(sh, PlanTerms(facts=replace(rec.facts, blocks=blocks)), in_flight)]
         redo_elems = sum(saved[k] for k in (*block, "norms"))  # the largest block's rerun, as full plans it
-    elif rec.facts.get("inputs_only"):
+    elif rec.facts.inputs_only:
         t = [Term("activations", in_flight * Tt * f.n_layers / pp * f.dim, ab, "activations",
                   f"{in_flight} microbatch(es) x {Tt:,.0f} tokens x {f.n_layers / pp:g} layers x "
                   f"dim {f.dim} (block inputs only)")]
@@ -203,7 +203,7 @@ def moe_terms(sh: Shapes, chunking: PlanTerms) -> list[Term]:
     f, c, Tt = sh.f, sh.c, sh.Tt
     if not f.num_experts:
         return []
-    ab, chunks = c.act_bytes, chunking.facts.get("chunks", 1)
+    ab, chunks = c.act_bytes, chunking.facts.chunks
     return [Term("moe_dispatch_combine", Tt * f.top_k * f.dim * c.moe_buffer_copies * c.ep_load_imbalance / chunks,
                  ab, "buffers", f"top_k {f.top_k} x {Tt:,.0f} tokens x dim {f.dim} x {c.moe_buffer_copies:g} buffers x "
                  f"imbalance {c.ep_load_imbalance:g} / {chunks} chunk(s) x {ab:g} B")]

@@ -60,16 +60,8 @@ def ask(kind: str, name: str, ctx, warnings: list[str]) -> tuple[str, PlanTerms]
         return name, obj.plan_terms(options(ctx.cfg, kind, name), ctx)
     base = defaults()[kind]
     terms = component(kind, base).plan_terms(None, ctx)
-    summary = terms.facts.get("summary")
+    summary = terms.facts.summary
     warnings.append(f"{kind} {name!r} is unknown to the planner; estimated as {base}"
                     + (f" ({summary})." if summary else "."))
     return base, terms
 
-
-def plans_by_budget(component) -> bool:
-    """Whether a recompute component's plan terms list candidates by memory (recompute=auto): its
-    Options declare ``budget_gib``."""
-    import dataclasses  # reason: only asked for the recompute kind
-
-    opts = contracts.member(component, "recompute", "Options")
-    return opts is not None and any(f.name == "budget_gib" for f in dataclasses.fields(opts))

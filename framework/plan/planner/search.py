@@ -34,7 +34,7 @@ def _objective(name: str, ctx):
     obj = parts.component("loss", name)
     if obj is None:
         return None
-    return obj.plan_terms(parts.options(ctx.cfg, "loss", name), ctx).facts.get("objective")
+    return obj.plan_terms(parts.options(ctx.cfg, "loss", name), ctx).facts.objective
 
 
 def candidates(resolved, c: Constants, gpu: str | None = None, gpu_memory_bytes: int | None = None) -> dict:

@@ -29,7 +29,7 @@ class StepInputs:
     chunking: PlanTerms
     precision: PlanTerms
     adapter: PlanTerms | None = None  # kind adapter: factors of the compute parts, the trained fraction
-    data: PlanTerms | None = None  # kind data: facts["document_tokens"], the documents a row packs
+    data: PlanTerms | None = None  # kind data: facts.document_tokens, the documents a row packs
 
 
 @dataclass
@@ -73,7 +73,7 @@ def context_share(sh: Shapes, data: PlanTerms | None) -> float:
     """The fraction of a whole-sequence causal context a token attends: the data's documents
     (``document_tokens``, sum L^2 / sum L: a packed row attends within each document) over the
     sequence, at most 1 (no data fact: documents as long as a row)."""
-    n = (data.facts.get("document_tokens") if data is not None else None) or 0
+    n = (data.facts.document_tokens if data is not None else None) or 0
     return min(1.0, float(n) / sh.seq) if n > 0 else 1.0
 
 
@@ -119,7 +119,7 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
     sh, hw = inp.sh, inp.hw
     f, c, lay, mb, seq = sh.f, sh.c, sh.lay, sh.mb, sh.seq
     cp, ep, pp, tp, g = lay.cp, lay.ep, lay.pp, lay.tp, c.gpus_per_node
-    reruns = float(inp.recompute.facts.get("forward_reruns", 0))  # a fraction under a per-block mix
+    reruns = float(inp.recompute.facts.forward_reruns)  # a fraction under a per-block mix
     micro = sh.grad_accum * sh.n_mb  # microbatches per optimizer step
     T_rank = mb * seq / cp / tp
     comm = {}
@@ -131,7 +131,7 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
         else:
             inter = (ep - g) / (ep - 1)
             comm["ep_alltoall"] = vol * (1 - inter) / hw.nvlink_alltoall_bw + vol * inter / hw.ib_alltoall_bw
-        overlap["ep_alltoall"] = float(inp.chunking.facts.get("overlap", 0.0))
+        overlap["ep_alltoall"] = float(inp.chunking.facts.ep_overlap)
     if cp > 1:
         passes = 2 + reruns  # fwd and bwd (+ recompute): each layer kind's CP traffic per pass
         vol = sum(micro * sh.counts[k] * passes * t.cp_comm_bytes for k, t in sh.layers.items())
@@ -142,8 +142,8 @@ def comm_times(inp: StepInputs, overlap: dict[str, float]) -> dict[str, float]:
         vol = micro * f.n_layers / pp * passes * (tp - 1) / tp * mb * seq / cp * f.dim * 2
         comm["tp"] = vol / (hw.ib_bw if tp > g else hw.nvlink_bw)
         overlap["tp"] = c.tp_overlap
-    comm.update(inp.state.facts.get("comm", {}))
-    overlap.update(inp.state.facts.get("overlap", {}))
+    comm.update(inp.state.facts.comm)
+    overlap.update(inp.state.facts.overlap)
     return comm
 
 
@@ -167,7 +167,7 @@ def step_time(inp: StepInputs) -> StepTime:
     dense_stage = (split["dense_blocks"] + split["emb"] + split["head"]) / pp
     exp_stage = split["experts"] / pp
     static_local = (dense_stage + exp_stage) / (dps * cp * tp) * (c.master_bytes + c.adam_bytes + 4)
-    trained = inp.adapter.facts.get("trainable_fraction", 1.0) if inp.adapter is not None else 1.0
+    trained = inp.adapter.facts.trainable_fraction if inp.adapter is not None else 1.0
     time_s["optimizer"] = c.optimizer_passes * static_local * trained / hw.hbm_bw
     return StepTime(time_s, model_flops_gpu, tokens_step,
                     assumptions(inp, parts, expert_active, eff, scale, overlap, tokens_step))
@@ -179,7 +179,7 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
     ep, tp, g = lay.ep, lay.tp, c.gpus_per_node
     eff_txt = ", ".join(f"{k} {v:.2f}" for k, v in eff.items())
     where_ep = ("NVLink" if ep <= g else "NVLink + IB") if ep > 1 else "none"
-    state_overlap = next(iter(inp.state.facts.get("overlap", {}).values()), 0)
+    state_overlap = next(iter(inp.state.facts.overlap.values()), 0)
     loss_factor = inp.loss.time_factor.get("lm_head", 1.0)
     T_local = sh.mb * sh.seq / lay.cp
     share = context_share(sh, inp.data)
@@ -201,7 +201,7 @@ def assumptions(inp: StepInputs, parts, expert_active, eff, scale, overlap, toke
         + docs,
         f"EP {ep} all-to-all over {where_ep}, {int(100 * overlap.get('ep_alltoall', 0))}% overlapped "
         f"(moe.chunk {names['moe_chunk']}); CP {lay.cp} {int(100 * c.cp_overlap)}% overlapped; "
-        f"{inp.state.facts.get('label', names['state'])} {int(100 * state_overlap)}% "
+        f"{names['state'] if inp.state.facts.label is None else inp.state.facts.label} {int(100 * state_overlap)}% "
         f"overlapped; TP {tp} {int(100 * c.tp_overlap)}% overlapped",
         "; ".join(inp.precision.notes),
         f"PP {lay.pp}: {sh.n_mb} microbatch(es) per micro-step, 1F1B bubble (pp-1)/microbatches; "
