@@ -162,6 +162,8 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "train recipe=qwen35_35b_128k --cfg job": RUN,
     "apiary launch recipe=qwen35_35b_128k launcher=slurm nodes=4 gpus_per_node=8 data.tokenizer=PATH --dry-run":
         Run(subs={"PATH": "{tok}"}),
+    # docs/architecture.md
+    "python benchmarks/walk_count.py": Skip("tests/test_walk_count.py runs it (~30 s) and checks the table's last row"),
     # docs/benchmarks.md
     "python benchmarks/step_time_check.py": Skip("tests/test_step_time_check.py runs it (the planner on CPU against "
                                                   "the measured points, ~40 s)"),
