@@ -124,3 +124,51 @@ def test_the_python_api_on_cpu_prints_no_autocast_warning(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-2000:]
     assert "(1, 16," in p.stdout and "autocast" not in p.stderr, p.stderr
+
+
+def test_a_small_dataset_says_it_relooped_once_and_counts_the_passes(monkeypatch, capsys):
+    """The tutorial's training printed torchtitan's `[titan] ... Dataset apiary_local_... is being re-looped
+    (epoch N)` at every pass over its 200 documents: the first pass of a launch is said once, in apiary's
+    words; each step's record carries the pass (data/epoch), which the summary counts. Other log lines
+    from the same call still show, and the logger's filters are as they were afterwards."""
+    import logging
+
+    from torchtitan.hf_datasets import text_datasets
+
+    from components.data.text import Passes, RankBlocks
+    from framework import contracts
+    from framework.report import summary
+
+    def fake_reloop(self):  # what torchtitan's reloop logs, and a line the user should see
+        self._epoch += 1
+        logging.getLogger().warning(f"Dataset apiary_local_123_train_0.1 is being re-looped (epoch {self._epoch})")
+        logging.getLogger().warning("something the user should see")
+
+    monkeypatch.setattr(text_datasets.HuggingFaceTextDataset, "reloop", fake_reloop)
+    ds = Passes.__new__(Passes)
+    ds._epoch = 0  # what torchtitan's __init__ sets
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    root, keep = logging.getLogger(), Keep()
+    filters = list(root.filters)
+    root.addHandler(keep)
+    try:
+        for _ in range(3):
+            ds.reloop()
+    finally:
+        root.removeHandler(keep)
+    assert not any("re-looped" in m for m in seen) and seen.count("something the user should see") == 3, seen
+    assert root.filters == filters
+    out = capsys.readouterr().out
+    assert out.count("the training data ran out") == 1 and "(pass 2)" in out, out
+    blocks = RankBlocks(ds, 0, 1, 1)
+    assert isinstance(blocks, contracts.DataStepMetrics) and blocks.step_metrics(7) == {"data/epoch": 3}
+    s = {"step": 9, "total_steps": 9, "launches": 1, "wall_time_s": None, "tokens": 10, "data_passes": 4,
+         "tokens_per_s_mean": None, "tokens_per_s_missing_because": "one logged step", "device": "cpu",
+         "mfu_pct_mean": None, "peak_tflops_per_gpu": None, "mfu_missing_because": "no known peak for cpu",
+         "peak_mem_bytes": None, "loss_first": None, "val_loss_last": None, "checkpoint": None}
+    assert ("data", "4 passes over the training data (it ran out and was reshuffled 3 times)") in summary.lines(s)

@@ -260,6 +260,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "launches": len(launches),
         "wall_time_s": round(wall, 3) if wall is not None else None,
         "tokens": tokens,
+        "data_passes": max(epochs) + 1 if (epochs := [r["data/epoch"] for r in train if _finite(r.get("data/epoch"))])
+        else None,  # a text source re-read from its start (data/epoch: 0 on the first pass)
         "tokens_per_s_mean": round(tok_s, 3) if tok_s is not None else None,
         "tokens_per_s_mean_excludes": "the first logged step of each launch (compile, warm-up)",
         "tokens_per_s_missing_because": None if tok_s is not None else (
@@ -308,6 +310,9 @@ def lines(s: dict) -> list[tuple[str, str]]:
         rows.append(("wall time", f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s, trainer build to last step)"))
     if s["tokens"] is not None:
         rows.append(("tokens", f"{s['tokens']:,}"))
+    if (s.get("data_passes") or 0) > 1:
+        rows.append(("data", f"{s['data_passes']} passes over the training data (it ran out and was reshuffled "
+                             f"{s['data_passes'] - 1} times)"))
     rows.append(("tok/s (mean)", f"{s['tokens_per_s_mean']:,.0f} (first step left out: compile, warm-up)"
                  if s["tokens_per_s_mean"] is not None else f"n/a ({s['tokens_per_s_missing_because']})"))
     if s["device"] not in (None, "cpu"):
