@@ -172,3 +172,69 @@ def test_a_small_dataset_says_it_relooped_once_and_counts_the_passes(monkeypatch
          "mfu_pct_mean": None, "peak_tflops_per_gpu": None, "mfu_missing_because": "no known peak for cpu",
          "peak_mem_bytes": None, "loss_first": None, "val_loss_last": None, "checkpoint": None}
     assert ("data", "4 passes over the training data (it ran out and was reshuffled 3 times)") in summary.lines(s)
+
+
+def _example_generator():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("rl_generator", ROOT / "examples" / "rl_loop" / "generator.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def test_the_example_generator_drops_transformers_cache_rename_notes_only(tmp_path, capfd):
+    """examples/rl_loop/generator.py printed transformers 5's FutureWarning "`past_key_values` is deprecated
+    ... Use `cache` instead", its `[transformers]` log line about the rename, and a "Loading weights" bar
+    at every published version: dropped around the generator's own calls; other warnings still show,
+    and the filters and the bar's setting are as they were afterwards."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    gen = _example_generator()
+    generic = logging.getLogger("transformers.utils.generic")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def model(input_ids, past_key_values=None, use_cache=True):  # what transformers 5's forward says, and more
+        warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0 for "
+                      "`Qwen3MoeForCausalLM.forward`. Use `cache` instead.", FutureWarning, stacklevel=2)
+        warnings.warn("a transformers warning the user should see", FutureWarning, stacklevel=2)
+        generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
+        generic.warning("a log line the user should see")
+        return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], input_ids.shape[1], 5), past_key_values=None)
+
+    keep, filters = Keep(), list(generic.filters)
+    generic.addHandler(keep)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ids = gen.sample_group(model, [1, 2], group=2, new_tokens=2, temperature=1.0,
+                                   gen=torch.Generator().manual_seed(0))
+    finally:
+        generic.removeHandler(keep)
+    assert ids.shape == (2, 4)
+    messages = [str(w.message) for w in caught]
+    assert not any("`past_key_values` is deprecated" in m for m in messages), messages
+    assert messages.count("a transformers warning the user should see") == 2, messages
+    assert seen == ["a log line the user should see"] * 2, seen
+    assert generic.filters == filters
+    # a real load: no bar, the setting as it was
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(tmp_path / "m")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    loaded, version = gen.load(tmp_path / "m")
+    out, err = capfd.readouterr()
+    assert version == -1 and "Loading weights" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()
