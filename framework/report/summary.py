@@ -41,7 +41,7 @@ from rich.text import Text
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
-from framework.report.progress import duration, make_console, memory_label
+from framework.report.progress import duration, loss_text, make_console, memory_label
 from framework.report.resume_command import run_overrides
 from framework.resolve import resume
 from framework.train import integrity
@@ -298,6 +298,8 @@ def write(summary: dict) -> Path:
 
 
 def _fmt(x, spec: str, none: str = "n/a") -> str:
+    if spec == "loss":
+        return loss_text(x) if _finite(x) else none
     return format(x, spec) if _finite(x) else none
 
 
@@ -328,11 +330,11 @@ def lines(s: dict) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{s['peak_mem_bytes'] / 2**30:.2f} GiB ({s['peak_mem_label']})"))
     rl = s.get("rl_objective")
     if s["loss_first"] is not None and rl:  # a policy loss: its lowest value says nothing of the policy
-        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} "
+        rows.append(("loss", f"first {_fmt(s['loss_first'], 'loss')} · last {_fmt(s['loss_last'], 'loss')} "
                              "(a policy objective: see the reward)"))
     elif s["loss_first"] is not None:
-        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} · "
-                             f"best {_fmt(s['loss_best'], '.4f')}"
+        rows.append(("loss", f"first {_fmt(s['loss_first'], 'loss')} · last {_fmt(s['loss_last'], 'loss')} · "
+                             f"best {_fmt(s['loss_best'], 'loss')}"
                              + (f" (step {s['loss_best_step']})" if s["loss_best_step"] is not None else "")))
     if rl:
         rows.extend(_rl_rows(s))
