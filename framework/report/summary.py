@@ -42,7 +42,7 @@ from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
 from framework.report.progress import duration, loss_text, make_console, memory_label
-from framework.report.resume_command import run_overrides
+from framework.report.resume_command import continuation, run_overrides
 from framework.resolve import resume
 from framework.train import integrity
 
@@ -229,16 +229,17 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     launch = launch if launch is not None else resume.last_launch(run_dir)
     given = (launch or {}).get("recipe") or recipe  # a recipe file by its path, as given at launch
     out = str(run_dir)
-    commands = {}
+    commands, note = {}, ""
     if checkpoint is not None:
         overrides = run_overrides(launch)
         unknown = overrides is None
         overrides = overrides or []
         to = total_steps
-        if stop is None and total_steps is not None:  # it finished: train on, the schedule stretched over the
-            to = 2 * total_steps                      # new steps (a resume asks for that choice, framework/resolve/resume.py)
-            if "lr" in cfg and "total_steps" in cfg.lr:
-                overrides = [o for o in overrides if not o.startswith("lr.total_steps=")] + [f"lr.total_steps={to}"]
+        if stop is None and total_steps is not None:  # it finished: train on, the lr never raised at the next step
+            to = 2 * total_steps                      # (a resume asks for a choice of schedule, framework/resolve/resume.py)
+            if "lr" in cfg and "total_steps" in cfg.lr and "optimizer" in cfg:
+                schedule, note = continuation(cfg, total_steps)
+                overrides = [o for o in overrides if not o.startswith(tuple(x.split("=")[0] + "=" for x in schedule))] + schedule
         commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                               f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
                               + (" (and this run's overrides)" if unknown else ""))
@@ -285,6 +286,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "val_loss_step": vals[-1]["step"] if vals else None,
         "checkpoint": checkpoint,
         "next": commands,
+        "resume_note": note or None,  # the learning rate the resume continues at, and the stretch it is not
         "export_missing_because": no_base_on_disk(cfg) if checkpoint is not None else None,
     }
 
@@ -384,5 +386,7 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
         console.print(Text("next", style=bold), soft_wrap=True)
         for key, cmd in s["next"].items():
             console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)
+            if key == "resume" and s.get("resume_note"):
+                console.print(Text(f"  {'':<{width}}  ({s['resume_note']})"), soft_wrap=True)
         if s.get("export_missing_because"):
             console.print(Text(f"  {'export':<{width}}  {s['export_missing_because']}"), soft_wrap=True)
