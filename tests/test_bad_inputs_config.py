@@ -69,8 +69,8 @@ def files(workdir):
     # 4. seeds torch.manual_seed refuses, and non-integers
     (["training.seed=100000000000000000000"], ["training.seed=100000000000000000000", "-2**63 to 2**64-1"]),
     (["training.seed=-9223372036854775809"], ["training.seed=-9223372036854775809", "-2**63 to 2**64-1"]),
-    (["training.seed=1e20"], ["training.seed=1e20", "could not be converted to Integer"]),
-    (["training.seed=1.5"], ["training.seed=1.5", "could not be converted to Integer"]),
+    (["training.seed=1e20"], ["training.seed: takes an integer, not '1e20'"]),
+    (["training.seed=1.5"], ["training.seed: takes an integer, not '1.5'"]),
     # 5. an interpolation that does not resolve
     (["training.steps=${nope}"], ["training.steps=${nope}: the interpolation does not resolve",
                                   "Interpolation key 'nope' not found"]),

@@ -20,7 +20,7 @@ def _err(capsys, argv):
     (["loss.num_chunks=4"], ["unknown key 'loss.num_chunks'", "an option of loss=chunked: write loss=chunked "
                                                              "loss.num_chunks=4"]),
     (["loss=linear_cee"], ["unknown loss 'linear_cee'", "registry.yaml lists"]),
-    (["training.steps=abc"], ["training.steps=abc", "could not be converted to Integer"]),
+    (["training.steps=abc"], ["training.steps: takes an integer, not 'abc' (for example training.steps=20)."]),
     (["parallel.ep=3"], ["EP 3 must divide dp_shard x cp x tp"]),
     (["parallel.dp_shard=2"], ["not the world size 1"]),
     (["nproc=2", "parallel.cp=2", "training.seq_len=254"], ["not divisible by 2 x cp = 4"]),
@@ -46,6 +46,21 @@ def test_user_errors(capsys, workdir, argv, needles):
     for n in needles:
         assert n in err, (n, err)
     assert not (workdir / "runs").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("override,said", [
+    ("training.steps=five", "training.steps: takes an integer, not 'five' (for example training.steps=20)."),
+    ("training.steps=1e3", "training.steps: takes an integer, not '1e3' (for example training.steps=20)."),
+    ("checkpoint.enable=maybe", "checkpoint.enable: takes true or false, not 'maybe' (for example checkpoint.enable=true)."),
+    ("optimizer.lr=abc", "optimizer.lr: takes a number, not 'abc' (for example optimizer.lr=0.003)."),
+    ("parallel.gpus=eight", "parallel.gpus: takes an integer, not 'eight'."),
+])
+def test_a_wrong_type_on_the_command_line_is_one_sentence(capsys, workdir, override, said):
+    """`train training.steps=five` said the override twice, then OmegaConf's words and a generic hint
+    ("overrides training.steps=five: training.steps=five: Value 'five' of type 'str' could not be converted to
+    Integer. Check the value's type ..."): now one sentence naming the key, the value as typed and the type."""
+    code, err = _err(capsys, [override, "--cfg", "job"])
+    assert code == 2 and err == f"error apiary: {said}", err
 
 
 def test_a_wrong_type_in_a_recipe_file_names_its_key(capsys, workdir):

@@ -316,3 +316,19 @@ def test_user_registry_from_a_recipe_and_its_errors(capsys, workdir, user_regist
     code, err = _err(capsys, ["registry=/nonexistent/reg.yaml", "--cfg", "job"])
     assert code == 2 and "no user registry file at /nonexistent/reg.yaml" in err
     assert not (workdir / "runs").exists()
+
+
+def test_apiary_ls_piped_prints_every_row_whole(capsys, monkeypatch):
+    """`apiary ls | grep ...` cut the registry's targets and docs with an ellipsis (rich fitted the table
+    to 80 columns when stdout is not a terminal): piped, each row is whole on one line."""
+    from framework.compose import registry
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert apiary_main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    lines = out.splitlines()
+    for kind, names in registry.entries().items():
+        for name, e in names.items():
+            row = next(ln for ln in lines if ln.split()[:2] == [kind, name])
+            assert e["target"] in row and " ".join(e["doc"].split()) in row, row

@@ -124,3 +124,117 @@ def test_the_python_api_on_cpu_prints_no_autocast_warning(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-2000:]
     assert "(1, 16," in p.stdout and "autocast" not in p.stderr, p.stderr
+
+
+def test_a_small_dataset_says_it_relooped_once_and_counts_the_passes(monkeypatch, capsys):
+    """The tutorial's training printed torchtitan's `[titan] ... Dataset apiary_local_... is being re-looped
+    (epoch N)` at every pass over its 200 documents: the first pass of a launch is said once, in apiary's
+    words; each step's record carries the pass (data/epoch), which the summary counts. Other log lines
+    from the same call still show, and the logger's filters are as they were afterwards."""
+    import logging
+
+    from torchtitan.hf_datasets import text_datasets
+
+    from components.data.text import Passes, RankBlocks
+    from framework import contracts
+    from framework.report import summary
+
+    def fake_reloop(self):  # what torchtitan's reloop logs, and a line the user should see
+        self._epoch += 1
+        logging.getLogger().warning(f"Dataset apiary_local_123_train_0.1 is being re-looped (epoch {self._epoch})")
+        logging.getLogger().warning("something the user should see")
+
+    monkeypatch.setattr(text_datasets.HuggingFaceTextDataset, "reloop", fake_reloop)
+    ds = Passes.__new__(Passes)
+    ds._epoch = 0  # what torchtitan's __init__ sets
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    root, keep = logging.getLogger(), Keep()
+    filters = list(root.filters)
+    root.addHandler(keep)
+    try:
+        for _ in range(3):
+            ds.reloop()
+    finally:
+        root.removeHandler(keep)
+    assert not any("re-looped" in m for m in seen) and seen.count("something the user should see") == 3, seen
+    assert root.filters == filters
+    out = capsys.readouterr().out
+    assert out.count("the training data ran out") == 1 and "(pass 2)" in out, out
+    blocks = RankBlocks(ds, 0, 1, 1)
+    assert isinstance(blocks, contracts.DataStepMetrics) and blocks.step_metrics(7) == {"data/epoch": 3}
+    s = {"step": 9, "total_steps": 9, "launches": 1, "wall_time_s": None, "tokens": 10, "data_passes": 4,
+         "tokens_per_s_mean": None, "tokens_per_s_missing_because": "one logged step", "device": "cpu",
+         "mfu_pct_mean": None, "peak_tflops_per_gpu": None, "mfu_missing_because": "no known peak for cpu",
+         "peak_mem_bytes": None, "loss_first": None, "val_loss_last": None, "checkpoint": None}
+    assert ("data", "4 passes over the training data (it ran out and was reshuffled 3 times)") in summary.lines(s)
+
+
+def _example_generator():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("rl_generator", ROOT / "examples" / "rl_loop" / "generator.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def test_the_example_generator_drops_transformers_cache_rename_notes_only(tmp_path, capfd):
+    """examples/rl_loop/generator.py printed transformers 5's FutureWarning "`past_key_values` is deprecated
+    ... Use `cache` instead", its `[transformers]` log line about the rename, and a "Loading weights" bar
+    at every published version: dropped around the generator's own calls; other warnings still show,
+    and the filters and the bar's setting are as they were afterwards."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    gen = _example_generator()
+    generic = logging.getLogger("transformers.utils.generic")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def model(input_ids, past_key_values=None, use_cache=True):  # what transformers 5's forward says, and more
+        warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0 for "
+                      "`Qwen3MoeForCausalLM.forward`. Use `cache` instead.", FutureWarning, stacklevel=2)
+        warnings.warn("a transformers warning the user should see", FutureWarning, stacklevel=2)
+        generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
+        generic.warning("a log line the user should see")
+        return SimpleNamespace(logits=torch.zeros(input_ids.shape[0], input_ids.shape[1], 5), past_key_values=None)
+
+    keep, filters = Keep(), list(generic.filters)
+    generic.addHandler(keep)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ids = gen.sample_group(model, [1, 2], group=2, new_tokens=2, temperature=1.0,
+                                   gen=torch.Generator().manual_seed(0))
+    finally:
+        generic.removeHandler(keep)
+    assert ids.shape == (2, 4)
+    messages = [str(w.message) for w in caught]
+    assert not any("`past_key_values` is deprecated" in m for m in messages), messages
+    assert messages.count("a transformers warning the user should see") == 2, messages
+    assert seen == ["a log line the user should see"] * 2, seen
+    assert generic.filters == filters
+    # a real load: no bar, the setting as it was
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(tmp_path / "m")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    loaded, version = gen.load(tmp_path / "m")
+    out, err = capfd.readouterr()
+    assert version == -1 and "Loading weights" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()

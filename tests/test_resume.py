@@ -177,16 +177,18 @@ def test_launch_configs_are_numbered_and_the_first_is_kept(tmp_path):
 def test_extending_a_finished_run(tmp_path):
     """6 steps, then `training.steps=9`: refused with the choices (nothing written); a changed
     seed refused; `lr.total_steps=9` trains steps 7-9 at the rates the stretched schedule gives,
-    says which checkpoint it loaded, and keeps the first config. The launch's own override
-    (optimizer.lr=0.002) is in the printed resume command and kept by a resume that does not give it
-    again; given again, the new value wins."""
+    says which checkpoint it loaded, and keeps the first config. The printed resume command stretches the
+    schedule from the rate step 6 used (the launch's optimizer.lr=0.002 replaced by 0.000833: the plain
+    stretch would raise the lr from 5e-4 to 1.2e-3 at step 7, tests/test_summary.py); the launch's own
+    override is kept by a resume that does not give it again; given again, the new value wins."""
     run = tmp_path / "run"
     p = run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run}", "optimizer.lr=0.002"], cwd=tmp_path,
                 timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     printed = next(x for x in p.stdout.splitlines() if x.strip().startswith("resume "))
     assert f"train recipe=debug_moe output_dir={run} checkpoint.resume=true training.steps=12" in printed
-    assert "optimizer.lr=0.002" in printed and "lr.total_steps=12" in printed and "overrides)" not in printed
+    assert printed.endswith("lr.total_steps=12 optimizer.lr=0.000833") and "overrides)" not in printed, printed
+    assert "raises the lr to 0.0012 at step 7" in p.stdout
     first = (run / "config.yaml").read_text()
     # refused before launch (resolve, as `train` runs it first): no choice of schedule, a changed seed
     from framework.errors import UserError

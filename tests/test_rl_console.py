@@ -183,3 +183,21 @@ def test_a_static_rollouts_file_gets_a_data_line(tmp_path):
     assert first == f"data: local rollouts {path}: 3 records, {n_tokens:,} tokens, a reward in 2", r.data_summary
     r = resolve("debug_grpo", [], world_size=1)
     assert r.data_summary.startswith(f"data: packaged rollouts {PACKAGED}: {len(RECORDS):,} records"), r.data_summary
+
+
+def test_a_policy_loss_near_zero_prints_its_digits_and_no_negative_zero(tmp_path):
+    """A GRPO step's loss sits near 0: the console printed `loss -0.0000` (a negative zero, no digits).
+    Below 1e-3 a loss is printed with 3 significant digits in scientific notation; 0 and -0 as 0.0000;
+    larger losses keep 4 decimals (the step line, the live line and the summary alike)."""
+    assert [progress.loss_text(x) for x in (-0.0, 0.0, -4.2e-05, 3e-07, 0.0123, -0.5, 5.8078, float("nan"))] == [
+        "0.0000", "0.0000", "-4.20e-05", "3.00e-07", "0.0123", "-0.5000", "5.8078", "nan"]
+    rec = {**RL_REC, "loss": -4.2e-05}
+    assert "loss -4.20e-05  reward" in progress.step_text(rec, 30)
+    assert progress.step_text({"step": 1, "loss": -0.0}, 30).endswith("loss 0.0000")
+    p = progress.Progress(30, console=Console(file=io.StringIO(), width=200, color_system=None), live=False)
+    p.log(rec)
+    assert "loss -4.20e-05" in p.live_text()
+    s = summary.summarize(_rl_run(tmp_path, [_rec(1, -0.0, 0.07, 0.0, 1e-3), _rec(2, -4.2e-05, 0.1, 0.0, 1e-3)]))
+    buf = io.StringIO()
+    summary.render(s, Console(file=buf, width=200, color_system=None), color=False)
+    assert "loss          first 0.0000 · last -4.20e-05 (a policy objective" in buf.getvalue(), buf.getvalue()

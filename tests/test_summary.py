@@ -79,10 +79,12 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
     assert (s["val_loss_last"], s["val_loss_step"]) == (4.9, 3)
     assert s["checkpoint"] == str(d / "checkpoint" / "step-4")  # step-6 is incomplete
     # a finished run trains on, its schedule stretched over the new steps, repeating the run's overrides (a
-    # resume refuses another model, data or schedule: framework/resolve/resume.py)
+    # resume refuses another model, data or schedule: framework/resolve/resume.py); the stretch alone would
+    # raise the lr at step 5 (0.003 x 1/2 at step 4 of 4, x 2/3 at step 5 of 8), so it starts from step 4's
+    # rate: optimizer.lr 0.003 x (1/2) / (2/3)
     assert s["next"] == {
         "resume": f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=8 loss=chunked "
-                  "loss.num_chunks=4 launcher.nproc=2 training.seq_len=64 lr.total_steps=8",
+                  "loss.num_chunks=4 launcher.nproc=2 training.seq_len=64 lr.total_steps=8 optimizer.lr=0.00225",
         "export": f"apiary export {d} --hf {d / 'hf'}",
         "plot": f"apiary plot {d}",
         "tensorboard": f"tensorboard --logdir {d / 'tb'}",
@@ -101,12 +103,14 @@ def test_gpu_run_numbers_are_derived_from_the_records(tmp_path):
 
 def test_resume_command_of_a_recipe_file_runs(tmp_path, monkeypatch):
     """A run of `train recipe=my_recipe.yaml optimizer.lr=1e-2`: the resume command names the file as
-    given (the config holds its stem, an unknown recipe), repeats the override and stretches the
-    schedule; with no overrides it claims none."""
+    given (the config holds its stem, an unknown recipe), repeats the overrides and stretches the
+    schedule from the rate the run reached (its optimizer.lr replaced by the scaled one: 3/4 of it here);
+    with no overrides it claims none."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_recipe.yaml").write_text((recipes.RECIPES_DIR / "debug_moe.yaml").read_text())
     recs = [_rec(n, 6.0 - n, 2.0 * n) for n in (1, 2, 3, 4)]
-    for over, want in ((["optimizer.lr=1e-2"], " optimizer.lr=1e-2 lr.total_steps=8"), ([], " lr.total_steps=8")):
+    for over, want in ((["optimizer.lr=1e-2"], " lr.total_steps=8 optimizer.lr=0.0075"),
+                       ([], " lr.total_steps=8 optimizer.lr=0.00225")):
         d = tmp_path / "run"
         if d.exists():
             import shutil
@@ -234,3 +238,31 @@ def test_a_lora_run_on_a_seeded_base_suggests_no_export_it_would_refuse(tmp_path
     assert "model.hf_checkpoint=DIR or checkpoint.load_path=STEP" in text, text
     s = summary.summarize(_run(tmp_path / "full", recs, steps=2, checkpoints=(2,), tb=False, overrides=[]))
     assert "export" in s["next"] and s["export_missing_because"] is None
+
+
+@pytest.mark.parametrize("schedule", [[], ["lr.min_lr_factor=0.1"], ["lr.decay_type=cosine"], ["lr.decay_ratio=0.3"],
+                                      ["lr.warmup_steps=0", "optimizer.lr=1e-2"], ["training.steps=5", "lr.total_steps=20"]])
+def test_the_suggested_resume_never_raises_the_learning_rate(tmp_path, schedule):
+    """The summary's `next: resume` of a finished run stretched the schedule over twice the steps, which
+    restarts part of its decay (the tutorial's run: step 10 at lr 3.75e-04, step 11 at 1.67e-03, 4.4x; a
+    longer run 7x). Whatever the schedule, the suggested command's step N+1 uses at most step N's rate:
+    the stretch where it does not raise it, the schedule kept where its end is above 0, else the stretch
+    from the rate reached (optimizer.lr scaled); the note names the rate the plain stretch would jump to."""
+    steps = next((int(o.split("=")[1]) for o in schedule if o.startswith("training.steps=")), 10)
+    given = [o for o in schedule if not o.startswith("training.steps=")]
+    d = _run(tmp_path, [_rec(n, 6.0 - 0.1 * n, 2.0 * n) for n in range(1, steps + 1)], steps=steps,
+             checkpoints=(steps,), overrides=given)
+    s = summary.summarize(d)
+    resume_cmd = s["next"]["resume"].split()
+    assert resume_cmd[:5] == ["train", "recipe=debug_moe", f"output_dir={d}", "checkpoint.resume=true",
+                              f"training.steps={2 * steps}"], resume_cmd
+    old = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    new = OmegaConf.to_container(recipes.load("debug_moe", resume_cmd[2:]), resolve=True)
+    resume.check_tail(new)  # the resume check accepts it: no steps at lr 0
+    assert resume.lr_at(new, steps + 1) <= resume.lr_at(old, steps) * (1 + 1e-9), (s["next"]["resume"], s["resume_note"])
+    stretched = {**new, "lr": {**new["lr"], "total_steps": 2 * steps}, "optimizer": old["optimizer"]}
+    if resume.lr_at(stretched, steps + 1) > resume.lr_at(old, steps) * (1 + 1e-9):
+        assert f"raises the lr to {resume.lr_at(stretched, steps + 1):.3g} at step {steps + 1}" in s["resume_note"]
+        assert f"({s['resume_note']})" in _text(s)
+    else:
+        assert s["resume_note"] is None

@@ -30,6 +30,7 @@ def test_the_tutorial_runs_as_written(tmp_path):
         outputs.append(p.stdout)
     train, extend = outputs[2], outputs[3]
     assert "validation: the last 20 of 200 documents" in train
+    assert "re-looped" not in train + extend and (train + extend).count("the training data ran out") <= 2
     assert "resume: runs/mine/checkpoint/step-10 verified" in extend and "training.steps 10 -> 15" in extend
     assert (tmp_path / "runs/mine/config.resume-1.yaml").is_file()
     assert "max |transformers - apiary| logit difference" in outputs[5]

@@ -31,22 +31,34 @@ from framework.train import autotune_table, integrity
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
 
 
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A table on stdout: rich's in a terminal; piped or redirected, plain aligned text with every row
+    whole on one line (rich fitted the table to 80 columns there and cut cells with an ellipsis)."""
+    if console.is_terminal:
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c)
+        for row in rows:
+            t.add_row(*map(Text, row))
+        console.print(t)
+        return
+    rows = [tuple(" ".join(str(v).split()) for v in row) for row in rows]
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    console.print(title, markup=False, soft_wrap=True)
+    for row in [columns, *rows]:
+        console.print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip(), markup=False, soft_wrap=True)
+
+
 def _ls() -> int:
     kinds = registry.entries()  # a bad user registry (APIARY_REGISTRY) stops here, before any table is printed
-    t = Table(title="recipes", show_lines=False)
-    t.add_column("name")
-    t.add_column("description")
-    for name in recipes.recipe_names():
-        desc = (yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")
-        t.add_row(Text(name), Text(str(desc)))
-    console.print(t)
-    t = Table(title="registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)")
-    for c in ("kind", "name", "target", "doc", "from"):
-        t.add_column(c)
-    for kind, names in kinds.items():
-        for name, e in names.items():
-            t.add_row(*map(Text, (kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))))
-    console.print(t)
+    _table("recipes", ("name", "description"),
+           [(name, str((yaml.safe_load(recipes.recipe_path(name).read_text()) or {}).get("description", "")))
+            for name in recipes.recipe_names()])
+    console.print()
+    _table("registry (first name of each kind = baseline; `from`: registry.yaml or a user registry file)",
+           ("kind", "name", "target", "doc", "from"),
+           [(kind, name, e["target"], e["doc"], e.get("source", "registry.yaml"))
+            for kind, names in kinds.items() for name, e in names.items()])
     return 0
 
 

@@ -9,6 +9,7 @@ apiary only registers where the text comes from.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import datasets
 from datasets import load_dataset
+from torch import distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -91,6 +93,42 @@ def register(name: str, path: str | None, part: str = "all", fraction: float = 0
     return key
 
 
+class _NotReloopLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is being re-looped" not in str(record.msg)
+
+
+class Passes(text_datasets.HuggingFaceTextDataset):
+    """torchtitan's packed text dataset, whose every pass over a small dataset logged a warning
+    ("Dataset apiary_local_... is being re-looped (epoch N)", the tutorial printed several): that
+    line is dropped around its call only; the first pass of a launch is said once, by rank 0, and
+    each step's record carries the pass (``data/epoch``, 0 for the first), which the summary counts."""
+
+    _said = False
+    passes_done = 0  # the re-reads so far (torchtitan's epoch: kept in the dataset's state, so a resume goes on counting)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.passes_done = int(state_dict.get("epoch", 0))
+
+    def reloop(self) -> None:
+        quiet = _NotReloopLines()
+        root = logging.getLogger()  # torchtitan's logger
+        root.addFilter(quiet)
+        try:
+            super().reloop()
+        finally:
+            root.removeFilter(quiet)
+        self.passes_done += 1
+        if not self._said and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"apiary: the training data ran out; training goes over it again, reshuffled (pass "
+                  f"{self.passes_done + 1}); later passes are not announced: the summary counts them", flush=True)
+        self._said = True
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {"data/epoch": self.passes_done}
+
+
 class RankBlocks(IterableDataset, Stateful):
     """Every rank packs the same document stream; packed windows go to ranks in blocks of
     ``local_batch``. A global step therefore sees the same sequences for any data-parallel
@@ -109,6 +147,9 @@ class RankBlocks(IterableDataset, Stateful):
             self._window += 1
             if mine:
                 yield sample
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return self.inner.step_metrics(step)
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(), "window": self._window}
@@ -130,7 +171,7 @@ class PackedTextDataLoader(ParallelAwareDataloader):
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         by_docs = config.sharding == "documents"
-        ds = text_datasets.HuggingFaceTextDataset(
+        ds = Passes(
             dataset_name=config.dataset, dataset_path=config.dataset_path, tokenizer=tokenizer,
             seq_len=seq_len, dp_rank=dp_rank if by_docs else 0, dp_world_size=dp_world_size if by_docs else 1,
             infinite=config.infinite,

@@ -27,24 +27,64 @@ version is loaded onto that base with peft and merged.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # shards.py beside this file
 from shards import adapter_base, add_task_args, grpo_advantages, latest, reward, version_of, write_shard  # noqa: E402
 
 SAY_EVERY_S = 30.0  # how often a generator waiting for the first weights says so
 
+class _NotCacheRename(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "are deprecated. Use `cache` instead" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def quiet_cache_rename():
+    """transformers 5 renamed the forward's ``past_key_values`` to ``cache`` and warns (a FutureWarning
+    and a log line) when the old name is used; the generator passes and reads the old name, which every
+    transformers it runs with takes. Those two are dropped around its own forward only; other warnings show."""
+    generic = hf_logging.get_logger("transformers.utils.generic")
+    quiet = _NotCacheRename()
+    generic.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        generic.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def no_loading_bar():
+    """transformers' "Loading weights" bar, printed at every published version: off while the generator
+    loads one (the generator's own line per shard names the version), then as it was."""
+    if hf_logging.is_progress_bar_enabled():
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.enable_progress_bar()
+    else:
+        yield
+
+
 def load(folder: Path):
     """The published version in ``folder``: a whole model, or (a LoRA run) adapters that peft applies to
     the base folder they name, merged so that sampling and routing read one plain model."""
     base = adapter_base(folder)
-    model = AutoModelForCausalLM.from_pretrained(base if base is not None else folder, dtype=torch.float32)
+    with no_loading_bar():
+        model = AutoModelForCausalLM.from_pretrained(base if base is not None else folder, dtype=torch.float32)
     if base is not None:
         from peft import PeftModel  # reason: only LoRA runs need peft
 
@@ -62,8 +102,9 @@ def sample_group(model, prompt: list[int], group: int, new_tokens: int, temperat
     past = None
     step_ids = ids
     for _ in range(new_tokens):
-        out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        with quiet_cache_rename():
+            out = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
         probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=gen)
         ids = torch.cat([ids, nxt], dim=1)

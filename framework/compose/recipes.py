@@ -252,8 +252,8 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.",
-                        "Check the value's type against `train recipe=X --cfg job`.") from None
+        raise _wrong_type(e, overrides) or UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.",
+                                                     "Check the value's type against `train recipe=X --cfg job`.") from None
     OmegaConf.set_struct(cfg, False)
     cfg.recipe = path.stem
     OmegaConf.set_struct(cfg, True)
@@ -343,6 +343,25 @@ def _full_key(e: BaseException | None) -> str:
             return str(key)
         e, seen = e.__cause__ or e.__context__, seen + 1
     return ""
+
+
+_EXPECTED = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
+             "StringNode": "a string"}
+
+
+def _wrong_type(e: Exception, overrides: list[str]) -> UserError | None:
+    """An override whose value the key's type cannot hold (``training.steps=five``), as one sentence naming
+    the key, the value as typed and the type (was: the override twice, then OmegaConf's words); None for
+    any other composition error."""
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    expected = _EXPECTED.get(type(getattr(cause, "child_node", None)).__name__)
+    typed = [o.partition("=")[2] for o in overrides if o.lstrip("+").partition("=")[0] == key]
+    if not (key and expected and typed):
+        return None
+    now = cause.parent_node.get(cause.key) if isinstance(cause.parent_node, DictConfig) else None
+    example = f" (for example {key}={str(now).lower() if isinstance(now, bool) else now})" if now is not None else ""
+    return UserError(key, f"takes {expected}, not {typed[-1]!r}{example}.")
 
 
 def _first_line(e: Exception) -> str:

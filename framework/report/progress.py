@@ -68,9 +68,19 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def loss_text(x) -> str:
+    """A loss for the console: 4 decimals, but 3 significant digits in scientific notation below 1e-3 (a
+    policy loss sits near 0: it printed `-0.0000`) and never a negative zero; nan/inf as Python writes them."""
+    if not _num(x) or not math.isfinite(x):
+        return str(x)
+    if x == 0 or abs(x) >= 1e-3:
+        return f"{x + 0.0:.4f}"  # + 0.0: -0.0 becomes 0.0
+    return f"{x:.2e}"
+
+
 def step_text(rec: dict, total: int) -> str:
     """One logged step as text (without elapsed and ETA)."""
-    parts = [f"step {rec['step']:>5}/{total}", f"loss {rec['loss']:.4f}", *rl_parts(rec)]
+    parts = [f"step {rec['step']:>5}/{total}", f"loss {loss_text(rec['loss'])}", *rl_parts(rec)]
     if _num(rec.get("val_loss")):
         parts.append(f"val_loss {rec['val_loss']:.4f}")
     if _num(rec.get("grad_norm")):
@@ -223,7 +233,7 @@ class Progress:
         parts = [f"{pct:.0f}%", f"elapsed {duration(self.elapsed())}", f"ETA {duration(self.eta())}"]
         if _num(self.tok_s):
             parts.append(f"{self.tok_s:,.0f} tok/s")
-        parts.append(f"loss {self.loss:.4f}")
+        parts.append(f"loss {loss_text(self.loss)}")
         if _num(self.reward):
             parts.append(f"reward {self.reward:.4g}")
         if _num(self.val_loss):

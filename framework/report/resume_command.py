@@ -5,6 +5,12 @@ launch, as given, which the hand-off carries to rank 0 (``Resolved.launch``) and
 
 from __future__ import annotations
 
+import math
+
+from omegaconf import OmegaConf
+
+from framework.resolve import resume
+
 # keys a resume command sets itself, or that follow from the recipe
 _NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description")
 
@@ -23,3 +29,47 @@ def run_overrides(launch: dict | None) -> list[str] | None:
     last = {_key(o): i for i, o in enumerate(launch["overrides"])}
     return [o for i, o in enumerate(launch["overrides"]) if last[_key(o)] == i
             and _key(o) not in _NOT_REPEATED and not _key(o).startswith("hydra.")]
+
+
+def _down(x: float, digits: int = 3) -> float:
+    """``x`` cut (not rounded up) to ``digits`` significant digits: a rate printed in a command that never
+    exceeds the one it stands for."""
+    near = float(f"{x:.{digits}g}")
+    if near <= x * (1 + 1e-9):  # rounding did not go up (beyond the float noise of x's arithmetic)
+        return near
+    e = math.floor(math.log10(x)) - digits + 1
+    return float(f"{math.floor(x / 10**e) * 10**e:.{digits}g}")
+
+
+def continuation(cfg, steps: int) -> tuple[list[str], str]:
+    """The schedule overrides for training a finished run of ``steps`` steps on to ``2 * steps``, and a note
+    (empty when nothing needs saying). The default never raises the learning rate at the step after the
+    last: ``lr.total_steps`` stretched over the new steps restarts part of the decay (step 10 of 10 at 1/8
+    of optimizer.lr, step 11 of 20 at 5/9 of it), so (0) a schedule laid out past the new steps, kept;
+    (1) where the stretch does not raise it, the stretch; (2) where the schedule's own end is above 0, the
+    schedule kept (steps past it hold its final rate); (3) else the stretch from the rate the run reached
+    (optimizer.lr scaled so step ``steps + 1`` uses at most the rate step ``steps`` used). The note names
+    the rate the plain stretch would jump to."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    to, lr0 = 2 * steps, float(c["optimizer"]["lr"])
+
+    def next_lr(total: int, lr: float) -> float:
+        return resume.lr_at({**c, "training": {**c["training"], "steps": to}, "lr": {**c["lr"], "total_steps": total},
+                             "optimizer": {**c["optimizer"], "lr": lr}}, steps + 1)
+
+    last, horizon = resume.lr_at(c, steps), resume.horizon(c)
+    stretched, held = next_lr(to, lr0), next_lr(horizon, lr0)
+    if horizon >= to:  # the schedule was laid out past the new steps: it goes on as planned
+        return [f"lr.total_steps={horizon}"], ""
+    if stretched <= last * (1 + 1e-9):
+        return [f"lr.total_steps={to}"], ""
+    jump = f"lr.total_steps={to} alone stretches the schedule and raises the lr to {stretched:.3g} at step {steps + 1}"
+    if held > 0:
+        return [f"lr.total_steps={horizon}"], (f"step {steps} used lr {last:.3g}; this keeps the schedule (steps after "
+                                               f"{horizon} hold its final lr {held:.3g}); {jump}")
+    if last <= 0:
+        return [f"lr.total_steps={to}"], f"step {steps} used lr 0; {jump}"
+    scaled = _down(lr0 * last / stretched)
+    return [f"lr.total_steps={to}", f"optimizer.lr={scaled:g}"], (
+        f"step {steps} used lr {last:.3g}; this stretches the schedule over {to} steps from that rate (optimizer.lr="
+        f"{scaled:g}: lr {next_lr(to, scaled):.3g} at step {steps + 1}, then the stretched shape); {jump}")

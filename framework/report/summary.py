@@ -41,8 +41,8 @@ from rich.text import Text
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
-from framework.report.progress import duration, make_console, memory_label
-from framework.report.resume_command import run_overrides
+from framework.report.progress import duration, loss_text, make_console, memory_label
+from framework.report.resume_command import continuation, run_overrides
 from framework.resolve import resume
 from framework.train import integrity
 
@@ -229,16 +229,17 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     launch = launch if launch is not None else resume.last_launch(run_dir)
     given = (launch or {}).get("recipe") or recipe  # a recipe file by its path, as given at launch
     out = str(run_dir)
-    commands = {}
+    commands, note = {}, ""
     if checkpoint is not None:
         overrides = run_overrides(launch)
         unknown = overrides is None
         overrides = overrides or []
         to = total_steps
-        if stop is None and total_steps is not None:  # it finished: train on, the schedule stretched over the
-            to = 2 * total_steps                      # new steps (a resume asks for that choice, framework/resolve/resume.py)
-            if "lr" in cfg and "total_steps" in cfg.lr:
-                overrides = [o for o in overrides if not o.startswith("lr.total_steps=")] + [f"lr.total_steps={to}"]
+        if stop is None and total_steps is not None:  # it finished: train on, the lr never raised at the next step
+            to = 2 * total_steps                      # (a resume asks for a choice of schedule, framework/resolve/resume.py)
+            if "lr" in cfg and "total_steps" in cfg.lr and "optimizer" in cfg:
+                schedule, note = continuation(cfg, total_steps)
+                overrides = [o for o in overrides if not o.startswith(tuple(x.split("=")[0] + "=" for x in schedule))] + schedule
         commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                               f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
                               + (" (and this run's overrides)" if unknown else ""))
@@ -260,6 +261,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "launches": len(launches),
         "wall_time_s": round(wall, 3) if wall is not None else None,
         "tokens": tokens,
+        "data_passes": max(epochs) + 1 if (epochs := [r["data/epoch"] for r in train if _finite(r.get("data/epoch"))])
+        else None,  # a text source re-read from its start (data/epoch: 0 on the first pass)
         "tokens_per_s_mean": round(tok_s, 3) if tok_s is not None else None,
         "tokens_per_s_mean_excludes": "the first logged step of each launch (compile, warm-up)",
         "tokens_per_s_missing_because": None if tok_s is not None else (
@@ -283,6 +286,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "val_loss_step": vals[-1]["step"] if vals else None,
         "checkpoint": checkpoint,
         "next": commands,
+        "resume_note": note or None,  # the learning rate the resume continues at, and the stretch it is not
         "export_missing_because": no_base_on_disk(cfg) if checkpoint is not None else None,
     }
 
@@ -296,6 +300,8 @@ def write(summary: dict) -> Path:
 
 
 def _fmt(x, spec: str, none: str = "n/a") -> str:
+    if spec == "loss":
+        return loss_text(x) if _finite(x) else none
     return format(x, spec) if _finite(x) else none
 
 
@@ -308,6 +314,9 @@ def lines(s: dict) -> list[tuple[str, str]]:
         rows.append(("wall time", f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s, trainer build to last step)"))
     if s["tokens"] is not None:
         rows.append(("tokens", f"{s['tokens']:,}"))
+    if (s.get("data_passes") or 0) > 1:
+        rows.append(("data", f"{s['data_passes']} passes over the training data (it ran out and was reshuffled "
+                             f"{s['data_passes'] - 1} times)"))
     rows.append(("tok/s (mean)", f"{s['tokens_per_s_mean']:,.0f} (first step left out: compile, warm-up)"
                  if s["tokens_per_s_mean"] is not None else f"n/a ({s['tokens_per_s_missing_because']})"))
     if s["device"] not in (None, "cpu"):
@@ -323,11 +332,11 @@ def lines(s: dict) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{s['peak_mem_bytes'] / 2**30:.2f} GiB ({s['peak_mem_label']})"))
     rl = s.get("rl_objective")
     if s["loss_first"] is not None and rl:  # a policy loss: its lowest value says nothing of the policy
-        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} "
+        rows.append(("loss", f"first {_fmt(s['loss_first'], 'loss')} · last {_fmt(s['loss_last'], 'loss')} "
                              "(a policy objective: see the reward)"))
     elif s["loss_first"] is not None:
-        rows.append(("loss", f"first {_fmt(s['loss_first'], '.4f')} · last {_fmt(s['loss_last'], '.4f')} · "
-                             f"best {_fmt(s['loss_best'], '.4f')}"
+        rows.append(("loss", f"first {_fmt(s['loss_first'], 'loss')} · last {_fmt(s['loss_last'], 'loss')} · "
+                             f"best {_fmt(s['loss_best'], 'loss')}"
                              + (f" (step {s['loss_best_step']})" if s["loss_best_step"] is not None else "")))
     if rl:
         rows.extend(_rl_rows(s))
@@ -377,5 +386,7 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
         console.print(Text("next", style=bold), soft_wrap=True)
         for key, cmd in s["next"].items():
             console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)
+            if key == "resume" and s.get("resume_note"):
+                console.print(Text(f"  {'':<{width}}  ({s['resume_note']})"), soft_wrap=True)
         if s.get("export_missing_because"):
             console.print(Text(f"  {'export':<{width}}  {s['export_missing_because']}"), soft_wrap=True)

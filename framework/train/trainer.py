@@ -125,8 +125,8 @@ class ApiaryTrainer(FollowMode, Trainer):
             self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
         if self._loss_set_batch is not None:  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._extra_metrics
-        elif isinstance(getattr(self.dataloader, "dataset", None), contracts.FollowedData):
-            self.metrics_processor.extra_source = self._extra_metrics
+        elif isinstance(getattr(self.dataloader, "dataset", None), (contracts.FollowedData, contracts.DataStepMetrics)):
+            self.metrics_processor.extra_source = self._extra_metrics  # a dataset's own scalars (data/...)
         if self.parallel_dims.cp_enabled and not self.parallel_dims.pp_enabled:
             self.metrics_processor.max_loss_source = self._max_loss_over_dp
         if self.parallel_dims.pp_enabled:  # the held-out loss too: only the last stage computes it
