@@ -167,7 +167,9 @@ class Snapshot:
                     if tuple(t.shape) != tuple(dst.shape):
                         raise RuntimeError(f"weight {name}: shape {tuple(t.shape)} differs from the plan's "
                                            f"{tuple(dst.shape)}")
-                    dst.copy_(t.to(device=self.device, dtype=self.plan.dtype), non_blocking=True)
+                    # copy_ casts and moves in one kernel: no temporary of the wire dtype per tensor (the
+                    # experts are one tensor each), the same rounding as a cast before the copy
+                    dst.copy_(t, non_blocking=True)
                     written += 1
             del group
         if self.holder and written != len(self._index):
