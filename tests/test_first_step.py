@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -306,3 +307,48 @@ def test_without_the_lock_both_processes_tune(tmp_path):
     pytest.importorskip("triton")
     outs, benched, _ = _tuners(tmp_path, 2, mode="nolock")
     assert len(benched) == 2 and [o["hit"] for o in outs] == [False, False]
+
+
+def test_a_long_first_step_says_so_while_it_runs_and_stops_when_it_ends(monkeypatch, capsys):
+    """A first step still running after NOTE_EVERY_S prints what it has done so far (compile, autotuning,
+    the kernel being tuned now) each period on rank 0; the notes stop once the step is recorded."""
+    monkeypatch.setattr(first_step, "NOTE_EVERY_S", 0.05)
+    monkeypatch.setattr(first_step, "compile_seconds", lambda: 0.0)
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    monkeypatch.delenv("RANK", raising=False)
+    s = first_step.FirstStep()
+    s.begin()
+    s.step_started()
+    kernel_cache.LOG(fn=None, key=(1,), best_config=None, configs_timings={}, duration=40.0, cache_hit=False)
+    kernel_cache.LOG.tuning_now = "chunk_bwd_kernel_dhu"
+    time.sleep(0.3)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("first step: still running")]
+    assert len(lines) >= 2, lines
+    assert "autotuning 40 s: 1 kernel tuned, tuning chunk_bwd_kernel_dhu now" in lines[-1], lines[-1]
+    s.record()
+    time.sleep(0.2)
+    assert "still running" not in capsys.readouterr().out  # the notes end with the step
+
+
+def test_only_rank_0_notes_a_long_first_step(monkeypatch, capsys):
+    monkeypatch.setattr(first_step, "NOTE_EVERY_S", 0.05)
+    monkeypatch.setenv("RANK", "1")
+    s = first_step.FirstStep()
+    s.begin()
+    s.step_started()
+    time.sleep(0.2)
+    s.record()
+    assert "still running" not in capsys.readouterr().out
+
+
+def test_the_kernel_being_tuned_is_named_while_triton_benchmarks_it(tmp_path, monkeypatch):
+    """kernel_cache's lock around Triton's disk-cache check names the kernel while its configs run."""
+    at = pytest.importorskip("triton.runtime.autotuner")
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    seen = []
+    wrapped = kernel_cache._locked_check_disk_cache(lambda self, key, configs, bench: bench() or False)
+    tuner = type("T", (), {"fn": type("F", (), {"__name__": "my_kernel", "cache_key": "k"})()})()
+    monkeypatch.setattr(kernel_cache, "jit_function", lambda t: t.fn)
+    monkeypatch.setattr(kernel_cache, "_lock_path", lambda *a: tmp_path / "lock")
+    wrapped(tuner, ("key",), [at.Config({})], lambda: seen.append(kernel_cache.LOG.tuning_now))
+    assert seen == ["my_kernel"] and kernel_cache.LOG.tuning_now is None

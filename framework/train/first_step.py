@@ -21,16 +21,23 @@ and recorded in that step's metrics.jsonl record.
   optimizer, communication).
 
 compile + autotune + other = wall (each clamped to be non-negative, so the parts never exceed it).
+
+A first step still running after ``NOTE_EVERY_S`` says so on rank 0, and again each time that passes:
+the compile and autotuning seconds so far, the kernels tuned and the one being tuned now (a fresh
+machine's first step of a GatedDeltaNet model autotunes for minutes, which looked like a hang).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 
 from framework.train import autotune_table, kernel_cache
 
 _COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
+NOTE_EVERY_S = 60.0  # a first step running longer says so, once per period (rank 0)
 
 
 def compile_seconds() -> float:
@@ -44,9 +51,11 @@ def compile_seconds() -> float:
 
 class FirstStep:
     def __init__(self):
+        self._stop: threading.Event | None = None
         self.reset()
 
     def reset(self) -> None:
+        self._stop_notes()
         self.t_begin = self.t_step = None
         self.data_wait = self.publish = 0.0  # before the first step, not building the trainer
         self.compile0 = self.autotune0 = self.wait0 = 0.0
@@ -77,12 +86,42 @@ class FirstStep:
         self.wait0 = kernel_cache.LOG.total_wait_seconds
         self.by_kernel0 = dict(kernel_cache.LOG.by_kernel)
         self.table0 = autotune_table.COUNTS.exact + autotune_table.COUNTS.union
+        if NOTE_EVERY_S > 0 and os.environ.get("RANK", "0") == "0":
+            self._stop = threading.Event()
+            threading.Thread(target=self._notes, args=(self._stop, NOTE_EVERY_S), name="apiary-first-step",
+                             daemon=True).start()
+
+    def _notes(self, stop: threading.Event, every: float) -> None:
+        while not stop.wait(every):
+            print(self.progress_line(), flush=True)
+
+    def _stop_notes(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+
+    def progress_line(self) -> str:
+        """The first step so far, while it runs: its seconds, compile and autotuning so far, the kernel
+        being tuned now (known where the autotuning results are cached: kernel_cache.tune_lock)."""
+        parts = []
+        compile_s = max(compile_seconds() - self.compile0, 0.0)
+        if compile_s:
+            parts.append(f"compile {compile_s:.0f} s")
+        log = kernel_cache.LOG
+        tuned, now = log.total_tuned - self.tuned0, log.tuning_now
+        if tuned or now:
+            tuning = max(log.total_seconds - self.autotune0 + log.total_wait_seconds - self.wait0, 0.0)
+            parts.append(f"autotuning {tuning:.0f} s: {tuned} kernel{'s' if tuned != 1 else ''} tuned"
+                         + (f", tuning {now} now" if now else ""))
+        so_far = f"first step: still running after {time.perf_counter() - self.t_step:.0f} s"
+        return so_far + (f" ({'; '.join(parts)})" if parts else "") + "; its breakdown follows when it ends"
 
     def record(self) -> dict:
         """The breakdown, once (at the first logged step after step_started); {} otherwise."""
         if self.done or self.t_step is None:
             return {}
         self.done = True
+        self._stop_notes()
         self.slowest = self._slowest()  # not a scalar: metrics.jsonl only (JsonlLogger), not the other loggers
         now = time.perf_counter()
         wall = now - self.t_step

@@ -159,7 +159,11 @@ def _locked_check_disk_cache(original):
 
         def bench():
             benched.append(True)
-            bench_fn()
+            LOG.tuning_now = getattr(fn, "__name__", "kernel")  # the first step's progress line names it
+            try:
+                bench_fn()
+            finally:
+                LOG.tuning_now = None
 
         with tune_lock(_lock_path(str(getattr(fn, "cache_key", "")), getattr(fn, "__name__", "kernel"),
                                   tuning_key, configs)):
@@ -189,6 +193,7 @@ class AutotuneLog:
         self.total_seconds, self.total_tuned = 0.0, 0  # since the process started (never reset)
         self.total_wait_seconds = 0.0  # waiting on another process's tuning of the same kernel (tune_lock)
         self.by_kernel: dict[str, float] = {}  # kernel name -> seconds tuning it (all keys) since the process started
+        self.tuning_now: str | None = None  # the kernel being tuned at this moment (where results are cached)
 
     def __call__(self, *, fn, key, best_config, configs_timings, duration, cache_hit, **_):
         if cache_hit:
