@@ -390,3 +390,38 @@ def test_an_ipc_engine_on_another_gpu_is_refused_before_any_transfer():
     same_gpu_or_refuse("nccl", "GPU-a", {"gpu_uuids": ["GPU-b"]})  # NCCL: other GPUs are the point
     with pytest.raises(UserError, match=r"not on the trainer's rank-0 GPU GPU-a.*publish.transport=vllm_nccl"):
         same_gpu_or_refuse("ipc", "GPU-a", {"gpu_uuids": ["GPU-b"]})
+
+
+def test_a_stacked_weights_slices_go_in_one_copy_and_nothing_else_merges():
+    """coalesce: consecutive slices of one tensor into back-to-back places merge into one flat copy; a
+    gap, another storage or a transposed view on either side keeps its own; the copies land the same."""
+    src = torch.randn(6, 4, 3)
+    other = torch.randn(2, 4, 3)
+    buf = torch.zeros(12 * 12)
+    dsts = [buf[i * 12:(i + 1) * 12].view(4, 3) for i in range(12)]
+    pairs = [(dsts[0], src[0]), (dsts[1], src[1]), (dsts[2], src[2]),  # one run of three
+             (dsts[3], src[4]),  # a gap in the source
+             (dsts[4], src[5]),  # continues src[4]: a run of two with the one above
+             (dsts[5], other[0]),  # another storage
+             (dsts[7], other[1]),  # a gap in the destination
+             (dsts[8], src[0].t().t().contiguous()),  # a copy: another storage
+             (dsts[9], torch.randn(3, 4).t())]  # not contiguous
+    merged = snapshot.coalesce(pairs)
+    assert [d.numel() for d, _ in merged] == [36, 24, 12, 12, 12, 12]
+    for d, s in merged:
+        d.copy_(s)
+    for d, s in pairs:
+        assert torch.equal(d, s)
+
+
+def test_a_fill_copies_each_stacked_expert_weight_once():
+    """qwen3_5's experts are one tensor each in the published names but one stacked weight in the model:
+    the fill copies the stacked weight in one go (fewer copies than tensors) and the values stay those of
+    the published folder (test_buckets_hold_the_published_folder)."""
+    model = api.build_model("qwen35_debug_moe")
+    writer = _writer("qwen35_debug_moe")
+    p = snapshot.plan(snapshot.meta_state([model]), writer.to_hf, torch.bfloat16, bucket_bytes=2**30)
+    snap = snapshot.Snapshot(p, torch.device("cpu"), holder=True)
+    n = snap.fill([model], writer.to_hf)
+    experts = sum(".mlp.experts." in e.name for e in p.entries())
+    assert experts > 0 and snap.copies <= n - experts + 3 * len(model.layers), (snap.copies, n, experts)

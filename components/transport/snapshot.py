@@ -132,6 +132,7 @@ class Snapshot:
         self._index = {e.name: (i, e) for i, b in enumerate(p.buckets) for e in b.entries}
         alloc = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, device=device))
         self.buffers = [alloc(b.nbytes) for b in p.buckets] if holder else []
+        self.copies = 0  # copy_ calls the fills made (consecutive slices of one weight go in one)
 
     def view(self, name: str) -> torch.Tensor:
         i, e = self._index[name]
@@ -158,20 +159,56 @@ class Snapshot:
                     group[k] = v.detach()
             if not self.holder:
                 continue
+            pairs = []
+            for name, t in to_hf(group).items():
+                if name not in self._index:
+                    raise RuntimeError(f"weight {name} is not in the transfer plan (the model changed after "
+                                       "the plan was made)")
+                dst = self.view(name)
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise RuntimeError(f"weight {name}: shape {tuple(t.shape)} differs from the plan's "
+                                       f"{tuple(dst.shape)}")
+                pairs.append((dst, t))
             with torch.no_grad():
-                for name, t in to_hf(group).items():
-                    if name not in self._index:
-                        raise RuntimeError(f"weight {name} is not in the transfer plan (the model changed after "
-                                           "the plan was made)")
-                    dst = self.view(name)
-                    if tuple(t.shape) != tuple(dst.shape):
-                        raise RuntimeError(f"weight {name}: shape {tuple(t.shape)} differs from the plan's "
-                                           f"{tuple(dst.shape)}")
-                    # copy_ casts and moves in one kernel: no temporary of the wire dtype per tensor (the
-                    # experts are one tensor each), the same rounding as a cast before the copy
-                    dst.copy_(t, non_blocking=True)
-                    written += 1
-            del group
+                # copy_ casts and moves in one kernel (the same rounding as a cast before the copy); the
+                # experts of one stacked weight, one tensor each in the published names, go in one copy
+                for dst, src in coalesce(pairs):
+                    dst.copy_(src, non_blocking=True)
+                    self.copies += 1
+            written += len(pairs)
+            del group, pairs
         if self.holder and written != len(self._index):
             raise RuntimeError(f"the model filled {written} of the plan's {len(self._index)} weights")
         return written
+
+
+def _follows(prev: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` starts in memory where ``prev`` ends, in the same storage (both contiguous, one dtype)."""
+    return (prev.is_contiguous() and t.is_contiguous() and prev.dtype == t.dtype and prev.device == t.device
+            and prev.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            and t.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
+
+
+def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs where consecutive pairs continue one another in memory on both
+    sides (a stacked weight's slices into back-to-back places of a bucket) merged into one pair of
+    flat views over the run; the rest as they are. Copying the result copies the same elements."""
+    out, run = [], []
+    for dst, src in pairs:
+        if run and _follows(run[-1][0], dst) and _follows(run[-1][1], src):
+            run.append((dst, src))
+        else:
+            if run:
+                out.append(_merged(run))
+            run = [(dst, src)]
+    if run:
+        out.append(_merged(run))
+    return out
+
+
+def _merged(run: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(run) == 1:
+        return run[0]
+    n = sum(d.numel() for d, _ in run)
+    (d0, s0) = run[0]
+    return d0.as_strided((n,), (1,)), s0.as_strided((n,), (1,))
