@@ -33,12 +33,12 @@ def _one(out: str, seed: int, k: float) -> None:
 
     import framework  # noqa: F401
     from framework.resolve.resolver import resolve
-    from framework.train import run
+    from framework.train import process, run
     from framework.train.build import trainer_config
 
     torch.set_num_threads(1)
     r = resolve("debug_moe", [*OVERRIDES, f"output_dir={out}"])
-    run._single_process_env()
+    process.single_process_env()
     run.write_run_files(r)
     trainer = trainer_config(r).build()
     gen = torch.Generator().manual_seed(seed)

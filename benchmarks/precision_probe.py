@@ -95,7 +95,7 @@ def record(out: Path, tag: str, args: list[str]) -> None:
 
         te_mod.fp8_autocast = lambda recipe: contextlib.nullcontext()
     from framework import devices
-    from framework.train import run
+    from framework.train import process
 
     devices.install()
     rng_log: list = []
@@ -115,7 +115,7 @@ def record(out: Path, tag: str, args: list[str]) -> None:
     from toolkit import probe as P
 
     recipe, overrides = P._probe_args(args, out / tag)
-    run._single_process_env()
+    process.single_process_env()
     r = resolve(recipe, overrides)
     trainer = trainer_config(r).build()
     trainer.checkpointer.load(step=-1)

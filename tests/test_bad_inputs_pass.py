@@ -252,8 +252,8 @@ def test_recipe_values_of_a_setting_turned_off_are_not_refused(workdir, clean_en
 def test_an_adapter_that_loads_its_base_itself_keeps_load_path(workdir, clean_env):
     """adapter=lora loads checkpoint.load_path (its frozen base) at every launch, checkpointing on or off,
     resumed or not: neither refusal applies to it."""
-    from framework.resolve.outputs import check_resume_load_path
     from framework.resolve.resolver import resolve
+    from framework.resolve.resume import check_resume_load_path
 
     lora = ["adapter=lora", "moe.load_balance_coeff=null", "checkpoint.load_path=seed/step-0", "output_dir=run"]
     r = resolve(None, [*lora, "checkpoint.enable=false"], for_training=False)

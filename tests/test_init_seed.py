@@ -20,7 +20,7 @@ WORKER = r"""
 import json, sys
 import torch
 from framework import devices
-from framework.train import run
+from framework.train import process
 devices.install()
 import framework.train.trainer as ft
 from framework.train.build import trainer_config
@@ -29,7 +29,7 @@ from framework.resolve.resolver import resolve
 out, draw, restore = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 if not restore:
     ft._init_from_seed = lambda: None
-run._single_process_env()
+process.single_process_env()
 r = resolve("debug_moe", ["training.steps=1", "checkpoint.enable=false", "logging.tensorboard=false",
                           f"output_dir={out}"])
 tc = trainer_config(r)

@@ -201,7 +201,8 @@ def _trainer_run(recipe: str, overrides: list[str], inspect=None):
 
     from framework.resolve.resolver import resolve
     from framework.train.build import trainer_config
-    from framework.train.run import _single_process_env, write_run_files
+    from framework.train.process import single_process_env
+    from framework.train.run import write_run_files
 
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.pop(k, None) for k in keys}
@@ -209,7 +210,7 @@ def _trainer_run(recipe: str, overrides: list[str], inspect=None):
     trainer = None
     try:
         r = resolve(recipe, overrides)
-        _single_process_env()
+        single_process_env()
         write_run_files(r)
         trainer = trainer_config(r).build()
         before = {n: p.detach().clone() for n, p in trainer.model_parts[0].named_parameters()}

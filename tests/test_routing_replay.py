@@ -163,14 +163,14 @@ import json, sys
 import torch
 import torch.distributed as dist
 from framework import devices
-from framework.train import run
+from framework.train import process
 devices.install()
 from framework.train.build import trainer_config
 from framework.resolve.resolver import resolve
 from components.moe import routing_replay as rr
 
 src, dst, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-run._single_process_env()
+process.single_process_env()
 r = resolve("debug_grpo", overrides)
 trainer = trainer_config(r).build()
 model, ds = trainer.model_parts[0], trainer.dataloader.dataset

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from framework.compose import recipes
 from framework.report import summary
-from framework.resolve import resume
+from framework.resolve import resume, values
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -258,7 +258,7 @@ def test_the_suggested_resume_never_raises_the_learning_rate(tmp_path, schedule)
                               f"training.steps={2 * steps}"], resume_cmd
     old = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
     new = OmegaConf.to_container(recipes.load("debug_moe", resume_cmd[2:]), resolve=True)
-    resume.check_tail(new)  # the resume check accepts it: no steps at lr 0
+    values.check_tail(new)  # the resume check accepts it: no steps at lr 0
     assert resume.lr_at(new, steps + 1) <= resume.lr_at(old, steps) * (1 + 1e-9), (s["next"]["resume"], s["resume_note"])
     stretched = {**new, "lr": {**new["lr"], "total_steps": 2 * steps}, "optimizer": old["optimizer"]}
     if resume.lr_at(stretched, steps + 1) > resume.lr_at(old, steps) * (1 + 1e-9):

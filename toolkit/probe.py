@@ -51,7 +51,7 @@ from framework.cli import train_main
 from framework.compose import recipes, registry
 from framework.compose.hydra_cli import ALIASES
 from framework.resolve.resolver import resolve
-from framework.train import run
+from framework.train import process
 from framework.train.build import trainer_config
 
 DEFAULT_MAX_NUMEL = 2**28
@@ -218,8 +218,8 @@ def probe(resolved, dump_dir: str | os.PathLike | None = None, max_numel: int = 
     rank 0 (other ranks: {}) and writes DIR/probe.json, DIR/grads.pt, DIR/logits.pt."""
     devices.install()
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # one process, maybe after a run in this process:
-        os.environ.pop("MASTER_PORT", None)  # _single_process_env picks a fresh one
-    run._single_process_env()
+        os.environ.pop("MASTER_PORT", None)  # single_process_env picks a fresh one
+    process.single_process_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     dump = Path(dump_dir) if dump_dir is not None else Path(resolved.cfg.output_dir)

@@ -97,6 +97,13 @@ def _check_recipe_file(path: Path) -> dict:
     return data
 
 
+def read(path: Path) -> dict:
+    """The recipe file ``recipe=`` names, checked before Hydra composes it: its YAML and the chain it
+    extends (``_check_yaml``), then that it is not empty (``_check_recipe_file``); its mapping."""
+    _check_yaml(path)
+    return _check_recipe_file(path)
+
+
 def _not_extending(path: Path, data: dict, why: str) -> UserError:
     """A recipe that extends neither _defaults nor a recipe, and cannot stand alone (``why``)."""
     what = ("has no `defaults:` list" if "defaults" not in data else

@@ -20,11 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework import contracts
-from framework.compose import registry
+from framework.compose import recipe_files, registry
 from framework.compose.recipe_files import (
     RECIPES_DIR,
-    _check_recipe_file,
-    _check_yaml,
     _not_extending,
     _option_of,
     _unknown_key_in_file,
@@ -158,8 +156,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     overrides = list(overrides or [])
     path = recipe_path(recipe)
     where = f"recipe {recipe}"
-    _check_yaml(path)
-    data = _check_recipe_file(path)
+    data = recipe_files.read(path)  # its YAML, what it extends, not empty
     use_registries(path, overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)

@@ -265,7 +265,7 @@ class FollowedData(Protocol):
 class LaunchEnv:
     """What the framework hands a launcher at launch (so launchers import nothing else of it)."""
 
-    resolved: Any  # framework.resolve.context.Resolved: the run being launched
+    resolved: Any  # framework.resolve.resolver.Resolved: the run being launched
     supervise: Any  # supervise(cmd, env, nproc) -> exit code: run torchrun and forward stop signals
     # run_here() -> exit code: train ``resolved`` in this process (one rank; framework.train.run.train_here)
     run_here: Any = None

@@ -12,6 +12,7 @@ name is looked up. Bad input is one paragraph (UserError, exit 2) before anythin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -23,10 +24,10 @@ from rich.text import Text
 from framework import contracts
 from framework.compose import recipes, registry
 from framework.errors import UserError
-from framework.launch import runlock
+from framework.launch import lifecycle, runlock
 from framework.plan.preflight import check_memory
 from framework.resolve import paths
-from framework.resolve.handoff import preview_resolved
+from framework.resolve.handoff import preview_resolved, write_resolved
 from framework.resolve.inputs import world_size_env
 from framework.resolve.outputs import default_output_dir
 from framework.resolve.resolver import check_candidate, resolve
@@ -63,6 +64,15 @@ def world_size(cfg) -> int:
     if check_options is not None:
         check_options(cfg.launcher)
     return int(cls.world_size(cfg.launcher))
+
+
+def launch_env(resolved, argv: list[str] | None = None, verbose: bool = False) -> contracts.LaunchEnv:
+    """What a launcher component needs of the framework to start ``resolved``'s ranks with ``train argv``."""
+    def worker_env(ranks_argv: list[str] | None = None) -> dict[str, str]:
+        return write_resolved(resolved, list(argv or []) if ranks_argv is None else list(ranks_argv))
+
+    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise,
+                               run_here=functools.partial(run.train_here, resolved, verbose), worker_env=worker_env)
 
 
 def recipe_arg(recipe: str | None) -> list[str]:
@@ -164,7 +174,7 @@ def launch(recipe: str | None, overrides: list[str], *, dry_run: bool = False, v
     except UserError as e:
         return fail(e)
     try:
-        env = dataclasses.replace(run.launch_env(r, argv, verbose), warned=True)
+        env = dataclasses.replace(launch_env(r, argv, verbose), warned=True)
         return int(cls.launch(r.cfg.launcher, argv, env))
     except UserError as e:  # found while the model loads (e.g. a NaN in a checkpoint tensor)
         return fail(e)
@@ -193,7 +203,7 @@ def _dry_run(cls, r, argv: list[str]) -> int:
         console.print(" ".join(shlex.quote(str(c)) for c in cmd), markup=False)
         return 0
 
-    env = dataclasses.replace(run.launch_env(r, argv), supervise=print_command, warned=True,
+    env = dataclasses.replace(launch_env(r, argv), supervise=print_command, warned=True,
                               run_here=lambda: print_command(["train", *argv]),
                               worker_env=lambda ranks_argv=None: {})
     try:

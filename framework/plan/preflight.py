@@ -9,6 +9,11 @@ command line) when set, else the local accelerator. A CPU run on this machine (l
 accelerator, no ``preflight.gpu``) is checked against the host's available memory instead: every
 rank's planned terms (activations at the run's dtype, no CUDA reserve) plus one process's fixed
 resident size, times the ranks, against MemAvailable (and a cgroup limit, when one is set).
+
+    check_plan(r, recipe, overrides, check, for_training)
+
+is what resolve asks of the planner once the run is resolved: the choices components leave to the memory
+budget (``choose_by_budget``), then, for a launch, the memory preflight (``check_memory``).
 """
 
 from __future__ import annotations
@@ -359,3 +364,13 @@ def check_host_memory(r, recipe, overrides, check) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         f"[yellow]warning[/yellow] memory: {head}; that is {verdict} the available memory (the planner's "
         f"measured error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory.", markup=True)
+
+
+def check_plan(r, recipe, overrides, check, for_training: bool) -> None:
+    """The planner's part of resolving ``r``: the components' choices by memory budget (said on the run's
+    first lines, ``r.data_summary``), then for a launch the memory preflight, whose suggestions ``check``
+    checks (framework.resolve.resolver.check_candidate)."""
+    choose_by_budget(r, for_training)
+    r.data_summary = "\n".join(r.ctx.summary)
+    if for_training:
+        check_memory(r, recipe, overrides, check)

@@ -1,36 +1,20 @@
 """The components of a run: each kind's chosen component and its Options (``context``), the model's
 facts, and every kind's ``check``; a component's ValueError becomes a UserError naming its key.
+
+    check(cfg, for_training, world_size) -> (ctx, grad_accum)
+
+is what resolve asks of it: the context built, the model's facts, the layout on ``world_size`` ranks
+(framework/resolve/layout.py ``lay_out``: the components' checks read it), every kind's check.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from omegaconf import DictConfig
 
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError, did_you_mean
-from framework.resolve.layout import Layout
-
-
-@dataclass
-class Resolved:
-    cfg: DictConfig  # composed recipe, derived dims filled in
-    facts: object  # the model family's facts (ModelFamily.facts)
-    layout: Layout
-    grad_accum: int
-    data_summary: str = ""  # what the run trains on (printed first by rank 0)
-    resume_lines: list = field(default_factory=list)  # a resume: the step it loads, what changed (printed next)
-    ctx: contracts.Context | None = None  # the components' context (check ran with it; build applies with it)
-    given_parallel: dict = field(default_factory=dict)  # the parallel section as composed, before derivation
-    launch: dict | None = None  # {"recipe": as given, "overrides": [...]}: what a resume keeps (resume.LAUNCHES)
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.cfg.output_dir)
+from framework.resolve import layout
 
 
 def context(cfg, for_training: bool = True) -> contracts.Context:
@@ -147,3 +131,14 @@ def check_components(ctx: contracts.Context) -> None:
     for kind in contracts.KINDS:
         with _as_user_error(kind, ctx.choice(kind), ctx.components[kind]):
             ctx.components[kind].check(ctx.options[kind], ctx)
+
+
+def check(cfg, for_training: bool, world_size: int, *, parallel=None, facts=None) -> tuple[contracts.Context, int]:
+    """The run's components and options (``context``), the model's facts (``facts``: known already), the
+    layout of ``parallel`` (default ``cfg.parallel``) on ``world_size`` ranks, then every kind's check
+    with them; returns the context and the gradient accumulation the batch splits into."""
+    ctx = context(cfg, for_training)
+    ctx.facts = facts if facts is not None else model_facts(cfg, ctx)
+    ctx.layout, grad_accum = layout.lay_out(ctx, cfg.parallel if parallel is None else parallel, world_size)
+    check_components(ctx)
+    return ctx, grad_accum

@@ -13,9 +13,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from framework.errors import UserError
-from framework.resolve.context import Resolved, context, model_facts
+from framework.resolve.context import context, model_facts
 from framework.resolve.inputs import world_size_env
 from framework.resolve.layout import Layout
+from framework.resolve.resolver import Resolved
 
 RESOLVED_FILE = "resolved.yaml"
 ENV_RESOLVED = "APIARY_RESOLVED"  # the file's path, set by the launcher for the ranks it starts

@@ -1,5 +1,9 @@
 """The environment variables apiary reads, the paths a recipe names and the inputs a run loads:
 checked before any worker starts, each failure a UserError.
+
+    check(cfg, for_training, world_size) -> the world size
+
+runs them in that order and says how many ranks the run is laid out for.
 """
 
 from __future__ import annotations
@@ -98,11 +102,6 @@ def writable_folder(path, key: str, what: str) -> None:
                         f"Choose a writable {key.split('=')[0]}, or fix the folder's permissions.")
 
 
-def check_writable(cfg) -> None:
-    """output_dir (or its nearest existing parent) must be a folder this process can write."""
-    writable_folder(cfg.output_dir, f"output_dir={cfg.output_dir}", "the run could save no config, metrics or checkpoint")
-
-
 # Keys naming a file or folder (null: off or the default), with what null means. A `~` at the start is
 # this user's home folder (the shell leaves `key=~/x` as it is); an empty value names nothing.
 _PATH_KEYS = {
@@ -195,3 +194,15 @@ def check_inputs(cfg, for_training: bool) -> None:
         if problem is not None:
             raise UserError(f"checkpoint.load_path={ck.load_path}", f"{Path(ck.load_path) / problem[0]} "
                             f"{problem[1]}: the checkpoint is corrupt.", "Point it at an intact step folder.")
+
+
+def check(cfg, for_training: bool, world_size=None) -> int:
+    """The environment, the paths (``~`` expanded), the inputs; returns the ranks to lay the run out for:
+    ``world_size`` (an int, or a function of the config: the launcher's, its options checked), or with None
+    the environment's or the launcher's (``world_size_from``)."""
+    check_environment()
+    check_paths(cfg)
+    check_inputs(cfg, for_training)
+    if world_size is None:
+        return world_size_from(cfg, for_training)
+    return int(world_size(cfg)) if callable(world_size) else world_size

@@ -2,14 +2,17 @@
 
 The table (recipes/_defaults.yaml `layout`) is data; this module applies it to the dims
 a recipe leaves unset and checks every constraint torchtitan imposes, so that an
-impossible layout is a user error before any process starts.
+impossible layout is a user error before any process starts. ``lay_out`` is what resolve asks of
+it: the dims derived, as the chosen state backend runs them, and the batch's split over them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from framework import contracts
 from framework.errors import UserError
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp")
@@ -168,3 +171,26 @@ def check_batch(training, layout: Layout, parallel=None) -> int:
                         f"= {training.local_batch} x {layout.dp} = {per_step}.",
                         f"Try training.global_batch={per_step * max(1, int(gb) // per_step)}.")
     return int(gb) // per_step
+
+
+def backend_layout(ctx: contracts.Context, layout: Layout) -> Layout:
+    """``layout`` as the chosen state backend runs it (its optional ``layout`` member): the degrees it
+    moves, with its reason as their rule. A backend that changes the world size is a framework bug."""
+    runs = contracts.member(ctx.components["state"], "state", "layout")
+    if runs is None:
+        return layout
+    dims, reason = runs(ctx.options["state"], dict(layout.dims))
+    changed = {d: int(v) for d, v in dims.items() if int(v) != layout.dims[d]}
+    if not changed:
+        return layout
+    if math.prod(int(v) for v in dims.values()) != math.prod(layout.dims.values()) or set(dims) != set(layout.dims):
+        raise ValueError(f"the state backend's layout {dims} does not keep the degrees' product of {layout.dims}")
+    return dataclasses.replace(layout, **changed, rules={**layout.rules, **{d: reason for d in changed}})
+
+
+def lay_out(ctx: contracts.Context, parallel, world_size: int) -> tuple[Layout, int]:
+    """The layout of ``ctx``'s run (its config, its model's facts) on ``world_size`` ranks: ``parallel``'s
+    unset dims derived, as the state backend runs them, and the gradient accumulation its batch splits into."""
+    cfg = ctx.cfg
+    layout = backend_layout(ctx, derive(parallel, cfg.training, cfg.layout, ctx.facts, world_size))
+    return layout, check_batch(cfg.training, layout, parallel)

@@ -1,4 +1,9 @@
-"""Settings that act only with another one (``_NEEDS``): given without it, refused, never ignored.
+"""Settings that act only with another one (``_NEEDS``), and the RL keys that act only through a loss
+that reads them (``_RL_LOSS_KEYS``): given without it, refused, never ignored.
+
+    check(cfg, overrides, ctx)
+
+runs them all, once every component's check has run (they read what the checks set in ``ctx``).
 """
 
 from __future__ import annotations
@@ -6,7 +11,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from framework import contracts
-from framework.compose import registry
+from framework.compose import registry, schema
 from framework.errors import UserError
 
 
@@ -47,6 +52,34 @@ _NEEDS = [
      lambda c: int(c.parallel.pp if c.parallel.pp is not None else c.layout.pp) == 1,
      "the sequences per pipeline microbatch"),
 ]
+
+
+# rl.* settings that act through the loss (the policy losses): (key, set?). A loss component lists the
+# ones it acts on in ``RL_KEYS``; one set with a loss that does not act on it is refused, never ignored.
+_RL_LOSS_KEYS = (("tis_cap", lambda v: v is not None),
+                 ("mismatch_threshold", lambda v: v != schema.RLConfig.mismatch_threshold))  # set: not its default
+
+
+def check_rl_keys(ctx: contracts.Context) -> None:
+    """``rl.tis_cap`` / ``rl.mismatch_threshold`` set with a loss whose ``RL_KEYS`` lacks them: exit 2."""
+    section = ctx.cfg.get("rl") if hasattr(ctx.cfg, "get") else None
+    if section is None:
+        return
+    name = ctx.choice("loss")
+    acts_on = contracts.member(ctx.components["loss"], "loss", "RL_KEYS")
+    for key, is_set in _RL_LOSS_KEYS:
+        value = section.get(key)
+        if is_set(value) and key not in acts_on:
+            raise UserError(f"rl.{key}={value}", f"acts through an RL policy loss; loss={name} does not use it, "
+                            "so it would be ignored.",
+                            f"Choose an RL policy loss (`apiary ls` lists the losses), or drop rl.{key}. "
+                            "See docs/skills/tis.md.")
+
+
+def check(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+    """The RL keys the loss does not act on, then every setting without effect."""
+    check_rl_keys(ctx)
+    check_no_effect(cfg, overrides, ctx)
 
 
 def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:

@@ -1,4 +1,8 @@
 """A run's folder: where it writes, what a resume loads from it, and the folders that must stay apart.
+
+    check(cfg) -> the step a resume loads (None: a fresh run)
+
+runs the checks of a launch (a print-only resolve runs none).
 """
 
 from __future__ import annotations
@@ -7,10 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from framework import contracts
 from framework.errors import UserError
-from framework.resolve import paths
-from framework.resolve.inputs import what_is
+from framework.resolve.inputs import what_is, writable_folder
 from framework.train import integrity
 
 
@@ -112,17 +114,15 @@ def check_overlaps(cfg) -> None:
                             "(publish.dir left out is OUTPUT_DIR/weights; the checkpoints are OUTPUT_DIR/checkpoint).")
 
 
-def check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
-    """A resume loads the run's own step, so a checkpoint.load_path other than the one the run was launched
-    with would be ignored (the same one, as the resume command a run prints repeats it, is harmless)."""
-    if ctx.shared.load_path_reader:  # a component that loads it itself, resumed or not
-        return
-    changed = [(a, b) for key, a, b in plan.changes if key == "checkpoint.load_path" and b is not None]
-    if changed:
-        before, now = (None if v is None else paths.shown(v) for v in changed[0])  # as given (stored absolute)
-        raise UserError(f"checkpoint.resume=true with checkpoint.load_path={now}", "both name what to load: a resume "
-                        "loads the run's own latest step (checkpoint.load_step picks another of its steps), so "
-                        "checkpoint.load_path would be ignored (the run was launched "
-                        f"{'without one' if before is None else f'with {before}'}).",
-                        "Drop checkpoint.load_path to continue the run; or, to start a new run from those weights, "
-                        "drop checkpoint.resume and output_dir.")
+def check_writable(cfg) -> None:
+    """output_dir (or its nearest existing parent) must be a folder this process can write."""
+    writable_folder(cfg.output_dir, f"output_dir={cfg.output_dir}", "the run could save no config, metrics or checkpoint")
+
+
+def check(cfg) -> int | None:
+    """A launch's run folder: what it resumes (the step; None for a fresh run, whose folder is chosen
+    here when not given), that it can be written, and the folders that must stay apart."""
+    step = check_outputs(cfg)
+    check_writable(cfg)
+    check_overlaps(cfg)
+    return step

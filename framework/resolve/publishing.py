@@ -1,4 +1,4 @@
-"""The checks of weight publication (``publish.*``) and of the RL keys that act through the loss.
+"""The checks of weight publication (``publish.*``).
 """
 
 from __future__ import annotations
@@ -8,38 +8,15 @@ import os
 from pathlib import Path
 
 from framework import contracts
-from framework.compose import schema
 from framework.errors import UserError
 from framework.resolve import resume
 from framework.resolve.inputs import writable_folder
 from framework.resolve.layout import Layout
 
-# rl.* settings that act through the loss (the policy losses): (key, set?). A loss component lists the
-# ones it acts on in ``RL_KEYS``; one set with a loss that does not act on it is refused, never ignored.
-_RL_LOSS_KEYS = (("tis_cap", lambda v: v is not None),
-                 ("mismatch_threshold", lambda v: v != schema.RLConfig.mismatch_threshold))  # set: not its default
-
-
-def check_rl_keys(ctx: contracts.Context) -> None:
-    """``rl.tis_cap`` / ``rl.mismatch_threshold`` set with a loss whose ``RL_KEYS`` lacks them: exit 2."""
-    section = ctx.cfg.get("rl") if hasattr(ctx.cfg, "get") else None
-    if section is None:
-        return
-    name = ctx.choice("loss")
-    acts_on = contracts.member(ctx.components["loss"], "loss", "RL_KEYS")
-    for key, is_set in _RL_LOSS_KEYS:
-        value = section.get(key)
-        if is_set(value) and key not in acts_on:
-            raise UserError(f"rl.{key}={value}", f"acts through an RL policy loss; loss={name} does not use it, "
-                            "so it would be ignored.",
-                            f"Choose an RL policy loss (`apiary ls` lists the losses), or drop rl.{key}. "
-                            "See docs/skills/tis.md.")
-
-
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def check_publish(cfg, ctx: contracts.Context, layout: Layout, for_training: bool) -> None:
+def check(cfg, ctx: contracts.Context, layout: Layout, for_training: bool) -> None:
     """publish.* (framework/train/publish.py): ranges and choices always; with publish.interval > 0 a model
     family that converts to HF (its ``hf_writer``), one pipeline stage and a writable publish.dir."""
     p = cfg.publish

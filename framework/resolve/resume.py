@@ -31,8 +31,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from framework import contracts
 from framework.errors import UserError
 from framework.resolve import paths
+from framework.train import integrity
 
 FIRST = "config.yaml"
 LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": the recipe as given, "overrides": [...]}
@@ -135,6 +137,14 @@ def warmup_steps(cfg) -> int:
     return min(int(cfg["lr"]["warmup_steps"]), max(horizon(cfg) - 1, 0))
 
 
+def schedule(cfg) -> dict:
+    """The learning-rate schedule the run follows, as torchtitan's LR scheduler config takes it: the
+    warm-up (``warmup_steps``), the horizon (``horizon``) and the decay."""
+    lr = cfg["lr"]
+    return {"warmup_steps": warmup_steps(cfg), "total_steps": horizon(cfg), "decay_ratio": lr["decay_ratio"],
+            "decay_type": lr["decay_type"], "min_lr_factor": lr["min_lr_factor"]}
+
+
 def lr_at(cfg, step: int) -> float:
     lr, opt = cfg["lr"], cfg["optimizer"]
     warmup = warmup_steps(cfg)
@@ -177,20 +187,6 @@ def write_launch(run_dir, launch: dict | None) -> None:
     if launch is not None:
         with open(Path(run_dir) / LAUNCHES, "a") as h:
             h.write(json.dumps(launch) + "\n")
-
-
-def check_tail(cfg) -> None:
-    """Steps past the schedule's horizon (``lr.total_steps`` < ``training.steps``) keep its final
-    learning rate; where that is 0 they would train nothing: refused (a fresh run or a resume alike),
-    naming the horizon that covers them."""
-    total, steps = horizon(cfg), int(cfg["training"]["steps"])
-    if steps <= total or lr_at(cfg, total + 1) != 0:
-        return
-    raise UserError(f"lr.total_steps={total}", f"the learning-rate schedule ends at step {total} with lr 0 "
-                    f"(lr.min_lr_factor={cfg['lr']['min_lr_factor']}), so steps {total + 1}-{steps} of "
-                    f"training.steps={steps} would train nothing.",
-                    f"Use lr.total_steps={steps} (the schedule over every step; on a resume it stretches what "
-                    f"is left of it), or training.steps={total}.")
 
 
 @dataclass
@@ -285,3 +281,33 @@ def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan) -> None
             f"keeping the schedule trained so far (lr.total_steps={old_total}) is refused: its final lr is 0, "
             "which trains nothing; to train on from the weights at another rate, start a new run with "
             "checkpoint.load_path=..."))
+
+
+def check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
+    """A resume loads the run's own step, so a checkpoint.load_path other than the one the run was launched
+    with would be ignored (the same one, as the resume command a run prints repeats it, is harmless)."""
+    if ctx.shared.load_path_reader:  # a component that loads it itself, resumed or not
+        return
+    changed = [(a, b) for key, a, b in plan.changes if key == "checkpoint.load_path" and b is not None]
+    if changed:
+        before, now = (None if v is None else paths.shown(v) for v in changed[0])  # as given (stored absolute)
+        raise UserError(f"checkpoint.resume=true with checkpoint.load_path={now}", "both name what to load: a resume "
+                        "loads the run's own latest step (checkpoint.load_step picks another of its steps), so "
+                        "checkpoint.load_path would be ignored (the run was launched "
+                        f"{'without one' if before is None else f'with {before}'}).",
+                        "Drop checkpoint.load_path to continue the run; or, to start a new run from those weights, "
+                        "drop checkpoint.resume and output_dir.")
+
+
+def plan(cfg, ctx: contracts.Context, step: int, kept: list[str]) -> list[str]:
+    """A resume of ``cfg``'s run from ``step``: what it loads and what changed since the last launch
+    (``check``), a checkpoint.load_path it would ignore refused; returns the run's resume lines, with
+    the last launch's ``kept`` overrides named."""
+    run_dir = Path(cfg.output_dir)
+    p = check(cfg, run_dir, step)
+    check_resume_load_path(cfg, ctx, p)
+    p.verified = (run_dir / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
+    lines = p.lines(cfg.output_dir)
+    if kept:
+        lines.append(f"resume: keeps the last launch's overrides {' '.join(kept)} (give one again to change it)")
+    return lines

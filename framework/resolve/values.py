@@ -1,11 +1,15 @@
 """Value ranges of the framework's own keys and the learning-rate schedule's fit.
+
+    check(cfg, overrides) -> notes
+
+runs them all, the ranges first; the notes say what a schedule cut short on the command line shortened
+(the run's first lines, after the components' own).
 """
 
 from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from framework import contracts
 from framework.compose import schema
 from framework.errors import UserError, did_you_mean
 from framework.resolve import resume
@@ -89,7 +93,7 @@ def check_values(cfg) -> None:
                         "runs/RECIPE/TIMESTAMP.")
 
 
-def check_warmup(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+def check_warmup(cfg, overrides: list[str], notes: list[str]) -> None:
     """lr.warmup_steps must be shorter than the schedule (lr.total_steps, else training.steps): a warm-up
     that never ends never reaches optimizer.lr. One case is shortened instead, and the run's first lines
     say so: a schedule cut short on the command line (training.steps=N or lr.total_steps=N: a smoke test,
@@ -101,9 +105,9 @@ def check_warmup(cfg, overrides: list[str], ctx: contracts.Context) -> None:
     horizon_key = "lr.total_steps" if cfg.lr.total_steps is not None else "training.steps"
     if horizon_key in given and "lr.warmup_steps" not in given:
         used = resume.warmup_steps(cfg)
-        ctx.summary.append(f"lr: warm-up shortened to {used} step{'s' if used != 1 else ''} (lr.warmup_steps="
-                           f"{warmup} is not shorter than {horizon_key}={total}, the schedule's length); set "
-                           "lr.warmup_steps or lr.total_steps to choose another")
+        notes.append(f"lr: warm-up shortened to {used} step{'s' if used != 1 else ''} (lr.warmup_steps="
+                     f"{warmup} is not shorter than {horizon_key}={total}, the schedule's length); set "
+                     "lr.warmup_steps or lr.total_steps to choose another")
         return
     raise UserError(f"lr.warmup_steps={warmup}", f"is not shorter than the learning-rate schedule ({horizon_key}="
                     f"{total}): the warm-up would never end, and optimizer.lr would never be reached.",
@@ -112,7 +116,7 @@ def check_warmup(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                     "docs/skills/resume.md).")
 
 
-def check_decay(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+def check_decay(cfg, overrides: list[str], notes: list[str]) -> None:
     """lr.decay_ratio: warm-up and decay must fit the schedule, else torchtitan shortens the decay (a
     warning in its log). A schedule cut short on the command line (a smoke test) is shortened, and said."""
     ratio = cfg.lr.decay_ratio
@@ -125,10 +129,35 @@ def check_decay(cfg, overrides: list[str], ctx: contracts.Context) -> None:
     given = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
     horizon_key = "lr.total_steps" if cfg.lr.total_steps is not None else "training.steps"
     if horizon_key in given and not given & {"lr.decay_ratio", "lr.warmup_steps"}:
-        ctx.summary.append(f"lr: decay shortened to {total - warmup} steps (lr.decay_ratio={ratio} of {horizon_key}="
-                           f"{total} is {decay} steps, after {warmup} of warm-up)")
+        notes.append(f"lr: decay shortened to {total - warmup} steps (lr.decay_ratio={ratio} of {horizon_key}="
+                     f"{total} is {decay} steps, after {warmup} of warm-up)")
         return
     raise UserError(f"lr.decay_ratio={ratio}", f"decays over {decay} of the schedule's {total} steps ({horizon_key}), "
                     f"and lr.warmup_steps={warmup} warm up first: {warmup + decay} steps do not fit in {total}, so "
                     "the decay would be cut short.", f"Use lr.decay_ratio <= {int((total - warmup) / total * 1000) / 1000:g} "
                     "or fewer lr.warmup_steps.")
+
+
+def check_tail(cfg) -> None:
+    """Steps past the schedule's horizon (``lr.total_steps`` < ``training.steps``) keep its final
+    learning rate; where that is 0 they would train nothing: refused (a fresh run or a resume alike),
+    naming the horizon that covers them."""
+    total, steps = resume.horizon(cfg), int(cfg["training"]["steps"])
+    if steps <= total or resume.lr_at(cfg, total + 1) != 0:
+        return
+    raise UserError(f"lr.total_steps={total}", f"the learning-rate schedule ends at step {total} with lr 0 "
+                    f"(lr.min_lr_factor={cfg['lr']['min_lr_factor']}), so steps {total + 1}-{steps} of "
+                    f"training.steps={steps} would train nothing.",
+                    f"Use lr.total_steps={steps} (the schedule over every step; on a resume it stretches what "
+                    f"is left of it), or training.steps={total}.")
+
+
+def check(cfg, overrides: list[str]) -> list[str]:
+    """Every value's range and choice, then the warm-up, the decay and the steps past the horizon; returns
+    the notes of a schedule shortened."""
+    check_values(cfg)
+    notes: list[str] = []
+    check_warmup(cfg, overrides, notes)
+    check_decay(cfg, overrides, notes)
+    check_tail(cfg)
+    return notes

@@ -10,7 +10,7 @@ from framework import compat, contracts, devices
 from framework.errors import UserError
 from framework.plan import planner
 from framework.resolve import resume
-from framework.resolve.context import Resolved
+from framework.resolve.resolver import Resolved
 
 
 def _held_schedule_config(base):
@@ -71,10 +71,7 @@ def trainer_config(r: Resolved):
         pattern=r".*", optimizer_name=o.name,
         optimizer_kwargs={"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay},
     )])
-    lr = _held_schedule_config(LRSchedulersContainer.Config)(
-        warmup_steps=resume.warmup_steps(cfg), total_steps=resume.horizon(cfg),
-        decay_ratio=cfg.lr.decay_ratio, decay_type=cfg.lr.decay_type, min_lr_factor=cfg.lr.min_lr_factor,
-    )
+    lr = _held_schedule_config(LRSchedulersContainer.Config)(**resume.schedule(cfg))
     if cfg.logging.wandb:
         os.environ.setdefault("WANDB_PROJECT", cfg.logging.wandb_project)
         if not os.environ.get("WANDB_API_KEY"):

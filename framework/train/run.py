@@ -2,45 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import re
-import socket
 import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from framework import contracts
 from framework.launch import lifecycle
 from framework.report import summary
 from framework.resolve import resume
-from framework.resolve.handoff import write_resolved
-from framework.train import autotune_table, first_step, integrity, kernel_cache, preempt
-
-
-def _single_process_env() -> None:
-    """One process without torchrun: give torch.distributed a one-rank world."""
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                 ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-
-
-def launch_env(resolved, argv: list[str] | None = None, verbose: bool = False) -> contracts.LaunchEnv:
-    """What a launcher component needs of the framework to start ``resolved``'s ranks with ``train argv``."""
-    def worker_env(ranks_argv: list[str] | None = None) -> dict[str, str]:
-        return write_resolved(resolved, list(argv or []) if ranks_argv is None else list(ranks_argv))
-
-    return contracts.LaunchEnv(resolved=resolved, supervise=lifecycle.supervise,
-                               run_here=functools.partial(train_here, resolved, verbose), worker_env=worker_env)
+from framework.train import first_step, integrity, preempt
 
 
 def train_here(resolved, verbose: bool = False) -> int:
@@ -100,15 +75,9 @@ def quiet_third_party(verbose: bool) -> None:
 def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     """Train; returns the last metrics record on rank 0, which prints the end-of-run summary and
     writes summary.json (``report=False``: neither, for a run whose folder is thrown away)."""
-    from framework import devices  # reason: start-up time (imports torch; `train --help` and --cfg need none)
+    from framework.train import process  # reason: start-up time (imports torch; `train --help` and --cfg need none)
 
-    devices.install()
-    devices.apply_allocator_default()  # before this rank's first CUDA allocation (framework.alloc_conf)
-    kernel_cache.configure(resolved.cfg.training.kernel_cache, resolved.cfg.training.cache_autotuning)
-    kernel_cache.LOG.install()  # metrics.jsonl: autotune_s, autotuned_kernels, autotune_cache_hits
-    autotune_table.install(resolved.cfg.training.autotune_configs)  # recorded: tune this GPU's known winners only
-    preempt.arm()  # SIGUSR1/SIGTERM/SIGINT/SIGHUP: checkpoint at the next step boundary, exit 75 (requeue)
-    _single_process_env()
+    process.prepare(resolved.cfg)  # device shims, kernel caches, preemption signals, a one-rank world, threads
     rank = int(os.environ["RANK"])
     if rank == 0:
         if resolved.data_summary:
@@ -131,8 +100,6 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
         warnings.filterwarnings("ignore", message=msg)
     logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
     quiet_third_party(verbose)
-    if not devices.has_accelerator():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     tc = trainer_config(resolved)
     trainer = guard = None
     report = report and rank == 0 and not resolved.cfg.checkpoint.create_seed

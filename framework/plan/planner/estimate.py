@@ -173,7 +173,7 @@ def ask_data(resolved, ctx: Context) -> PlanTerms:
 
 
 def model_flops_per_token(resolved) -> float:
-    """Model FLOPs per trained token of ``resolved`` (framework.resolve.context.Resolved), the planner's
+    """Model FLOPs per trained token of ``resolved`` (framework.resolve.resolver.Resolved), the planner's
     convention (``time.flops_per_token``): 6 x active parameters without the embedding, each
     mixer layer kind's own (a causal one at half the full score and value FLOPs), an adapter's
     frozen base at forward + input gradient (no weight gradient) plus the adapters; no recompute.
@@ -279,7 +279,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
          gpus_per_node: int | None = None, calibration: dict | None = None, constants: Constants | None = None,
          loss: str | None = None, state: str | None = None, recompute: str | None = None,
          moe_chunk: str | None = None) -> Plan:
-    """Estimate per-GPU memory and step time for ``resolved`` (framework.resolve.context.Resolved).
+    """Estimate per-GPU memory and step time for ``resolved`` (framework.resolve.resolver.Resolved).
 
     ``loss`` / ``state`` / ``recompute`` / ``moe_chunk`` override the recipe's choice by registry
     name; a name that is not registered (or has no ``plan_terms``) is planned as the defaults'
