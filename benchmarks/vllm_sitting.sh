@@ -14,11 +14,12 @@
 #   PART=4: `apiary warmup` of the tiny Qwen3.5 MoE loop's recipe (its kernel cache) beside a LoRA loop (the
 #           adapters' load times: lora_engine_updates.jsonl);
 #   PART=7: the tiny Qwen3.5 MoE loop, learning, then with routing replay.
-#   PART=6: the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
+#   PART=6: the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py, one after the other (TTEST s each).
 #   PART=5: training tok/s at the 4-layer width with no publication, then with an in-memory update every step
 #           into an engine beside it (publish.bucket_mb=${BUCKET_MB:-4096}), one rollout of SEQ tokens per step
 #           (default 4096); the update times of that run are the 4-layer width's IPC hand-off at that bucket size.
-#           EVERY_OV="publish.when_busy=skip" adds overrides to the run with updates.
+#           EVERY_OV="publish.when_busy=skip" adds overrides to the run with updates (and "publish.interval=4" an
+#           update every 4 steps).
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -138,13 +139,23 @@ PY
   OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-250} PY=$PY bash /tmp/rl35.sh "learn=" "replay=moe.routing_replay=true:--routing" \
     > "$OUT/rl_qwen35.log" 2>&1
   tail -5 "$OUT/rl_qwen35.log"
-  for n in learn replay; do cp /tmp/rl35/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null; done
+  for n in learn replay; do
+    cp /tmp/rl35/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null
+    grep -vE "^W[0-9]{4} |FutureWarning|_set_allocator" /tmp/rl35/$n/train.log 2>/dev/null | tail -c 6000 > "$OUT/train_$n.log"
+    grep -E "vllm_generator|Error" /tmp/rl35/$n/generator.log 2>/dev/null | tail -c 4000 > "$OUT/generator_$n.log"
+  done
   errors /tmp/rl35/*/generator.log /tmp/rl35/*/train.log > "$OUT/rl_errors.log"
   ;;
 6)
-  timeout ${TTEST:-400} $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt3 tests/gpu/test_vllm_gpu.py \
-    -k "qwen35 or lora" 2>&1 | grep -v INFO | tee "$OUT/gpu_test.log" | grep -E "passed|failed|logprob diff" | tail -6
-  errors /tmp/pt3/*/engine_*.log /tmp/pt3/*/train.log > "$OUT/engine_errors.log"
+  # one pytest per case, each with its own limit, so a case cut by its limit leaves the other's summary; the
+  # tails of every log the cases wrote come back (a failure's cause is in them)
+  for k in qwen35 lora; do
+    timeout ${TTEST:-300} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt3_$k \
+      tests/gpu/test_vllm_gpu.py -k $k 2>&1 | grep -v INFO | tee "$OUT/gpu_test_$k.log" \
+      | grep -E "passed|failed|logprob diff|Error" | tail -6
+    mkdir -p "$OUT/logs_$k"
+    for f in /tmp/pt3_$k/*/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/logs_$k/$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  done
   ;;
 5)
   SEQ=${SEQ:-4096}
