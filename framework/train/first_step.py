@@ -24,7 +24,7 @@ compile + autotune + other = wall (each clamped to be non-negative, so the parts
 
 A first step still running after ``NOTE_EVERY_S`` says so on rank 0, and again each time that passes:
 the compile and autotuning seconds so far, the kernels tuned and the one being tuned now (a fresh
-machine's first step of a GatedDeltaNet model autotunes for minutes, which looked like a hang).
+machine's first step of a model with many Triton kernels autotunes for minutes, which looked like a hang).
 """
 
 from __future__ import annotations
