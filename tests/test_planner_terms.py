@@ -307,3 +307,15 @@ def test_components_constants_live_in_the_components_and_calibrate_by_name(base)
     assert z4.memory_bytes["parameters"] == 2 * z.memory_bytes["parameters"]
     with pytest.raises(planner.UserError, match="unknown planner constant.*zero1_param_bytes"):
         planner.plan(base, calibration={"zero1_param_byte": 4})
+
+
+def test_selective_reruns_each_mixer_kinds_partial_rerun_of_its_own_part():
+    """recompute=selective reruns what each mixer kind declares (LayerTerms.partial_rerun): the GatedDeltaNet
+    kernels (off torchtitan's save list) as full recompute does, none of attention's (flex/SDPA saved)."""
+    plans = {r: planner.plan(resolve(QWEN, ["training.seq_len=32768", f"recompute={r}"], world_size=32,
+                                     for_training=False)) for r in ("none", "selective", "full")}
+    t = {r: p.time_s for r, p in plans.items()}
+    assert t["selective"]["compute_linear_attention"] == pytest.approx(t["full"]["compute_linear_attention"])
+    assert t["none"]["compute_linear_attention"] < t["selective"]["compute_linear_attention"]
+    assert t["selective"]["compute_attention"] == pytest.approx(t["none"]["compute_attention"])
+    assert t["selective"]["compute_attention"] < t["full"]["compute_attention"]

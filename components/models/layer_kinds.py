@@ -115,6 +115,8 @@ class Attention:
             context_flops_per_token=6 * s.seq * q,  # all of it: QK^T and PV grow with the context attended
             # projections (q with its gate), then QK^T and PV over a causal context
             forward_flops_per_token=2 * (d * (2 * q + 2 * kv) + q * d) + 2 * s.seq * q,
+            # torchtitan's selective save list holds flex attention's and SDPA's outputs: none reruns
+            partial_rerun=0.0,
             # K,V all-gather fwd, dK,dV reduce-scatter bwd: the other ranks' K,V in bf16
             cp_comm_bytes=(s.cp - 1) * s.micro_batch * s.seq / s.cp * 2 * kv / s.tp * 2,
             cp_memory=cp_memory)
@@ -151,6 +153,8 @@ class GatedDeltaNet:
             flops_how="GatedDeltaNet 3 x value_heads x (4 dk dv + 2 x chunk x (dk + dv))",
             efficiency=float(c.eff_linear_attention),
             forward_flops_per_token=2 * (d * (2 * kd + 2 * vd) + vd * d) + 4 * (kd / max(1, self.key_heads)) * vd,
+            # fla's triton kernels are on no selective save list (not aten ops): they rerun whole in backward
+            partial_rerun=1.0,
             cp_comm_bytes=(s.cp - 1) * s.micro_batch * state * 4,  # fp32 states passed along the chain
             cp_memory=cp_memory)
 

@@ -13,10 +13,11 @@ from framework.contracts import PlanConstant, PlanFacts, PlanTerms, block_saves,
 # `apiary plan calib.NAME=VALUE` (docs/skills/planner.md)
 PLAN_CONSTANTS = {
     "selective_recompute_fraction": PlanConstant(
-        1.0, "selective: the share of full recompute's extra time it still pays. Measured on one H200 (4-layer "
-             "Qwen3.5-35B-A3B at full width): 1.01x full at 32K (52,773 against 52,197 tok/s), 0.98-0.99x at 32K "
-             "and 64K with single blocks selective (2026-11-27): the custom kernels (GatedDeltaNet, flex "
-             "attention) and the MoE rerun whole under op-level SAC, so it saves none of the rerun here"),
+        1.0, "selective: the share of full recompute's extra GEMM time (dense, experts) it still pays. Measured on "
+             "one H200 (4-layer Qwen3.5-35B-A3B at full width): 1.01x full at 32K (52,773 against 52,197 tok/s), "
+             "0.98-0.99x at 32K and 64K with single blocks selective (2026-11-27): the MoE reruns whole under "
+             "op-level SAC, so it saves none of the GEMMs' rerun here. A mixer kind's own kernels rerun as its "
+             "LayerTerms.partial_rerun says (GatedDeltaNet's: whole; attention's: saved)"),
 }
 
 
@@ -73,12 +74,17 @@ class SelectiveRecompute(_Recompute):
     @staticmethod
     def plan_terms(opts, ctx) -> PlanTerms:
         """Keeps each layer kind's ``selective_keep`` of its saved activations (norm inputs, the
-        residual stream, all of them) and reruns ``selective_recompute_fraction`` of the forward GEMMs."""
-        c = ctx.plan.constants
+        residual stream, all of them) and reruns ``selective_recompute_fraction`` of the forward GEMMs
+        and each mixer kind's ``partial_rerun`` of its own forward (kernels off the save list rerun;
+        the collectives' outputs are saved: no traffic rerun)."""
+        c, layers = ctx.plan.constants, ctx.plan.layers
         keep = _selective_keep(ctx)
         extra = c.selective_recompute_fraction / 3  # of fwd + bwd = 3 x fwd
-        return PlanTerms(extra_compute={"dense": extra, "experts": extra},
-                         notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"],
+        mixers = {m: float(layers[m].partial_rerun) / 3 for m in _mixers(ctx)}
+        rerun = ", ".join(f"{m} x {3 * v:g}" for m, v in mixers.items())
+        return PlanTerms(extra_compute={"dense": extra, "experts": extra, **{m: v for m, v in mixers.items() if v}},
+                         notes=[f"+{c.selective_recompute_fraction:g} of forward GEMMs"
+                                + (f"; mixers' own forward rerun: {rerun}" if rerun else "")],
                          facts=PlanFacts(keep=keep, inputs_only=False, forward_reruns=0))
 
 

@@ -170,6 +170,10 @@ class LayerTerms:
     # short documents attends within each one), the model FLOPs a run logs keep it whole
     context_flops_per_token: float = 0.0
     forward_flops_per_token: float = 0.0  # forward FLOPs per token of one layer, projections included
+    # mixer: the fraction of its own compute part (flops_per_token) that a recompute keeping part of a block
+    # (op-level: a list of ops whose outputs it saves) reruns in backward: 1.0 where its kernels' outputs are
+    # not on that list, 0.0 where they are
+    partial_rerun: float = 1.0
     cp_comm_bytes: float = 0.0  # CP: bytes one rank sends per layer, microbatch and pass (fwd, bwd, rerun)
     cp_memory: list[Term] = field(default_factory=list)  # CP: buffers of one layer of the kind (category buffers)
 

@@ -331,7 +331,7 @@ def plan(resolved, *, gpu_memory_bytes: int | None = None, gpu: str | None = Non
         f"{c.cp_activation_overhead:.0%} larger than counted (cp_activation_overhead): -0.0%..+1.4% (+6.5% LoRA) "
         "with it, and the preflight allows 7% below and 8% above; step time: the efficiencies are measured on one "
         "H200 (the 4-layer Qwen3.5-35B-A3B part by part), the context FLOPs' over long documents from seed 000's "
-        "PP1 point; planned -6%..+7% against 26 measured steps at 16K-256K on one and two H200s "
+        "PP1 point; planned -6%..+8% against 26 measured steps at 16K-256K on one and two H200s "
         "(benchmarks/step_time_check.py)",
     ]
     return Plan(dims={"dp_replicate": dpr, "dp_shard": dps, "cp": cp, "ep": ep, "pp": pp, "tp": tp},
