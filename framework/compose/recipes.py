@@ -196,6 +196,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         if "defaults" not in data and group_overrides:
             raise _not_extending(path, data, f"and it has no component groups for {' '.join(group_overrides)} "
                                  "to choose from") from None
+        missing = re.search(r"Could not find '([\w.-]+)/([^']+)'", str(e))  # `override /loss: chunkd`
+        if missing and missing[1] in registry.entries():  # every name, and a did-you-mean, as on the command line
+            registry.check(missing[1], missing[2], where=f"{where}: override /{missing[1]}: {missing[2]} in {path}")
         key = _full_key(e)  # the key a wrong value sits at (`steps: five`), which the message leaves out
         raise UserError(where, f"does not compose: {f'{key}: ' if key else ''}{_first_line(e)}.",
                         f"Check {f'{key} in ' if key else ''}{path} and what it extends.") from None
@@ -369,4 +372,5 @@ def _first_line(e: Exception) -> str:
         msg = msg.replace(prefix, "")
     lines = [ln.strip() for ln in msg.splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
-    return " ".join(lines[:3]).rstrip(".")
+    keep = len(lines) if any(ln.startswith("Available options") for ln in lines) else 3  # the whole list
+    return " ".join(lines[:keep]).rstrip(".")
