@@ -84,3 +84,18 @@ def test_an_unreadable_metrics_line_moved_aside_is_named(tmp_path, capsys):
     # was: "3 record(s) from step 4 on", the cut line counted as a record
     assert "2 record(s) from step 4 on, written before this resume and 1 unreadable line(s)" in out, out
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_signal_before_the_first_step_of_a_fresh_run_names_no_checkpoint(capsys):
+    """Preempted at step 0 of a fresh run (was: "the checkpoint it started from stays", none existing)."""
+    from types import SimpleNamespace
+
+    from framework.train import preempt
+
+    guard = preempt.Guard(SimpleNamespace(step=0, checkpointer=SimpleNamespace(enable=True)), start_step=0)
+    guard.stop()
+    err = capsys.readouterr().err
+    assert "no checkpoint was written (no step trained)" in err and "started from" not in err, err
+    guard = preempt.Guard(SimpleNamespace(step=20, checkpointer=SimpleNamespace(enable=True)), start_step=20)
+    guard.stop()  # a resumed run: its checkpoint stays
+    assert "the checkpoint it started from stays" in capsys.readouterr().err
