@@ -14,6 +14,9 @@ EXIT_NONFINITE = 76
 # A followed rollout folder (data.follow) stayed empty for data.wait_timeout seconds; the last
 # complete step was checkpointed: run it again (with checkpoint.resume=true) once the generator writes.
 EXIT_DATA_TIMEOUT = 77
+# stdout's reader left (`train --cfg job | head -2`): quiet, 128 + SIGPIPE, as a shell reports a piped command's
+# end (was: rich's exit 1 with no message).
+EXIT_BROKEN_PIPE = 141
 # A second SIGINT (Ctrl-C again): stop at once, no checkpoint (128 + SIGINT, as a shell reports it).
 EXIT_STOP_NOW = 130
 

@@ -342,7 +342,9 @@ def test_a_cpu_run_that_cannot_fit_the_hosts_memory_is_refused(workdir, capsys, 
     resolve(None, ["output_dir=run"])
     assert "warning memory:" in " ".join(capsys.readouterr().err.split())
     monkeypatch.setattr(preflight, "host_memory_available", lambda: (1 * GiB, "a test's 1 GiB"))
-    with pytest.raises(UserError, match="preflight.memory=refuse.*No local batch fits"):
+    # two ranks' processes alone (0.9 GiB each) exceed 1 GiB: no batch or length fits; one rank might
+    # (was: "No local batch fits at this training.seq_len"; tests/test_static_memory_fit.py)
+    with pytest.raises(UserError, match="preflight.memory=refuse.*at any training.seq_len.*fewer ranks"):
         resolve(None, ["launcher.nproc=2", "output_dir=run"])
     resolve(None, ["launcher.nproc=2", "output_dir=run", "preflight.memory=off"])
     resolve(None, ["launcher.nproc=2", "output_dir=run", "preflight.memory=warn"])

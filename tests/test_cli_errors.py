@@ -70,6 +70,25 @@ def test_a_wrong_type_in_a_recipe_file_names_its_key(capsys, workdir):
     assert f"Check training.steps in {workdir / 'wtype.yaml'}" in err
 
 
+def test_a_misspelt_group_choice_in_a_recipe_file_lists_every_name(capsys, workdir):
+    """`override /loss: chunkd` in a recipe file (was: "Available options in 'loss': ce.", the list cut
+    after its first name): every registered name and a did-you-mean, as `loss=chunkd` gets."""
+    (workdir / "typo.yaml").write_text("defaults:\n  - _defaults\n  - override /loss: chunkd\n  - _self_\n")
+    code, err = _err(capsys, ["recipe=typo.yaml", "--cfg", "job"])
+    err = " ".join(err.split())
+    assert code == 2 and "override /loss: chunkd" in err and str(workdir / "typo.yaml") in err, err
+    assert "ce, chunked, linear_ce" in err and "Did you mean 'chunked'?" in err, err
+
+
+def test_a_hydra_options_list_is_kept_whole():
+    from hydra.errors import MissingConfigException
+
+    from framework.compose.recipes import _first_line
+
+    e = MissingConfigException("Could not find 'x/y'\n\nAvailable options in 'x':\n\ta\n\tb\n\tc\n\td")
+    assert _first_line(e) == "Could not find 'x/y' Available options in 'x': a b c d"
+
+
 def test_corrupt_checkpoint_is_refused_and_kept(capsys, workdir):
     step = workdir / "old" / "checkpoint" / "step-10"
     step.mkdir(parents=True)

@@ -214,6 +214,52 @@ def test_sigterm_while_waiting_checkpoints_and_exits_75_then_resume_continues(tm
     assert [s["records"] for s in ledger(run)] == [[f"r{i}" for i in range(6)], [f"r{i}" for i in range(6, 12)]]
 
 
+def test_a_fresh_run_that_times_out_says_no_checkpoint_was_written(tmp_path):
+    """The live recipe with no generator (was: "the checkpoint it started from stays" though none
+    existed, then torchtitan's "Ran out of data; last step was canceled." after apiary's line)."""
+    res = run_cli(["recipe=debug_grpo_live", "output_dir=live/run", "training.steps=8", "data.wait_timeout=1"], tmp_path,
+                  timeout=200, env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 77, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "no checkpoint was written (no step trained)" in res.stderr, res.stderr[-3000:]
+    assert "checkpoint it started from" not in res.stderr and "Ran out of data" not in res.stderr + res.stdout
+    assert not (tmp_path / "live" / "run" / "checkpoint").exists() or not any((tmp_path / "live/run/checkpoint").iterdir())
+
+
+def test_the_waiting_line_grows_its_interval_when_not_a_terminal():
+    """Not a terminal (was: every 10 s, 61 lines in 10 minutes): at 10, 30, 60 s, then every 60 s; a
+    terminal keeps 1 s, then every 10 s. The "Ran out of data" filter drops that line once, nothing else."""
+    import logging
+
+    from framework.train import follow
+
+    def said(tty, until):
+        out, at = [], follow.next_note_s(-1, tty)
+        while at <= until:
+            out.append(at)
+            at = follow.next_note_s(at, tty)
+        return out
+
+    assert said(False, 600) == [10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600]
+    assert said(True, 35) == [1, 11, 21, 31]
+    root, seen = logging.getLogger(), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    filters = list(root.filters)
+    root.addHandler(keep)
+    try:
+        root.addFilter(follow._RanOutOnce())
+        root.warning("something else")
+        root.warning(follow.RAN_OUT)
+        root.warning(follow.RAN_OUT)
+    finally:
+        root.removeHandler(keep)
+    assert seen == ["something else", follow.RAN_OUT] and root.filters == filters
+
+
 def test_malformed_shard_stops_with_the_position_kept(tmp_path):
     data, run = tmp_path / "shards", tmp_path / "run"
     data.mkdir()

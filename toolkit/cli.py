@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from framework import contracts
-from framework.cli import _fail, console
+from framework.cli import _fail, console, quiet_broken_pipe
 from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
 from framework.resolve.inputs import writable_folder
@@ -70,6 +70,7 @@ def _show(name: str) -> int:
     if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
         console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
         return 0
+    _not_a_run_folder(name)
     found = [(kind, names[name]) for kind, names in registry.entries().items() if name in names]
     for kind, e in found:  # a name may be bound in several kinds (none, auto): each binding
         console.print(f"{kind} {name}: {e['doc']}\n  target: {e['target']}\n  from: {e['source']}", markup=False)
@@ -82,6 +83,21 @@ def _show(name: str) -> int:
     known = recipes.recipe_names() + [n for ns in registry.entries().values() for n in ns]
     raise UserError(f"apiary show {name}", "no recipe or registry name called that.",
                     did_you_mean(name, known) or "Run `apiary ls`.")
+
+
+def _not_a_run_folder(name: str) -> None:
+    """A training run's folder (config.yaml, checkpoint/step-N; was: "no recipe or registry name called
+    that"): said, with the commands that read one."""
+    run = Path(name)
+    if not ((run / "config.yaml").is_file() or (run / "checkpoint").is_dir()):
+        return
+    steps = sorted(int(p.name[5:]) for p in (run / "checkpoint").glob("step-*") if p.name[5:].isdigit())
+    held = f", checkpoints step-{steps[0]}" + (f" to step-{steps[-1]}" if len(steps) > 1 else "") if steps else ""
+    raise UserError(f"apiary show {name}", f"is a training run's folder (its settings in config.yaml{held}), not a "
+                    "recipe or registry name, which is what apiary show prints.",
+                    f"Its weights as a HuggingFace model: `apiary export {name} --hf OUT` (then `apiary show OUT`); "
+                    f"its model's log-probs for rollouts: `apiary logprobs {name} ROLLOUTS --out DIR`; its curves: "
+                    f"`apiary plot {name}`; its settings: {run / 'config.yaml'}.")
 
 
 def _cp(name: str, dest: str) -> int:
@@ -340,7 +356,12 @@ def apiary_main(argv: list[str] | None = None) -> int:
 
 
 def apiary_entry() -> None:
-    sys.exit(apiary_main())
+    try:
+        code = apiary_main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `apiary ls | head`: a plain print's (rich's console says it itself)
+        quiet_broken_pipe()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -222,10 +222,13 @@ class SlurmLauncher:
         path = out / SCRIPT_NAME
         path.write_text(script)
         path.chmod(0o755)
-        proc = subprocess.run(["sbatch", "--parsable", str(path)], stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+        proc = subprocess.run(["sbatch", "--parsable", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+        first = proc.stdout.strip().splitlines()[0] if (proc.stdout or "").strip() else ""
         if proc.returncode != 0 or not first:
-            return proc.returncode or 1
+            e = sbatch_failed(proc, path, out)
+            print(f"error {e}", file=sys.stderr)
+            return e.exit_code
         job = first.split(";")[0]
         print(f"submitted Slurm job {job}: {path}\n  batch log  {out / 'logs' / f'slurm-{job}.out'}\n"
               f"  rank logs  {out / 'logs' / f'job{job}.<restart>'}/node<N>/...\n"
@@ -235,6 +238,20 @@ class SlurmLauncher:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (nodes x gpus_per_node: the data-parallel size).
     NUMERICS = {"": "any", "nodes": "dp", "gpus_per_node": "dp"}
+
+
+def sbatch_failed(proc, script: Path, out: Path) -> UserError:
+    """sbatch refused the script (or printed no job id): one paragraph naming its first error line, the
+    script it was given (kept, to submit by hand once fixed) and what to check."""
+    lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+    said = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+    what = f"exited {proc.returncode}" if proc.returncode else "printed no job id"
+    return UserError("launcher=slurm", f"sbatch {what}" + (f": {said}" if said else " and said nothing") +
+                     f". Nothing was submitted; the run folder {out} keeps the script ({script.name}), "
+                     "resolved.yaml and an empty logs/.",
+                     "Check the partition, account, qos and time limit it asks for (launcher.partition, "
+                     f"launcher.account, launcher.qos, launcher.time; `sinfo`, `sacctmgr show assoc user=$USER`), "
+                     f"then submit it by hand: sbatch {script}")
 
 
 # ---------------------------------------------------------------------- waiting

@@ -196,6 +196,9 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         if "defaults" not in data and group_overrides:
             raise _not_extending(path, data, f"and it has no component groups for {' '.join(group_overrides)} "
                                  "to choose from") from None
+        missing = re.search(r"Could not find '([\w.-]+)/([^']+)'", str(e))  # `override /loss: chunkd`
+        if missing and missing[1] in registry.entries():  # every name, and a did-you-mean, as on the command line
+            registry.check(missing[1], missing[2], where=f"{where}: override /{missing[1]}: {missing[2]} in {path}")
         key = _full_key(e)  # the key a wrong value sits at (`steps: five`), which the message leaves out
         raise UserError(where, f"does not compose: {f'{key}: ' if key else ''}{_first_line(e)}.",
                         f"Check {f'{key} in ' if key else ''}{path} and what it extends.") from None
@@ -227,7 +230,7 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             elif hits:
                 hint = f"Did you mean {hits[0]!r}? Write {hits[0]}={value}."
             else:
-                hint = "Run `train recipe=X --cfg job` to list the keys."
+                hint = f"Run `train recipe={recipe} --cfg job` to list the keys."
             raise UserError(f"override {raw}", f"adds a key {key!r} that recipe {recipe} does not have, and no "
                             "part of apiary reads a key it does not declare, so the setting would be ignored.", hint)
         if ov.is_add() or ov.is_force_add():
@@ -236,7 +239,8 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent in known else known
             hits = closest(key, siblings) or closest(key, known)
-            hint = f"Closest valid keys: {', '.join(hits)}." if hits else "Run `train recipe=X --cfg job` to list the keys."
+            hint = f"Closest valid keys: {', '.join(hits)}." if hits else \
+                f"Run `train recipe={recipe} --cfg job` to list the keys."
             owner = _option_of(key)  # an option of another name of the group: choose that name with it
             if owner:
                 hint = f"{key} is an option of {owner}: write {owner} {raw}."
@@ -249,8 +253,8 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise _wrong_type(e, overrides) or UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.",
-                                                     "Check the value's type against `train recipe=X --cfg job`.") from None
+        hint = f"Check the value's type against `train recipe={recipe} --cfg job`."
+        raise _wrong_type(e, overrides) or UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.", hint) from None
     OmegaConf.set_struct(cfg, False)
     cfg.recipe = path.stem
     OmegaConf.set_struct(cfg, True)
@@ -369,4 +373,5 @@ def _first_line(e: Exception) -> str:
         msg = msg.replace(prefix, "")
     lines = [ln.strip() for ln in msg.splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
-    return " ".join(lines[:3]).rstrip(".")
+    keep = len(lines) if any(ln.startswith("Available options") for ln in lines) else 3  # the whole list
+    return " ".join(lines[:keep]).rstrip(".")

@@ -29,7 +29,7 @@ from rich.console import Console
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
-from framework.plan import planner
+from framework.plan import planner, static_fit
 from framework.plan.planner import Constants
 from framework.plan.planner.search import search
 from framework.resolve.layout import check_batch
@@ -232,7 +232,8 @@ def check_memory(r, recipe, overrides, check) -> None:
             f"largest terms (GiB): {named}")
     if total > cap * (1 + over) and mode == "refuse":
         fits = cheapest_fits(r, overrides, kind, cap, check)
-        fix = ("Changes that fit, fewest first: " + "; ".join(fits) + ". " if fits else
+        static = None if fits else static_fit.gpu_verdict(r, p, cap, over)
+        fix = ("Changes that fit, fewest first: " + "; ".join(fits) + ". " if fits else f"{static}. " if static else
                "The planner's search found no layout that fits this world size; use more GPUs or a shorter "
                "training.seq_len. ")
         raise UserError("preflight.memory=refuse", f"{head}. That is more than the GPU's memory by more than "
@@ -353,8 +354,9 @@ def check_host_memory(r, recipe, overrides, check) -> None:
             f"process)), and this machine has {avail / GiB:,.1f} GiB available ({source}); largest terms (GiB): "
             f"{named}")
     if total > avail * (1 + MEASURED_ERROR) and r.cfg.preflight.memory == "refuse":
-        fit = _batch_that_fits(r, check, avail)
-        fix = (f"A local batch that fits: {fit}; or a shorter training.seq_len" if fit else
+        static = static_fit.host_verdict(r, p, n, CPU_PROCESS_BYTES, int(avail * (1 + MEASURED_ERROR)))
+        fit = "" if static else _batch_that_fits(r, check, avail)
+        fix = (static if static else f"A local batch that fits: {fit}; or a shorter training.seq_len" if fit else
                "No local batch fits at this training.seq_len; shorten it, or use fewer ranks (nproc)")
         raise UserError("preflight.memory=refuse", f"{head}. That is more than the available memory by more than "
                         f"the planner's measured error ({MEASURED_ERROR:.0%}), so the ranks would run out of memory "

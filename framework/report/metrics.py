@@ -139,7 +139,7 @@ def supersede(path: Path, first_step: int) -> int:
     appended in their order; the rest stays, rewritten atomically. Returns how many moved."""
     if not path.is_file():
         return 0
-    keep, moved = [], []
+    keep, moved, unreadable = [], [], 0
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
@@ -147,6 +147,7 @@ def supersede(path: Path, first_step: int) -> int:
             rec = json.loads(line)
         except ValueError:  # a line cut short by a crash: not a record of any step
             moved.append(line)
+            unreadable += 1
             continue
         step = rec.get("step") if isinstance(rec, dict) else None
         (moved if isinstance(step, int) and step >= first_step else keep).append(line)
@@ -160,8 +161,11 @@ def supersede(path: Path, first_step: int) -> int:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
-    _console.print(f"{path.name}: {len(moved)} record(s) from step {first_step} on, written before this "
-                   f"resume, moved to {aside.name}")
+    records = len(moved) - unreadable
+    what = " and ".join(x for x in (f"{records} record(s) from step {first_step} on, written before this resume"
+                                     if records else "",
+                                     f"{unreadable} unreadable line(s) (cut short by a crash)" if unreadable else "") if x)
+    _console.print(f"{path.name}: {what}, moved to {aside.name}")
     return len(moved)
 
 

@@ -315,8 +315,9 @@ def lines(s: dict) -> list[tuple[str, str]]:
     if s["tokens"] is not None:
         rows.append(("tokens", f"{s['tokens']:,}"))
     if (s.get("data_passes") or 0) > 1:
+        again = s["data_passes"] - 1
         rows.append(("data", f"{s['data_passes']} passes over the training data (it ran out and was reshuffled "
-                             f"{s['data_passes'] - 1} times)"))
+                             + ("once)" if again == 1 else f"{again} times)")))
     rows.append(("tok/s (mean)", f"{s['tokens_per_s_mean']:,.0f} (first step left out: compile, warm-up)"
                  if s["tokens_per_s_mean"] is not None else f"n/a ({s['tokens_per_s_missing_because']})"))
     if s["device"] not in (None, "cpu"):

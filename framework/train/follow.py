@@ -8,6 +8,7 @@ the step, write the stream's ledger. A mixin of ``framework.train.trainer.Apiary
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -21,8 +22,12 @@ from framework.errors import EXIT_DATA_TIMEOUT, EXIT_USER_ERROR
 from framework.report import metrics
 from framework.train import preempt
 
-WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period (the first after WAIT_FIRST_NOTE_S)
+WAIT_NOTE_S = 10.0  # follow mode: the waiting line's period on a terminal (the first after WAIT_FIRST_NOTE_S)
 WAIT_FIRST_NOTE_S = 1.0
+# not a terminal (a log file, a pipe): the waiting line at these waited seconds, then every WAIT_PIPED_EVERY_S
+# (was: every 10 s, 61 lines in 10 minutes)
+WAIT_PIPED_AT_S, WAIT_PIPED_EVERY_S = (10.0, 30.0, 60.0), 60.0
+RAN_OUT = "Ran out of data; last step was canceled."  # torchtitan's line once a followed run stopped waiting
 WAIT_POLL_S = 0.2  # follow mode: how often the folder is looked at while waiting
 
 
@@ -41,6 +46,24 @@ def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def next_note_s(waited: float, tty: bool) -> float:
+    """The waited seconds at which the next waiting line is due, one having been said at ``waited``
+    (-1: none yet): on a terminal after 1 s and every 10 s; otherwise at 10, 30, 60 s, then every 60 s."""
+    if tty:
+        return WAIT_FIRST_NOTE_S if waited < 0 else waited + WAIT_NOTE_S
+    return next((t for t in WAIT_PIPED_AT_S if t > waited), waited + WAIT_PIPED_EVERY_S)
+
+
+class _RanOutOnce(logging.Filter):
+    """Drops torchtitan's "Ran out of data" line once, after apiary said why the followed run stopped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg) != RAN_OUT:
+            return True
+        logging.getLogger().removeFilter(self)
+        return False
+
+
 class FollowMode:
     """The follow-mode steps of the trainer (see the module docstring)."""
 
@@ -50,7 +73,7 @@ class FollowMode:
 
     def _wait_for_data(self) -> None:
         """Before step ``self.step``: every rank's dataset can form the step's rows (agreed over ranks).
-        While it cannot, rank 0 says so every ``WAIT_NOTE_S``; a signal (SIGTERM, SIGUSR1, Ctrl-C) or
+        While it cannot, rank 0 says so (``next_note_s``); a signal (SIGTERM, SIGUSR1, Ctrl-C) or
         ``data.wait_timeout`` seconds without the rows stop the run with the last complete step
         checkpointed (exit 75, or 77 for the timeout); a malformed shard stops it the same way (exit 2,
         naming file and line). Nothing of this step has run when it stops."""
@@ -59,7 +82,8 @@ class FollowMode:
             return
         self._follow_source = ds
         t0 = time.monotonic()
-        last_note = t0 - WAIT_NOTE_S + WAIT_FIRST_NOTE_S
+        tty = sys.stdout.isatty()
+        note_at = next_note_s(-1, tty)
         folder = ds.dir
         flushed = False
         while True:
@@ -87,9 +111,8 @@ class FollowMode:
                                                  f"{waited:.0f} s ({limit}): {held}" if held else
                                                  f"no {ds.NOUN} for step {self.step} in {folder} for {waited:.0f} s "
                                                  f"({limit})")
-            now = time.monotonic()
-            if now - last_note >= WAIT_NOTE_S and dist_rank() == 0:
-                last_note = now
+            if waited >= note_at and dist_rank() == 0:
+                note_at = next_note_s(waited, tty)
                 print(f"waiting for {ds.NOUN} in {folder}: {waited:.0f} s (step {self.step}{ds.waiting_note()})",
                       flush=True)
             time.sleep(WAIT_POLL_S)
@@ -102,6 +125,8 @@ class FollowMode:
         ck = self.checkpointer
         if not ck.enable:
             note = "checkpointing is off (checkpoint.enable=false): a rerun starts over"
+        elif self.step == 0:  # a fresh run: nothing to start from, nothing to save
+            note = "no checkpoint was written (no step trained)"
         elif self.step == self._start_step:
             note = f"no step trained since the start (step {self.step}); the checkpoint it started from stays"
         elif guard is not None and guard.last_saved == self.step:  # complete once renamed to step-N
@@ -121,6 +146,7 @@ class FollowMode:
                                          else "") + f". Exit code {code}.")
         if dist_rank() == 0:
             print(self.follow_stop.message, file=sys.stderr, flush=True)
+        logging.getLogger().addFilter(_RanOutOnce())  # torchtitan's loop logs it on this exception: said above
         raise DataloaderExhaustedError()
 
     def _write_ledger(self) -> None:

@@ -133,7 +133,7 @@ def verify(step_dir: Path, threads: int | None = None) -> tuple[str, str] | None
         body = json.loads(mf.read_text())
         want, algorithm = body["files"], body["algorithm"]
     except (ValueError, KeyError, TypeError):
-        return MANIFEST, "the manifest itself is not readable JSON of apiary's format"
+        return MANIFEST, "is not readable JSON of apiary's format (the manifest itself)"
     have = set(list_files(step_dir))
     for rel in sorted(want):
         if rel not in have:
