@@ -209,3 +209,18 @@ def test_check_names_variant_metric_difference_and_tolerance():
     assert compare.check(base, var, TOLERANCES["any"]) == []
     crashed = dict(var, status="crashed", returncode=1, log="w.log")
     assert compare.check(base, crashed, TOLERANCES["any"])[0]["metric"] == "run"
+
+
+def test_tokens_per_s_ranks_variants_as_step_time_does():
+    """Two steady steps each: a median of per-step tokens/s (the mean of 1/t) ranked these two opposite to
+    their median step times (2.15 s vs 1.70 s, yet 1131 vs 591 tok/s); now tokens per step / median step time."""
+    from toolkit.compare.running import summarize
+
+    def recs(times, tokens=1000.0):
+        return [{"step": i + 1, "loss": 1.0, "step_time_s": t, "tokens_per_s": tokens / t,
+                 "tokens_per_s_per_gpu": tokens / t, "tflops_per_gpu": 2 * tokens / t} for i, t in enumerate([9, 9, 9, *times])]
+
+    slow, fast = summarize(recs([0.5, 3.8])), summarize(recs([1.6, 1.8]))
+    assert slow["step_time_s"] == pytest.approx(2.15) and fast["step_time_s"] == pytest.approx(1.7)
+    assert slow["tokens_per_s"] == pytest.approx(1000 / 2.15) and fast["tokens_per_s"] == pytest.approx(1000 / 1.7)
+    assert slow["tokens_per_s"] < fast["tokens_per_s"] and slow["tflops_per_gpu"] < fast["tflops_per_gpu"]

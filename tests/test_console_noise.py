@@ -238,3 +238,32 @@ def test_the_example_generator_drops_transformers_cache_rename_notes_only(tmp_pa
     out, err = capfd.readouterr()
     assert version == -1 and "Loading weights" not in out + err, err
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_logprobs_adapter_merge_shows_no_transformers_bars(tmp_path, monkeypatch, capfd):
+    """`apiary logprobs BASE ROLLOUTS --adapter DIR` printed transformers' "Loading weights" and "Writing
+    model shards" bars from apiary's own from_pretrained / save_pretrained: off around those calls, the
+    setting as it was afterwards."""
+    pytest.importorskip("peft")
+    import peft
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from components.adapters import export
+    from toolkit import logprobs
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    lora = peft.get_peft_model(Qwen3ForCausalLM(cfg), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    monkeypatch.setattr(export, "check_exported_base", lambda *a: None)
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    dest = logprobs.merge_adapter(str(tmp_path / "base"), str(tmp_path / "adapter"), tmp_path / "merged")
+    out, err = capfd.readouterr()
+    assert (dest / "config.json").is_file()
+    assert "Loading weights" not in out + err and "Writing model shards" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()

@@ -619,6 +619,36 @@ def test_the_lora_recipes_description_says_what_full_training_needs_as_planned()
     assert f"gpus={gpus}` OOM, gpus={gpus * factor} fits" in lora.cfg.description
 
 
+def test_the_lora_pages_memory_numbers_are_todays_plans(capsys):
+    """docs/skills/lora.md quoted 71.5, 39.3, 90.0 and 73.7 GiB after the planner had moved to 71.13, 41.40,
+    92.07 and 70.94: each number it quotes is `apiary plan`'s total for the command it names, within 0.1 GiB."""
+    import json
+    import re
+
+    from toolkit.plan import plan_main
+
+    from conftest import ROOT
+
+    text = " ".join((ROOT / "docs" / "skills" / "lora.md").read_text().split())
+    quoted = re.search(r"1\.28B adapter parameters\): ([\d.]+) GiB per GPU, fits .*?; ([\d.]+) GiB with `recompute=full`, "
+                       r"([\d.]+) GiB of it the frozen base\); .*?`apiary plan recipe=qwen35_35b_128k gpus=8`\): ([\d.]+) GiB, "
+                       r"OOM .*? fits on 16 \(([\d.]+) GiB", text)
+    assert quoted, "the memory paragraph of docs/skills/lora.md changed shape"
+
+    def planned(*args):
+        capsys.readouterr()
+        assert plan_main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    lora, full = planned("recipe=qwen35_35b_lora_128k"), planned("recipe=qwen35_35b_lora_128k", "recompute=full")
+    whole8, whole16 = planned("recipe=qwen35_35b_128k", "gpus=8"), planned("recipe=qwen35_35b_128k", "gpus=16")
+    frozen = next(t["bytes"] for t in full["terms"] if t["name"] == "frozen_base")
+    want = [lora["total_bytes"], full["total_bytes"], frozen, whole8["total_bytes"], whole16["total_bytes"]]
+    for doc, b in zip(quoted.groups(), want):
+        assert float(doc) == pytest.approx(b / 2**30, abs=0.1), (quoted.groups(), [round(x / 2**30, 2) for x in want])
+    assert lora["verdict"] != "OOM" and whole8["verdict"] == "OOM" and whole16["verdict"] != "OOM"
+
+
 # ---------------------------------------------------------------- two ranks (opt-in)
 
 

@@ -167,3 +167,23 @@ def test_qwen3_yarn_flavor_is_the_published_rope_scaling():
     torch.testing.assert_close(cache[:, 128:], sin[0], rtol=0, atol=1e-6)
     plain = qwen3.model_config("30B-A3B").layers[0].attention.rope.build().cache[pos[0, :5]]
     assert (cache[:5] - plain).abs().max() > 0.1  # YaRN moves every position, not just the long ones
+
+
+def test_readmes_qwen3_30b_line_states_todays_plan_on_80gb_gpus():
+    """README's qwen3_30b_a3b_64k line said "79 GiB planned per GPU" after the planner had moved to 81.22: the
+    number it quotes is `apiary plan recipe=qwen3_30b_a3b_64k gpus=8 gpu=H100`'s total, and, as it says, that
+    plan is OOM for `apiary plan` and within the preflight's measured error above (a warning, not a refusal)."""
+    from framework.plan import planner, preflight
+    from framework.resolve.resolver import resolve
+    from toolkit import plan as plan_cli
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if "recipe=qwen3_30b_a3b_64k" in ln
+                and "80 GB" in ln)
+    quoted, pct = re.search(r"says ([\d.]+) GiB -> OOM and the preflight warns \(within the planner's (\d+)% ",
+                            line).groups()
+    r = resolve("qwen3_30b_a3b_64k", [], for_training=False, world_size=8)
+    p = planner.plan(r, gpu="H100")
+    _, over, _ = preflight.measured_band(r.layout.cp)
+    assert quoted == f"{p.total_bytes / 2**30:.2f}" and int(pct) == round(over * 100), (quoted, p.total_bytes)
+    assert p.verdict == "OOM" and p.gpu_memory_bytes < p.total_bytes <= p.gpu_memory_bytes * (1 + over)
+    assert plan_cli._preflight_note(p, r.layout.cp).startswith("a launch warns, not refuses")

@@ -266,3 +266,20 @@ def test_the_suggested_resume_never_raises_the_learning_rate(tmp_path, schedule)
         assert f"({s['resume_note']})" in _text(s)
     else:
         assert s["resume_note"] is None
+
+
+def test_the_export_suggestion_says_a_trained_routing_bias_is_left_out(tmp_path):
+    """debug_moe's summary offered `next: export` without a word, and `apiary export` then warned that the
+    routing bias (moe.load_balance_coeff) is not in the HF format: the suggestion says so, in a line under
+    it; with balancing off, or on a dense model, it says nothing."""
+    recs = [_rec(n, 6.0 - n, 2.0 * n, tflops=None, mfu=None, device="cpu", peak=None) for n in (1, 2)]
+    s = summary.summarize(_run(tmp_path / "moe", recs, steps=2, checkpoints=(2,), tb=False, overrides=[]))
+    assert "export" in s["next"] and s["export_note"] == summary.routing_bias_note.__globals__["NOTE"]
+    text = " ".join(_text(s).split())
+    assert "(the MoE routing bias is not in the HF format: it may route differently; moe.load_balance_coeff=null" in text
+    off = summary.summarize(_run(tmp_path / "off", recs, steps=2, checkpoints=(2,), tb=False,
+                                 overrides=["moe.load_balance_coeff=null"]))
+    assert "export" in off["next"] and off["export_note"] is None and "routing bias" not in _text(off)
+    dense = _run(tmp_path / "dense", recs, steps=2, checkpoints=(2,), tb=False, overrides=[])
+    OmegaConf.save(recipes.load("debug_dense", [f"output_dir={dense}"]), dense / "config.yaml")
+    assert summary.summarize(dense)["export_note"] is None

@@ -19,6 +19,7 @@ output) up to ``--batch-tokens`` tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -275,16 +276,33 @@ def merge_adapter(base: str, adapter: str, dest: Path) -> Path:
                         "--merged).") from None
     import torch  # reason: start-up time
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated alias (transformers 5): not the user's
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            merged = PeftModel.from_pretrained(hf, adapter).merge_and_unload()
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(where, f"peft could not apply {adapter} to {base}: {str(e).splitlines()[0][:300]}.",
-                        "Is the adapter one of a run on this base?") from None
-    merged.save_pretrained(dest)
+    with _no_transformers_bars():  # transformers' "Loading weights" / "Writing model shards": apiary's own calls
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        try:
+            with warnings.catch_warnings():  # peft reads transformers' deprecated alias (transformers 5): not the user's
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                        category=FutureWarning)
+                merged = PeftModel.from_pretrained(hf, adapter).merge_and_unload()
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise UserError(where, f"peft could not apply {adapter} to {base}: {str(e).splitlines()[0][:300]}.",
+                            "Is the adapter one of a run on this base?") from None
+        merged.save_pretrained(dest)
     return dest
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """transformers' progress bars off for the block, the setting as it was afterwards."""
+    from transformers.utils import logging as hf_logging  # reason: optional dependency, only for --adapter
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:

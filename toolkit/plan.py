@@ -30,7 +30,7 @@ from rich.text import Text
 from framework.cli import _fail
 from framework.compose import recipes
 from framework.errors import UserError
-from framework.plan import planner
+from framework.plan import planner, preflight
 from framework.plan.planner import Constants
 from framework.resolve.layout import derive, params_text
 from framework.resolve.resolver import check_candidate, resolve
@@ -221,6 +221,8 @@ def _print_plan(console, r, p, rules_constraints) -> None:
                   f"{_gib(p.gpu_memory_bytes)} GiB; headroom {_gib(p.headroom_bytes)} GiB -> "
                   f"[bold {color}]{p.verdict}[/bold {color}]  (torch max_memory_reserved estimate "
                   f"{_gib(p.torch_reserved_bytes)} GiB)")
+    if p.verdict == "OOM":
+        console.print(_preflight_note(p, r.layout.cp))
     t = Table(title="step time (roofline)")
     t.add_column("part")
     t.add_column("seconds", justify="right")
@@ -234,6 +236,16 @@ def _print_plan(console, r, p, rules_constraints) -> None:
         console.print(f"  - {a}", markup=False)
     for w in p.warnings:
         console.print("[yellow]warning[/yellow]", Text(str(w)))
+
+
+def _preflight_note(p, cp: int) -> str:
+    """What a launch of this plan does: the preflight refuses only beyond the planner's measured error above."""
+    _, over, kind = preflight.measured_band(cp)
+    refuse_at = p.gpu_memory_bytes * (1 + over)
+    if p.total_bytes > refuse_at:
+        return f"a launch refuses it (preflight.memory=refuse: above {_gib(refuse_at)} GiB, {over:.0%} over the GPU)"
+    return (f"a launch warns, not refuses: within the planner's measured error above ({over:.0%} at {kind}, up to "
+            f"{_gib(refuse_at)} GiB), so it may still fit")
 
 
 def _print_search(console, res) -> None:

@@ -41,6 +41,7 @@ from rich.text import Text
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
+from framework.report.export_note import routing_bias_note
 from framework.report.progress import duration, loss_text, make_console, memory_label
 from framework.report.resume_command import continuation, run_overrides
 from framework.resolve import resume
@@ -288,6 +289,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "next": commands,
         "resume_note": note or None,  # the learning rate the resume continues at, and the stretch it is not
         "export_missing_because": no_base_on_disk(cfg) if checkpoint is not None else None,
+        "export_note": routing_bias_note(cfg) if "export" in commands else None,
     }
 
 
@@ -387,7 +389,8 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
         console.print(Text("next", style=bold), soft_wrap=True)
         for key, cmd in s["next"].items():
             console.print(Text(f"  {key:<{width}}  {cmd}"), soft_wrap=True)
-            if key == "resume" and s.get("resume_note"):
-                console.print(Text(f"  {'':<{width}}  ({s['resume_note']})"), soft_wrap=True)
+            note = s.get({"resume": "resume_note", "export": "export_note"}.get(key, ""))
+            if note:
+                console.print(Text(f"  {'':<{width}}  ({note})"), soft_wrap=True)
         if s.get("export_missing_because"):
             console.print(Text(f"  {'export':<{width}}  {s['export_missing_because']}"), soft_wrap=True)

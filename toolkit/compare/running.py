@@ -205,6 +205,33 @@ def _median(records: list[dict], key: str):
     return statistics.median(xs) if xs else None
 
 
+def _per_median_step(records: list[dict], key: str, step_time):
+    """A rate over the reported (median) step time: the median of the rate times each step's time (tokens, or
+    FLOPs, per step) divided by it. A median of per-step rates can rank variants opposite to their step times."""
+    per_step = [{key: r[key] * r["step_time_s"]} for r in records
+                if isinstance(r.get(key), (int, float)) and isinstance(r.get("step_time_s"), (int, float))]
+    amount = _median(per_step, key)
+    return amount / step_time if amount is not None and step_time else None
+
+
+def summarize(recs: list[dict]) -> dict:
+    """One variant's row: medians over the steady steps; rates over the median step time, so tokens/s and
+    TFLOPs rank the variants as step time does."""
+    steady = _steady(recs)
+    step_time = _median(steady, "step_time_s")
+    return {
+        "final_loss": recs[-1]["loss"] if recs else None,
+        "step_time_s": step_time,
+        "tokens_per_s": _per_median_step(steady, "tokens_per_s", step_time),
+        "tokens_per_s_per_gpu": _per_median_step(steady, "tokens_per_s_per_gpu", step_time),
+        "tflops_per_gpu": _per_median_step(steady, "tflops_per_gpu", step_time),
+        "peak_mem_bytes": max((r["peak_mem_bytes"] for r in recs if r.get("peak_mem_bytes") is not None),
+                              default=None),
+        "peak_mem_kind": recs[-1].get("peak_mem_kind") if recs else None,
+        "steady_steps": [r["step"] for r in steady],
+    }
+
+
 def _run_variant(p: Plan, v: Variant) -> dict:
     vdir = p.compare_dir / v.name
     log = p.compare_dir / "logs" / f"{v.name}.log"
@@ -219,18 +246,7 @@ def _run_variant(p: Plan, v: Variant) -> dict:
            "grad_norm": [r.get("grad_norm") for r in recs]}
     if status != "ok":
         res["log_tail"] = _tail(log)
-    steady = _steady(recs)
-    res["summary"] = {
-        "final_loss": recs[-1]["loss"] if recs else None,
-        "step_time_s": _median(steady, "step_time_s"),
-        "tokens_per_s": _median(steady, "tokens_per_s"),
-        "tokens_per_s_per_gpu": _median(steady, "tokens_per_s_per_gpu"),
-        "tflops_per_gpu": _median(steady, "tflops_per_gpu"),
-        "peak_mem_bytes": max((r["peak_mem_bytes"] for r in recs if r.get("peak_mem_bytes") is not None),
-                              default=None),
-        "peak_mem_kind": recs[-1].get("peak_mem_kind") if recs else None,
-        "steady_steps": [r["step"] for r in steady],
-    }
+    res["summary"] = summarize(recs)
     res["probe"] = None
     pj = vdir / "probe" / "probe.json"
     if p.opts.probe and pj.is_file():
