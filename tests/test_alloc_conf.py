@@ -53,7 +53,12 @@ def test_the_slurm_script_exports_the_same_default():
 
 
 def test_every_rank_applies_it_before_training():
-    """run.train applies the default right after the device shims, before torch builds anything."""
-    src = (ROOT / "framework/train/run.py").read_text()
-    body = src[src.index("def train(resolved"):]
-    assert body.index("devices.apply_allocator_default()") < body.index("kernel_cache.configure(")
+    """run.train prepares the process first (process.prepare), which applies the default right after the
+    device shims, before torch builds anything."""
+    run = (ROOT / "framework/train/run.py").read_text()
+    train = run[run.index("def train(resolved"):]
+    assert train.index("process.prepare(") < train.index("trainer_config")
+    src = (ROOT / "framework/train/process.py").read_text()
+    body = src[src.index("def prepare("):]
+    assert body.index("devices.install()") < body.index("devices.apply_allocator_default()") \
+        < body.index("kernel_cache.configure(")

@@ -21,7 +21,7 @@ def _smaller(r, room: int, need: int) -> list[str]:
     """A fewer-layer model (the static terms scale about with the layers) and the adapters that
     freeze the base, when the run uses the default (none)."""
     out = []
-    layers = int(getattr(r.facts, "n_layers", 0) or 0)
+    layers = int(r.facts.n_layers or 0) if r.facts is not None else 0
     k = int(layers * room / need) if need > 0 and room > 0 else 0
     if 1 <= k < layers:
         out.append(f"a smaller model (about model.n_layers={k} or fewer of its {layers})")

@@ -22,4 +22,4 @@ def routing_bias_note(cfg) -> str | None:
         facts = model_facts(cfg)
     except Exception:  # noqa: BLE001 - a moved hf_checkpoint, an old config: the summary must still print
         return None
-    return NOTE if getattr(facts, "num_experts", 0) else None
+    return NOTE if facts is not None and facts.num_experts else None

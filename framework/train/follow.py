@@ -146,7 +146,9 @@ class FollowMode:
                                          else "") + f". Exit code {code}.")
         if dist_rank() == 0:
             print(self.follow_stop.message, file=sys.stderr, flush=True)
-        logging.getLogger().addFilter(_RanOutOnce())  # torchtitan's loop logs it on this exception: said above
+        root = logging.getLogger()  # torchtitan's loop logs it on this exception: said above (one filter at a time)
+        if not any(isinstance(f, _RanOutOnce) for f in root.filters):
+            root.addFilter(_RanOutOnce())
         raise DataloaderExhaustedError()
 
     def _write_ledger(self) -> None:
