@@ -180,6 +180,9 @@ def check_inputs(cfg, for_training: bool) -> None:
     if ck.create_seed and (world_size_from(cfg) != 1 or not ck.enable):
         raise UserError("checkpoint.create_seed=true", "a seed checkpoint is written by one process with "
                         "checkpointing enabled.", "Run it without nproc/torchrun and with checkpoint.enable=true.")
+    if ck.load_path is not None and not Path(ck.load_path).exists():
+        raise UserError(f"checkpoint.load_path={ck.load_path}", "does not exist (nothing at that path).",
+                        "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     if ck.load_path is not None and not (Path(ck.load_path) / ".metadata").is_file():
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")

@@ -100,15 +100,15 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
         rules["cp"] = (f"table: seq {seq} / target {table.target_local_seq} -> {want}, "
                        f"rounded to a divisor -> {cp} ({seq // cp} tokens per GPU)")
     cp = int(cp)
+    if room % cp:
+        raise UserError(f"parallel.cp={cp}", f"CP {cp} does not divide the {room} ranks left after "
+                        f"dp_replicate x tp x pp = {base} of world size {world_size}.",
+                        f"Choose CP among {_divisors(room)}.")
     if cp > 1 and seq % (2 * cp * (tp if tp > 1 else 1)):
         raise UserError(f"parallel.cp={cp}", f"training.seq_len {seq} is not divisible by 2 x cp"
                         f"{' x tp' if tp > 1 else ''} = {2 * cp * (tp if tp > 1 else 1)} (load-balanced CP "
                         "splits each sequence into 2 x cp chunks).",
                         "Pick a seq_len that is a multiple of it, or another cp.")
-    if room % cp:
-        raise UserError(f"parallel.cp={cp}", f"CP {cp} does not divide the {room} ranks left after "
-                        f"dp_replicate x tp x pp = {base} of world size {world_size}.",
-                        f"Choose CP among {_divisors(room)}.")
 
     dp_shard = given("dp_shard")
     if dp_shard is None:

@@ -71,6 +71,10 @@ def check_outputs(cfg) -> int | None:
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")
+        elif odd := integrity.step_like(Path(cfg.output_dir) / "checkpoint"):
+            raise UserError(f"output_dir={cfg.output_dir}", f"{odd[0]} is named like a checkpoint step, and "
+                            "torchtitan loads any name holding step-N in the checkpoint folder: a fresh run would "
+                            "load it.", "Move it out of the checkpoint folder, or choose another output_dir.")
 
 
 def check_overlaps(cfg) -> None:

@@ -101,6 +101,14 @@ def write_manifest(folder: Path, step: int, files: dict, **timing) -> None:
 
 
 # -- the step folders ----------------------------------------------------------------------
+def step_like(checkpoint_dir: Path) -> list[Path]:
+    """Entries of ``checkpoint_dir`` not named exactly step-N whose name holds step-N: torchtitan's
+    loader takes any such name for that step (a folder renamed step-3.bad in place is still step 3)."""
+    ck = Path(checkpoint_dir)
+    return sorted(p for p in (ck.iterdir() if ck.is_dir() else []) if re.search(r"step-\d+", p.name)
+                  and not STEP_RE.fullmatch(p.name))
+
+
 def step_dirs(checkpoint_dir: Path) -> dict[int, Path]:
     """{N: checkpoint/step-N} for every folder named exactly step-N."""
     ck = Path(checkpoint_dir)
@@ -153,7 +161,7 @@ def verify(step_dir: Path, threads: int | None = None) -> tuple[str, str] | None
 
 # how to go on from an earlier step ({n}; {step_dir}: the refused one), per command
 RESUME_PICK = ("Resume from the previous complete step with checkpoint.load_step={n} (it is verified the same way), "
-               "or move {step_dir} aside")
+               "or move {step_dir} out of its checkpoint folder")
 
 
 def corrupt_error(step_dir: Path, problem: tuple[str, str], previous: int | None, where: str,
@@ -161,7 +169,7 @@ def corrupt_error(step_dir: Path, problem: tuple[str, str], previous: int | None
     step_dir = Path(step_dir)
     n = STEP_RE.fullmatch(step_dir.name).group(1)
     fix = (f"{pick.format(n=previous, step_dir=step_dir)}." if previous is not None
-           else f"No earlier complete step exists: move {step_dir} aside and {fresh}.")
+           else f"No earlier complete step exists: move {step_dir} out of its checkpoint folder and {fresh}.")
     return UserError(where, f"checkpoint step {n} is corrupt: {step_dir / problem[0]} {problem[1]}; "
                             "loading it could train on damaged weights.", fix)
 
@@ -211,7 +219,7 @@ def check_step(step_dir: Path, where: str, *, unverified_ok: bool = False, pick:
         earlier = [s for s in complete_steps(step_dir.parent) if s < n and manifest_step(step_dir.parent /
                                                                                         f"step-{s}") in (s, None)]
         fix = (f"{pick.format(n=earlier[-1], step_dir=step_dir)}." if earlier
-               else f"No earlier complete step exists: move {step_dir} aside and {fresh}.")
+               else f"No earlier complete step exists: move {step_dir} out of its checkpoint folder and {fresh}.")
         raise UserError(where, f"{step_dir} holds the checkpoint of step {saved}, not step {n} (its {MANIFEST} "
                         f"says step {saved}): the folder was copied or renamed from step-{saved}. Loading it would "
                         f"train on from step {saved}'s weights, optimizer and data position while counting from "
@@ -237,7 +245,8 @@ def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manife
         earlier = [s for s in steps if s < latest]
         raise UserError(where, f"the latest checkpoint {dirs[latest]} is incomplete or corrupt (no .metadata, no "
                         f"{MANIFEST}).", (f"Resume from step {earlier[-1]} with checkpoint.load_step={earlier[-1]}, "
-                                          "or move it aside." if earlier else "Move it aside and start a fresh run."))
+                                          "or move it out of the checkpoint folder." if earlier else
+                                          "Move it out of the checkpoint folder and start a fresh run."))
     if load_step is not None and load_step not in steps:
         raise UserError(f"checkpoint.load_step={load_step}", f"{ck} has no complete step {load_step}; complete "
                         f"steps: {', '.join(map(str, steps))}.", "Pick one of them.")
