@@ -255,7 +255,8 @@ def test_plan_cli_names_a_tiny_model_in_millions(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["parallel.ep=32", "gpus=24"], "EP 32 must divide dp_shard x cp x tp"),
-    (["training.seq_len=131072", "parallel.cp=3"], "not divisible by 2 x cp = 6"),
+    (["training.seq_len=131072", "parallel.cp=3"], "CP 3 does not divide"),  # the ranks first: no seq_len helps
+    (["training.seq_len=131070", "parallel.cp=2"], "not divisible by 2 x cp = 4"),
     (["training.seq_len=100000", "parallel.cp=32"], "not divisible by 2 x cp = 64"),
     (["gpu_memory=lots"], "is not a memory size"),
     (["gpus=0"], "must be a positive integer"),
