@@ -73,7 +73,7 @@ def test_cpu_device_mode(capsys, workdir):
 @pytest.mark.parametrize("argv,needles", [
     (["parallel.ep=3"], ["parallel.ep=3", "EP 3 must divide", "world size 8"]),
     (["parallel.dp_shard=4"], ["not the world size 8"]),
-    (["checkpoint.load_path=/nonexistent/step-0"], ["not a DCP checkpoint folder"]),
+    (["checkpoint.load_path=/nonexistent/step-0"], ["checkpoint.load_path=/nonexistent/step-0", "does not exist"]),
     (["launcher.nodez=2"], ["unknown key 'launcher.nodez'", "launcher.nodes"]),
     (["nodes=0"], ["launcher.nodes=0", "must be >= 1"]),
     (["time=abc"], ["launcher.time=abc", "not a Slurm time limit"]),
