@@ -105,7 +105,7 @@ def step_like(checkpoint_dir: Path) -> list[Path]:
     """Entries of ``checkpoint_dir`` not named exactly step-N whose name holds step-N: torchtitan's
     loader takes any such name for that step (a folder renamed step-3.bad in place is still step 3)."""
     ck = Path(checkpoint_dir)
-    return sorted(p for p in (ck.iterdir() if ck.is_dir() else []) if re.search(r"step-\d+", p.name)
+    return sorted(p for p in (ck.iterdir() if ck.is_dir() else []) if STEP_RE.search(p.name)
                   and not STEP_RE.fullmatch(p.name))
 
 
