@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -352,3 +353,33 @@ def test_the_kernel_being_tuned_is_named_while_triton_benchmarks_it(tmp_path, mo
     monkeypatch.setattr(kernel_cache, "_lock_path", lambda *a: tmp_path / "lock")
     wrapped(tuner, ("key",), [at.Config({})], lambda: seen.append(kernel_cache.LOG.tuning_now))
     assert seen == ["my_kernel"] and kernel_cache.LOG.tuning_now is None
+
+
+def test_a_long_first_step_with_nothing_tuning_says_where_the_training_thread_is(monkeypatch):
+    """No compile, no autotuning, yet the step runs long (a wait, a lock, a collective no peer joins): the
+    note names the training thread's innermost frames, so the log alone says where it is."""
+    monkeypatch.setattr(first_step, "compile_seconds", lambda: 0.0)
+    monkeypatch.setattr(kernel_cache, "LOG", kernel_cache.AutotuneLog())
+    release, lines = threading.Event(), []
+    s = first_step.FirstStep()
+
+    def stuck_in_the_step():
+        s.step_started()
+        release.wait(10)
+
+    monkeypatch.setattr(first_step, "NOTE_EVERY_S", 0.0)  # no notes thread; the line is read directly
+    t = threading.Thread(target=stuck_in_the_step)
+    t.start()
+    try:
+        for _ in range(100):
+            if s.thread is not None:
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)
+        lines.append(s.progress_line())
+    finally:
+        release.set()
+        t.join()
+    assert "now in wait (" in lines[0] and "stuck_in_the_step (tests/test_first_step.py:" in lines[0], lines[0]
+    kernel_cache.LOG.tuning_now = "chunk_fwd_kernel"  # a kernel being tuned is named instead
+    assert "now in" not in s.progress_line()

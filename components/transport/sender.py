@@ -98,17 +98,22 @@ class InMemorySender:
         self.snap.fill(trainer.model_parts, self.to_hf)
         if self.rank != 0:
             return True
+        # the copies are queued on the training stream behind the step that made these weights and before the
+        # next one; the sender waits for them to land (the event) before the engine may read, so the training
+        # thread never waits for the GPU here (a host synchronize cost a whole queued step)
+        landed = None
         if self.snap.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the copies have landed before the engine reads them
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(self.snap.device))
         if not self.link.connected:
             self._await_engine()
         blocked = time.perf_counter() - t0
         if self.background:
-            self._thread = threading.Thread(target=self._send_guarded, args=(version, blocked, waited),
+            self._thread = threading.Thread(target=self._send_guarded, args=(version, blocked, waited, landed),
                                             name="apiary-transfer", daemon=False)
             self._thread.start()
         else:
-            self._send(version, blocked, waited)
+            self._send(version, blocked, waited, landed)
         return True
 
     def flush(self, trainer) -> None:
@@ -132,8 +137,10 @@ class InMemorySender:
         except BaseException as e:  # noqa: BLE001 - raised in the training thread at the next publication
             self._error = e
 
-    def _send(self, version: int, blocked: float, waited: float) -> None:
+    def _send(self, version: int, blocked: float, waited: float, landed=None) -> None:
         t0 = time.perf_counter()
+        if landed is not None:
+            landed.synchronize()  # the snapshot's copies have landed before the engine reads them
         self.link.take_engine_s()
         if self.backend == "ipc":
             self._send_ipc(version)

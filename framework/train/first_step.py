@@ -24,7 +24,8 @@ compile + autotune + other = wall (each clamped to be non-negative, so the parts
 
 A first step still running after ``NOTE_EVERY_S`` says so on rank 0, and again each time that passes:
 the compile and autotuning seconds so far, the kernels tuned and the one being tuned now (a fresh
-machine's first step of a model with many Triton kernels autotunes for minutes, which looked like a hang).
+machine's first step of a model with many Triton kernels autotunes for minutes, which looked like a hang);
+when no kernel is being tuned, where the training thread is (its innermost frames: ``where_now``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class FirstStep:
         self.tuned0 = self.table0 = 0
         self.by_kernel0: dict[str, float] = {}
         self.slowest: dict[str, float] = {}
+        self.thread: int | None = None  # the thread training the step (where_now reads its stack)
         self.done = False
 
     def begin(self) -> None:
@@ -81,6 +83,7 @@ class FirstStep:
         if self.t_step is not None or self.done:
             return
         self.t_step = time.perf_counter()
+        self.thread = threading.get_ident()
         self.compile0 = compile_seconds()
         self.autotune0, self.tuned0 = kernel_cache.LOG.total_seconds, kernel_cache.LOG.total_tuned
         self.wait0 = kernel_cache.LOG.total_wait_seconds
@@ -113,6 +116,8 @@ class FirstStep:
             tuning = max(log.total_seconds - self.autotune0 + log.total_wait_seconds - self.wait0, 0.0)
             parts.append(f"autotuning {tuning:.0f} s: {tuned} kernel{'s' if tuned != 1 else ''} tuned"
                          + (f", tuning {now} now" if now else ""))
+        if not now and (where := where_now(self.thread)):
+            parts.append(f"now in {where}")
         so_far = f"first step: still running after {time.perf_counter() - self.t_step:.0f} s"
         return so_far + (f" ({'; '.join(parts)})" if parts else "") + "; its breakdown follows when it ends"
 
@@ -171,6 +176,19 @@ def describe(rec: dict) -> str:
     if rec.get("first_step_data_wait_s"):
         before.append(f"waiting for the first records {rec['first_step_data_wait_s']:.1f} s")
     return f"first step: {rec['first_step_wall_s']:.1f} s{split}; " + ", ".join(before)
+
+
+def where_now(thread: int | None, depth: int = 3) -> str:
+    """Where ``thread`` is at this moment: its innermost ``depth`` Python frames, innermost first, each
+    ``function (package/file.py:line)``; a step that neither compiles nor tunes yet runs long (a kernel
+    that waits, a collective no peer joins, a lock) is then found from the log alone. '' when unknown."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    out = []
+    while frame is not None and len(out) < depth:
+        path = frame.f_code.co_filename.replace("\\", "/").split("/")
+        out.append(f"{frame.f_code.co_name} ({'/'.join(path[-2:])}:{frame.f_lineno})")
+        frame = frame.f_back
+    return " < ".join(out)
 
 
 STATE = FirstStep()
