@@ -20,6 +20,9 @@
 #           (default 4096); the update times of that run are the 4-layer width's IPC hand-off at that bucket size.
 #           EVERY_OV="publish.when_busy=skip" adds overrides to the run with updates (and "publish.interval=4" an
 #           update every 4 steps).
+#   PART=8: the qwen3 IPC case of tests/gpu/test_vllm_gpu.py beside the tiny Qwen3.5 MoE loop, learning (its logs' tails back).
+#   PART=9: the Qwen3.5 case of tests/gpu/test_vllm_gpu.py (TTEST s) beside the tiny Qwen3.5 MoE loop with routing
+#           replay (the logs' tails of both back).
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -175,5 +178,28 @@ PY
   cat "$OUT/throughput.table"
   errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
   tail -3 /tmp/tp_every.log /tmp/tp_gen.log
+  ;;
+8|9)
+  # the tiny Qwen3.5 MoE loop (learning for 8, routing replay for 9) beside a GPU test
+  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
+  spec="learn="; [ "$PART" = 9 ] && spec="replay=moe.routing_replay=true:--routing"
+  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-400} PY=$PY bash /tmp/rl35.sh "$spec" > "$OUT/rl_qwen35.log" 2>&1) &
+  w=$!
+  if [ "$PART" = 8 ]; then
+    timeout ${TTEST:-240} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt8 \
+      tests/gpu/test_vllm_gpu.py -k "debug_grpo_vllm and ipc" 2>&1 | grep -v INFO | tail -c 5000 > "$OUT/gpu_test_qwen3_ipc.log"
+  else
+    timeout ${TTEST:-330} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt9 \
+      tests/gpu/test_vllm_gpu.py -k qwen35 2>&1 | grep -v INFO | tail -c 6000 > "$OUT/gpu_test_qwen35.log"
+    mkdir -p "$OUT/logs_qwen35"
+    for f in /tmp/pt9/*/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/logs_qwen35/$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  fi
+  tail -3 "$OUT"/gpu_test_*.log
+  wait $w; tail -4 "$OUT/rl_qwen35.log"
+  n=${spec%%=*}
+  cp /tmp/rl35/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null
+  cp /tmp/rl35/$n/engine_updates.jsonl "$OUT/engine_updates_$n.jsonl" 2>/dev/null
+  grep -vE "^W[0-9]{4} |FutureWarning|_set_allocator" /tmp/rl35/$n/train.log 2>/dev/null | tail -c 6000 > "$OUT/train_$n.log"
+  grep -E "vllm_generator|Error|rror:" /tmp/rl35/$n/generator.log 2>/dev/null | tail -c 4000 > "$OUT/generator_$n.log"
   ;;
 esac
