@@ -9,6 +9,7 @@
 #   PART=3: training tok/s at the 4-layer width with an in-memory update every step (GPU 0, the engine
 #           beside it) against none (GPU 1, at the same time), on static synthetic rollouts (the engine,
 #           --serve, only takes the updates); then the Qwen3.5 and LoRA cases of tests/gpu/test_vllm_gpu.py.
+# A device call brings back at most 8 files: each part writes fewer.
 # On one H200 (kind nvidia-h200), three parts of the same ground, each under 10 minutes (a cold Qwen3.5 engine
 # took over 90 s to start on a fresh machine):
 #   PART=4: `apiary warmup` of the tiny Qwen3.5 MoE loop's recipe (its kernel cache) beside a LoRA loop (the
@@ -191,8 +192,7 @@ PY
   else
     timeout ${TTEST:-330} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt9 \
       tests/gpu/test_vllm_gpu.py -k qwen35 2>&1 | grep -v INFO | tail -c 6000 > "$OUT/gpu_test_qwen35.log"
-    mkdir -p "$OUT/logs_qwen35"
-    for f in /tmp/pt9/*/*.log; do [ -f "$f" ] && tail -c 4000 "$f" > "$OUT/logs_qwen35/$(basename "$(dirname "$f")")_$(basename "$f")"; done
+    for f in /tmp/pt9/*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -c 4000 "$f"; }; done > "$OUT/logs_qwen35.txt"
   fi
   tail -3 "$OUT"/gpu_test_*.log
   wait $w; tail -4 "$OUT/rl_qwen35.log"
