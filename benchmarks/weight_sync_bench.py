@@ -82,6 +82,19 @@ def sender(model, writer, weights: Path, backend: str, bucket_mb: int = 1024, ti
     return InMemorySender(backend, name, options, settings, SimpleNamespace(model_parts=[model]))
 
 
+def linked(model, writer, weights: Path, backend: str, memory: float, log: Path, bucket_mb: int = 1024,
+           timeout: float = 600):
+    """An engine on ``weights`` (GPU 0 for IPC, 1 for NCCL) and the sender it is linked to. The engine starts
+    first: the sender waits for its hello as it is made (as the trainer does before its first step), and
+    the generator waits for the link file the sender writes."""
+    eng = start_engine(weights, backend, 0 if backend == "ipc" else 1, memory, log)
+    try:
+        return sender(model, writer, weights, backend, bucket_mb, timeout=timeout), eng
+    except BaseException:
+        eng.kill()
+        raise
+
+
 def update(s, model, version: int) -> dict:
     s.publish(SimpleNamespace(model_parts=[model]), version)
     s._join()
@@ -107,10 +120,8 @@ def check_same_as_folder(recipe: str, overrides: list[str], backend: str, out: P
     model, writer = build(recipe, overrides)
     w1, w2 = out / f"weights_{backend}", out / f"folder_{backend}"
     write_folder(model, writer, w1, 0)
-    s = sender(model, writer, w1, backend)
-    eng = start_engine(w1, backend, 0 if backend == "ipc" else 1, memory, out / f"engine_{backend}.log")
+    s, eng = linked(model, writer, w1, backend, memory, out / f"engine_{backend}.log")
     try:
-        s.link.accept(300)
         p = prompts()
         before = s.link.probe(p, 16)
         perturb(model)
@@ -146,11 +157,9 @@ def bench(recipe: str, overrides: list[str], backends: list[str], updates: int, 
                      "transfer_s": None, "engine_s": None})
     for spec in backends:
         backend, _, mb = spec.partition("@")
-        s = sender(model, writer, w, backend, int(mb or 1024))
-        eng = start_engine(w, backend, 0 if backend == "ipc" else 1, memory, out / f"bench_engine_{backend}.log")
+        s, eng = linked(model, writer, w, backend, memory, out / f"bench_engine_{backend}.log", int(mb or 1024))
         recs = []
         try:
-            s.link.accept(600)
             for v in range(1, updates + 1):
                 perturb(model, 1e-3, seed=v)
                 recs.append(update(s, model, v))
