@@ -7,7 +7,8 @@ Runs ``train recipe=debug_moe training.steps=1 launcher=local`` (one rank; other
 ``--``) in this process, from ``framework/cli.py`` ``train_entry`` until ``ApiaryTrainer.__init__``
 is entered, under ``sys.setprofile``. A reader reads the spine's functions (``SPINE``) and follows
 each call they make into another file one level: it reads the callee and comes back to the spine
-function. Calls the callees make are not followed, nor imports (a module's top level); entering a
+function. Calls the callees make are not followed, nor imports (a module's top level), nor a spine
+function's calls to a function of its own file (nor what that one calls); entering a
 spine function, wherever it is called from, the reader descends into it, and comes back to where it
 was when it returns. Calls through the standard library's wrappers (``contextlib``'s ``with``, a
 dataclass's generated ``__init__``: the class's file) count as calls into the file a reader would

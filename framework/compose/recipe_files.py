@@ -1,6 +1,6 @@
-"""A recipe file before Hydra composes it: its YAML read strictly (a key given twice is refused),
-the chain of recipes it extends, the component groups it chooses, and the one-paragraph errors of a
-file that does not compose.
+"""A recipe file before Hydra composes it: where a recipe's name finds it (``recipe_path``; the packaged
+ones, ``recipe_names``), its YAML read strictly (a key given twice is refused), the chain of recipes it
+extends, the component groups it chooses, and the one-paragraph errors of a file that does not compose.
 """
 
 from __future__ import annotations
@@ -17,6 +17,39 @@ from framework.compose.schema import RecipeConfig
 from framework.errors import UserError, did_you_mean
 
 RECIPES_DIR = registry.ROOT / "recipes"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def recipe_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or "/" in name:
+        if not p.is_file():
+            other = p.with_suffix(".yaml" if p.suffix == ".yml" else ".yml") if p.suffix else p.with_suffix(".yaml")
+            if other.is_file():
+                raise UserError(f"recipe={name}", f"no recipe file at {p}. There is {other}: recipe={other}.",
+                                "Copy one with `apiary cp NAME path`.")
+            if (RECIPES_DIR / f"{p.stem}.yaml").is_file():  # recipe=debug_moe.yaml away from the checkout
+                raise UserError(f"recipe={name}", f"no recipe file at {p} (a path is read from this folder, "
+                                f"{Path.cwd()}); {p.stem} is a packaged recipe, which is named without a "
+                                "path or suffix.", f"Write recipe={p.stem}, or copy it here to edit with "
+                                f"`apiary cp {p.stem} {p.name}`.")
+            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
+        if p.suffix != ".yaml":
+            raise UserError(f"recipe={name}", f"a recipe file is read by Hydra, which finds only files named *.yaml, "
+                            f"and {p.name} ends in {p.suffix or 'no suffix'}.",
+                            f"Rename it: mv {p} {p.with_suffix('.yaml')}, then recipe={p.with_suffix('.yaml')}.")
+        return p.resolve()
+    path = RECIPES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"recipe={name}",
+            f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}.",
+            did_you_mean(name, recipe_names()) or "Run `apiary ls` to see them.",
+        )
+    return path
 
 
 def _check_yaml(path: Path, seen: set | None = None, chain: tuple = ()) -> None:

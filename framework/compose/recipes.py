@@ -2,7 +2,8 @@
 -> validated, typed config. Hydra's compose API does the composition and override grammar;
 this module turns its failures into user errors that name the key and the closest valid ones.
 
-The recipe file itself (its YAML, what it extends, its group choices): recipe_files.py.
+The recipe file itself (where a name's file is, its YAML, what it extends, its group choices):
+recipe_files.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from framework.compose.recipe_files import (
     _option_of,
     _unknown_key_in_file,
     file_group_choices,
+    recipe_names,
+    recipe_path,
 )
 from framework.compose.schema import DEFAULT_RECIPE, RecipeConfig
 from framework.errors import UserError, closest, did_you_mean
@@ -84,39 +87,6 @@ def split_recipe(args: list[str]) -> tuple[str | None, list[str]]:
     return recipe, rest
 
 
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
-
-
-def recipe_path(name: str) -> Path:
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") or "/" in name:
-        if not p.is_file():
-            other = p.with_suffix(".yaml" if p.suffix == ".yml" else ".yml") if p.suffix else p.with_suffix(".yaml")
-            if other.is_file():
-                raise UserError(f"recipe={name}", f"no recipe file at {p}. There is {other}: recipe={other}.",
-                                "Copy one with `apiary cp NAME path`.")
-            if (RECIPES_DIR / f"{p.stem}.yaml").is_file():  # recipe=debug_moe.yaml away from the checkout
-                raise UserError(f"recipe={name}", f"no recipe file at {p} (a path is read from this folder, "
-                                f"{Path.cwd()}); {p.stem} is a packaged recipe, which is named without a "
-                                "path or suffix.", f"Write recipe={p.stem}, or copy it here to edit with "
-                                f"`apiary cp {p.stem} {p.name}`.")
-            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
-        if p.suffix != ".yaml":
-            raise UserError(f"recipe={name}", f"a recipe file is read by Hydra, which finds only files named *.yaml, "
-                            f"and {p.name} ends in {p.suffix or 'no suffix'}.",
-                            f"Rename it: mv {p} {p.with_suffix('.yaml')}, then recipe={p.with_suffix('.yaml')}.")
-        return p.resolve()
-    path = RECIPES_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise UserError(
-            f"recipe={name}",
-            f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}.",
-            did_you_mean(name, recipe_names()) or "Run `apiary ls` to see them.",
-        )
-    return path
-
-
 def _flat_keys(cfg, prefix: str = "") -> list[str]:
     out = []
     for k in cfg:
@@ -148,16 +118,33 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
 
 
 def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictConfig:
-    """Compose a recipe with overrides into a typed DictConfig (schema: RecipeConfig)."""
+    """Compose a recipe with overrides into a typed DictConfig (schema: RecipeConfig): the recipe's file
+    and the user registries it names, the overrides parsed with each group choice checked, the recipe
+    composed with its group choices, each value override checked against the keys that gives, then all
+    composed."""
+    recipe, path, data = _recipe_file(recipe)
+    overrides = list(overrides or [])
+    use_registries(path, overrides)
+    group_overrides, value_overrides, overrides = _parsed(path, overrides, f"recipe {recipe}")
+    base = _composed_groups(path, data, group_overrides, f"recipe {recipe}")
+    overrides = _checked_values(base, value_overrides, overrides, recipe)
+    return _composed(path, overrides, recipe)
+
+
+def _recipe_file(recipe: str | None) -> tuple[str, Path, dict]:
+    """The recipe's name (the default for None), its file and its YAML (checked: recipe_files.read)."""
     if recipe is not None and not str(recipe).strip():
         raise UserError("recipe=", "is empty: it names no recipe.",
                         f"Name one (known: {', '.join(recipe_names())}), or leave recipe= out for {DEFAULT_RECIPE}.")
     recipe = recipe or DEFAULT_RECIPE
-    overrides = list(overrides or [])
     path = recipe_path(recipe)
-    where = f"recipe {recipe}"
-    data = recipe_files.read(path)  # its YAML, what it extends, not empty
-    use_registries(path, overrides)
+    return recipe, path, recipe_files.read(path)  # its YAML, what it extends, not empty
+
+
+def _parsed(path: Path, overrides: list[str], where: str) -> tuple[list[str], list, list[str]]:
+    """The overrides in Hydra's grammar, split into group choices (each checked against the registry, the
+    recipe file's own added: recipe_files.file_group_choices) and value overrides ``(raw, parsed)``; and
+    the overrides with those group choices first."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
@@ -188,7 +175,12 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
         else:
             value_overrides.append((raw, ov))
     group_overrides, extra = file_group_choices(path, group_overrides)
-    overrides = [*[g for g in group_overrides if g not in overrides], *overrides, *extra]
+    return group_overrides, value_overrides, [*[g for g in group_overrides if g not in overrides], *overrides, *extra]
+
+
+def _composed_groups(path: Path, data: dict, group_overrides: list[str], where: str) -> DictConfig:
+    """The recipe composed with its group choices alone (the keys a value override may name); a recipe
+    that does not compose, or is not complete without extending apiary's defaults, said so."""
     try:
         base = _compose(path, group_overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -209,6 +201,13 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
             missing = getattr(e, "full_key", None) or _first_line(e)
             raise _not_extending(path, data, f"and it does not set {missing!r} itself, which every run needs") \
                 from None
+    return base
+
+
+def _checked_values(base: DictConfig, value_overrides: list, overrides: list[str], recipe: str) -> list[str]:
+    """Each value override against the keys ``base`` has (an unknown key, a '+' adding one no part of
+    apiary reads, Hydra's run directory refused); returns ``overrides`` with ``~key`` as ``key=null`` and
+    '+key=v' on a key the recipe has as ``key=v``."""
     known = _flat_keys(base)
     deletions = {}
     for raw, ov in value_overrides:
@@ -250,6 +249,13 @@ def load(recipe: str | None = None, overrides: list[str] | None = None) -> DictC
     overrides = [deletions.get(o, o) for o in overrides]
     overrides = [o[1:] if o.startswith("+") and not o.startswith("++") and o[1:].partition("=")[0] in known else o
                  for o in overrides]
+    return overrides
+
+
+def _composed(path: Path, overrides: list[str], recipe: str) -> DictConfig:
+    """The recipe composed with every override; a value its key's type cannot hold, a required value
+    missing or an interpolation that does not resolve said so."""
+    where = f"recipe {recipe}"
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:

@@ -149,24 +149,11 @@ def launch(recipe: str | None, overrides: list[str], *, dry_run: bool = False, v
     try:
         r, warnings = _resolve(recipe, list(overrides), dry_run=dry_run)
         cls = launcher_of(r.cfg)
-        preflight = contracts.member(cls, "launcher", "preflight")
-        if preflight is not None:
-            warnings += preflight(r.cfg.launcher, r, dry_run=dry_run) or []
-        world = r.layout.world_size
-        if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
-            warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "
-                            f"{world} rank{'' if world == 1 else 's'}, so its dims are derived for {world}.")
+        warnings += _launch_warnings(cls, r, dry_run)
         argv = worker_argv(recipe, list(overrides), r, verbose)
     except UserError as e:
         return fail(e)
-
-    dims = " · ".join(f"{k} {v}" for k, v in r.layout.dims.items())
-    out = err_console if dry_run else console  # a dry run's stdout is the command or script alone
-    out.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe} via {r.cfg.launcher.name}: {model_label(r)} · "
-                            f"{world} rank{'' if world == 1 else 's'} · {dims} · output "
-                            f"{Path(r.cfg.output_dir).resolve()}"))
-    for w in warnings:
-        err_console.print("[yellow]warning[/yellow]", Text(str(w)))
+    _first_line(r, warnings, dry_run)
     if dry_run:
         return _dry_run(cls, r, argv)
     try:  # one run per output_dir: checked (a process launcher: taken) before anything starts or is submitted
@@ -181,6 +168,31 @@ def launch(recipe: str | None, overrides: list[str], *, dry_run: bool = False, v
     finally:
         if lock is not None:
             lock.release()
+
+
+def _launch_warnings(cls, r, dry_run: bool) -> list[str]:
+    """The launcher's own ``preflight`` warnings (optional), and a recipe laid out for another GPU count."""
+    warnings = []
+    preflight = contracts.member(cls, "launcher", "preflight")
+    if preflight is not None:
+        warnings += preflight(r.cfg.launcher, r, dry_run=dry_run) or []
+    world = r.layout.world_size
+    if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
+        warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "
+                        f"{world} rank{'' if world == 1 else 's'}, so its dims are derived for {world}.")
+    return warnings
+
+
+def _first_line(r, warnings: list[str], dry_run: bool) -> None:
+    """The launch's first line (the recipe, launcher, model, ranks, dims, output folder), then its warnings."""
+    world = r.layout.world_size
+    dims = " · ".join(f"{k} {v}" for k, v in r.layout.dims.items())
+    out = err_console if dry_run else console  # a dry run's stdout is the command or script alone
+    out.print(Text.assemble(("apiary", "bold"), f" {r.cfg.recipe} via {r.cfg.launcher.name}: {model_label(r)} · "
+                            f"{world} rank{'' if world == 1 else 's'} · {dims} · output "
+                            f"{Path(r.cfg.output_dir).resolve()}"))
+    for w in warnings:
+        err_console.print("[yellow]warning[/yellow]", Text(str(w)))
 
 
 def _dry_run(cls, r, argv: list[str]) -> int:

@@ -1,11 +1,13 @@
 """Recipe -> resolved run: typed config, model facts, derived layout, output paths.
 
-Everything here runs before any worker is spawned and turns bad input into UserError. The checks
-live beside this module, one file per reason; ``resolve`` enters each once, in the order their
-results need: the values (values.py), the environment, paths and inputs (inputs.py, which says the
-world size), the components with the model's facts and the layout (context.py, layout.py), the
-settings without effect (needs.py), the run's folder (outputs.py), publication (publishing.py), the
-paths stored absolute (paths.py), a resume's plan (resume.py), then the planner's (plan/preflight.py).
+Everything here runs before any worker is spawned and turns bad input into UserError. ``resolve`` is
+three steps: compose (framework/compose/recipes.py ``load``), this package's checks (``checked``), the
+planner's preflight (plan/preflight.py). The checks live beside this module, one file per reason;
+``checked`` enters each once, in the order their results need: the values (values.py), the
+environment, paths and inputs (inputs.py, which says the world size), the components with the model's
+facts and the layout (context.py, layout.py), the settings without effect (needs.py), the run's folder
+(outputs.py), publication (publishing.py), the paths stored absolute (paths.py), a resume's plan
+(resume.py).
 """
 
 from __future__ import annotations
@@ -43,13 +45,25 @@ class Resolved:
 
 def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_training: bool = True) -> Resolved:
     """The run ``train recipe overrides`` describes, every check done (a UserError: exit 2). ``world_size``:
-    the ranks to lay it out for (an int, or a function of the composed config); None: the launcher's."""
+    the ranks to lay it out for (an int, or a function of the composed config); None: the launcher's.
+    Three steps: compose (framework/compose/), the checks of this package (``checked``), the planner's
+    preflight (framework/plan/)."""
     cfg = recipes.load(recipe, overrides)
     kept = resume.kept_overrides(cfg.output_dir or outputs.latest_run_dir(cfg.recipe), overrides) \
         if for_training and cfg.checkpoint.resume else []
     if kept:  # a resume keeps the launch's overrides, unless given again
         overrides = [*kept, *overrides]
         cfg = recipes.load(recipe, overrides)
+    r = checked(cfg, overrides, kept, world_size=world_size, for_training=for_training)
+    r.launch = {"recipe": recipe, "overrides": list(overrides)}
+    preflight.check_plan(r, recipe, overrides, check_candidate, for_training)
+    return r
+
+
+def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_size, for_training: bool) -> Resolved:
+    """The composed ``cfg`` through each checking module of this package, once, in the order their results
+    need; the layout's dims written into it, its paths stored absolute. ``kept``: the overrides a resume
+    kept from its launch."""
     notes = values.check(cfg, overrides)  # ranges, choices, the schedule's fit
     world = inputs.check(cfg, for_training, world_size)  # the environment, paths, inputs; the ranks
     ctx, grad_accum = context.check(cfg, for_training, world)  # components, facts, layout, every kind's check
@@ -66,11 +80,8 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     OmegaConf.set_struct(cfg, True)
     # a resume: what it loads and what changed since the last launch
     resume_lines = resume.plan(cfg, ctx, step, kept) if step is not None else []
-    r = Resolved(cfg=cfg, facts=ctx.facts, layout=layout, grad_accum=grad_accum, given_parallel=given_parallel,
-                 data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines,
-                 launch={"recipe": recipe, "overrides": list(overrides)})
-    preflight.check_plan(r, recipe, overrides, check_candidate, for_training)
-    return r
+    return Resolved(cfg=cfg, facts=ctx.facts, layout=layout, grad_accum=grad_accum, given_parallel=given_parallel,
+                    data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
 
 
 def check_candidate(r: Resolved, dims: dict, choice: dict, world_size: int) -> None:

@@ -51,8 +51,22 @@ def initial_load_path(cfg) -> str | None:
 
 
 def trainer_config(r: Resolved):
-    """torchtitan's Trainer.Config: the framework's common part, then each component's
-    ``apply(options, tc, ctx)`` in ``contracts.APPLY_ORDER``."""
+    """torchtitan's Trainer.Config: the framework's common part (``common_config``), then each component's
+    ``apply(options, tc, ctx)`` in ``contracts.APPLY_ORDER``, then the validator and publication the
+    config asks for."""
+    ctx = r.ctx  # resolve() built it and ran every component's check with it
+    ctx.cfg, ctx.facts, ctx.layout = r.cfg, r.facts, r.layout
+    tc = common_config(r)
+    for kind in contracts.APPLY_ORDER:
+        ctx.components[kind].apply(ctx.options[kind], tc, ctx)
+    _add_validation_and_publishing(tc, r)
+    return tc
+
+
+def common_config(r: Resolved):
+    """What every run's Trainer.Config shares, whatever its components: optimizer, LR schedule
+    (framework/resolve/resume.py ``schedule``), metrics (with the planner's FLOPs per token), training,
+    parallelism dims, checkpoint, the non-finite guard, the device's flight recorder."""
     from torchtitan.components.checkpoint import CheckpointManager  # reason: start-up time of the CLI (apiary ls; ~0.6s)
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig  # reason: as above
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig  # reason: as above
@@ -63,9 +77,6 @@ def trainer_config(r: Resolved):
 
     cfg, lay = r.cfg, r.layout
     out = Path(cfg.output_dir)
-    ctx = r.ctx  # resolve() built it and ran every component's check with it
-    ctx.cfg, ctx.facts, ctx.layout = cfg, r.facts, lay
-
     o = cfg.optimizer
     optimizer = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
         pattern=r".*", optimizer_name=o.name,
@@ -128,8 +139,13 @@ def trainer_config(r: Resolved):
         comm=CommConfig() if devices.has_accelerator() else CommConfig(trace_buf_size=0),
         debug=DebugConfig(seed=cfg.training.seed, deterministic=cfg.training.deterministic),
     )
-    for kind in contracts.APPLY_ORDER:
-        ctx.components[kind].apply(ctx.options[kind], tc, ctx)
+    return tc
+
+
+def _add_validation_and_publishing(tc, r: Resolved) -> None:
+    """With ``validation.interval``: the validator on the data component's held-out loader; with
+    ``publish.interval``: the publication settings."""
+    cfg = r.cfg
     if cfg.validation.interval > 0:  # validation loss on the data component's held-out text
         from framework.train.validation import validator_config  # reason: as above
 
@@ -142,5 +158,4 @@ def trainer_config(r: Resolved):
     if cfg.publish.interval > 0:  # the weights as HF folders for a generator (framework/train/publish.py)
         from framework.train.publish import settings as publish_settings  # reason: as above (only runs that publish)
 
-        tc.publish = publish_settings(cfg, ctx, r.facts)
-    return tc
+        tc.publish = publish_settings(cfg, r.ctx, r.facts)
