@@ -18,28 +18,14 @@ from rich.text import Text
 
 from framework.compose import hydra_cli
 from framework.compose.schema import DEFAULT_RECIPE
-from framework.errors import EXIT_BROKEN_PIPE, UserError
-from framework.launch import lifecycle, runlock, start
+from framework.errors import UserError
+from framework.launch import lifecycle, pipes, runlock, start
 from framework.resolve.handoff import ENV_RESOLVED, load_resolved
 from framework.resolve.resolver import resolve
 from framework.train import preempt, run
 
-
-def quiet_broken_pipe() -> None:
-    """stdout's reader left (`train --cfg job | head -2`): stdout goes to /dev/null (so the exit's flush
-    says nothing) and the process exits EXIT_BROKEN_PIPE, without a traceback or a message."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    raise SystemExit(EXIT_BROKEN_PIPE)
-
-
-class _Console(Console):
-    def on_broken_pipe(self) -> None:  # rich's own: exit 1, which reads as a failure
-        self.quiet = True
-        quiet_broken_pipe()
-
-
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-console = _Console(highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def _fail(e: UserError) -> int:
@@ -188,11 +174,12 @@ def main() -> None:
 
 def train_entry() -> None:
     _arm()
+    Console.on_broken_pipe = pipes.on_broken_pipe  # `train | head`: every console ends it quietly, 141
     try:
         code = train_main()
         sys.stdout.flush()
-    except BrokenPipeError:  # a plain print's (rich's console says it itself)
-        quiet_broken_pipe()
+    except BrokenPipeError:  # a plain print's
+        pipes.quiet_exit()
     sys.exit(code)
 
 

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from framework import contracts
-from framework.cli import _fail, console, quiet_broken_pipe
+from framework.cli import _fail, console
 from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
+from framework.launch import pipes
 from framework.resolve.inputs import writable_folder
 from framework.train import autotune_table, integrity
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
@@ -356,11 +358,12 @@ def apiary_main(argv: list[str] | None = None) -> int:
 
 
 def apiary_entry() -> None:
+    Console.on_broken_pipe = pipes.on_broken_pipe  # `apiary ls | head`: every console ends it quietly, 141
     try:
         code = apiary_main()
         sys.stdout.flush()
-    except BrokenPipeError:  # `apiary ls | head`: a plain print's (rich's console says it itself)
-        quiet_broken_pipe()
+    except BrokenPipeError:  # a plain print's
+        pipes.quiet_exit()
     sys.exit(code)
 
 

@@ -89,6 +89,13 @@ def load_model(model: str, step: int | None, device, unverified: bool = False) -
         return build_model(f"{family}:{flavor}", hf_checkpoint=str(p), device=str(device)).eval(), f"HF folder {p}"
     if (p / "config.yaml").is_file():
         return _run_model(p, step, device, where, unverified)
+    pointer = p if p.name == "latest" and p.is_file() else p / "latest"  # publish.dir's `latest`, or publish.dir
+    if pointer.is_file() and (pointer.parent / pointer.read_text().strip()).is_dir():
+        version = pointer.parent / pointer.read_text().strip()
+        what = "a publication folder's `latest` pointer (a text file)" if pointer == p else \
+            "a publication folder (publish.dir: one folder per published weight version)"
+        raise UserError(where, f"is {what}, not a model folder; `latest` names "
+                        f"{version.name}, the HF folder of the newest version.", f"Pass it: apiary logprobs {version} ...")
     raise UserError(where, "is neither a HuggingFace model folder (config.json) nor an apiary run folder "
                     "(config.yaml)" + ("" if p.exists() else "; it does not exist") + ".",
                     "Pass a folder written by save_pretrained (or a published weights/step-N), or runs/RECIPE/TIME.")

@@ -5,7 +5,8 @@
                 [--json] [--search [--top=N]] [--constants]
 
 gpus defaults to the recipe's parallel.gpus (else 8); gpu_memory accepts 80GiB, 141GB, 79.1GiB
-or plain bytes and picks the GPU kind when gpu= is absent (above 100 GiB: H200, else H100).
+or plain bytes (at least 1 GiB: `gpu_memory=80` is refused, naming 80GiB) and picks the GPU kind
+when gpu= is absent (above 100 GiB: H200, else H100).
 Other key=value arguments are recipe overrides, exactly as `train` takes them. --search varies
 ep, cp, pp, tp (those not set on the command line), recompute, loss and state around the
 derived layout, drops what does not fit and ranks the rest by estimated time per token.
@@ -106,10 +107,14 @@ def _split(ns):
         key, sep, val = a.partition("=")
         if key in ("gpus", "gpus_per_node"):
             if not val.isdigit() or int(val) < 1:
-                raise UserError(a, "must be a positive integer.", f"For example {key}=32.")
+                raise UserError(a, "must be a positive integer.", f"For example {key}={32 if key == 'gpus' else 8}.")
             opts[key] = int(val)
         elif key == "gpu_memory":
             opts["gpu_memory"] = parse_bytes(val)
+            if opts["gpu_memory"] < _UNITS["gib"] and val.strip().replace(".", "", 1).isdigit():  # `gpu_memory=80`: bytes
+                raise UserError(a, f"is {opts['gpu_memory']} bytes (a number without a unit counts bytes), "
+                                "less than any GPU's memory.", f"Write the unit: gpu_memory={val.strip()}GiB "
+                                f"(or {val.strip()}GB).")
         elif key == "gpu":
             opts["gpu"] = val.upper()
         elif key.startswith("calib.") and sep:

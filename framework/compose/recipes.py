@@ -150,6 +150,7 @@ def _parsed(path: Path, overrides: list[str], where: str) -> tuple[list[str], li
     except HydraException as e:
         check_ascii(overrides, where)
         _check_tilde(overrides)
+        check_bare_words(overrides)
         raise UserError(where, f"cannot parse the overrides: {e}".rstrip("."),
                         "Use key=value, group=option, ~key to unset.") from None
     group_overrides, value_overrides = [], []
@@ -305,6 +306,22 @@ def _check_tilde(overrides: list[str]) -> None:
                             "the start of a word (not after key=), and Hydra's grammar does not take it unquoted.",
                             f"Write {key.lstrip('+')}=$HOME/{rest} (the shell expands $HOME), or quote it: "
                             f"{key.lstrip('+')}='{value}' (apiary expands a quoted ~/ in paths).")
+
+
+def check_bare_words(args: list[str]) -> None:
+    """`train debug_moe`, `apiary plan qwen35_35b_128k`, `train OPTION`: a word without `=` is no override
+    (`apiary show NAME` takes a bare name, these do not); a recipe's name or file, or a component option,
+    is named with the spelling meant instead of the parser's "missing EQUAL"."""
+    for a in args:
+        if "=" in a or a.startswith(("~", "-")):
+            continue
+        if a in recipe_names() or (a.endswith((".yaml", ".yml")) and Path(a).is_file()):
+            raise UserError(a, "is a recipe given without recipe= (a word without '=' is not an override).",
+                            f"Write recipe={a}.")
+        groups = [f"{k}={a}" for k in registry.GROUP_KINDS if a in registry.names(k)]
+        if groups:
+            raise UserError(a, "is a component option given without its group (a word without '=' is not an "
+                            "override).", f"Write {' or '.join(groups)}.")
 
 
 def check_ascii(overrides: list[str], where: str) -> None:

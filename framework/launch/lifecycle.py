@@ -12,6 +12,9 @@
 * The parent exits with the workers' code: each worker writes its exit code to a file in a folder
   the parent names (``APIARY_STATUS_DIR``); torchrun itself exits 1 when it shut its workers down
   for a signal, so its code alone cannot say whether they checkpointed.
+* stdout's reader left (`train nproc=2 | head`): the parent, which watches the pipe its ranks write
+  to (``reader_gone``), kills torchrun and the ranks at once and exits 141 quietly (the ranks, quiet
+  on the closed pipe, train on until then: framework/launch/pipes.py).
 * No orphans: torchrun runs as ``python -m framework.launch.lifecycle torchrun`` (``torchrun_main``), which
   first asks for ``PR_SET_PDEATHSIG=SIGKILL`` (``die_with_parent``, checking that its parent is
   still the supervising pid), and every worker asks the same for itself, so killing the parent
@@ -22,15 +25,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from framework.errors import EXIT_DATA_TIMEOUT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STOP_NOW, EXIT_USER_ERROR
+from framework.errors import EXIT_BROKEN_PIPE, EXIT_DATA_TIMEOUT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STOP_NOW, EXIT_USER_ERROR
 
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
@@ -72,6 +77,19 @@ def write_status(code: int) -> None:
         (Path(d) / f"rank{os.environ.get('RANK', '0')}").write_text(str(int(code)))
     except OSError:
         pass
+
+
+def reader_gone(fd: int) -> bool:
+    """Whether ``fd`` is the write end of a pipe whose reader has closed it (`| head` has exited: Linux's
+    poll reports POLLERR for it); False for a terminal, a file, or anything that cannot be asked."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # ---------------------------------------------------------------- parent side
@@ -124,7 +142,7 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
     status_dir = Path(tempfile.mkdtemp(prefix="apiary-status-"))
     env = dict(os.environ if env is None else env)
     env[STATUS_ENV] = str(status_dir)
-    state = {"first": None, "stop_now": False, "stop_at": None}
+    state = {"first": None, "stop_now": False, "stop_at": None, "pipe_closed": False}
     env[SUPERVISOR_ENV] = str(os.getpid())
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
@@ -160,6 +178,15 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
                 rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if not state["pipe_closed"] and reader_gone(1):  # `train nproc=2 | head`: nothing will be read
+                    state["pipe_closed"] = True
+                    for pid in workers():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                    proc.kill()
+                    continue
                 if state["stop_now"] and time.monotonic() - state["stop_at"] > KILL_AFTER_S:
                     _say("apiary: the ranks did not stop; killing them")
                     for pid in workers():
@@ -169,6 +196,8 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
                             pass
                     proc.kill()
                     state["stop_at"] = float("inf")
+        if state["pipe_closed"]:
+            return EXIT_BROKEN_PIPE
         return _exit_code(rc, status_dir, state["first"], state["stop_now"], nproc)
     finally:
         for s, prev in previous.items():

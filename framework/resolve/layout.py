@@ -101,7 +101,7 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
                        f"rounded to a divisor -> {cp} ({seq // cp} tokens per GPU)")
     cp = int(cp)
     if room % cp:
-        raise UserError(f"parallel.cp={cp}", f"CP {cp} does not divide the {room} ranks left after "
+        raise UserError(f"parallel.cp={cp}", f"CP {cp} does not divide the {room} rank{'' if room == 1 else 's'} left after "
                         f"dp_replicate x tp x pp = {base} of world size {world_size}.",
                         f"Choose CP among {_divisors(room)}.")
     if cp > 1 and seq % (2 * cp * (tp if tp > 1 else 1)):

@@ -150,6 +150,7 @@ def parse_args(argv: list[str], ns=None) -> Options:
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
     except HydraException as e:
+        recipes.check_bare_words(plain)
         raise UserError("apiary compare", f"cannot parse the overrides: {e}".rstrip("."),
                         "Use key=value, group=option, and key=A,B for the one key to compare.") from None
     sweeps = [(i, ov) for i, ov in enumerate(parsed) if ov.is_sweep_override()]

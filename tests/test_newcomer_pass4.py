@@ -1,0 +1,100 @@
+"""Newcomer pass 4 (issue 46's last condition; docs/newcomer_fourth_pass.md): what a new user on a CPU
+machine met following README.md and docs/, each pinned. `train 2>&1 | head` (was: exit 1, nproc=2 a page
+of tracebacks), `apiary plan gpu_memory=80` (was: 80 bytes, "OOM of 0.00 GiB", exit 0), a recipe's name
+without `recipe=` (was: the parser's "missing EQUAL" under "recipe debug_moe"), `apiary logprobs` of a
+publication's `latest` (was: "neither a HuggingFace model folder nor a run folder")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from framework.errors import EXIT_BROKEN_PIPE, UserError
+
+from conftest import _child_env
+
+
+def _read_then_close(argv: list[str], cwd, lines: int, merge_stderr: bool):
+    """Start ``argv``, read ``lines`` lines of its stdout and close the pipe (`| head -N`); returns
+    (exit code, what it wrote to stderr when not merged)."""
+    p = subprocess.Popen(argv, cwd=cwd, env=_child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
+    for _ in range(lines):
+        assert p.stdout.readline(), "the command ended before writing the lines a reader would read"
+    p.stdout.close()
+    err = b"" if merge_stderr else p.stderr.read()
+    p.wait(timeout=300)
+    return p.returncode, err.decode()
+
+
+@pytest.mark.parametrize("merge_stderr", [True, False], ids=["2>&1 | head", "| head"])
+def test_a_reader_that_leaves_a_training_run_ends_it_quietly(tmp_path, merge_stderr):
+    """`train training.steps=... 2>&1 | head -3` (was: exit 1; rich's console of the progress lines said
+    SystemExit(1), not the entry's own console): 141, and nothing said on stderr."""
+    argv = [sys.executable, "-m", "framework.cli", "train", "training.steps=40", "checkpoint.enable=false"]
+    code, err = _read_then_close(argv, tmp_path, 3, merge_stderr)
+    assert code == EXIT_BROKEN_PIPE and not err.strip(), (code, err)
+
+
+def test_the_supervisor_of_ranks_stops_them_when_its_output_pipe_closes(tmp_path):
+    """`train nproc=2 | head -2` (was: rank 0 left, rank 1 failed in gloo with a traceback, torchrun's
+    ChildFailedError after it, exit 1): the parent watches the pipe, kills torchrun and its ranks, exits 141."""
+    child = tmp_path / "child.py"  # a stand-in for torchrun: one line, then busy for a minute
+    child.write_text("import sys, time\nprint('step 1', flush=True)\ntime.sleep(60)\n")
+    code = ("import sys\nfrom framework.launch.lifecycle import supervise\n"
+            f"sys.exit(supervise([sys.executable, {str(child)!r}]))\n")
+    start = time.monotonic()
+    rc, err = _read_then_close([sys.executable, "-c", code], tmp_path, 1, merge_stderr=False)
+    assert rc == EXIT_BROKEN_PIPE and not err.strip(), (rc, err)
+    assert time.monotonic() - start < 30  # not the stand-in's minute
+
+
+def test_a_bare_memory_number_is_not_taken_for_bytes(capsys):
+    from toolkit.plan import plan_main
+
+    # was: 80 bytes, "total 43.65 GiB of 0.00 GiB -> OOM", exit 0
+    assert plan_main(["recipe=qwen35_35b_128k", "gpu_memory=80"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "gpu_memory=80: is 80 bytes" in err and "Write the unit: gpu_memory=80GiB" in err, err
+    assert plan_main(["recipe=qwen35_35b_128k", "gpus_per_node=0"]) == 2
+    assert "For example gpus_per_node=8." in capsys.readouterr().err  # was: gpus_per_node=32
+
+
+@pytest.mark.parametrize("word,meant", [("debug_moe", "recipe=debug_moe"), ("chunked", "loss=chunked")])
+def test_a_recipe_or_option_without_its_key_names_the_spelling_meant(word, meant):
+    from framework.resolve.resolver import resolve
+
+    with pytest.raises(UserError) as e:  # `train debug_moe`, `apiary plan qwen35_35b_128k`
+        resolve(None, [word], for_training=False)
+    assert f"Write {meant}." in str(e.value) and "missing EQUAL" not in str(e.value), str(e.value)
+
+
+def test_compare_names_a_bare_recipe_too():
+    from toolkit.compare.args import parse_args
+
+    with pytest.raises(UserError) as e:
+        parse_args(["debug_moe", "loss=ce,linear_ce"])
+    assert "Write recipe=debug_moe." in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("given", ["weights/latest", "weights"])
+def test_logprobs_of_a_publication_names_its_latest_version(tmp_path, given):
+    from toolkit.logprobs import load_model
+
+    (tmp_path / "weights" / "step-7").mkdir(parents=True)
+    (tmp_path / "weights" / "latest").write_text("step-7")
+    with pytest.raises(UserError) as e:
+        load_model(str(tmp_path / given), None, "cpu")
+    msg = str(e.value)
+    assert "`latest` names step-7" in msg and f"apiary logprobs {tmp_path / 'weights' / 'step-7'}" in msg, msg
+
+
+def test_a_cp_that_does_not_divide_one_rank_says_one_rank():
+    from framework.resolve.resolver import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve(None, ["parallel.cp=3"], for_training=False, world_size=1)
+    assert "does not divide the 1 rank left" in str(e.value), str(e.value)  # was: "the 1 ranks left"
