@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
+from framework import compat
 from framework.compose import hydra_cli
 from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
@@ -157,8 +158,10 @@ def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
 
 def _arm() -> None:
     """`train` from the command line: a signal while starting up exits 75 at once (no
-    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/train/preempt)."""
+    KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/train/preempt).
+    A reader that leaves (`train | head`) ends it quietly, 141, from every console (framework/launch/pipes)."""
     preempt.arm()
+    compat.route_broken_pipe(pipes.on_broken_pipe)
 
 
 def main() -> None:
@@ -174,7 +177,6 @@ def main() -> None:
 
 def train_entry() -> None:
     _arm()
-    Console.on_broken_pipe = pipes.on_broken_pipe  # `train | head`: every console ends it quietly, 141
     try:
         code = train_main()
         sys.stdout.flush()

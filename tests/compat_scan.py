@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 THIRD_PARTY = ("torch", "torchtitan", "triton", "hydra", "omegaconf", "fla", "vllm", "torchao",
-               "transformer_engine", "deep_ep", "spmd_types", "safetensors", "transformers")
+               "transformer_engine", "deep_ep", "spmd_types", "safetensors", "transformers", "rich")
 OWN = ("framework", "components", "toolkit")
 NEUTRAL_BASES = {"object", "Exception", "RuntimeError", "ValueError", "Protocol", "NamedTuple", "ABC", "Enum",
                  "Generic", "TypedDict", "dict", "list", "tuple", "str", "int", "float"}

@@ -65,6 +65,7 @@ SIGNATURES = {
     "triton.runtime.autotuner:Autotuner.check_disk_cache": ["self", "tuning_key", "configs", "bench_fn"],
     "triton.knobs:autotuning.listener": None,
     "triton.runtime.autotuner:Autotuner": None,
+    "rich.console:Console.on_broken_pipe": ["self"],
     "hydra._internal.utils:get_args_parser": [],
     "hydra._internal.hydra:Hydra.create_main_hydra2": ["task_name", "config_search_path"],
     "hydra._internal.utils:create_config_search_path": ["search_path_dir"],
@@ -97,7 +98,7 @@ def test_every_target_is_checked_here():
     assert public == set(compat.TARGETS), "every compat function names its targets in compat.TARGETS"
     for name in compat.TARGETS:
         doc = inspect.getdoc(getattr(compat, name)) or ""
-        assert any(v in doc for v in ("torch 2.14.1", "torchtitan 0.3.0", "Triton 3.8.0", "hydra-core 1.3.8")), \
+        assert any(v in doc for v in ("torch 2.14.1", "torchtitan 0.3.0", "Triton 3.8.0", "hydra-core 1.3.8", "rich 15.0.0")), \
             f"compat.{name}'s docstring names no version it targets"
 
 
@@ -250,6 +251,7 @@ def _apply(name, monkeypatch):
         "prune_autotune_configs": (lambda original: (lambda self, kwargs: original(self, kwargs)),),
         "lock_autotune_disk_cache": (lambda original: (lambda self, *a: original(self, *a)),),
         "set_autotuning_listener": (lambda **kw: None,),
+        "route_broken_pipe": (lambda console: None,),
     }
     return fn, args.get(name, ())
 

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from framework import contracts
+from framework import compat, contracts
 from framework.cli import _fail, console
 from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
@@ -358,7 +357,7 @@ def apiary_main(argv: list[str] | None = None) -> int:
 
 
 def apiary_entry() -> None:
-    Console.on_broken_pipe = pipes.on_broken_pipe  # `apiary ls | head`: every console ends it quietly, 141
+    compat.route_broken_pipe(pipes.on_broken_pipe)  # `apiary ls | head`: every console ends it quietly, 141
     try:
         code = apiary_main()
         sys.stdout.flush()

@@ -2,7 +2,7 @@
 Hydra it calls, in one place.
 
 Each function is one patch, in one file per library (torch_patches.py, torchtitan_patches.py with
-torchtitan_instances.py for the patches of one object, triton_patches.py, hydra_calls.py;
+torchtitan_instances.py for the patches of one object, triton_patches.py, rich_patches.py, hydra_calls.py;
 re-exported here: callers use ``compat.NAME``): its docstring
 says what it changes, why, and the version it was written against (torch 2.14.1, torchtitan 0.3.0,
 Triton 3.8.0, hydra-core 1.3.8; pyproject.toml pins the first three and keeps hydra-core below
@@ -31,6 +31,7 @@ from framework.compat.listed import PRIVATE_NAMES, PRIVATE_OVERRIDES
 from framework.compat.originals import (
     original,
 )
+from framework.compat.rich_patches import route_broken_pipe
 from framework.compat.torch_patches import (
     eager_cp_block_masks,
     hold_final_rate,
@@ -112,6 +113,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "set_autotuning_listener": ("triton.knobs:autotuning.listener",),
     "cache_existing_autotuners": ("triton.runtime.autotuner:Autotuner",),
     "plain_cuda_segments": ("torch.cuda.memory:_set_allocator_settings",),  # a context manager, not a patch
+    "route_broken_pipe": ("rich.console:Console.on_broken_pipe",),
     "hydra_args_parser": ("hydra._internal.utils:get_args_parser",),
     "hydra_for_config_dir": ("hydra._internal.hydra:Hydra.create_main_hydra2",
                              "hydra._internal.utils:create_config_search_path"),
@@ -155,6 +157,7 @@ __all__ = [
     "lock_autotune_disk_cache",
     "set_autotuning_listener",
     "cache_existing_autotuners",
+    "route_broken_pipe",
     "hydra_args_parser",
     "hydra_for_config_dir",
     "hydra_sanitized_cfg",

@@ -2,7 +2,7 @@
 quietly with ``EXIT_BROKEN_PIPE`` (141, what a shell reports for a writer ended by SIGPIPE), without a
 traceback or a message, as other command-line tools do.
 
-* ``on_broken_pipe``, set by the `train` and `apiary` entry points as rich's documented hook on the
+* ``on_broken_pipe``, set by the `train` and `apiary` entry points through ``compat.route_broken_pipe`` as rich's hook on the
   ``Console`` class (the consoles are made in many modules), makes every rich console of the process
   end it this way on a closed pipe (rich's own default exits 1, which reads as a
   failure) after pointing the closed streams at /dev/null, so that nothing said later (a summary,
