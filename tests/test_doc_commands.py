@@ -96,7 +96,7 @@ COMMANDS: dict[str, Run | Skip | Suite] = {
     "pip install -e '.[vllm]'": Skip("installs vLLM from the package registry (network)"),
     "python benchmarks/bad_inputs_third_pass.py --timeout 60 [--only 3,7] [--json rows.json] [--keep]":
         Skip("a measurement of about 12 minutes (117 cases, each a fresh interpreter; two-rank trainings)"),
-    "apiary warmup recipe=qwen35_debug_grpo_vllm": RUN,
+    "apiary warmup recipe=qwen35_debug_grpo_vllm training.kernel_cache=kc": RUN,
     "train recipe=debug_grpo_vllm output_dir=live/run &": Run(drop=("&",), add=("--cfg", "job")),
     "train recipe=debug_grpo_vllm adapter=lora model.hf_checkpoint=base/step-0 publish.transport=hf_folder "
     "output_dir=live/run &":
