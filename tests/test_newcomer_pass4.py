@@ -98,3 +98,20 @@ def test_a_cp_that_does_not_divide_one_rank_says_one_rank():
     with pytest.raises(UserError) as e:
         resolve(None, ["parallel.cp=3"], for_training=False, world_size=1)
     assert "does not divide the 1 rank left" in str(e.value), str(e.value)  # was: "the 1 ranks left"
+
+
+def test_a_sequence_too_long_for_the_ranks_names_the_explicit_cp_that_fits():
+    """Pass 4's #29: with too few ranks for the table's CP, "set parallel.cp explicitly" named no value (and
+    read as useless on one rank); the refusal now names the CP that fits and the per-GPU sequence it
+    accepts, and that override resolves."""
+    from framework.resolve.resolver import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve("qwen35_35b_128k", ["training.seq_len=262144"], for_training=False, world_size=2)
+    msg = str(e.value)
+    assert "the 2 ranks left" in msg and "set parallel.cp=2 to accept 131072 tokens per GPU" in msg, msg
+    r = resolve("qwen35_35b_128k", ["training.seq_len=262144", "parallel.cp=2"], for_training=False, world_size=2)
+    assert r.cfg.parallel.cp == 2
+    with pytest.raises(UserError) as e:
+        resolve("qwen35_35b_128k", ["training.seq_len=262144"], for_training=False, world_size=1)
+    assert "the 1 rank left" in str(e.value) and "set parallel.cp=1 to accept 262144 tokens" in str(e.value)

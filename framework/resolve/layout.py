@@ -94,8 +94,9 @@ def derive(parallel, training, table, facts, world_size: int) -> Layout:
         if not ok:
             raise UserError(where, f"CP must be at least {want} to keep the per-GPU sequence at or below "
                             f"{table.target_local_seq} tokens (seq_len {seq}), but no divisor of the "
-                            f"{room} ranks left for dp_shard x cp satisfies that and divides the sequence.",
-                            "Use more GPUs, a shorter training.seq_len, or set parallel.cp explicitly.")
+                            f"{room} rank{'s' if room != 1 else ''} left for dp_shard x cp satisfies that and divides the "
+                            "sequence.",
+                            "Use more GPUs, a shorter training.seq_len, or " + _explicit_cp(room, seq, tp) + ".")
         cp = ok[0]
         rules["cp"] = (f"table: seq {seq} / target {table.target_local_seq} -> {want}, "
                        f"rounded to a divisor -> {cp} ({seq // cp} tokens per GPU)")
@@ -194,3 +195,13 @@ def lay_out(ctx: contracts.Context, parallel, world_size: int) -> tuple[Layout, 
     cfg = ctx.cfg
     layout = backend_layout(ctx, derive(parallel, cfg.training, cfg.layout, ctx.facts, world_size))
     return layout, check_batch(cfg.training, layout, parallel)
+
+
+def _explicit_cp(room: int, seq: int, tp: int) -> str:
+    """The explicit parallel.cp that fits ``room`` ranks and divides the sequence, with the per-GPU
+    sequence it accepts (longer than the table's target)."""
+    fits = [d for d in _divisors(room) if d == 1 or seq % (2 * d * (tp if tp > 1 else 1)) == 0]
+    cp = fits[-1]
+    return (f"set parallel.cp={cp} to accept {seq // cp} tokens per GPU (above the table's target; "
+            "`apiary plan` says whether that fits memory)")
+
