@@ -161,7 +161,9 @@ def _arm() -> None:
     KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/train/preempt).
     A reader that leaves (`train | head`) ends it quietly, 141, from every console (framework/launch/pipes)."""
     preempt.arm()
+    pipes.stop_requested = preempt.requested  # a stopping process checkpoints before it goes quiet
     compat.route_broken_pipe(pipes.on_broken_pipe)
+    pipes.guard_streams()  # a plain print's closed pipe, in any thread
 
 
 def main() -> None:

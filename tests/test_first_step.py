@@ -377,9 +377,10 @@ def test_a_long_first_step_with_nothing_tuning_says_where_the_training_thread_is
             time.sleep(0.01)
         time.sleep(0.05)
         lines.append(s.progress_line())
+        kernel_cache.LOG.tuning_now = "chunk_fwd_kernel"  # a kernel being tuned is named instead
+        lines.append(s.progress_line())
     finally:
         release.set()
         t.join()
     assert "now in wait (" in lines[0] and "stuck_in_the_step (tests/test_first_step.py:" in lines[0], lines[0]
-    kernel_cache.LOG.tuning_now = "chunk_fwd_kernel"  # a kernel being tuned is named instead
-    assert "now in" not in s.progress_line()
+    assert "tuning chunk_fwd_kernel now" in lines[1] and "now in" not in lines[1], lines[1]

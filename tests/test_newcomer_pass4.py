@@ -52,6 +52,80 @@ def test_the_supervisor_of_ranks_stops_them_when_its_output_pipe_closes(tmp_path
     assert time.monotonic() - start < 30  # not the stand-in's minute
 
 
+
+def test_a_stop_asked_for_before_the_pipe_closes_still_checkpoints(tmp_path):
+    """Ctrl-C on `train nproc=8 | tee log` ends tee too: the parent forwards the stop and, its pipe now
+    closed, must still let the ranks write their checkpoint (was: killed within 0.5 s, exit 141, none)."""
+    import signal
+
+    from framework.errors import EXIT_PREEMPTED
+    from framework.launch.lifecycle import STATUS_ENV
+
+    done = tmp_path / "checkpointed"
+    child = tmp_path / "child.py"  # a stand-in for torchrun: on SIGTERM it takes 2 s to checkpoint, exits 75
+    child.write_text("import os, signal, sys, time\n"
+                     "def stop(*_):\n    time.sleep(2)\n"
+                     f"    open({str(done)!r}, 'w').write('ok')\n"
+                     f"    open(os.path.join(os.environ[{STATUS_ENV!r}], 'rank0'), 'w').write('{EXIT_PREEMPTED}')\n"
+                     f"    sys.exit({EXIT_PREEMPTED})\n"
+                     "signal.signal(signal.SIGTERM, stop)\nprint('step 1', flush=True)\ntime.sleep(60)\n")
+    code = ("import sys\nfrom framework.launch.lifecycle import supervise\n"
+            f"sys.exit(supervise([sys.executable, {str(child)!r}]))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout.readline()
+    time.sleep(1.0)  # the parent's signal handlers are in place once its child runs
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    p.stdout.close()  # the reader (tee) is gone too
+    p.wait(timeout=60)
+    assert done.is_file(), p.stderr.read().decode()[-2000:]
+    assert p.returncode == EXIT_PREEMPTED, p.returncode
+
+
+@pytest.mark.parametrize("supervised, stopping, thread, exits", [
+    (False, False, False, True),   # the main thread of a lone process: 141, as a console does
+    (False, False, True, False),   # a transfer or notes thread: silenced, the process goes on
+    (True, False, False, False),   # a supervised rank: silenced; the parent stops the run
+    (False, True, False, False),   # a process stopping gracefully: its checkpoint first
+])
+def test_a_plain_print_into_a_closed_pipe_is_silenced_not_raised(monkeypatch, supervised, stopping, thread, exits):
+    """A plain print (the sender's, the first step's notes, the publisher's) into a pipe whose reader left raised
+    BrokenPipeError: a rank died alone, a transfer failed, a thread printed a traceback."""
+    import threading
+
+    from framework.launch import lifecycle, pipes
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(pipes, "silence", lambda: None)
+    monkeypatch.setattr(pipes, "stop_requested", lambda: stopping)
+    if supervised:
+        monkeypatch.setenv(lifecycle.STATUS_ENV, "/tmp/status")
+    else:
+        monkeypatch.delenv(lifecycle.STATUS_ENV, raising=False)
+    out, seen = pipes._Guarded(Closed()), []
+
+    def write():
+        try:
+            print("published weights step-3", file=out, flush=True)
+            seen.append("went on")
+        except SystemExit as e:
+            seen.append(e.code)
+
+    if thread:
+        t = threading.Thread(target=write)
+        t.start()
+        t.join()
+    else:
+        write()
+    assert seen == ([EXIT_BROKEN_PIPE] if exits else ["went on"]), seen
+
 def test_a_bare_memory_number_is_not_taken_for_bytes(capsys):
     from toolkit.plan import plan_main
 

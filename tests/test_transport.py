@@ -425,3 +425,45 @@ def test_a_fill_copies_each_stacked_expert_weight_once():
     n = snap.fill([model], writer.to_hf)
     experts = sum(".mlp.experts." in e.name for e in p.entries())
     assert experts > 0 and snap.copies <= n - experts + 3 * len(model.layers), (snap.copies, n, experts)
+
+
+def test_the_engine_is_told_only_after_the_snapshots_copies_have_landed(tmp_path, monkeypatch):
+    """The training thread queues the snapshot's copies and goes on (no host synchronize); the sender thread
+    waits on the event behind them before it hands the engine anything. Here a fake event that lands late:
+    without the wait, the engine's first request would come before it."""
+    from types import SimpleNamespace
+
+    from components.transport import sender as sender_mod
+    from components.transport.vllm import VllmIPC
+
+    order = []
+
+    class LateEvent:
+        def synchronize(self):
+            time.sleep(0.3)
+            order.append("copies landed")
+
+    model = api.build_model("debug_moe")
+    writer = _writer("debug_moe")
+    r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", "publish.bucket_mb=1", "publish.dtype=bfloat16",
+                                    f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
+    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="true", convert=writer,
+                                dtype="bfloat16", transport=VllmIPC, transport_options=r.ctx.options["transport"])
+    trainer = SimpleNamespace(model_parts=[model])
+    pub = publish.Publisher(s)
+    started = {}
+
+    def engine():
+        link_mod.wait_for(lambda: (tmp_path / "w" / link_mod.LINK_FILE).is_file(), 30)
+        started["eng"] = FakeEngine(tmp_path / "w", writer.hf_config)
+        started["eng"].run()
+
+    threading.Thread(target=engine, daemon=True).start()
+    pub.publish(trainer, 0, initial=True)
+    monkeypatch.setattr(sender_mod.InMemorySender, "_mark_landed", lambda self: LateEvent())
+    real = sender_mod.InMemorySender._send_ipc
+    monkeypatch.setattr(sender_mod.InMemorySender, "_send_ipc",
+                        lambda self, v: (order.append("engine told"), real(self, v))[1])
+    pub.publish(trainer, 1)
+    pub.close()
+    assert order == ["copies landed", "engine told"], order

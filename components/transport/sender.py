@@ -5,6 +5,7 @@ engine)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import pickle
 import socket
 import threading
@@ -61,6 +62,7 @@ class InMemorySender:
         self._error: BaseException | None = None
         self._handles: list[str] = []
         self._nccl = None
+        self._stream = None  # the transfer thread's CUDA stream (_transfer_stream)
         self._inited = False
         self.records: list[dict] = []
         self.log = settings.log  # the publication log the next metrics record reads (framework.train.publish.LOG)
@@ -101,10 +103,7 @@ class InMemorySender:
         # the copies are queued on the training stream behind the step that made these weights and before the
         # next one; the sender waits for them to land (the event) before the engine may read, so the training
         # thread never waits for the GPU here (a host synchronize cost a whole queued step)
-        landed = None
-        if self.snap.device.type == "cuda":
-            landed = torch.cuda.Event()
-            landed.record(torch.cuda.current_stream(self.snap.device))
+        landed = self._mark_landed()
         if not self.link.connected:
             self._await_engine()
         blocked = time.perf_counter() - t0
@@ -115,6 +114,15 @@ class InMemorySender:
         else:
             self._send(version, blocked, waited, landed)
         return True
+
+    def _mark_landed(self):
+        """An event on the training stream behind the snapshot's copies (None off a GPU); blocking, so the
+        sender thread sleeps on it rather than spinning a core for a training step."""
+        if self.snap.device.type != "cuda":
+            return None
+        landed = torch.cuda.Event(blocking=True)
+        landed.record(torch.cuda.current_stream(self.snap.device))
+        return landed
 
     def flush(self, trainer) -> None:
         """The deferred version, now (the trainer is between steps, so its weights are still that version's):
@@ -142,10 +150,11 @@ class InMemorySender:
         if landed is not None:
             landed.synchronize()  # the snapshot's copies have landed before the engine reads them
         self.link.take_engine_s()
-        if self.backend == "ipc":
-            self._send_ipc(version)
-        else:
-            self._send_nccl(version)
+        with self._transfer_stream():
+            if self.backend == "ipc":
+                self._send_ipc(version)
+            else:
+                self._send_nccl(version)
         transfer = time.perf_counter() - t0
         engine = self.link.take_engine_s()
         if not self.background:
@@ -157,6 +166,18 @@ class InMemorySender:
         print(f"published weights step-{version} -> engine ({self.name}; blocked {blocked:.3f} s, transferred in "
               f"{transfer:.3f} s, engine paused {engine:.3f} s{', in the background' if self.background else ''})",
               flush=True)
+
+    def _transfer_stream(self):
+        """The transfer's own device and CUDA stream in this thread: vLLM's NCCL sender syncs the current
+        stream after it sends, which would otherwise be the training stream with the next step queued."""
+        if self.snap.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.snap.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.snap.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def _send_ipc(self, version: int) -> None:
         if not self._handles:

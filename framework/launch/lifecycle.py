@@ -178,7 +178,9 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
                 rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                if not state["pipe_closed"] and reader_gone(1):  # `train nproc=2 | head`: nothing will be read
+                # `train nproc=2 | head`: nothing will be read; but a stop already asked for (Ctrl-C on
+                # `train | tee log` ends tee too) lets the ranks write their checkpoint first
+                if not state["pipe_closed"] and state["first"] is None and reader_gone(1):
                     state["pipe_closed"] = True
                     for pid in workers():
                         try:

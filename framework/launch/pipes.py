@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from rich.console import Console
 
@@ -24,8 +25,14 @@ from framework.errors import EXIT_BROKEN_PIPE
 from framework.launch.lifecycle import STATUS_ENV, reader_gone
 
 
+def stop_requested() -> bool:
+    """Whether this process is stopping gracefully (a preemption signal: it checkpoints first); the
+    training entry point sets it to framework.train.preempt's ``requested``."""
+    return False
+
+
 def silence() -> None:
-    """Point stdout, and stderr when its reader has gone too (`2>&1 | head`), at /dev/null."""
+    """Point each of stdout and stderr whose reader has gone at /dev/null (both for `2>&1 | head`)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         for stream in (sys.stdout, sys.stderr):
@@ -33,7 +40,7 @@ def silence() -> None:
                 fd = stream.fileno()
             except (AttributeError, ValueError, OSError):  # a replaced stream (pytest's capture)
                 continue
-            if stream is sys.stdout or reader_gone(fd):
+            if reader_gone(fd):
                 os.dup2(devnull, fd)
     finally:
         os.close(devnull)
@@ -45,11 +52,55 @@ def quiet_exit() -> None:
     raise SystemExit(EXIT_BROKEN_PIPE)
 
 
+def _goes_on() -> bool:
+    """Whether a process whose reader left keeps running, silenced: a supervised rank (the parent stops
+    the run), a process stopping gracefully (its checkpoint comes first), or a thread other than the main
+    one (a transfer, a notes thread: only the main thread ends the process)."""
+    return bool(os.environ.get(STATUS_ENV)) or stop_requested() or threading.current_thread() is not threading.main_thread()
+
+
 def on_broken_pipe(console: Console) -> None:
     """``Console.on_broken_pipe`` for every console of the process (module docstring)."""
     console.quiet = True
-    if os.environ.get(STATUS_ENV):  # a supervised rank: the parent stops the run (module docstring)
+    if _goes_on():
         silence()
         return
     quiet_exit()
 
+
+class _Guarded:
+    """A text stream whose write or flush into a pipe whose reader left silences the process's streams
+    instead of raising BrokenPipeError (a plain ``print`` in any thread), then exits 141 as a console
+    would where the process does not go on (``_goes_on``)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        silence()
+        if not _goes_on():
+            raise SystemExit(EXIT_BROKEN_PIPE)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_streams() -> None:
+    """Wrap sys.stdout and sys.stderr (once) in ``_Guarded``."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Guarded):
+            setattr(sys, name, _Guarded(stream))

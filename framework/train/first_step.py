@@ -180,15 +180,21 @@ def describe(rec: dict) -> str:
 
 def where_now(thread: int | None, depth: int = 3) -> str:
     """Where ``thread`` is at this moment: its innermost ``depth`` Python frames, innermost first, each
-    ``function (package/file.py:line)``; a step that neither compiles nor tunes yet runs long (a kernel
-    that waits, a collective no peer joins, a lock) is then found from the log alone. '' when unknown."""
+    ``function (package/file.py:line)``, and apiary's innermost frame when none of those is apiary's; a step
+    that neither compiles nor tunes yet runs long (a kernel that waits, a collective no peer joins, a lock)
+    is then found from the log alone. '' when unknown."""
     frame = sys._current_frames().get(thread) if thread is not None else None
-    out = []
-    while frame is not None and len(out) < depth:
+    out, ours = [], None
+    while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/").split("/")
-        out.append(f"{frame.f_code.co_name} ({'/'.join(path[-2:])}:{frame.f_lineno})")
+        where = f"{frame.f_code.co_name} ({'/'.join(path[-2:])}:{frame.f_lineno})"
+        if len(out) < depth:
+            out.append(where)
+        elif ours is None and ("framework" in path or "components" in path):  # the innermost frame of apiary's
+            ours = where
         frame = frame.f_back
-    return " < ".join(out)
+    return " < ".join(out) + (f" ... < {ours}" if ours and not any(
+        ("framework/" in w or "components/" in w) for w in out) else "")
 
 
 STATE = FirstStep()
