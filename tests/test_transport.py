@@ -242,11 +242,9 @@ def test_engine_settings_with_files_are_refused_as_without_effect():
         resolve("debug_grpo_live", ["publish.engine=127.0.0.1:5000"], world_size=1, for_training=False)
 
 
-def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
-    """The run's first version is a folder the engine starts from; the trainer then waits for the
-    engine's hello before its first step (vLLM sizes its cache from the GPU memory it sees while it
-    starts), and each later version arrives as start / one update per bucket / finish(version) with the
-    published folder's names."""
+def _ipc_publisher(tmp_path, background: str):
+    """A publisher of debug_moe with vllm_ipc into ``tmp_path/w`` and a fake generator thread that, like
+    vllm_generator.py, loads the first folder, then connects through the link file (``started["eng"]``)."""
     from types import SimpleNamespace
 
     from components.transport.vllm import VllmIPC
@@ -255,19 +253,26 @@ def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
     writer = _writer("debug_moe")
     r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", "publish.bucket_mb=1", "publish.dtype=bfloat16",
                                     f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
-    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="auto", convert=writer,
+    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background=background, convert=writer,
                                 dtype="bfloat16", transport=VllmIPC, transport_options=r.ctx.options["transport"])
-    trainer = SimpleNamespace(model_parts=[model])
-    pub = publish.Publisher(s)
     started = {}
 
-    def engine():  # the generator: loads the first folder, then connects through the link file
+    def engine():
         link_mod.wait_for(lambda: (tmp_path / "w" / link_mod.LINK_FILE).is_file(), 30)
         started["folder"] = (tmp_path / "w" / "step-0" / "model.safetensors").is_file()
         started["eng"] = FakeEngine(tmp_path / "w", writer.hf_config)
         started["eng"].run()
 
     threading.Thread(target=engine, daemon=True).start()
+    return publish.Publisher(s), SimpleNamespace(model_parts=[model]), started, writer
+
+
+def test_publisher_hands_every_version_after_the_first_to_the_engine(tmp_path):
+    """The run's first version is a folder the engine starts from; the trainer then waits for the
+    engine's hello before its first step (vLLM sizes its cache from the GPU memory it sees while it
+    starts), and each later version arrives as start / one update per bucket / finish(version) with the
+    published folder's names."""
+    pub, trainer, started, writer = _ipc_publisher(tmp_path, "auto")
     pub.publish(trainer, 0, initial=True)  # returns once the engine is up: the first step waits for it
     assert started["folder"] and pub._sender.link.connected
     eng = started["eng"]
@@ -431,10 +436,7 @@ def test_the_engine_is_told_only_after_the_snapshots_copies_have_landed(tmp_path
     """The training thread queues the snapshot's copies and goes on (no host synchronize); the sender thread
     waits on the event behind them before it hands the engine anything. Here a fake event that lands late:
     without the wait, the engine's first request would come before it."""
-    from types import SimpleNamespace
-
     from components.transport import sender as sender_mod
-    from components.transport.vllm import VllmIPC
 
     order = []
 
@@ -443,22 +445,7 @@ def test_the_engine_is_told_only_after_the_snapshots_copies_have_landed(tmp_path
             time.sleep(0.3)
             order.append("copies landed")
 
-    model = api.build_model("debug_moe")
-    writer = _writer("debug_moe")
-    r = resolve("debug_grpo_live", ["publish.transport=vllm_ipc", "publish.bucket_mb=1", "publish.dtype=bfloat16",
-                                    f"publish.dir={tmp_path / 'w'}"], world_size=1, for_training=False)
-    s = publish.PublishSettings(interval=1, dir=str(tmp_path / "w"), keep=3, background="true", convert=writer,
-                                dtype="bfloat16", transport=VllmIPC, transport_options=r.ctx.options["transport"])
-    trainer = SimpleNamespace(model_parts=[model])
-    pub = publish.Publisher(s)
-    started = {}
-
-    def engine():
-        link_mod.wait_for(lambda: (tmp_path / "w" / link_mod.LINK_FILE).is_file(), 30)
-        started["eng"] = FakeEngine(tmp_path / "w", writer.hf_config)
-        started["eng"].run()
-
-    threading.Thread(target=engine, daemon=True).start()
+    pub, trainer, _, _ = _ipc_publisher(tmp_path, "true")
     pub.publish(trainer, 0, initial=True)
     monkeypatch.setattr(sender_mod.InMemorySender, "_mark_landed", lambda self: LateEvent())
     real = sender_mod.InMemorySender._send_ipc

@@ -149,6 +149,14 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
     def workers() -> list[int]:
         return _children(proc.pid)
 
+    def kill_all():
+        for pid in workers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.kill()
+
     def handler(signum, frame):
         if proc.poll() is not None:
             return
@@ -182,21 +190,11 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
                 # `train | tee log` ends tee too) lets the ranks write their checkpoint first
                 if not state["pipe_closed"] and state["first"] is None and reader_gone(1):
                     state["pipe_closed"] = True
-                    for pid in workers():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
-                    proc.kill()
+                    kill_all()
                     continue
                 if state["stop_now"] and time.monotonic() - state["stop_at"] > KILL_AFTER_S:
                     _say("apiary: the ranks did not stop; killing them")
-                    for pid in workers():
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
-                    proc.kill()
+                    kill_all()
                     state["stop_at"] = float("inf")
         if state["pipe_closed"]:
             return EXIT_BROKEN_PIPE
