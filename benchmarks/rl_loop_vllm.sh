@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The live GRPO loop with vLLM generating and weights handed over in memory, on one GPU (docs/rl.md):
 # train recipe=debug_grpo_vllm beside examples/rl_loop/vllm_generator.py, as docs/rl.md writes them.
-#   OUT=/some/dir STEPS=20 bash benchmarks/rl_loop_vllm.sh [RUN ...]
+#   OUT=/some/dir STEPS=20 [KC=/some/kernel_cache] bash benchmarks/rl_loop_vllm.sh [RUN ...]
+# KC: training.kernel_cache for every run (runs after the first read its autotuning results).
 # RUN: NAME=TRAIN_OVERRIDES[:GENERATOR_FLAGS], default: learn (lr 1e-2), flat (optimizer.lr=0 and no routing-bias
 # updates: moe.load_balance_coeff=null, which otherwise still moves the policy at lr 0),
 # replay (moe.routing_replay=true with --routing). The table per run: mean reward of the first
@@ -17,7 +18,8 @@ for spec in "${RUNS[@]}"; do
   d="$OUT/$name"; rm -rf "$d"; mkdir -p "$d"
   IFS=',' read -r -a ova <<< "$ov"
   timeout ${TLIMIT:-400} $PY -m framework.cli train recipe=debug_grpo_vllm output_dir="$d/run" data.path="$d/rollouts" \
-    publish.dir="$d/weights" training.steps="$STEPS" logging.color=false "${ova[@]}" > "$d/train.log" 2>&1 &
+    publish.dir="$d/weights" training.steps="$STEPS" logging.color=false ${KC:+training.kernel_cache=$KC} "${ova[@]}" \
+    > "$d/train.log" 2>&1 &
   tp=$!
   timeout ${TLIMIT:-400} $PY examples/rl_loop/vllm_generator.py --weights "$d/weights" --out "$d/rollouts" --memory 0.3 \
     --log "$d/engine_updates.jsonl" $gflags > "$d/generator.log" 2>&1 &

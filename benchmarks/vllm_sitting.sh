@@ -24,6 +24,8 @@
 #   PART=8: the qwen3 IPC case of tests/gpu/test_vllm_gpu.py beside the tiny Qwen3.5 MoE loop, learning (its logs' tails back).
 #   PART=9: the Qwen3.5 case of tests/gpu/test_vllm_gpu.py (TTEST s) beside the tiny Qwen3.5 MoE loop with routing
 #           replay (the logs' tails of both back).
+#   PART=10: every file of tests/gpu but test_vllm_gpu.py (the engine's cases: PART=6/8/9), one pytest each, a
+#           summary line per file in gpu_tests.txt (the suite's GPU half after a change to the training path).
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -165,7 +167,7 @@ PY
   SEQ=${SEQ:-4096}
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens $SEQ --out /tmp/syn.jsonl > /dev/null 2>&1
   BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false
-        checkpoint.enable=false training.seq_len=$SEQ)
+        checkpoint.enable=false training.seq_len=$SEQ training.kernel_cache=/tmp/kc5)
   timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout ${TEVERY:-230} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
@@ -180,11 +182,17 @@ PY
   errors /tmp/tp_none.log /tmp/tp_every.log /tmp/tp_gen.log > "$OUT/tp_errors.log"
   tail -3 /tmp/tp_every.log /tmp/tp_gen.log
   ;;
+10)
+  for f in tests/gpu/test_*.py; do
+    [ "$f" = tests/gpu/test_vllm_gpu.py ] && continue
+    echo "== $f: $(timeout ${TTEST:-240} $PY -m pytest -q -rfE --tb=line -p no:cacheprovider "$f" 2>&1 | grep -E "passed|failed|skipped|error" | tail -3 | tr '\n' ' ')"
+  done | tee "$OUT/gpu_tests.txt"
+  ;;
 8|9)
   # the tiny Qwen3.5 MoE loop (learning for 8, routing replay for 9) beside a GPU test
   sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
   spec="learn="; [ "$PART" = 9 ] && spec="replay=moe.routing_replay=true:--routing"
-  (OUT=/tmp/rl35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-400} PY=$PY bash /tmp/rl35.sh "$spec" > "$OUT/rl_qwen35.log" 2>&1) &
+  (OUT=/tmp/rl35 KC=/tmp/kc35 STEPS=${STEPS:-10} TLIMIT=${TLIMIT:-400} PY=$PY bash /tmp/rl35.sh "$spec" > "$OUT/rl_qwen35.log" 2>&1) &
   w=$!
   if [ "$PART" = 8 ]; then
     timeout ${TTEST:-240} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt8 \
