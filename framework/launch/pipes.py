@@ -2,15 +2,18 @@
 quietly with ``EXIT_BROKEN_PIPE`` (141, what a shell reports for a writer ended by SIGPIPE), without a
 traceback or a message, as other command-line tools do.
 
-* ``on_broken_pipe``, set by the `train` and `apiary` entry points through ``compat.route_broken_pipe`` as rich's hook on the
-  ``Console`` class (the consoles are made in many modules), makes every rich console of the process
-  end it this way on a closed pipe (rich's own default exits 1, which reads as a
-  failure) after pointing the closed streams at /dev/null, so that nothing said later (a summary,
+* ``on_broken_pipe``, set by the `train` and `apiary` entry points through ``compat.route_broken_pipe``
+  as rich's hook on the ``Console`` class (the consoles are made in many modules), makes every rich
+  console of the process end it this way on a closed pipe (rich's own default exits 1, which reads as
+  a failure) after pointing the closed streams at /dev/null, so that nothing said later (a summary,
   Python's last flush) fails again.
-* A rank of a run a ``train`` parent supervises (nproc > 1) does not exit by itself: its closed streams
-  go to /dev/null and it trains on until the parent, which watches the same pipe (``reader_gone``),
-  stops torchrun and its ranks at once and exits 141 (a rank leaving alone would make the others fail
-  in their next collective, each with a traceback).
+* ``guard_streams`` (the `train` entry point) does the same for a plain ``print`` in any thread (the
+  sender's, the first step's notes, the publisher's): the stream goes quiet instead of raising.
+* What goes on, silenced, instead of exiting (``_goes_on``): a rank of a run a ``train`` parent
+  supervises (nproc > 1), until the parent, which watches the same pipe (``reader_gone``), stops
+  torchrun and its ranks at once and exits 141 (a rank leaving alone would make the others fail in
+  their next collective, each with a traceback); a process already stopping on a signal (it writes its
+  checkpoint first; the parent does not kill a run it is stopping); a thread other than the main one.
 """
 
 from __future__ import annotations
