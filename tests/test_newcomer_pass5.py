@@ -161,3 +161,13 @@ def test_export_of_a_run_whose_only_step_lost_its_metadata_names_it(tmp_path, ca
     (run / "config.yaml").write_text("recipe: debug_moe\n")
     code, err = _apiary(["export", str(run), "--hf", str(tmp_path / "hf")], capsys)
     assert code == 2 and "checkpoint/step-10 has no .metadata" in err and "checkpoint.enable" not in err, err
+
+
+def test_a_load_path_given_a_run_folder_names_its_latest_step(tmp_path, monkeypatch, capsys):
+    """Was: "Point it at a step folder, e.g. runs/X/checkpoint/step-0" for a run folder with step-10."""
+    monkeypatch.chdir(tmp_path)
+    step = tmp_path / "run" / "checkpoint" / "step-10"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    code, err = _train([f"checkpoint.load_path={tmp_path / 'run'}", "training.steps=1"], capsys)
+    assert code == 2 and f"but a run's folder. Point it at a step folder, e.g. {step}." in err, err
