@@ -106,6 +106,9 @@ def _cp(name: str, dest: str) -> int:
     d = Path(dest)
     if d.is_dir():
         d = d / src.name
+    if d.suffix != ".yaml":  # was: copied, then `train recipe=mine.txt` refused the printed command
+        raise UserError(f"apiary cp {name} {dest}", f"a recipe file is read by Hydra, which finds only files named "
+                        f"*.yaml, and {d.name} ends in {d.suffix or 'no suffix'}.", f"Name it {d.with_suffix('.yaml')}.")
     if d.exists():
         raise UserError(f"apiary cp {name} {dest}", f"{d} already exists; not overwriting it.",
                         "Choose another path or remove it first.")
@@ -144,6 +147,11 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         raise UserError(f"apiary export {run_dir}", "is not a run folder (no config.yaml).",
                         "Point it at runs/RECIPE/TIMESTAMP.")
     steps = {n: d for n, d in integrity.step_dirs(Path(run_dir) / "checkpoint").items() if (d / ".metadata").is_file()}
+    cut = [f"checkpoint/step-{n}" for n in integrity.step_dirs(Path(run_dir) / "checkpoint") if n not in steps]
+    if not steps and cut:  # was: "Train with checkpoint.enable=true first", for a run that did
+        raise UserError(f"apiary export {run_dir}", f"holds no complete checkpoint: {', '.join(cut)} has no .metadata "
+                        "(a save cut short, or a damaged step), and DCP cannot read a step without it.",
+                        "Nothing can be exported from this run; train again (a fresh run in another output_dir).")
     if step is not None and step not in steps:
         raise UserError(f"apiary export {run_dir} --step {step}", "no complete checkpoint of that step; complete: "
                         f"{', '.join(map(str, steps)) or 'none'}.",
@@ -257,6 +265,7 @@ def apiary_parser() -> argparsing.Parser:
                     help="also list a user registry file's names (as the APIARY_REGISTRY variable does)")
     show = sub.add_parser("show", help="a recipe's YAML, or a registry name's binding")
     show.add_argument("name", metavar="NAME", help="a recipe name or file, or a registry name")
+    show.add_argument("registry", nargs="*", metavar="registry=PATH", help="a user registry file that binds NAME")
     cp = sub.add_parser("cp", help="copy a recipe to edit it (then `train recipe=PATH`)")
     cp.add_argument("name", metavar="NAME", help="the recipe to copy")
     cp.add_argument("dest", metavar="PATH", help="a file or a folder; never overwritten")
@@ -329,12 +338,12 @@ def apiary_main(argv: list[str] | None = None) -> int:
             return launch.launch_args(ns)
         if extra:
             raise UserError(f"apiary {cmd} {' '.join(extra)}", "unrecognized arguments.", f"See `apiary {cmd} --help`.")
+        for a in getattr(ns, "registry", ()):  # ls and show: a user registry file's names too
+            key, sep, val = a.partition("=")
+            if key != "registry" or not sep:
+                raise UserError(f"apiary {cmd} {a}", "takes only registry=PATH.", f"See `apiary {cmd} --help`.")
+            registry.use(val, where=a)
         if cmd == "ls":
-            for a in ns.registry:
-                key, sep, val = a.partition("=")
-                if key != "registry" or not sep:
-                    raise UserError(f"apiary ls {a}", "takes only registry=PATH.", "See `apiary ls --help`.")
-                registry.use(val, where=a)
             return _ls()
         if cmd == "show":
             return _show(ns.name)

@@ -43,6 +43,10 @@ def recipe_path(name: str) -> Path:
                             f"Rename it: mv {p} {p.with_suffix('.yaml')}, then recipe={p.with_suffix('.yaml')}.")
         return p.resolve()
     path = RECIPES_DIR / f"{name}.yaml"
+    if "," in name and not path.is_file():  # was: "unknown recipe 'debug_moe,debug_dense'"
+        raise UserError(f"recipe={name}", "names several recipes; recipe= takes one, and a sweep (`train -m`) or "
+                        "`apiary compare` varies keys within that one recipe.", "Run one command per recipe: "
+                        + ", then ".join(f"recipe={r}" for r in name.split(",")) + ".")
     if not path.is_file():
         raise UserError(
             f"recipe={name}",
@@ -87,9 +91,20 @@ def _check_yaml(path: Path, seen: set | None = None, chain: tuple = ()) -> None:
     if data is not None and not isinstance(data, dict):
         raise UserError(f"recipe {path}", f"must be a YAML mapping of keys to values, not a {type(data).__name__}.",
                         "Start from a copy: `apiary cp debug_moe my_recipe.yaml`.")
+    for kind in registry.GROUP_KINDS:  # `loss: chunked` (was: "Merge error: str is not a subclass of ...")
+        if isinstance(data, dict) and isinstance(data.get(kind), str):
+            raise UserError(f"recipe {path}", f"sets `{kind}: {data[kind]}`, a name where apiary reads the section of "
+                            f"the {kind} component (its name and options).", f"Write `{kind}: {{name: {data[kind]}}}` "
+                            f"(its options beside name), or `override /{kind}: {data[kind]}` in the `defaults:` list "
+                            "before _self_.")
     for entry in (data or {}).get("defaults", []) or []:
         if isinstance(entry, str) and entry != "_self_":
             extended = path.parent / f"{entry}.yaml"
+            if not extended.is_file() and not (RECIPES_DIR / f"{entry}.yaml").is_file() and entry != "_schema":
+                raise UserError(f"recipe {path}", f"its `defaults:` list extends {entry!r}, which is neither a recipe "
+                                f"file beside it ({extended}) nor a packaged recipe.",
+                                did_you_mean(entry, recipe_names() + ["_defaults"]) or "`apiary ls` lists the recipes.")
+                # (was: Hydra's "Could not load ... Config search path: provider=hydra, path=pkg://hydra.conf")
             _check_yaml(extended if extended.is_file() else RECIPES_DIR / f"{entry}.yaml", seen, chain)
 
 

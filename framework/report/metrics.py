@@ -162,8 +162,8 @@ def supersede(path: Path, first_step: int) -> int:
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
     records = len(moved) - unreadable
-    what = " and ".join(x for x in (f"{records} record(s) from step {first_step} on, written before this resume"
-                                     if records else "",
+    when = "before this resume" if first_step > 1 else "by an earlier run in this folder"  # a fresh run: step 1
+    what = " and ".join(x for x in (f"{records} record(s) from step {first_step} on, written {when}" if records else "",
                                      f"{unreadable} unreadable line(s) (cut short by a crash)" if unreadable else "") if x)
     _console.print(f"{path.name}: {what}, moved to {aside.name}")
     return len(moved)

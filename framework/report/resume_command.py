@@ -6,6 +6,7 @@ launch, as given, which the hand-off carries to rank 0 (``Resolved.launch``) and
 from __future__ import annotations
 
 import math
+import os
 
 from omegaconf import OmegaConf
 
@@ -29,6 +30,26 @@ def run_overrides(launch: dict | None) -> list[str] | None:
     last = {_key(o): i for i, o in enumerate(launch["overrides"])}
     return [o for i, o in enumerate(launch["overrides"]) if last[_key(o)] == i
             and _key(o) not in _NOT_REPEATED and not _key(o).startswith("hydra.")]
+
+
+def ranks(cfg, overrides: list[str], env=os.environ) -> tuple[str, list[str]]:
+    """The command that starts the run's ranks again, and the overrides with what it needs: a resume keeps
+    the parallel degrees, so a run of N ranks that a torchrun of the user's own started (its config's
+    launcher.nproc is 1; docs/launching.md "torchrun by hand") resumes with ``nproc=N`` on one machine
+    (was: a one-process command, refused for its data-parallel size), or with a torchrun of the same shape
+    across machines. Under a batch scheduler (SLURM_JOB_ID), or when the launch named its ranks, as is."""
+    dims = OmegaConf.select(cfg, "parallel", default=None) if cfg is not None else None
+    nproc = OmegaConf.select(cfg, "launcher.nproc", default=None) if cfg is not None else None
+    if dims is None or nproc is None or "SLURM_JOB_ID" in env:
+        return "train", overrides
+    world = math.prod(int(dims.get(k) or 1) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    if world <= int(nproc) or any(_key(o) in ("nproc", "launcher.nproc") for o in overrides):
+        return "train", overrides
+    here = int(env.get("LOCAL_WORLD_SIZE") or world)
+    if here >= world:
+        return "train", [*overrides, f"nproc={world}"]
+    return (f"torchrun --nnodes={world // here} --nproc_per_node={here} [this launch's rendezvous options] "
+            "-m framework.cli train", overrides)
 
 
 def _down(x: float, digits: int = 3) -> float:

@@ -43,7 +43,7 @@ from framework.compose import registry
 from framework.errors import UserError
 from framework.report.export_note import routing_bias_note
 from framework.report.progress import duration, loss_text, make_console, memory_label
-from framework.report.resume_command import continuation, run_overrides
+from framework.report.resume_command import continuation, ranks, run_overrides
 from framework.resolve import resume
 from framework.train import integrity
 
@@ -241,7 +241,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
             if "lr" in cfg and "total_steps" in cfg.lr and "optimizer" in cfg:
                 schedule, note = continuation(cfg, total_steps)
                 overrides = [o for o in overrides if not o.startswith(tuple(x.split("=")[0] + "=" for x in schedule))] + schedule
-        commands["resume"] = (f"train recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
+        start, overrides = ranks(cfg, overrides)
+        commands["resume"] = (f"{start} recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                               f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
                               + (" (and this run's overrides)" if unknown else ""))
         if no_base_on_disk(cfg) is None:

@@ -184,8 +184,10 @@ def check_inputs(cfg, for_training: bool) -> None:
         raise UserError(f"checkpoint.load_path={ck.load_path}", "does not exist (nothing at that path).",
                         "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
     if ck.load_path is not None and not (Path(ck.load_path) / ".metadata").is_file():
-        raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata).",
-                        "Point it at a step folder, e.g. runs/X/checkpoint/step-0.")
+        steps = integrity.complete_steps(Path(ck.load_path) / "checkpoint")  # a run's folder: name its latest step
+        at = Path(ck.load_path) / "checkpoint" / f"step-{steps[-1]}" if steps else "runs/X/checkpoint/step-0"
+        raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata)"
+                        + (", but a run's folder" if steps else "") + ".", f"Point it at a step folder, e.g. {at}.")
     if ck.load_path is not None:
         if ck.verify and not (Path(ck.load_path) / integrity.MANIFEST).is_file():
             raise UserError(f"checkpoint.load_path={ck.load_path}", f"has no {integrity.MANIFEST}, so it cannot be "

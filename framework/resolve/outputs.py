@@ -11,6 +11,8 @@ import os
 import time
 from pathlib import Path
 
+import yaml
+
 from framework.errors import UserError
 from framework.resolve.inputs import what_is, writable_folder
 from framework.train import integrity
@@ -71,10 +73,25 @@ def check_outputs(cfg) -> int | None:
             raise UserError(f"output_dir={cfg.output_dir}", "already holds checkpoints of an earlier run; a fresh "
                             "run would load or overwrite them.", "Pass checkpoint.resume=true to continue it, or "
                             "choose another output_dir.")
+        elif (other := _other_recipe(Path(cfg.output_dir), cfg.recipe)) is not None:
+            raise UserError(f"output_dir={cfg.output_dir}", f"holds a run of another recipe ({other}: its config.yaml, "
+                            "metrics.jsonl); this run would replace its config.yaml and move its metrics aside, "
+                            "leaving one folder with two runs in it.", "Choose another output_dir (a new or empty "
+                            "folder), or delete that run's folder first.")
         elif odd := integrity.step_like(Path(cfg.output_dir) / "checkpoint"):
             raise UserError(f"output_dir={cfg.output_dir}", f"{odd[0]} is named like a checkpoint step, and "
                             "torchtitan loads any name holding step-N in the checkpoint folder: a fresh run would "
                             "load it.", "Move it out of the checkpoint folder, or choose another output_dir.")
+
+
+def _other_recipe(run_dir: Path, recipe) -> str | None:
+    """The recipe of the run whose config.yaml ``run_dir`` holds, where it is not ``recipe`` (None: no run
+    there, or one of the same recipe, which a fresh run of it may follow: its records are moved aside)."""
+    try:
+        held = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("recipe")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    return str(held) if held is not None and str(held) != str(recipe) else None
 
 
 def check_overlaps(cfg) -> None:

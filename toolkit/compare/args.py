@@ -141,6 +141,8 @@ def parse_args(argv: list[str], ns=None) -> Options:
                 tol=ns.tol, jobs=ns.jobs, timeout=ns.timeout, max_numel=ns.max_numel)
     plain: list[str] = []
     o.recipe, rest = recipes.split_recipe(ns.overrides)
+    if o.recipe is not None and "," in o.recipe:  # several recipes: said before "no key to compare"
+        recipes.recipe_path(o.recipe)
     for a in rest:
         name, eq, val = a.partition("=")
         if name == "output_dir" and eq:
