@@ -12,7 +12,9 @@ function's calls to a function of its own file (nor what that one calls); enteri
 spine function, wherever it is called from, the reader descends into it, and comes back to where it
 was when it returns. Calls through the standard library's wrappers (``contextlib``'s ``with``, a
 dataclass's generated ``__init__``: the class's file) count as calls into the file a reader would
-open; comprehensions and lambdas are read as part of the function that holds them.
+open; comprehensions and lambdas are read as part of the function that holds them, and so is what a builtin
+calls on its own (``print``'s ``write`` and ``flush`` of ``sys.stdout``, a stream wrapper of the repository's:
+the line names no such call).
 
 The files of ``framework/`` the reader is in, in order, with a file read twice in a row counted once,
 are the visits; a return is a visit to a file visited before. The same per phase package
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import os
 import sys
 import tempfile
@@ -50,6 +53,7 @@ SPINE = {
 }
 END = ("framework/train/trainer.py", "ApiaryTrainer.__init__")  # the walk ends where it is entered
 INLINE = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>"}  # read with their function
+IMPLICIT = ("write", "flush")  # what print calls on sys.stdout; read with the line that prints (Reader.implicit)
 WRAPPERS = ("contextlib.py", "functools.py")  # standard-library frames a call passes through to the repository's
 DEFAULT_ARGS = ["recipe=debug_moe", "training.steps=1", "launcher=local"]
 
@@ -95,6 +99,16 @@ class Reader:
             f = f.f_back
         return f
 
+    @staticmethod
+    def implicit(frame) -> bool:
+        """A stream's ``write``/``flush`` that a builtin (``print``) calls for the spine: the line the reader
+        reads names no such call, so there is nothing to follow."""
+        if frame.f_code.co_name not in IMPLICIT:
+            return False
+        caller = frame.f_back
+        line = linecache.getline(caller.f_code.co_filename, caller.f_lineno) if caller is not None else ""
+        return f".{frame.f_code.co_name}(" not in line
+
     def profile(self, frame, event, _arg):
         if event == "return":
             if self.stack and self.stack[-1][0] is frame:
@@ -116,7 +130,8 @@ class Reader:
             self.stack.append((frame, path))
             self.walk.append((path, f"{name} (spine)"))
         elif self.stack and self.caller(frame) is self.stack[-1][0] and path != self.stack[-1][1] \
-                and (self.stack[-1][1], self.stack[-1][0].f_code.co_qualname) in SPINE:  # one level from the spine
+                and (self.stack[-1][1], self.stack[-1][0].f_code.co_qualname) in SPINE \
+                and not self.implicit(frame):  # one level from the spine
             self.stack.append((frame, path))
             if frame.f_code.co_filename == "<string>":  # a dataclass's generated __init__
                 name = f"{type(frame.f_locals.get('self')).__qualname__}.__init__"
