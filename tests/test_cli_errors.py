@@ -54,12 +54,14 @@ def test_user_errors(capsys, workdir, argv, needles):
     ("checkpoint.enable=maybe", "checkpoint.enable: takes true or false, not 'maybe' (for example checkpoint.enable=true)."),
     ("optimizer.lr=abc", "optimizer.lr: takes a number, not 'abc' (for example optimizer.lr=0.003)."),
     ("parallel.gpus=eight", "parallel.gpus: takes an integer, not 'eight'."),
+    # newcomer pass 5's #46 (was: "Invalid value assigned: str is not a ListConfig, list or tuple")
+    ("adapter=lora adapter.targets=q", "adapter.targets: takes a list, not 'q' (for example adapter.targets=[q,k,v,o])."),
 ])
 def test_a_wrong_type_on_the_command_line_is_one_sentence(capsys, workdir, override, said):
     """`train training.steps=five` said the override twice, then OmegaConf's words and a generic hint
     ("overrides training.steps=five: training.steps=five: Value 'five' of type 'str' could not be converted to
     Integer. Check the value's type ..."): now one sentence naming the key, the value as typed and the type."""
-    code, err = _err(capsys, [override, "--cfg", "job"])
+    code, err = _err(capsys, [*override.split(), "--cfg", "job"])
     assert code == 2 and err == f"error apiary: {said}", err
 
 

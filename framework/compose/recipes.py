@@ -22,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework import contracts
 from framework.compose import recipe_files, registry
+from framework.compose.messages import first_line as _first_line
+from framework.compose.messages import wrong_type
 from framework.compose.recipe_files import (
     RECIPES_DIR,
     _not_extending,
@@ -261,7 +263,7 @@ def _composed(path: Path, overrides: list[str], recipe: str) -> DictConfig:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as e:
         hint = f"Check the value's type against `train recipe={recipe} --cfg job`."
-        raise _wrong_type(e, overrides) or UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.", hint) from None
+        raise wrong_type(e, overrides) or UserError(f"overrides {' '.join(overrides)}", f"{_first_line(e)}.", hint) from None
     OmegaConf.set_struct(cfg, False)
     cfg.recipe = path.stem
     OmegaConf.set_struct(cfg, True)
@@ -367,34 +369,3 @@ def _full_key(e: BaseException | None) -> str:
             return str(key)
         e, seen = e.__cause__ or e.__context__, seen + 1
     return ""
-
-
-_EXPECTED = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
-             "StringNode": "a string"}
-
-
-def _wrong_type(e: Exception, overrides: list[str]) -> UserError | None:
-    """An override whose value the key's type cannot hold (``training.steps=five``), as one sentence naming
-    the key, the value as typed and the type (was: the override twice, then OmegaConf's words); None for
-    any other composition error."""
-    cause = e.__cause__
-    key = getattr(cause, "full_key", None)
-    expected = _EXPECTED.get(type(getattr(cause, "child_node", None)).__name__)
-    typed = [o.partition("=")[2] for o in overrides if o.lstrip("+").partition("=")[0] == key]
-    if not (key and expected and typed):
-        return None
-    now = cause.parent_node.get(cause.key) if isinstance(cause.parent_node, DictConfig) else None
-    example = f" (for example {key}={str(now).lower() if isinstance(now, bool) else now})" if now is not None else ""
-    return UserError(key, f"takes {expected}, not {typed[-1]!r}{example}.")
-
-
-def _first_line(e: Exception) -> str:
-    msg = str(e).strip()
-    if e.__cause__ is not None:
-        msg = f"{msg}: {e.__cause__}"
-    for prefix in ("Error merging override ", "Error merging "):
-        msg = msg.replace(prefix, "")
-    lines = [ln.strip() for ln in msg.splitlines()
-             if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
-    keep = len(lines) if any(ln.startswith("Available options") for ln in lines) else 3  # the whole list
-    return " ".join(lines[:keep]).rstrip(".")
