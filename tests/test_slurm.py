@@ -116,23 +116,30 @@ def test_no_sbatch_is_a_user_error(capsys, workdir, monkeypatch):
     assert not (workdir / "runs").exists()
 
 
-def test_a_failing_sbatch_is_one_paragraph_naming_the_script(capsys, workdir, monkeypatch):
+@pytest.mark.parametrize("said, check", [
+    ("sbatch: error: invalid partition specified: gpu", "launcher.partition"),
+    # newcomer pass 5's #31: no controller reachable (was: the partition/account advice of a refused job)
+    ("sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host",
+     "sbatch did not reach the Slurm controller: submit from a host of the cluster"),
+])
+def test_a_failing_sbatch_is_one_paragraph_naming_the_script(capsys, workdir, monkeypatch, said, check):
     """sbatch on PATH that refuses the job (was: exit 1 with sbatch's raw stderr, the run folder's script
     unmentioned): exit 2, sbatch's error line, the script to submit by hand and what to check."""
     import os
 
     bin_dir = workdir / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu' >&2\n"
-                                   "echo 'sbatch: error: Batch job submission failed: Invalid partition name' >&2\n"
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho '{said}' >&2\n"
+                                   "echo 'sbatch: error: Batch job submission failed' >&2\n"
                                    "exit 1\n")
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     code, _, err = _launch(capsys, ["launcher=slurm", "nodes=1", "gpus_per_node=2", "output_dir=run"])
     text = " ".join(err.split())
     script = workdir / "run" / "train.sbatch"
-    assert code == 2 and "apiary: launcher=slurm: sbatch exited 1: sbatch: error: invalid partition specified" in text, err
-    assert f"sbatch {script}" in text and "launcher.partition" in text and "Traceback" not in err
+    assert code == 2 and f"apiary: launcher=slurm: sbatch exited 1: {said}" in text, err
+    assert f"sbatch {script}" in text and check in text and "Traceback" not in err
+    assert ("launcher.partition" in text) == (check == "launcher.partition")
     assert script.exists() and (workdir / "run" / "resolved.yaml").exists()
 
 

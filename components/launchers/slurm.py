@@ -30,6 +30,7 @@ from typing import List, Literal, Optional
 
 from omegaconf import OmegaConf
 
+from components.launchers.sbatch_errors import sbatch_failed
 from framework.contracts import LaunchEnv
 from framework.errors import EXIT_PREEMPTED, UserError
 
@@ -238,20 +239,6 @@ class SlurmLauncher:
     # apiary compare: how runs differing in this component or its options are held to each other
     # (nodes x gpus_per_node: the data-parallel size).
     NUMERICS = {"": "any", "nodes": "dp", "gpus_per_node": "dp"}
-
-
-def sbatch_failed(proc, script: Path, out: Path) -> UserError:
-    """sbatch refused the script (or printed no job id): one paragraph naming its first error line, the
-    script it was given (kept, to submit by hand once fixed) and what to check."""
-    lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
-    said = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
-    what = f"exited {proc.returncode}" if proc.returncode else "printed no job id"
-    return UserError("launcher=slurm", f"sbatch {what}" + (f": {said}" if said else " and said nothing") +
-                     f". Nothing was submitted; the run folder {out} keeps the script ({script.name}), "
-                     "resolved.yaml and an empty logs/.",
-                     "Check the partition, account, qos and time limit it asks for (launcher.partition, "
-                     f"launcher.account, launcher.qos, launcher.time; `sinfo`, `sacctmgr show assoc user=$USER`), "
-                     f"then submit it by hand: sbatch {script}")
 
 
 # ---------------------------------------------------------------------- waiting
