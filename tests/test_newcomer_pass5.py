@@ -171,3 +171,20 @@ def test_a_load_path_given_a_run_folder_names_its_latest_step(tmp_path, monkeypa
     (step / "manifest.json").write_text("{}")
     code, err = _train([f"checkpoint.load_path={tmp_path / 'run'}", "training.steps=1"], capsys)
     assert code == 2 and f"but a run's folder. Point it at a step folder, e.g. {step}." in err, err
+
+
+def test_a_recipe_without_self_composes_its_own_values_last_without_hydras_warning(tmp_path, monkeypatch):
+    """Pass 5's #13: `defaults: [debug_moe]` without `_self_` printed Hydra's UserWarning with its site-packages
+    file and line; Hydra composes the file's own values last, as apiary's recipes write `_self_`, so the
+    warning said nothing to act on."""
+    import warnings
+
+    from framework.compose import recipes
+
+    (tmp_path / "noself.yaml").write_text("defaults:\n  - debug_moe\ntraining:\n  steps: 7\n")
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = recipes.load("noself.yaml", [])
+    assert cfg.training.steps == 7  # the file's value over debug_moe's
+    assert not [w for w in seen if "_self_" in str(w.message)], [str(w.message) for w in seen]

@@ -9,6 +9,7 @@ recipe_files.py.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import yaml
@@ -111,10 +112,13 @@ def _plain_keys(d: dict, prefix: str = "") -> list[str]:
 
 
 def _compose(path: Path, overrides: list[str]) -> DictConfig:
+    """Hydra's compose of the recipe file; a defaults list without ``_self_`` composes it last, as apiary's
+    recipes write it, so Hydra's warning about that (its file and line in site-packages) is not shown."""
     _store()
     GlobalHydra.instance().clear()
     searchpath = [f"file://{RECIPES_DIR}"]
-    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"In '.*': Defaults list is missing `_self_`", category=UserWarning)
         return compose(config_name=path.stem,
                        overrides=[f"hydra.searchpath=[{','.join(searchpath)}]", *overrides])
 
