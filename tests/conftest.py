@@ -54,6 +54,35 @@ def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = N
                           capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(argv: list[str], cwd: Path, capsys) -> subprocess.CompletedProcess:
+    """``train ARGV`` (one rank) through the console entry's ``train_main`` in this process, as ``run_cli``
+    would run it in a fresh interpreter but without the seconds of importing torch and torchtitan again:
+    the same exit code, stdout and stderr (read from ``capsys``). The working directory, the environment
+    (the rank variables and the verified-checkpoint note a run leaves) and torch's thread count are put
+    back afterwards. For what needs a real process (signals, torchrun, the interpreter's exit), run_cli."""
+    import torch
+
+    from framework.cli import train_main
+
+    assert argv[:1] == ["train"] and not any(a.startswith("nproc=") and a != "nproc=1" for a in argv), argv
+    saved_env, here, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    for k in _RANK_ENV:
+        os.environ.pop(k, None)
+    capsys.readouterr()  # what the test printed before
+    try:
+        os.chdir(cwd)
+        code = train_main(list(argv[1:]))
+    except SystemExit as e:  # a stop that ends the process with its code (a non-finite step: 76)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["train", *argv[1:]], code, out.out, out.err)
+
+
 def run_ranks(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int = 400, env: dict | None = None):
     """Run a script on ``nproc`` ranks: a plain interpreter for 1, torchrun --standalone otherwise
     (each rank's stdout goes to this process's stdout)."""
