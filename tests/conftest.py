@@ -54,12 +54,16 @@ def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = N
                           capture_output=True, text=True, timeout=timeout)
 
 
-def train_here(argv: list[str], cwd: Path, capsys) -> subprocess.CompletedProcess:
+def train_here(argv: list[str], cwd: Path, capsys=None) -> subprocess.CompletedProcess:
     """``train ARGV`` (one rank) through the console entry's ``train_main`` in this process, as ``run_cli``
     would run it in a fresh interpreter but without the seconds of importing torch and torchtitan again:
-    the same exit code, stdout and stderr (read from ``capsys``). The working directory, the environment
-    (the rank variables and the verified-checkpoint note a run leaves) and torch's thread count are put
-    back afterwards. For what needs a real process (signals, torchrun, the interpreter's exit), run_cli."""
+    the same exit code, stdout and stderr (read from ``capsys``; without it, e.g. in a module fixture,
+    sys.stdout and sys.stderr are redirected for the call). The working directory, the environment (the
+    rank variables and the verified-checkpoint note a run leaves) and torch's thread count are put back
+    afterwards. For what needs a real process (signals, torchrun, the interpreter's exit), run_cli."""
+    import contextlib
+    import io
+
     import torch
 
     from framework.cli import train_main
@@ -68,10 +72,16 @@ def train_here(argv: list[str], cwd: Path, capsys) -> subprocess.CompletedProces
     saved_env, here, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     for k in _RANK_ENV:
         os.environ.pop(k, None)
-    capsys.readouterr()  # what the test printed before
+    out, err = io.StringIO(), io.StringIO()
+    if capsys is not None:
+        capsys.readouterr()  # what the test printed before
     try:
         os.chdir(cwd)
-        code = train_main(list(argv[1:]))
+        with contextlib.ExitStack() as redirect:
+            if capsys is None:
+                redirect.enter_context(contextlib.redirect_stdout(out))
+                redirect.enter_context(contextlib.redirect_stderr(err))
+            code = train_main(list(argv[1:]))
     except SystemExit as e:  # a stop that ends the process with its code (a non-finite step: 76)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
@@ -79,8 +89,10 @@ def train_here(argv: list[str], cwd: Path, capsys) -> subprocess.CompletedProces
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["train", *argv[1:]], code, out.out, out.err)
+    if capsys is not None:
+        got = capsys.readouterr()
+        return subprocess.CompletedProcess(["train", *argv[1:]], code, got.out, got.err)
+    return subprocess.CompletedProcess(["train", *argv[1:]], code, out.getvalue(), err.getvalue())
 
 
 def run_ranks(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int = 400, env: dict | None = None):
