@@ -2,6 +2,7 @@
 with ``from conftest import ...``).
 
 - processes: ``run_cli`` (the console entry in a fresh interpreter, ``nproc=N`` for N ranks),
+  ``train_here`` (one rank's ``train`` through the console entry in this process: no interpreter start-up),
   ``spawn_ranks`` (N ranks of a Python function), ``run_ranks`` (N ranks of a script under
   torchrun), ``free_port``;
 - data and numbers: ``lm_head_data``, ``rel_err`` / ``assert_rel`` (norm-wise, tensors),
