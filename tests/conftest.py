@@ -2,6 +2,7 @@
 with ``from conftest import ...``).
 
 - processes: ``run_cli`` (the console entry in a fresh interpreter, ``nproc=N`` for N ranks),
+  ``train_here`` (one rank's ``train`` through the console entry in this process: no interpreter start-up),
   ``spawn_ranks`` (N ranks of a Python function), ``run_ranks`` (N ranks of a script under
   torchrun), ``free_port``;
 - data and numbers: ``lm_head_data``, ``rel_err`` / ``assert_rel`` (norm-wise, tensors),
@@ -52,6 +53,47 @@ def run_cli(argv: list[str], cwd: Path, timeout: int = 600, env: dict | None = N
     cmd = ["-m", "toolkit.cli", *argv[1:]] if argv[:1] == ["apiary"] else ["-m", "framework.cli", *argv]
     return subprocess.run([sys.executable, *cmd], cwd=cwd, env=_child_env(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def train_here(argv: list[str], cwd: Path, capsys=None) -> subprocess.CompletedProcess:
+    """``train ARGV`` (one rank) through the console entry's ``train_main`` in this process, as ``run_cli``
+    would run it in a fresh interpreter but without the seconds of importing torch and torchtitan again:
+    the same exit code, stdout and stderr (read from ``capsys``; without it, e.g. in a module fixture,
+    sys.stdout and sys.stderr are redirected for the call). The working directory, the environment (the
+    rank variables and the verified-checkpoint note a run leaves) and torch's thread count are put back
+    afterwards. For what needs a real process (signals, torchrun, the interpreter's exit), run_cli."""
+    import contextlib
+    import io
+
+    import torch
+
+    from framework.cli import train_main
+
+    assert argv[:1] == ["train"] and not any(a.startswith("nproc=") and a != "nproc=1" for a in argv), argv
+    saved_env, here, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    for k in _RANK_ENV:
+        os.environ.pop(k, None)
+    out, err = io.StringIO(), io.StringIO()
+    if capsys is not None:
+        capsys.readouterr()  # what the test printed before
+    try:
+        os.chdir(cwd)
+        with contextlib.ExitStack() as redirect:
+            if capsys is None:
+                redirect.enter_context(contextlib.redirect_stdout(out))
+                redirect.enter_context(contextlib.redirect_stderr(err))
+            code = train_main(list(argv[1:]))
+    except SystemExit as e:  # a stop that ends the process with its code (a non-finite step: 76)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+    if capsys is not None:
+        got = capsys.readouterr()
+        return subprocess.CompletedProcess(["train", *argv[1:]], code, got.out, got.err)
+    return subprocess.CompletedProcess(["train", *argv[1:]], code, out.getvalue(), err.getvalue())
 
 
 def run_ranks(script: Path, args: list[str], nproc: int, cwd: Path, timeout: int = 400, env: dict | None = None):

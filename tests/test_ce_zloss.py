@@ -8,7 +8,6 @@ loss of `train loss=ce_zloss` equals `train loss=linear_ce loss.z_loss=C`'s)."""
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ import torch
 from components.losses.ce_zloss import ZLossCrossEntropy, ZLossCrossEntropyLoss
 from components.losses.linear_ce import linear_cross_entropy
 
-from conftest import IGN, ROOT, assert_rel, lm_head_data, read_metrics, rel_close, run_cli
+from conftest import IGN, ROOT, assert_rel, lm_head_data, read_metrics, rel_close, run_cli, train_here
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor, z: float) -> torch.Tensor:
@@ -86,7 +85,7 @@ def test_options_and_layout_are_checked_before_launch():
         ZLossCrossEntropy.check(ZLossCrossEntropy.Options(), ctx)
 
 
-def test_trains_and_matches_linear_ce_at_step_one(workdir):
+def test_trains_and_matches_linear_ce_at_step_one(workdir, capsys, one_thread):
     """`train loss=ce_zloss` takes effect: its fp32 step-1 loss equals linear_ce's with the same
     z_loss, and differs from plain ce's by the z term."""
     common = ["recipe=debug_moe", "training.steps=1", "training.seq_len=32", "training.dtype=float32",
@@ -94,12 +93,10 @@ def test_trains_and_matches_linear_ce_at_step_one(workdir):
     first = {}
     runs = (("zloss", ["loss=ce_zloss", "loss.z_loss=0.01"]), ("linear", ["loss=linear_ce", "loss.z_loss=0.01"]),
             ("ce", ["loss=ce"]))
-    with ThreadPoolExecutor(3) as pool:  # side by side, one thread each (mostly start-up time)
-        procs = pool.map(lambda r: run_cli(["train", *common, *r[1], f"output_dir={workdir / r[0]}"], cwd=workdir,
-                                           timeout=300, env={"OMP_NUM_THREADS": "1"}), runs)
-        for (name, _), p in zip(runs, procs):
-            assert p.returncode == 0, p.stderr[-3000:]
-            first[name] = read_metrics(workdir / name)[0]["loss"]
+    for name, extra in runs:  # in this process, one thread each
+        p = train_here(["train", *common, *extra, f"output_dir={workdir / name}"], workdir, capsys)
+        assert p.returncode == 0, p.stderr[-3000:]
+        first[name] = read_metrics(workdir / name)[0]["loss"]
     assert rel_close(first["zloss"], first["linear"], 1e-5), first
     assert first["zloss"] > first["ce"] * (1 + 1e-3), first  # lse^2 ~ (log 320)^2 ~ 33 per token: +0.33
 

@@ -12,7 +12,7 @@ import pytest
 
 from framework.train import atomic_save, integrity
 
-from conftest import run_cli
+from conftest import train_here
 
 SMALL = ["recipe=debug_moe", "training.seq_len=64", "model.n_layers=1", "checkpoint.interval=2"]
 
@@ -21,7 +21,7 @@ SMALL = ["recipe=debug_moe", "training.seq_len=64", "model.n_layers=1", "checkpo
 def trained(tmp_path_factory):
     """One 4-step run with checkpoints at steps 2 and 4 (copied by each test)."""
     root = tmp_path_factory.mktemp("trained")
-    p = run_cli(["train", *SMALL, "training.steps=4", "output_dir=run"], cwd=root)
+    p = train_here(["train", *SMALL, "training.steps=4", "output_dir=run"], root)
     assert p.returncode == 0, p.stderr[-3000:]
     return root / "run"
 
@@ -49,10 +49,10 @@ def test_saves_are_complete_folders_with_a_manifest(trained):
         assert integrity.verify(ck / f"step-{step}") is None
 
 
-def _resume(run_dir, *extra):
+def _resume(capsys, run_dir, *extra):
     """Two steps more than the 4 it was trained for, the schedule stretched over them (lr.total_steps)."""
-    return run_cli(["train", *SMALL, "training.steps=6", "lr.total_steps=6", f"output_dir={run_dir}",
-                    "checkpoint.resume=true", *extra], cwd=run_dir.parent)
+    return train_here(["train", *SMALL, "training.steps=6", "lr.total_steps=6", f"output_dir={run_dir}",
+                       "checkpoint.resume=true", *extra], run_dir.parent, capsys)
 
 
 def _resolve_error(run_dir, *extra) -> str:
@@ -78,17 +78,17 @@ def _refused(p, run_dir, file, what):
     assert not (run_dir / "checkpoint" / "step-6").exists()
 
 
-def test_flipped_byte_is_refused_and_load_step_resumes_the_previous_step(run):
+def test_flipped_byte_is_refused_and_load_step_resumes_the_previous_step(run, capsys):
     f = run / "checkpoint" / "step-4" / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x10  # one bit, in the middle of the tensor data
     f.write_bytes(bytes(data))
     before = _snapshot(run)
-    p = _resume(run)
+    p = _resume(capsys, run)
     _refused(p, run, "__0_0.distcp", "has checksum")
     assert _snapshot(run) == before  # nothing already saved is lost or changed
     # the fix the message names: resume from step 2; step 4 is trained again and replaces the bad copy
-    p = _resume(run, "checkpoint.load_step=2")
+    p = _resume(capsys, run, "checkpoint.load_step=2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step     3/6" in p.stdout
     assert "checkpoint step-4 replaces the step-4 saved before it" in p.stdout  # said, not silent
@@ -136,7 +136,7 @@ def test_a_step_folder_copied_over_another_is_refused(run):
     assert "holds the checkpoint of step 2, not step 4" in err, err
 
 
-def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run):
+def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run, capsys):
     ck = run / "checkpoint"
     # a save of step 6 killed after writing its data: it never got its manifest nor its name
     shutil.copytree(ck / "step-4", ck / ".partial-6")
@@ -145,7 +145,7 @@ def test_save_killed_midway_is_ignored_and_cleaned_by_the_next_save(run):
 
     assert checkpoint_steps(run) == [2, 4]
     assert integrity.check_resume(run, None, "checkpoint.resume=true") == 4
-    p = _resume(run)
+    p = _resume(capsys, run)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step     5/6" in p.stdout
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from components.data.follow import FollowRows
 
-from conftest import ROOT, _child_env, run_cli
+from conftest import ROOT, _child_env, run_cli, train_here
 
 PACKAGED = ROOT / "components" / "data" / "tiny_rollouts.jsonl"  # 82-token records: 3 per 256-token row
 RECORDS = [json.loads(line) for line in PACKAGED.read_text().splitlines() if line.strip()]
@@ -155,7 +154,7 @@ def test_malformed_shard_names_file_and_line(tmp_path):
 # ------------------------------------------------------------------ the trainer, as a user runs it
 
 
-def test_kill_9_mid_stream_then_resume_trains_every_record_exactly_once(tmp_path):
+def test_kill_9_mid_stream_then_resume_trains_every_record_exactly_once(tmp_path, capsys):
     data, run = tmp_path / "shards", tmp_path / "run"
     data.mkdir()
     written = []
@@ -172,8 +171,7 @@ def test_kill_9_mid_stream_then_resume_trains_every_record_exactly_once(tmp_path
     trained_before = [r for rec in ledger(run) for r in rec["records"]]
     for i in range(5, 9):
         written += write_shard(data, i)
-    res = run_cli([*argv, "checkpoint.resume=true", "data.wait_timeout=2"], tmp_path, timeout=300,
-                  env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", *argv, "checkpoint.resume=true", "data.wait_timeout=2"], tmp_path, capsys)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]  # 9 shards fill the 9 steps
     assert (run / "rollouts.superseded.jsonl").is_file()  # the killed run's steps past step 2, moved aside
@@ -186,7 +184,7 @@ def test_kill_9_mid_stream_then_resume_trains_every_record_exactly_once(tmp_path
     assert len(trained_before) > 12  # the killed run had trained past its last checkpoint (step 2)
 
 
-def test_sigterm_while_waiting_checkpoints_and_exits_75_then_resume_continues(tmp_path):
+def test_sigterm_while_waiting_checkpoints_and_exits_75_then_resume_continues(tmp_path, capsys):
     data, run = tmp_path / "shards", tmp_path / "run"
     data.mkdir()
     write_shard(data, 0)
@@ -207,18 +205,17 @@ def test_sigterm_while_waiting_checkpoints_and_exits_75_then_resume_continues(tm
     assert (run / "checkpoint" / "step-1").is_dir()  # off the interval: saved because it stopped
     assert "stopped on a signal while waiting for rollouts; checkpoint step-1 saved" in out
     write_shard(data, 1)
-    res = run_cli([*argv, "checkpoint.resume=true", "data.wait_timeout=1"], tmp_path, timeout=200,
-                  env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", *argv, "checkpoint.resume=true", "data.wait_timeout=1"], tmp_path, capsys)
     assert res.returncode == 77, res.stdout[-3000:] + res.stderr[-3000:]  # step 3 never gets its rows
     assert "no rollouts for step 3" in res.stderr and "checkpoint step-2 saved" in res.stderr
     assert [s["records"] for s in ledger(run)] == [[f"r{i}" for i in range(6)], [f"r{i}" for i in range(6, 12)]]
 
 
-def test_a_fresh_run_that_times_out_says_no_checkpoint_was_written(tmp_path):
+def test_a_fresh_run_that_times_out_says_no_checkpoint_was_written(tmp_path, capsys):
     """The live recipe with no generator (was: "the checkpoint it started from stays" though none
     existed, then torchtitan's "Ran out of data; last step was canceled." after apiary's line)."""
-    res = run_cli(["recipe=debug_grpo_live", "output_dir=live/run", "training.steps=8", "data.wait_timeout=1"], tmp_path,
-                  timeout=200, env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", "recipe=debug_grpo_live", "output_dir=live/run", "training.steps=8", "data.wait_timeout=1"],
+                     tmp_path, capsys)
     assert res.returncode == 77, res.stdout[-3000:] + res.stderr[-3000:]
     assert "no checkpoint was written (no step trained)" in res.stderr, res.stderr[-3000:]
     assert "checkpoint it started from" not in res.stderr and "Ran out of data" not in res.stderr + res.stdout
@@ -263,17 +260,17 @@ def test_the_waiting_line_grows_its_interval_when_not_a_terminal():
     assert seen == ["something else", follow.RAN_OUT] and root.filters == filters
 
 
-def test_malformed_shard_stops_with_the_position_kept(tmp_path):
+def test_malformed_shard_stops_with_the_position_kept(tmp_path, capsys):
     data, run = tmp_path / "shards", tmp_path / "run"
     data.mkdir()
     write_shard(data, 0)
     write_shard(data, 1, bad_line=2)
     argv = [*ARGS, f"data.path={data}", f"output_dir={run}", "training.steps=2", "checkpoint.interval=10"]
-    res = run_cli(argv, tmp_path, timeout=200, env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", *argv], tmp_path, capsys)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"{data / '000001.jsonl'}:2" in res.stderr and "checkpoint step-1 saved" in res.stderr
     write_shard(data, 1)  # fixed (rewritten whole)
-    res = run_cli([*argv, "checkpoint.resume=true"], tmp_path, timeout=200, env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", *argv, "checkpoint.resume=true"], tmp_path, capsys)
     assert res.returncode == 0, res.stderr[-2000:]
     assert [s["step"] for s in ledger(run)] == [1, 2]
     assert ledger(run)[1]["records"] == [f"r{i}" for i in range(6, 12)]
@@ -374,7 +371,7 @@ def test_parquet_shards_are_followed_like_jsonl(tmp_path):
     assert ds.step_report(1)["records"] == [f"p{i}" for i in range(6)]
 
 
-def test_followed_shards_train_like_the_same_files_read_at_once(tmp_path):
+def test_followed_shards_train_like_the_same_files_read_at_once(tmp_path, capsys):
     """The baseline pair: shards that each hold whole rows (6 records = 2 rows of 3), followed, give
     the static reader's rows and so the same losses and grad norms, bit for bit (one process)."""
     data = tmp_path / "shards"
@@ -383,11 +380,9 @@ def test_followed_shards_train_like_the_same_files_read_at_once(tmp_path):
         write_shard(data, i)
     common = ["recipe=debug_grpo", "training.local_batch=2", "training.steps=2", "checkpoint.enable=false",
               "logging.tensorboard=false", f"data.path={data}"]
-    with ThreadPoolExecutor(2) as pool:  # side by side (mostly start-up time), one thread each
-        static, follow = pool.map(lambda extra: run_cli([*common, *extra], tmp_path, timeout=200,
-                                                        env={"OMP_NUM_THREADS": "1"}),
-                                  ([f"output_dir={tmp_path / 'static'}"],
-                                   ["data.follow=true", "data.wait_timeout=5", f"output_dir={tmp_path / 'follow'}"]))
+    static, follow = (train_here(["train", *common, *extra], tmp_path, capsys)
+                      for extra in ([f"output_dir={tmp_path / 'static'}"],
+                                    ["data.follow=true", "data.wait_timeout=5", f"output_dir={tmp_path / 'follow'}"]))
     assert static.returncode == 0 and follow.returncode == 0, (static.stderr[-2000:], follow.stderr[-2000:])
     m = [[(r["loss"], r["grad_norm"]) for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
          for d in ("static", "follow")]

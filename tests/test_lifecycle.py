@@ -18,7 +18,7 @@ import pytest
 
 from framework.train import integrity
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_here
 
 TRAIN = ["recipe=debug_moe", "logging.tensorboard=false"]
 
@@ -344,20 +344,20 @@ def test_supersede_moves_records_at_and_after_the_first_step(tmp_path):
     assert supersede(m, 5) == 0  # nothing more to move
 
 
-def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path):
+def test_resume_after_a_crash_keeps_one_record_per_step(tmp_path, capsys):
     """A run that crashed after step 5 with its last checkpoint at step 3 (the state a kill -9 leaves):
     the resume re-trains 4..5; metrics.jsonl holds each step once and the earlier 4..5 are moved
     aside, with the same losses bit for bit."""
     run = tmp_path / "run"
     args = ["train", *TRAIN, "training.steps=5", "checkpoint.interval=3", f"output_dir={run}"]
-    p = run_cli(args, cwd=tmp_path, timeout=300)
+    p = train_here(args, tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     first = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
     import shutil
 
     shutil.rmtree(run / "checkpoint" / "step-5")  # the crash came before step 5 was saved
-    p = run_cli([*args, "checkpoint.resume=true"], cwd=tmp_path, timeout=300)
+    p = train_here([*args, "checkpoint.resume=true"], tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 record(s) from step 4 on" in p.stdout
     now = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

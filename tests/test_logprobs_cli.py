@@ -14,7 +14,7 @@ import pytest
 from components.data.rollouts import PACKAGED_ROLLOUTS
 from toolkit.cli import apiary_main
 
-from conftest import run_cli
+from conftest import train_here
 
 # fp32 on both sides, other kernels and summation orders (fused head vs materialised logits):
 # measured max abs diff ~2e-6 on log-probs of size ~6; the bound leaves room for other CPUs
@@ -66,8 +66,8 @@ def run(tmp_path_factory):
     ref = work / "ref.json"
     hf_proc = subprocess.Popen([sys.executable, "-c", _HF_REF, str(work / "hf"), str(work / "all.jsonl"), str(ref)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    p = run_cli(["train", "recipe=debug_moe", "checkpoint.create_seed=true", "output_dir=run",
-                 "logging.tensorboard=false"], cwd=work)
+    p = train_here(["train", "recipe=debug_moe", "checkpoint.create_seed=true", "output_dir=run",
+                    "logging.tensorboard=false"], work)
     assert p.returncode == 0, p.stderr[-3000:]
     _, err = hf_proc.communicate(timeout=300)
     assert hf_proc.returncode == 0, err[-3000:]

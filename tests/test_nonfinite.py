@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, train_here
 
 SMALL = ["recipe=debug_moe", "training.seq_len=64", "model.n_layers=1"]
 
@@ -42,9 +42,9 @@ def _all_finite(step_dir, tmp_path) -> int:
     return n
 
 
-def test_diverging_run_stops_before_the_update_and_saves_no_poison(workdir, tmp_path):
-    p = run_cli(["train", *SMALL, "optimizer.lr=1e6", "training.steps=6", "checkpoint.interval=1",
-                 "output_dir=run"], cwd=workdir)
+def test_diverging_run_stops_before_the_update_and_saves_no_poison(workdir, tmp_path, capsys):
+    p = train_here(["train", *SMALL, "optimizer.lr=1e6", "training.steps=6", "checkpoint.interval=1",
+                    "output_dir=run"], workdir, capsys)
     assert p.returncode == 76, p.stdout[-2000:] + p.stderr[-3000:]
     err = p.stderr
     assert "Traceback" not in err, err[-3000:]
@@ -66,21 +66,21 @@ def test_diverging_run_stops_before_the_update_and_saves_no_poison(workdir, tmp_
     assert not list(ck.glob(".partial-*"))
 
 
-def test_resume_continues_from_the_last_good_checkpoint(workdir):
+def test_resume_continues_from_the_last_good_checkpoint(workdir, capsys):
     run = ["output_dir=run", "checkpoint.interval=4"]
-    p = run_cli(["train", *SMALL, *run, "training.steps=4", "training.on_nonfinite=skip"], cwd=workdir)
+    p = train_here(["train", *SMALL, *run, "training.steps=4", "training.on_nonfinite=skip"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["skipped_steps"] for r in _metrics(workdir / "run")] == [0, 0, 0, 0]  # healthy: nothing skipped
     # the same run continued with a far too high learning rate diverges before step 8's save (stopping:
     # a resume keeps the last launch's overrides, so on_nonfinite=skip is given back as stop)
-    p = run_cli(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=1e6",
-                 "training.on_nonfinite=stop", "checkpoint.resume=true"], cwd=workdir)
+    p = train_here(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=1e6",
+                    "training.on_nonfinite=stop", "checkpoint.resume=true"], workdir, capsys)
     assert p.returncode == 76, p.stderr[-3000:]
     assert "Last good checkpoint: step-4 in run/checkpoint" in p.stderr
     assert sorted(d.name for d in (workdir / "run" / "checkpoint").glob("step-*")) == ["step-4"]
     # the fix the paragraph asks for: a lower learning rate (given again: the last launch's 1e6 is kept otherwise)
-    p = run_cli(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=3e-3",
-                 "checkpoint.resume=true"], cwd=workdir)
+    p = train_here(["train", *SMALL, *run, "training.steps=8", "lr.total_steps=8", "optimizer.lr=3e-3",
+                    "checkpoint.resume=true"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     records = [r for r in _metrics(workdir / "run")]
     last = [r for r in records if r["step"] >= 5][-4:]  # the resumed attempt's records
@@ -89,9 +89,9 @@ def test_resume_continues_from_the_last_good_checkpoint(workdir):
     assert (workdir / "run" / "checkpoint" / "step-8" / "manifest.json").is_file()
 
 
-def test_skip_skips_counts_and_stops_after_max_skips(workdir, tmp_path):
-    p = run_cli(["train", *SMALL, "optimizer.lr=1e6", "training.steps=8", "checkpoint.interval=1",
-                 "training.on_nonfinite=skip", "training.max_skips=2", "output_dir=run"], cwd=workdir)
+def test_skip_skips_counts_and_stops_after_max_skips(workdir, tmp_path, capsys):
+    p = train_here(["train", *SMALL, "optimizer.lr=1e6", "training.steps=8", "checkpoint.interval=1",
+                    "training.on_nonfinite=skip", "training.max_skips=2", "output_dir=run"], workdir, capsys)
     assert p.returncode == 76, p.stderr[-3000:]
     records = _metrics(workdir / "run")
     skipped = [r["step"] for r in records if r["nonfinite"]]

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from framework.compose.schema import RecipeConfig
 from framework.resolve import resume
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics, train_here
 
 SMALL = ["recipe=debug_moe", "logging.tensorboard=false", "training.local_batch=2", "training.seq_len=128",
          "checkpoint.interval=3"]
@@ -174,7 +174,7 @@ def test_launch_configs_are_numbered_and_the_first_is_kept(tmp_path):
     assert [p.name for p in resume.launch_configs(tmp_path)] == ["config.yaml", "config.resume-1.yaml"]
 
 
-def test_extending_a_finished_run(tmp_path):
+def test_extending_a_finished_run(tmp_path, capsys):
     """6 steps, then `training.steps=9`: refused with the choices (nothing written); a changed
     seed refused; `lr.total_steps=9` trains steps 7-9 at the rates the stretched schedule gives,
     says which checkpoint it loaded, and keeps the first config. The printed resume command stretches the
@@ -182,8 +182,7 @@ def test_extending_a_finished_run(tmp_path):
     stretch would raise the lr from 5e-4 to 1.2e-3 at step 7, tests/test_summary.py); the launch's own
     override is kept by a resume that does not give it again; given again, the new value wins."""
     run = tmp_path / "run"
-    p = run_cli(["train", *SMALL, "training.steps=6", f"output_dir={run}", "optimizer.lr=0.002"], cwd=tmp_path,
-                timeout=300)
+    p = train_here(["train", *SMALL, "training.steps=6", f"output_dir={run}", "optimizer.lr=0.002"], tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     printed = next(x for x in p.stdout.splitlines() if x.strip().startswith("resume "))
     assert f"train recipe=debug_moe output_dir={run} checkpoint.resume=true training.steps=12" in printed
@@ -200,8 +199,8 @@ def test_extending_a_finished_run(tmp_path):
             resolve("debug_moe", [*SMALL[1:], "training.steps=9", f"output_dir={run}", "checkpoint.resume=true", *extra])
         assert needle in " ".join(str(e.value).split())
     assert sorted(x.name for x in run.glob("config*.yaml")) == ["config.yaml"]
-    p = run_cli(["train", *SMALL, "training.steps=9", f"output_dir={run}", "checkpoint.resume=true",
-                 "lr.total_steps=9"], cwd=tmp_path, timeout=300)
+    p = train_here(["train", *SMALL, "training.steps=9", f"output_dir={run}", "checkpoint.resume=true",
+                    "lr.total_steps=9"], tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resume: {run}/checkpoint/step-6 verified against its manifest" in p.stdout
     assert "training.steps 6 -> 9" in p.stdout and "spans 9 steps (it spanned 6)" in p.stdout
@@ -218,8 +217,8 @@ def test_extending_a_finished_run(tmp_path):
     assert json.loads((run / "layout.json").read_text())["dims"]["dp_shard"] == 1
     # a rate changed on resume is the rate the first resumed step uses (torchtitan's optimizer load
     # would put back the saved one for that step): with optimizer.lr=0 the weights stay as saved
-    p = run_cli(["train", *SMALL, "training.steps=12", f"output_dir={run}", "checkpoint.resume=true",
-                 "lr.total_steps=12", "optimizer.lr=0", "moe.load_balance_coeff=null"], cwd=tmp_path, timeout=300)
+    p = train_here(["train", *SMALL, "training.steps=12", f"output_dir={run}", "checkpoint.resume=true",
+                    "lr.total_steps=12", "optimizer.lr=0", "moe.load_balance_coeff=null"], tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "optimizer.lr 0.002 -> 0.0" in p.stdout and (run / "config.resume-2.yaml").is_file()
     assert [r["lr"] for r in read_metrics(run)[9:]] == [0.0, 0.0, 0.0]

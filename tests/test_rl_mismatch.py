@@ -7,7 +7,6 @@ and the refusals (docs/skills/tis.md)."""
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from components.losses import rl
 from components.losses.fused_rl import fused_policy_loss
 
-from conftest import policy_head_batch, read_metrics, run_cli
+from conftest import policy_head_batch, read_metrics, run_cli, train_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -303,7 +302,7 @@ def test_trainer_max_reduces_max_keys_over_micro_steps_and_ranks(monkeypatch):
 # --- a training and the refusals -----------------------------------------------------------------
 
 
-def test_grpo_with_tis_is_untruncated_is_while_no_weight_is_capped(workdir):
+def test_grpo_with_tis_is_untruncated_is_while_no_weight_is_capped(workdir, capsys, one_thread):
     """debug_grpo's packaged rollouts (old_logprobs = -ln 320, |logp - old| < ln 2 over these steps):
     with rl.tis_cap=2 no weight is capped, so the objective is the untruncated importance-sampled
     one, i.e. GRPO with a clip range too wide to clip (loss.eps=1e9); the run with TIS uses 2
@@ -314,9 +313,9 @@ def test_grpo_with_tis_is_untruncated_is_while_no_weight_is_capped(workdir):
               "lr.warmup_steps=0"]
     runs = [[*common, "loss.eps=1e9", "output_dir=wide"],
             [*common, "rl.tis_cap=2", "training.local_batch=2", "training.global_batch=4", "output_dir=tis"]]
-    with ThreadPoolExecutor(2) as pool:  # side by side, one thread each (mostly start-up time)
-        for p in pool.map(lambda argv: run_cli(argv, cwd=workdir, env={"OMP_NUM_THREADS": "1"}), runs):
-            assert p.returncode == 0, p.stderr[-3000:]
+    for argv in runs:  # in this process, one thread each
+        p = train_here(argv, workdir, capsys)
+        assert p.returncode == 0, p.stderr[-3000:]
     wide, tis = read_metrics(workdir / "wide"), read_metrics(workdir / "tis")
     keys = {f"policy/mismatch_{k}" for k in ("abs_mean", "abs_max", "kl", "frac")}
     for r in wide + tis:

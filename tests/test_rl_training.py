@@ -14,7 +14,15 @@ import torch
 from components.data import rollouts as R
 from components.losses import rl
 
-from conftest import TRAJ_LOSS_REL, assert_same_trajectory, free_port, read_metrics, run_cli, spawn_ranks
+from conftest import (
+    TRAJ_LOSS_REL,
+    assert_same_trajectory,
+    free_port,
+    read_metrics,
+    run_cli,
+    spawn_ranks,
+    train_here,
+)
 
 SEQ_OBJECTIVES = [("grpo", dict(eps=0.2, kl_coef=0.05, norm="sequence")), ("gspo", dict(eps_low=0.02, eps_high=0.03))]
 OBJECTIVES = [("ppo", dict(eps=0.2, eps_high=None, kl_coef=0.0, norm="token")),
@@ -196,42 +204,40 @@ def test_rollout_loader_deals_rows_by_step(tmp_path):
     assert torch.equal(next(iter(again))[0]["input"], next(its[1])[0]["input"])
 
 
-def test_sft_on_rollouts_equals_ce_on_rollouts(workdir):
+def test_sft_on_rollouts_equals_ce_on_rollouts(workdir, capsys, one_thread):
     """The fused policy path in the trainer: sft (-mean log-prob of trained tokens) and the
     baseline ce (materialised logits) on the same rollouts follow each other step by step."""
     common = ["recipe=debug_grpo", "training.steps=2", "checkpoint.enable=false", "logging.tensorboard=false"]
     runs = {}
-    with ThreadPoolExecutor(2) as pool:  # side by side (mostly start-up time), one thread each
-        procs = pool.map(lambda loss: run_cli(["train", *common, f"loss={loss}", f"output_dir={loss}"], cwd=workdir,
-                                              env={"OMP_NUM_THREADS": "1"}), ("sft", "ce"))
-        for loss, p in zip(("sft", "ce"), procs):
-            assert p.returncode == 0, p.stderr[-3000:]
-            runs[loss] = read_metrics(workdir / loss)
+    for loss in ("sft", "ce"):
+        p = train_here(["train", *common, f"loss={loss}", f"output_dir={loss}"], workdir, capsys)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[loss] = read_metrics(workdir / loss)
     # the same loss in another summation order: conftest's fp32 trajectory bound
     assert_same_trajectory(runs["sft"], runs["ce"])
 
 
-def test_grpo_on_fixed_rollouts_raises_the_good_responses(workdir):
+def test_grpo_on_fixed_rollouts_raises_the_good_responses(workdir, capsys):
     """GRPO on one step's rollouts repeated: the objective falls (the policy moves toward the
     positive-advantage responses), and clip fractions are logged."""
     recs = [json.loads(x) for x in R.PACKAGED_ROLLOUTS.read_text().splitlines()[:12]]  # 4 rows of 3
     path = _write(workdir / "fixed.jsonl", recs)
-    p = run_cli(["train", "recipe=debug_grpo", f"data.path={path}", "training.steps=8", "lr.warmup_steps=0",
-                 "checkpoint.enable=false", "logging.tensorboard=false", "output_dir=run"], cwd=workdir)
+    p = train_here(["train", "recipe=debug_grpo", f"data.path={path}", "training.steps=8", "lr.warmup_steps=0",
+                    "checkpoint.enable=false", "logging.tensorboard=false", "output_dir=run"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     m = read_metrics(workdir / "run")
     assert m[-1]["loss"] < m[0]["loss"] - 0.05, [r["loss"] for r in m]
     assert "policy/clip_high_frac" in m[0]
 
 
-def test_policy_loss_on_text_is_refused_before_training(workdir):
-    p = run_cli(["train", "recipe=debug_moe", "loss=grpo"], cwd=workdir)
+def test_policy_loss_on_text_is_refused_before_training(workdir, capsys):
+    p = train_here(["train", "recipe=debug_moe", "loss=grpo"], workdir, capsys)
     assert p.returncode == 2
     assert "is a policy objective" in p.stderr and "data.format=rollouts" in p.stderr
     assert not (workdir / "runs").exists()
     long = _write(workdir / "long.jsonl", [{"input_ids": list(range(50)), "loss_mask": [1] * 50,
                                              "old_logprobs": [0.0] * 50, "advantages": 1.0}])
-    p = run_cli(["train", "recipe=debug_grpo", f"data.path={long}", "training.seq_len=32"], cwd=workdir)
+    p = train_here(["train", "recipe=debug_grpo", f"data.path={long}", "training.seq_len=32"], workdir, capsys)
     assert p.returncode == 2 and "50 tokens do not fit training.seq_len=32" in p.stderr, p.stderr[-2000:]
 
 
@@ -240,7 +246,7 @@ def test_policy_loss_on_text_is_refused_before_training(workdir):
     # the fused head's FSDP path by test_linear_ce.py in the default run
     pytest.param("grpo", "dp2", marks=pytest.mark.slow),
     ("gspo", "cp2")])
-def test_two_ranks_match_one_rank(workdir, loss, dims):
+def test_two_ranks_match_one_rank(workdir, capsys, loss, dims):
     """The step's normalisers do not depend on the split: 2 gloo ranks (data-parallel, or context-
     parallel with sequences cut in two) follow the 1-rank run from the same seed checkpoint.
     GSPO's clip range is opened so every sequence ratio carries gradient through the all-reduce;
@@ -249,7 +255,7 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
     base = ["recipe=qwen35_debug_moe", f"loss={loss}", *wide, "loss.entropy_coef=0.01", "data.format=rollouts",
             "training.steps=2",
             "training.local_batch=2", "checkpoint.interval=100", "logging.tensorboard=false"]
-    p = run_cli(["train", *base, "checkpoint.create_seed=true", "output_dir=seed"], cwd=workdir)
+    p = train_here(["train", *base, "checkpoint.create_seed=true", "output_dir=seed"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     seed = f"checkpoint.load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"
     one_batch = "training.global_batch=4" if dims == "dp2" else "training.global_batch=2"
@@ -279,20 +285,20 @@ def test_two_ranks_match_one_rank(workdir, loss, dims):
             assert b["max_loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (b["max_loss"], b["loss"])
 
 
-def test_rollout_run_resumes_at_the_next_rows(workdir):
+def test_rollout_run_resumes_at_the_next_rows(workdir, capsys):
     """The loader's position is checkpointed: resuming from step 2 gives the uninterrupted run's
     steps 3 and 4 (other rows would give other losses)."""
     import shutil
 
     common = ["recipe=debug_grpo", "training.steps=4", "checkpoint.interval=2", "logging.tensorboard=false"]
-    p = run_cli(["train", *common, "output_dir=run"], cwd=workdir)
+    p = train_here(["train", *common, "output_dir=run"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     full = read_metrics(workdir / "run")
     assert len({round(r["loss"], 6) for r in full}) == 4  # every step sees other rows
     shutil.copytree(workdir / "run", workdir / "resumed")
     shutil.rmtree(workdir / "resumed" / "checkpoint" / "step-4")
     (workdir / "resumed" / "metrics.jsonl").unlink()
-    p = run_cli(["train", *common, "checkpoint.resume=true", f"output_dir={workdir / 'resumed'}"], cwd=workdir)
+    p = train_here(["train", *common, "checkpoint.resume=true", f"output_dir={workdir / 'resumed'}"], workdir, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     resumed = read_metrics(workdir / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]

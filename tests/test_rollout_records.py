@@ -16,7 +16,7 @@ import pytest
 from components.data.follow import FollowRows
 from components.data.rollouts import RolloutIndex
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, train_here
 
 PACKAGED = ROOT / "components" / "data" / "tiny_rollouts.jsonl"  # 82-token records: 3 per 256-token row
 RECORDS = [json.loads(line) for line in PACKAGED.read_text().splitlines() if line.strip()]
@@ -373,7 +373,7 @@ ARGS = ["recipe=debug_grpo", "data.follow=true", "training.local_batch=2", "chec
 
 
 @pytest.mark.parametrize("case", ["negative id", "routing replay"])
-def test_a_bad_followed_record_saves_the_last_step_and_exits_2(tmp_path, case):
+def test_a_bad_followed_record_saves_the_last_step_and_exits_2(tmp_path, capsys, case):
     """Was: a negative id an IndexError traceback, an expert id out of range a RuntimeError, both exit 1
     without a checkpoint. Now as a malformed shard: step 1 saved, exit 2 naming file:line and field."""
     data, run = tmp_path / "shards", tmp_path / "run"
@@ -394,7 +394,7 @@ def test_a_bad_followed_record_saves_the_last_step_and_exits_2(tmp_path, case):
         field = "routed_experts[3][0][1] is expert id 99, outside [0, 8)"
     lines = (data / "000001.jsonl").read_text().splitlines()
     write(data / "000001.jsonl", [json.loads(lines[0]), bad, *map(json.loads, lines[2:])])
-    res = run_cli(argv, tmp_path, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    res = train_here(["train", *argv], tmp_path, capsys)
     err = res.stderr
     assert res.returncode == 2, res.stdout[-2000:] + err[-3000:]
     assert f"{data / '000001.jsonl'}:2: {field}" in err and "checkpoint step-1 saved" in err, err[-3000:]

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import TRAJ_LOSS_REL, read_metrics, run_cli
+from conftest import TRAJ_LOSS_REL, read_metrics, run_cli, train_here
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def seed(tmp_path_factory):
     """One seed checkpoint of the default recipe (`train checkpoint.create_seed=true`), the common
     start of the 1-rank and 2-rank runs of the tests below: as a checkpoint.load_path override."""
     work = tmp_path_factory.mktemp("seed")
-    p = run_cli(["train", "checkpoint.create_seed=true", "output_dir=seed"], cwd=work)
+    p = train_here(["train", "checkpoint.create_seed=true", "output_dir=seed"], work)
     assert p.returncode == 0, p.stderr[-3000:]
     return f"checkpoint.load_path={work / 'seed' / 'checkpoint' / 'step-0'}"
 

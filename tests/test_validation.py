@@ -5,13 +5,12 @@ stream untouched, held-out documents are never trained on, and every bad setting
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from framework.errors import UserError
 from framework.resolve.resolver import resolve
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics, train_here
 
 SMALL = ["recipe=debug_moe", "training.local_batch=2", "training.seq_len=128", "checkpoint.enable=false"]
 
@@ -27,15 +26,15 @@ def _docs(path, n, seed=0):
     return path
 
 
-def test_val_loss_equals_the_training_forward_on_the_same_batch(tmp_path):
+def test_val_loss_equals_the_training_forward_on_the_same_batch(tmp_path, capsys):
     """lr=0 and the training file as the validation file: every pass sees the first training batch
     with the step-1 weights, so each val_loss is the step-1 training loss. A dense model: an MoE's
     routing bias (moe.load_balance_coeff) moves after each step even at lr=0."""
     data = _docs(tmp_path / "d.jsonl", 40)
     run = tmp_path / "run"
-    p = run_cli(["train", *SMALL, "recipe=debug_dense", "training.steps=4", "optimizer.lr=0", f"data.path={data}",
-                 f"output_dir={run}", "validation.interval=2", f"validation.path={data}", "logging.tensorboard=false"],
-                cwd=tmp_path, timeout=300)
+    p = train_here(["train", *SMALL, "recipe=debug_dense", "training.steps=4", "optimizer.lr=0", f"data.path={data}",
+                    f"output_dir={run}", "validation.interval=2", f"validation.path={data}", "logging.tensorboard=false"],
+                   tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "validation: local text" in p.stdout and "at step 1, every 2 steps and at the last" in p.stdout
     recs = read_metrics(run)
@@ -61,18 +60,15 @@ def test_validation_runs_at_step_1_every_interval_and_at_the_last_step():
         assert steps == expected, (interval, last)
 
 
-def test_a_validation_pass_changes_neither_the_model_nor_the_training_stream(tmp_path):
+def test_a_validation_pass_changes_neither_the_model_nor_the_training_stream(tmp_path, capsys, one_thread):
     """Paired runs from one seed, validating at every step vs not at all: the same losses and grad
     norms bit for bit (a pass that updated weights, advanced the training data or the generators
     would show here); the held-out loss falls as the model trains; TensorBoard gets it too."""
     a, b = tmp_path / "with", tmp_path / "without"
-    one = {"OMP_NUM_THREADS": "1"}  # both runs one thread (the same arithmetic), side by side
-    with ThreadPoolExecutor(2) as pool:
-        fa = pool.submit(run_cli, ["train", *SMALL, "training.steps=5", f"output_dir={a}", "validation.interval=1",
-                                   "validation.fraction=0.05", "validation.steps=2"], cwd=tmp_path, timeout=300, env=one)
-        fb = pool.submit(run_cli, ["train", *SMALL, "training.steps=5", f"output_dir={b}", "logging.tensorboard=false"],
-                         cwd=tmp_path, timeout=300, env=one)
-        p, pb = fa.result(), fb.result()
+    # both runs in this process, one thread each (the same arithmetic)
+    p = train_here(["train", *SMALL, "training.steps=5", f"output_dir={a}", "validation.interval=1",
+                    "validation.fraction=0.05", "validation.steps=2"], tmp_path, capsys)
+    pb = train_here(["train", *SMALL, "training.steps=5", f"output_dir={b}", "logging.tensorboard=false"], tmp_path, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "validation: the last 24 of 470 documents" in p.stdout
     assert pb.returncode == 0, pb.stderr[-3000:]
