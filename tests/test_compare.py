@@ -224,3 +224,20 @@ def test_tokens_per_s_ranks_variants_as_step_time_does():
     assert slow["step_time_s"] == pytest.approx(2.15) and fast["step_time_s"] == pytest.approx(1.7)
     assert slow["tokens_per_s"] == pytest.approx(1000 / 2.15) and fast["tokens_per_s"] == pytest.approx(1000 / 1.7)
     assert slow["tokens_per_s"] < fast["tokens_per_s"] and slow["tflops_per_gpu"] < fast["tflops_per_gpu"]
+
+
+def test_another_data_parallel_size_holds_the_later_losses_to_the_norms_rounding(tmp_path, monkeypatch):
+    """nproc=1,2 at one global batch: gradients bitwise, the grad norm summed over other shards; with clipping on,
+    that norm scales each update, so the loss curve after step 1 moved by ~1e-7 and `--check` failed the exact
+    curve (newcomer pass 6, compare.md's measured row). Without clipping the curve stays exact."""
+    from toolkit.compare.args import parse_args
+    from toolkit.compare.running import plan
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["nproc=1,2", "training.global_batch=8", "parallel.ep=1", "training.steps=4", "training.seq_len=64", "--check"]
+    p = plan(parse_args(argv))
+    t = p.tolerance
+    assert t.kind == "exact" and t.step0 == 0.0 and t.curve == 1e-5 and t.grad_norm == 1e-5
+    assert "the clipping it sets moves the later steps' losses" in p.kind_reason
+    t = plan(parse_args([*argv, "training.max_norm=inf"])).tolerance
+    assert t.curve == 0.0 and t.grad_norm == 1e-5

@@ -263,8 +263,9 @@ def apiary_parser() -> argparsing.Parser:
                                     "bound each name (registry.yaml or a user file).")
     ls.add_argument("registry", nargs="*", metavar="registry=PATH",
                     help="also list a user registry file's names (as the APIARY_REGISTRY variable does)")
-    show = sub.add_parser("show", help="a recipe's YAML, or a registry name's binding")
-    show.add_argument("name", metavar="NAME", help="a recipe name or file, or a registry name")
+    show = sub.add_parser("show", help="a recipe's YAML, a registry name's binding, or an HF folder's model")
+    show.add_argument("name", metavar="NAME", help="a recipe name or file, a registry name, or a HuggingFace model "
+                      "folder (its architecture and the planner's memory for it)")
     show.add_argument("registry", nargs="*", metavar="registry=PATH", help="a user registry file that binds NAME")
     cp = sub.add_parser("cp", help="copy a recipe to edit it (then `train recipe=PATH`)")
     cp.add_argument("name", metavar="NAME", help="the recipe to copy")
@@ -281,7 +282,7 @@ def apiary_parser() -> argparsing.Parser:
     at = sub.add_parser("autotune-table", help="record Triton's autotuning winners from a kernel cache as a table",
                         description="Read the autotuning results Triton kept under KERNEL_CACHE (a run with "
                                     "training.autotune_configs=all training.kernel_cache=KERNEL_CACHE, e.g. `apiary "
-                                    "warmup`) and write, per kernel and tuning key, the configs within 2%% of the fastest "
+                                    "warmup`) and write, per kernel and tuning key, the configs within 2% of the fastest "
                                     "(at most 2): the table training.autotune_configs=recorded reads "
                                     "(framework/train/autotune_tables/ARCH.json; framework/train/autotune_table.py).")
     at.add_argument("cache", metavar="KERNEL_CACHE", help="a training.kernel_cache folder or a Triton cache folder")

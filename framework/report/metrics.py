@@ -22,6 +22,8 @@ _console = Console(highlight=False, soft_wrap=True)
 
 
 TORCHTITAN_TFLOPS = "tflops_torchtitan"  # torchtitan's own figure, kept beside apiary's "tflops"
+TORCHTITAN_DEVICE_MEMORY = ("max_active(GiB)", "max_active(%)", "max_reserved(GiB)", "max_reserved(%)",
+                            "num_alloc_retries", "num_ooms")  # torchtitan's DeviceMemoryMonitor, under memory/
 
 
 def counted(metrics: dict, flops_per_token: float | None, peak_flops: float | None, quantized: bool) -> dict:
@@ -117,7 +119,10 @@ class JsonlLogger(BaseLogger):
             **{k: v for k, v in metrics.items() if k.startswith(("policy/", "data/", "publish/"))},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("kernels/")},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("health/")},  # skipped steps
-            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("memory/")},  # recompute_fallbacks
+            # apiary's recompute_fallbacks; torchtitan's device-memory monitor (max_active(GiB), num_ooms, ...)
+            # only on a GPU: on the CPU it reads no device and its fields came out as -9e-10 and -1
+            **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("memory/")
+               and (devices.has_accelerator() or k.split("/", 1)[1] not in TORCHTITAN_DEVICE_MEMORY)},
             **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("first_step/")},
         }
         if "first_step_wall_s" in rec:

@@ -5,6 +5,7 @@ subprocess (train, then the probe), and the results with their differences.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -132,6 +133,9 @@ def plan(o: Options) -> Plan:
     if kind == "exact" and len({v.resolved.layout.dp for v in variants}) > 1:
         tol = replace(tol, grad_norm=RESHARDED_NORM)
         why += f"; the grad norm sums over other shards (rel {RESHARDED_NORM:g})"
+        if math.isfinite(variants[0].resolved.cfg.training.max_norm):  # clipping scales each update by that norm
+            tol = replace(tol, curve=RESHARDED_NORM)
+            why += ", and the clipping it sets moves the later steps' losses by as much"
     return Plan(o, cdir, variants, seed_runs, tol, why, variants[0].resolved.cfg.recipe)
 
 

@@ -1,0 +1,41 @@
+"""What the sixth newcomer pass found (a read-only pass, 2026-11-29), each pinned here."""
+
+from __future__ import annotations
+
+
+def _subcommands():
+    import argparse
+
+    from toolkit.cli import apiary_parser
+
+    return next(a for a in apiary_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_no_apiary_help_shows_a_doubled_percent_sign():
+    """#2: `apiary autotune-table --help` printed "within 2%% of the fastest" (argparse formats `help=`
+    strings, not a description)."""
+    for name, p in _subcommands().items():
+        assert "%%" not in p.format_help(), name
+
+
+def test_apiary_show_help_names_the_hf_folders_it_takes():
+    """#3: `apiary show --help` left out HuggingFace folders, which it shows (the tutorial's `apiary show base_hf`)."""
+    assert "HuggingFace model folder" in " ".join(_subcommands()["show"].format_help().split())
+
+
+def test_every_field_of_a_cpu_runs_records_is_documented(tmp_path, capsys):
+    """#27: a CPU run's metrics.jsonl held torchtitan's device-memory fields (max_active(GiB) -9e-10,
+    num_ooms -1, ...) that docs/skills/progress.md, "metrics.jsonl: every field", never named. Those come
+    only from a GPU now, and every field a CPU record holds is in that table."""
+    import json
+    import re
+
+    from conftest import ROOT, train_here
+
+    res = train_here(["train", "training.steps=2", f"output_dir={tmp_path / 'run'}"], tmp_path, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    keys = set().union(*(json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+    table = (ROOT / "docs" / "skills" / "progress.md").read_text().split("## metrics.jsonl: every field", 1)[1]
+    documented = {name for row in re.findall(r"^\| (.+?) \|", table, re.M) for name in re.findall(r"`([^`]+)`", row)}
+    assert keys - documented == set(), sorted(keys - documented)
+    assert not {"max_active(GiB)", "num_ooms"} & keys  # no device to read on a CPU
