@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def _subcommands():
     import argparse
@@ -39,3 +41,31 @@ def test_every_field_of_a_cpu_runs_records_is_documented(tmp_path, capsys):
     documented = {name for row in re.findall(r"^\| (.+?) \|", table, re.M) for name in re.findall(r"`([^`]+)`", row)}
     assert keys - documented == set(), sorted(keys - documented)
     assert not {"max_active(GiB)", "num_ooms"} & keys  # no device to read on a CPU
+
+
+def test_a_list_key_given_one_value_in_a_recipe_file_says_it_takes_a_list(tmp_path, monkeypatch):
+    """#12: `adapter: {name: lora, targets: q}` in a recipe file got OmegaConf's "AnyNode is not a ListConfig, list
+    or tuple"; the command line's `adapter.targets=q` already said "takes a list"."""
+    from framework.compose import recipes
+    from framework.errors import UserError
+
+    (tmp_path / "loratg.yaml").write_text("defaults:\n  - debug_moe\n  - _self_\nadapter:\n  name: lora\n  targets: q\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        recipes.load("loratg.yaml", [])
+    msg = " ".join(str(e.value).split())
+    assert "adapter.targets: takes a list, not 'q' (for example targets: [q])" in msg and "AnyNode" not in msg, msg
+
+
+@pytest.mark.parametrize("step, unverified, flag", [(3, False, "--step"), (None, True, "--unverified")])
+def test_logprobs_of_an_hf_folder_refuses_the_flags_of_a_run_folder(tmp_path, step, unverified, flag):
+    """#18: `apiary logprobs HF_FOLDER ... --unverified` was taken silently (it applies to a run folder's
+    checkpoint), while `--step` on the same folder was refused: both are now."""
+    from framework.errors import UserError
+    from toolkit.logprobs import load_model
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        load_model(str(tmp_path), step, "cpu", unverified=unverified)
+    assert f"is a HuggingFace folder; {flag} applies to a checkpoint of a run folder" in str(e.value)
+    assert f"Drop {flag}." in str(e.value)

@@ -81,9 +81,10 @@ def load_model(model: str, step: int | None, device, unverified: bool = False) -
     where = f"apiary logprobs {model}"
     p = Path(model)
     if (p / "config.json").is_file():
-        if step is not None:
-            raise UserError(where, "is a HuggingFace folder; --step picks a checkpoint of a run folder.",
-                            "Drop --step.")
+        if step is not None or unverified:
+            flag = "--step" if step is not None else "--unverified"
+            raise UserError(where, f"is a HuggingFace folder; {flag} applies to a checkpoint of a run folder.",
+                            f"Drop {flag}.")
         family = _family_of(p, where)
         flavor = next(iter(registry.resolve("model", family).FLAVORS))  # defaults only: config.json is the architecture
         return build_model(f"{family}:{flavor}", hf_checkpoint=str(p), device=str(device)).eval(), f"HF folder {p}"

@@ -37,3 +37,16 @@ def first_line(e: Exception) -> str:
              if ln.strip() and not ln.strip().startswith(("full_key", "object_type", "reference_type"))]
     keep = len(lines) if any(ln.startswith("Available options") for ln in lines) else 3  # the whole list
     return " ".join(lines[:keep]).rstrip(".")
+
+
+def list_expected(e: Exception, key: str | None, data: dict) -> str | None:
+    """A list key given one value in a recipe file (``targets: q``), in the command line's words: "takes a
+    list, not 'q'" (was OmegaConf's "AnyNode is not a ListConfig, list or tuple"); None for anything else."""
+    if not key or "is not a ListConfig" not in str(e):
+        return None
+    node = data
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    leaf = key.rsplit(".", 1)[-1]
+    return "takes a list" + (f", not {node!r} (for example {leaf}: [{node}])" if node is not None else "")
+

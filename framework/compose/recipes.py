@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from framework import contracts
 from framework.compose import recipe_files, registry
 from framework.compose.messages import first_line as _first_line
-from framework.compose.messages import wrong_type
+from framework.compose.messages import list_expected, wrong_type
 from framework.compose.recipe_files import (
     RECIPES_DIR,
     _not_extending,
@@ -199,7 +199,8 @@ def _composed_groups(path: Path, data: dict, group_overrides: list[str], where: 
         if missing and missing[1] in registry.entries():  # every name, and a did-you-mean, as on the command line
             registry.check(missing[1], missing[2], where=f"{where}: override /{missing[1]}: {missing[2]} in {path}")
         key = _full_key(e)  # the key a wrong value sits at (`steps: five`), which the message leaves out
-        raise UserError(where, f"does not compose: {f'{key}: ' if key else ''}{_first_line(e)}.",
+        said = list_expected(e, key, data) or _first_line(e)
+        raise UserError(where, f"does not compose: {f'{key}: ' if key else ''}{said}.",
                         f"Check {f'{key} in ' if key else ''}{path} and what it extends.") from None
     if OmegaConf.get_type(base) is not RecipeConfig:  # only a complete config (a run's config.yaml) stands alone
         try:
