@@ -69,3 +69,12 @@ def test_logprobs_of_an_hf_folder_refuses_the_flags_of_a_run_folder(tmp_path, st
         load_model(str(tmp_path), step, "cpu", unverified=unverified)
     assert f"is a HuggingFace folder; {flag} applies to a checkpoint of a run folder" in str(e.value)
     assert f"Drop {flag}." in str(e.value)
+
+
+def test_apiary_show_of_a_skill_pages_topic_names_the_page(capsys):
+    """#37: `apiary show tis` suggested 'cispo', though docs/skills/tis.md is the page a reader wanted."""
+    from toolkit.cli import apiary_main
+
+    assert apiary_main(["show", "tis"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "it is a skill page: docs/skills/tis.md" in err and "cispo" not in err, err

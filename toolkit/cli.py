@@ -82,8 +82,11 @@ def _show(name: str) -> int:
     if found:
         return 0
     known = recipes.recipe_names() + [n for ns in registry.entries().values() for n in ns]
-    raise UserError(f"apiary show {name}", "no recipe or registry name called that.",
-                    did_you_mean(name, known) or "Run `apiary ls`.")
+    page = registry.ROOT / "docs" / "skills" / f"{name}.md"  # a topic, not a component: its page (`apiary show tis`)
+    raise UserError(f"apiary show {name}", "no recipe or registry name called that" + (
+        f"; it is a skill page: {page.relative_to(registry.ROOT)}" if page.is_file() else "") + ".",
+        "Read it, or run `apiary ls` for the names apiary show takes." if page.is_file()
+        else did_you_mean(name, known) or "Run `apiary ls`.")
 
 
 def _not_a_run_folder(name: str) -> None:

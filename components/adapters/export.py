@@ -129,7 +129,7 @@ def base_state_dict(family_mod, cfg, pointer: dict, run_dir) -> tuple[dict, obje
         dcp.load(sd, checkpoint_id=pointer["path"], no_dist=True)
         return sd, config
     raise UserError(_where(run_dir), f"the adapters were trained on {describe(pointer)}, a base that exists on no "
-                    "disk, so neither PEFT nor a merged folder can be written for it.",
+                    "disk, so nothing can rebuild it under them (no PEFT or merged folder, no scoring).",
                     "Train adapters on a base folder (model.hf_checkpoint=DIR) or a saved step (checkpoint.load_path=...).")
 
 
