@@ -78,3 +78,15 @@ def test_apiary_show_of_a_skill_pages_topic_names_the_page(capsys):
     assert apiary_main(["show", "tis"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "it is a skill page: docs/skills/tis.md" in err and "cispo" not in err, err
+
+
+def test_a_sweep_job_refused_before_any_runs_is_named_by_its_swept_values(tmp_path, monkeypatch, capsys):
+    """#28: `train -m loss=ce,chunked loss.num_chunks=2` answered "write loss=chunked loss.num_chunks=2" without
+    saying that the ce job was the one refused."""
+    from framework.cli import train_main
+
+    monkeypatch.chdir(tmp_path)
+    assert train_main(["-m", "loss=ce,chunked", "loss.num_chunks=2", "training.steps=1"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "train -m job 0 (loss=ce): override loss.num_chunks=2: unknown key 'loss.num_chunks'" in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "multirun").exists()  # no job started

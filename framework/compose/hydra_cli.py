@@ -181,8 +181,13 @@ def multirun(recipe, overrides: list[str], run_job) -> int:
         raise UserError("train -m " + " ".join(overrides), "the sweep expands to no jobs (an empty range or "
                         "list), so nothing would run.", "Give each swept key at least one value: range(a,b) "
                         "with b > a, or key=A,B.")
-    for job in jobs:  # bad input in any job stops the sweep before the first one starts
-        resolve(recipe, job, for_training=True)
+    for i, job in enumerate(jobs):  # bad input in any job stops the sweep before the first one starts
+        try:
+            resolve(recipe, job, for_training=True)
+        except UserError as e:  # which job: its swept values (`-m loss=ce,chunked loss.num_chunks=2`: the ce one)
+            keys = {o.partition("=")[0] for o in sweep_keys(overrides)}
+            swept = " ".join(o for o in job if o.partition("=")[0] in keys)
+            raise UserError(f"train -m job {i} ({swept}): {e.where}", e.reason, e.suggestion) from None
     extra = sweep_dir(recipe, overrides)
     codes, done = [], []
 
