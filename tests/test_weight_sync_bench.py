@@ -65,6 +65,7 @@ def test_the_bench_starts_its_engine_before_the_sender_that_waits_for_it(tmp_pat
     monkeypatch.setattr(w, "start_engine", start_engine)
     s, _ = w.linked(model, writer, tmp_path / "weights", "ipc", 0.1, tmp_path / "engine.log", bucket_mb=1, timeout=10)
     try:
-        assert s.link.connected and engines and engines[0].answer == {"ok": True}
+        assert s.link.connected and engines  # the sender came back linked to the engine started first
+        assert link_mod.wait_for(lambda: engines[0].answer is not None, 10) and engines[0].answer == {"ok": True}
     finally:
         s.close()
