@@ -26,6 +26,10 @@
 #           replay (the logs' tails of both back).
 #   PART=10: every file of tests/gpu but test_vllm_gpu.py (the engine's cases: PART=6/8/9), one pytest each, a
 #           summary line per file in gpu_tests.txt (the suite's GPU half after a change to the training path).
+#   PART=11: PART=10's files all at once (one pytest each), the qwen3 IPC and LoRA cases of test_vllm_gpu.py, and
+#           the tiny Qwen3.5 MoE loop at lr 0 (the control; KC=/tmp/kc35, PART=9's kernel cache on the same
+#           machine), then `apiary logprobs` on that run's first shard against the engine's own log-probs.
+#   PART=5 with NONE=0 skips the run without publication (its tok/s from an earlier sitting of the same shape).
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -168,7 +172,7 @@ PY
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens $SEQ --out /tmp/syn.jsonl > /dev/null 2>&1
   BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false
         checkpoint.enable=false training.seq_len=$SEQ training.kernel_cache=/tmp/kc5)
-  timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
+  [ "${NONE:-1}" = 0 ] || timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout ${TEVERY:-230} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
     publish.bucket_mb=${BUCKET_MB:-4096} ${EVERY_OV:-} > /tmp/tp_every.log 2>&1 &
@@ -187,6 +191,41 @@ PY
     [ "$f" = tests/gpu/test_vllm_gpu.py ] && continue
     echo "== $f: $(timeout ${TTEST:-240} $PY -m pytest -q -rfE --tb=line -p no:cacheprovider "$f" 2>&1 | grep -E "passed|failed|skipped|error" | tail -3 | tr '\n' ' ')"
   done | tee "$OUT/gpu_tests.txt"
+  ;;
+11)
+  sed 's/recipe=debug_grpo_vllm/recipe=qwen35_debug_grpo_vllm/' benchmarks/rl_loop_vllm.sh > /tmp/rl35.sh
+  (OUT=/tmp/rl35 KC=/tmp/kc35 STEPS=${STEPS:-6} TLIMIT=${TLIMIT:-450} PY=$PY bash /tmp/rl35.sh \
+    "flat=optimizer.lr=0,moe.load_balance_coeff=null" > "$OUT/rl_qwen35_flat.log" 2>&1) &
+  w=$!
+  pids=()
+  for f in tests/gpu/test_*.py; do
+    [ "$f" = tests/gpu/test_vllm_gpu.py ] && continue
+    (timeout ${TTEST:-480} $PY -m pytest -q -rfE --tb=short -p no:cacheprovider "$f" > "/tmp/gt_$(basename "$f" .py).log" 2>&1) &
+    pids+=($!)
+  done
+  timeout ${TTEST:-480} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt11 tests/gpu/test_vllm_gpu.py \
+    -k "(debug_grpo_vllm and ipc and not qwen35) or lora" 2>&1 | grep -v INFO > /tmp/gt_test_vllm_gpu.log
+  wait "${pids[@]}"
+  for f in /tmp/gt_*.log; do
+    echo "== $f: $(grep -E "passed|failed|skipped|error" "$f" | tail -1)"
+    grep -qE "failed|error" "$f" && tail -c 3000 "$f"
+  done > "$OUT/gpu_tests.txt"
+  for f in /tmp/pt11/*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -c 2000 "$f"; }; done > "$OUT/logs_vllm_tests.txt"
+  cat "$OUT/gpu_tests.txt" | grep "^=="
+  wait $w; tail -4 "$OUT/rl_qwen35_flat.log"
+  cp /tmp/rl35/flat/run/metrics.jsonl "$OUT/metrics_flat.jsonl" 2>/dev/null
+  grep -vE "^W[0-9]{4} |FutureWarning|_set_allocator" /tmp/rl35/flat/train.log 2>/dev/null | tail -c 6000 > "$OUT/train_flat.log"
+  $PY -m toolkit.cli logprobs /tmp/rl35/flat/weights/step-0 /tmp/rl35/flat/rollouts/000000.jsonl --out /tmp/lp35 \
+    > "$OUT/logprobs.log" 2>&1
+  $PY - /tmp/lp35/000000.jsonl >> "$OUT/logprobs.log" 2>&1 <<'PY'
+import json, sys
+d = []
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    d += [abs(a - b) for a, b, m in zip(r["ref_logprobs"], r["old_logprobs"], r["loss_mask"]) if m]
+print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / len(d):.3g}, max {max(d):.3g}")
+PY
+  tail -2 "$OUT/logprobs.log"
   ;;
 8|9)
   # the tiny Qwen3.5 MoE loop (learning for 8, routing replay for 9) beside a GPU test
