@@ -1,6 +1,7 @@
 """Newcomer pass 7, checkpoints: a model-only last step, keep_latest_k, and what a crashed launch records."""
 
 import json
+import re
 import shlex
 import shutil
 
@@ -9,7 +10,7 @@ import pytest
 from framework.errors import UserError
 from framework.train import integrity
 
-from conftest import train_here
+from conftest import ROOT, train_here
 
 SMALL = ["recipe=debug_moe", "training.seq_len=64", "model.n_layers=1"]
 
@@ -117,7 +118,7 @@ def _doc_example(page, after: str) -> tuple[list[str], str]:
 def test_preflight_page_example_shows_what_the_command_prints(workdir, capsys):
     """docs/skills/preflight.md's qwen35_35b_128k example, run as written, prints every number the page shows
     (was: 177.8 / 96.3 / 106.2 / 112.3 GiB on the page, 161.2 / 89.5 / 94.9 / 112.4 GiB printed)."""
-    import re
+
 
     from conftest import ROOT
 
@@ -129,3 +130,32 @@ def test_preflight_page_example_shows_what_the_command_prints(workdir, capsys):
         assert part.strip() in got, (part.strip(), got)
     numbers = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", shown)  # GiB and tok/s; not H200's or fp32's digits
     assert len(numbers) == 11 and all(n in got for n in numbers), numbers
+
+
+_SEGMENT = re.compile(r"^(?P<dims>(?:(?:EP|CP|PP|TP|dp_shard) \d+(?:, )?)+) on (?P<n>\d+) ranks"
+                                    r"(?: with `(?P<with>[^`]+)`)?$")
+
+
+def test_recipes_table_layouts_on_cpu_ranks_are_what_train_derives(workdir):
+    """docs/recipes.md's "Shipped recipes" table: every `DIMS on N ranks [with `override`]` in the layout
+    column is what `train recipe=R nproc=N [override] --cfg job` derives (was: qwen35_debug_moe's row said
+    "CP 2 on 2 ranks"; 2 ranks derive dp_shard 2, EP 2, and CP 2 needs parallel.cp=2)."""
+    from framework.resolve.resolver import resolve
+
+    text = (ROOT / "docs" / "recipes.md").read_text().split("## Shipped recipes", 1)[1].split("\n\n", 2)[1]
+    checked = []
+    for row in text.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        recipe = cells[0].split()[0]
+        for seg in cells[3].split(";"):
+            m = _SEGMENT.match(seg.strip())
+            if m is None:
+                continue
+            n = int(m.group("n"))
+            r = resolve(recipe, [f"launcher.nproc={n}", *([m.group("with")] if m.group("with") else [])],
+                        world_size=n, for_training=False)
+            want = {d.lower(): int(v) for d, v in re.findall(r"(EP|CP|PP|TP|dp_shard) (\d+)", m.group("dims"))}
+            assert {d: r.layout.dims[d] for d in want} == want, (recipe, seg, r.layout.dims)
+            checked.append((recipe, seg.strip()))
+    assert ("qwen35_debug_moe", "CP 2, EP 2 on 2 ranks with `parallel.cp=2`") in checked, checked
+    assert ("debug_moe", "EP 2 on 2 ranks") in checked, checked
