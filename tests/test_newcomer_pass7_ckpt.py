@@ -159,3 +159,47 @@ def test_recipes_table_layouts_on_cpu_ranks_are_what_train_derives(workdir):
             checked.append((recipe, seg.strip()))
     assert ("qwen35_debug_moe", "CP 2, EP 2 on 2 ranks with `parallel.cp=2`") in checked, checked
     assert ("debug_moe", "EP 2 on 2 ranks") in checked, checked
+
+
+def test_two_rank_context_parallel_run_prints_no_torch_notes(tmp_path):
+    """`train recipe=qwen35_debug_moe nproc=2 parallel.cp=2` prints no torch notes (was: per rank, torch's
+    `_redistribute.py:394] While redistributing from (_StridedShard...` from torchtitan's init and a FutureWarning
+    `torch.distributed.all_gather_into_tensor is deprecated` from the CP gathers of gated_deltanet.py and
+    qwen3_5_model.py)."""
+    from conftest import run_cli
+
+    p = run_cli(["train", "recipe=qwen35_debug_moe", "nproc=2", "parallel.cp=2", "training.steps=1",
+                 "training.local_batch=1", "checkpoint.enable=false", "logging.tensorboard=false", "output_dir=run"],
+                cwd=tmp_path, timeout=400, env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    console = p.stdout + p.stderr
+    assert "step     1/1" in console, console[-2000:]
+    for noise in ("While redistributing", "_redistribute.py", "FutureWarning", "all_gather_into_tensor"):
+        assert noise not in console, console[-3000:]
+
+
+def test_cp_gather_emits_no_future_warning():
+    """The CP all-gather (gated_deltanet.all_gather, forward and backward) on a one-rank gloo group: no warning,
+    the gathered values and the summed gradient as before."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from components.models.gated_deltanet import all_gather
+
+    from conftest import free_port
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = all_gather(x, dist.group.WORLD)
+            out.sum().backward()
+        assert out.shape == (1, 2, 3) and torch.equal(out[0], x.detach()) and torch.equal(x.grad, torch.ones(2, 3))
+    finally:
+        if owned:
+            dist.destroy_process_group()
