@@ -203,3 +203,14 @@ def test_cp_gather_emits_no_future_warning():
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_model_only_last_is_documented_in_help_and_docs(workdir, capsys):
+    """`train --help` says what checkpoint.model_only_last does, and the checkpoint keys' table has its row
+    (was: the key listed bare, no page naming it)."""
+    p = train_here(["train", "--help"], workdir, capsys)
+    assert p.returncode == 0
+    line = next(x for x in p.stdout.splitlines() if "checkpoint.model_only_last" in x)
+    assert "weights only" in line and "resume" in line, line
+    page = (ROOT / "docs" / "skills" / "checkpoint_integrity.md").read_text()
+    assert "| `checkpoint.model_only_last` | `false` |" in page and "| `checkpoint.keep_latest_k` | `3` |" in page
