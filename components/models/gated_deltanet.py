@@ -51,7 +51,7 @@ class _AllGather(torch.autograd.Function):
         world = dist.get_world_size(group)
         x = x.contiguous().unsqueeze(0)
         out = x.new_empty(world, *x.shape[1:])
-        dist.all_gather_into_tensor(out, x, group=group)  # [world * 1, ...]: gloo and NCCL
+        dist.all_gather_single(out, x, group=group)  # [world * 1, ...]: gloo and NCCL (all_gather_into_tensor: deprecated)
         return out
 
     @staticmethod

@@ -121,7 +121,7 @@ class Qwen35TextModel(Decoder):
 
         cp = self._cp
         gathered = torch.empty(cp.world, *positions.shape, dtype=positions.dtype, device=positions.device)
-        dist.all_gather_into_tensor(gathered, positions.contiguous().unsqueeze(0), group=cp.group)
+        dist.all_gather_single(gathered, positions.contiguous().unsqueeze(0), group=cp.group)
         owner = cp.owner()
         n_chain = cp.world * cp.n_parts
         parts = [gathered[r].chunk(cp.n_parts, dim=1)[i] for r, i in (owner[c] for c in range(n_chain))]

@@ -7,6 +7,7 @@ object: torchtitan_instances.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 
@@ -49,6 +50,28 @@ def _rng_states() -> tuple:
     return torch.random.get_rng_state(), cuda
 
 
+class _NoInitRedistributeNote(logging.Filter):
+    """torch 2.14.1's note (logger torch.distributed.tensor._redistribute) that a redistribution from a
+    _StridedShard placement takes several all_gathers: torchtitan's init draws random values (trunc_normal_)
+    on DTensors sharded over FSDP and CP/EP (nproc=2 parallel.cp=2 on CPU), once per rank at build."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("While redistributing from")
+
+
+_INIT_NOTE = _NoInitRedistributeNote()
+
+
+@contextlib.contextmanager
+def _quiet_init_redistribution():
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    log.addFilter(_INIT_NOTE)
+    try:
+        yield
+    finally:
+        log.removeFilter(_INIT_NOTE)
+
+
 def init_weights_from_seed() -> None:
     """torchtitan 0.3.0. Wraps ``torchtitan.distributed.utils.set_determinism`` (keep the CPU and CUDA
     generators' states right after it seeds them) and ``BaseModel.init_weights`` (put those states
@@ -82,7 +105,8 @@ def init_weights_from_seed() -> None:
             torch.random.set_rng_state(states[0])
             if states[1] is not None:
                 torch.cuda.set_rng_state(states[1])
-        return init_weights(self, **kwargs)
+        with _quiet_init_redistribution():  # the init's one-time note; a redistribution in training still shows
+            return init_weights(self, **kwargs)
 
     seeded._apiary = True
     dist_utils.set_determinism = seeded

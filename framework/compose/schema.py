@@ -175,12 +175,12 @@ class CheckpointConfig:
     enable: bool = True
     interval: int = 10
     resume: bool = False  # continue from the latest checkpoint of output_dir (or the recipe's latest run)
-    keep_latest_k: int = 3
+    keep_latest_k: int = 3  # complete step-N folders kept (0: all); the oldest go as each new one completes
     load_step: Optional[int] = None  # resume from this complete step instead of the latest (checkpoint.resume)
     load_path: Optional[str] = None  # initial weights: a DCP step folder (e.g. a seed checkpoint)
     verify: bool = True  # false: load a step (resume or load_path) that has no manifest.json, unverified
     create_seed: bool = False  # one process: initialise, save step-0 weights, exit (shared start for A/Bs)
-    model_only_last: bool = False
+    model_only_last: bool = False  # the last save: weights only (for export); a resume goes on from the full step before
 
 
 @dataclass

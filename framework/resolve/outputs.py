@@ -58,6 +58,7 @@ def check_outputs(cfg) -> int | None:
         if step >= cfg.training.steps:
             raise UserError("checkpoint.resume=true", f"{cfg.output_dir} is already at step {step} of "
                             f"training.steps={cfg.training.steps}.", "Raise training.steps to train further.")
+        ck.load_step = step  # torchtitan loads this verified step (its own pick, the newest, may hold the model only)
         return step
     else:
         if ck.load_step is not None:

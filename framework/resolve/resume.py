@@ -308,6 +308,11 @@ def plan(cfg, ctx: contracts.Context, step: int, kept: list[str]) -> list[str]:
     check_resume_load_path(cfg, ctx, p)
     p.verified = (run_dir / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
     lines = p.lines(cfg.output_dir)
+    ck = run_dir / "checkpoint"
+    later = [n for n in integrity.complete_steps(ck) if n > step and integrity.is_model_only(ck / f"step-{n}")]
+    if later and step == max(integrity.full_steps(ck)):
+        lines.append(f"resume: {ck / f'step-{later[-1]}'} holds the model's weights only (checkpoint.model_only_last"
+                     f"=true), so the resume goes on from step {step}, the last full checkpoint")
     if kept:
         lines.append(f"resume: keeps the last launch's overrides {' '.join(kept)} (give one again to change it)")
     return lines

@@ -32,8 +32,10 @@ def _cpu_group():
 class _Pending:
     """One save written into .partial-N whose checksums are being computed in the background."""
 
-    def __init__(self, step: int, tmp: Path, final: Path, files: list[str], rank: int, world: int, save_s: float):
+    def __init__(self, step: int, tmp: Path, final: Path, files: list[str], rank: int, world: int, save_s: float,
+                 model_only: bool = False, keep: int = 0):
         self.step, self.tmp, self.final, self.rank, self.world, self.save_s = step, tmp, final, rank, world, save_s
+        self.model_only, self.keep = model_only, keep
         self.error: BaseException | None = None
         self.thread = __import__("threading").Thread(target=self._hash, args=(files,), daemon=True,
                                                      name=f"apiary-manifest-{step}")
@@ -69,8 +71,9 @@ class _Pending:
         return all(p.is_file() for p in self.parts())
 
     def finish(self) -> bool:
-        """Rank 0: merge the ranks' parts into manifest.json and rename .partial-N to step-N (True once
-        renamed; other ranks: whether their share was hashed)."""
+        """Rank 0: merge the ranks' parts into manifest.json, rename .partial-N to step-N (True once
+        renamed; other ranks: whether their share was hashed), then delete the complete steps before it
+        beyond ``keep`` (checkpoint.keep_latest_k, counting this one: integrity.prune)."""
         if self.rank != 0:
             return self.error is None
         if self.error is not None:
@@ -86,7 +89,8 @@ class _Pending:
                 return False
             merged.update(body["files"])
             hash_s = max(hash_s, body["hash_s"])
-        integrity.write_manifest(self.tmp, self.step, merged, save_s=self.save_s, hash_s=hash_s)
+        integrity.write_manifest(self.tmp, self.step, merged, model_only=self.model_only, save_s=self.save_s,
+                                 hash_s=hash_s)
         for p in self.parts():
             p.unlink()
         aside = self.final.parent / f"{integrity.PARTIAL}replaced-{self.step}"
@@ -97,6 +101,7 @@ class _Pending:
         os.rename(self.tmp, self.final)
         _fsync_dir(self.final.parent)
         shutil.rmtree(aside, ignore_errors=True)
+        integrity.prune(self.final.parent, self.step, self.keep)  # only now: the newest complete step stays
         return True
 
 
@@ -109,10 +114,11 @@ class AtomicSaves:
     (the trainer's close). No collective is involved after the save's own barrier, so a rank that
     stops early never blocks the others. A rank whose hashing fails says so and leaves an error
     part instead, so rank 0 names that rank and its error at once and the step stays invisible.
-    Every rank must construct this, in the same order."""
+    Every rank must construct this, in the same order. ``keep``: checkpoint.keep_latest_k, applied here
+    once a step is complete (torchtitan's own purge, which ran before the rename, is given 0)."""
 
-    def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0):
-        self.ck, self.before_save, self.wait_s = checkpointer, before_save, wait_s
+    def __init__(self, checkpointer, before_save=None, wait_s: float = 600.0, keep: int = 0):
+        self.ck, self.before_save, self.wait_s, self.keep = checkpointer, before_save, wait_s, keep
         import torch.distributed as dist  # reason: start-up time (the CLI reads manifests without torch)
 
         self.group = _cpu_group()
@@ -172,7 +178,7 @@ class AtomicSaves:
         return ok
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
-        from torchtitan.components.checkpoint import AsyncMode  # reason: start-up time of the CLI (import ~0.4s)
+        from torchtitan.components.checkpoint import TRAIN_STATE, AsyncMode  # reason: start-up time of the CLI (~0.4s)
 
         if self.before_save is not None:
             self.before_save()
@@ -192,7 +198,8 @@ class AtomicSaves:
         result = self._dcp_save(state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
         self._barrier()  # every rank's files (and DCP's .metadata) are written
         self.pending.append(_Pending(step, tmp, final, integrity.list_files(tmp), self.rank, self.world,
-                                     time.perf_counter() - t0))
+                                     time.perf_counter() - t0, model_only=TRAIN_STATE not in state_dict,
+                                     keep=self.keep))
         return result
 
 
@@ -216,6 +223,6 @@ def complete_save(checkpointer, step: int) -> bool | None:
     return None if atomic is None else atomic.complete(step)
 
 
-def install_atomic_save(checkpointer, before_save=None) -> AtomicSaves:
+def install_atomic_save(checkpointer, before_save=None, keep: int = 0) -> AtomicSaves:
     existing = getattr(checkpointer, "_apiary_atomic", None)
-    return existing if existing is not None else AtomicSaves(checkpointer, before_save)
+    return existing if existing is not None else AtomicSaves(checkpointer, before_save, keep=keep)

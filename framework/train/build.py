@@ -124,7 +124,7 @@ def common_config(r: Resolved):
             enable=cfg.checkpoint.enable,
             folder="checkpoint",
             interval=cfg.checkpoint.interval,
-            keep_latest_k=cfg.checkpoint.keep_latest_k,
+            keep_latest_k=0,  # apiary prunes once a step is complete (framework/train/atomic_save.py): keep_checkpoints
             last_save_model_only=cfg.checkpoint.model_only_last,
             initial_load_path=initial_load_path(cfg),
             initial_load_model_only=cfg.checkpoint.load_path is not None,
@@ -133,6 +133,7 @@ def common_config(r: Resolved):
         ),
         on_nonfinite=cfg.training.on_nonfinite,
         max_skips=cfg.training.max_skips,
+        keep_checkpoints=cfg.checkpoint.keep_latest_k,
         resume_hint=f"`train recipe={cfg.recipe} output_dir={out} checkpoint.resume=true`",
         compile=CompileConfig(enable=False),
         # torchtitan's NCCL flight recorder dumps to comm_traces/ on a timeout; gloo (CPU) has none to dump

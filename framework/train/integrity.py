@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -89,9 +90,11 @@ def entries(folder: Path, files: list[str], algorithm: str = ALGORITHM, threads:
     return dict(map(one, files))
 
 
-def write_manifest(folder: Path, step: int, files: dict, **timing) -> None:
+def write_manifest(folder: Path, step: int, files: dict, model_only: bool = False, **timing) -> None:
+    """``model_only``: the save holds the model's weights only (checkpoint.model_only_last's last step), no
+    optimizer, data position or step count: a resume cannot go on from it."""
     body = {"format": 1, "step": step, "algorithm": ALGORITHM, "files": files,
-            **{k: round(v, 6) for k, v in timing.items()}}
+            **({"model_only": True} if model_only else {}), **{k: round(v, 6) for k, v in timing.items()}}
     tmp = Path(folder) / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
@@ -128,6 +131,51 @@ def is_complete(step_dir: Path) -> bool:
 
 def complete_steps(checkpoint_dir: Path) -> list[int]:
     return [n for n, p in step_dirs(checkpoint_dir).items() if is_complete(p)]
+
+
+def is_model_only(step_dir: Path) -> bool:
+    """A step saved with the model's weights only (checkpoint.model_only_last=true's last save): its manifest
+    says so; a manifest of an apiary before that flag: DCP's .metadata names no ``train_state`` (every full
+    save holds the step count under that key). Step 0 (a seed checkpoint) is the model only by design."""
+    step_dir = Path(step_dir)
+    try:
+        body = json.loads((step_dir / MANIFEST).read_text())
+        if "model_only" in body:
+            return bool(body["model_only"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    meta = step_dir / ".metadata"
+    try:
+        return meta.stat().st_size < (64 << 20) and b"train_state" not in meta.read_bytes()
+    except OSError:
+        return False
+
+
+def full_steps(checkpoint_dir: Path) -> list[int]:
+    """The complete steps a resume can go on from: all but those holding the model only (step 0 stays: a
+    seed checkpoint, loaded as the model only)."""
+    return [n for n, p in step_dirs(checkpoint_dir).items() if is_complete(p) and (n == 0 or not is_model_only(p))]
+
+
+def prune(checkpoint_dir: Path, landed: int, keep: int) -> list[int]:
+    """After step ``landed`` became a complete ``step-N`` (global rank 0): delete the oldest complete steps
+    below it so that ``keep`` complete steps remain, ``landed`` among them (0: keep all). Steps above
+    ``landed`` (an earlier launch's, which this run re-saves as it reaches them) and folders not complete
+    are left alone. Each is first renamed out of the ``step-N`` names (a deletion cut short never leaves a
+    step that looks complete). Returns the steps deleted."""
+    if keep <= 0:
+        return []
+    ck = Path(checkpoint_dir)
+    older = [n for n in complete_steps(ck) if n < landed]
+    gone = older[:max(0, len(older) - (keep - 1))]
+    for n in gone:
+        aside = ck / f"{PARTIAL}pruned-{n}"  # a .partial-* name: the next save removes what is left of it
+        try:
+            os.rename(ck / f"step-{n}", aside)
+        except OSError:
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+    return gone
 
 
 def verify(step_dir: Path, threads: int | None = None) -> tuple[str, str] | None:
@@ -250,7 +298,18 @@ def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manife
     if load_step is not None and load_step not in steps:
         raise UserError(f"checkpoint.load_step={load_step}", f"{ck} has no complete step {load_step}; complete "
                         f"steps: {', '.join(map(str, steps))}.", "Pick one of them.")
-    step = load_step if load_step is not None else steps[-1]
+    full = full_steps(ck)
+    if load_step is None and steps[-1] not in full and any(0 < s < steps[-1] for s in full):
+        step = max(s for s in full if s < steps[-1])  # the last save held the model only: the last full one
+    else:
+        step = load_step if load_step is not None else steps[-1]
+    if step not in full:  # checkpoint.model_only_last=true's last save: no optimizer, data position, step count
+        raise UserError(f"checkpoint.load_step={load_step}" if load_step is not None else where,
+                        f"{dirs[step]} holds the model's weights only (checkpoint.model_only_last=true saves the "
+                        "last step so), without the optimizer state, data position and step count a resume goes "
+                        "on from.", (f"Resume from the last full step with checkpoint.load_step={full[-1]}; or "
+                                     if full and full[-1] > 0 else "No full step exists to resume from; ")
+                        + f"start a new run from these weights with checkpoint.load_path={dirs[step]}.")
     step_dir = ck / f"step-{step}"
     key = str(step_dir.resolve())
     # under torchrun without apiary's launcher, global rank 0 checks for all (its exit 2 ends the others)

@@ -26,15 +26,25 @@ def train_here(resolved, verbose: bool = False) -> int:
 
 
 def write_run_files(resolved) -> None:
+    """Before the trainer is built: the first launch's config.yaml and layout.json (a resume's launch is
+    recorded by ``record_launch`` once its trainer is built)."""
     out = Path(resolved.cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # the first launch's config is config.yaml; a resume's goes beside it (framework/resolve/resume.py)
-    name = resume.config_path_for_launch(out) if resolved.cfg.checkpoint.resume else out / resume.FIRST
-    name.write_text(OmegaConf.to_yaml(resolved.cfg))
-    resume.write_launch(out, resolved.launch)  # the recipe and overrides a later resume keeps
+    if not resolved.cfg.checkpoint.resume:
+        (out / resume.FIRST).write_text(OmegaConf.to_yaml(resolved.cfg))
     derived = resolved.ctx.derived if resolved.ctx is not None else {}
     (out / "layout.json").write_text(json.dumps({"dims": resolved.layout.dims, "rules": resolved.layout.rules,
                                                  **({"derived": derived} if derived else {})}, indent=2))
+
+
+def record_launch(resolved) -> None:
+    """Once the trainer is built (the checkpoint loaded): a resume's config as config.resume-K.yaml, and the
+    launch's recipe and overrides in launches.jsonl, which the next resume keeps and compares with
+    (framework/resolve/resume.py). A launch that crashed before it trained is not recorded as one."""
+    out = Path(resolved.cfg.output_dir)
+    if resolved.cfg.checkpoint.resume:
+        resume.config_path_for_launch(out).write_text(OmegaConf.to_yaml(resolved.cfg))
+    resume.write_launch(out, resolved.launch)
 
 
 # torchtitan's log lines that say nothing about an apiary run (dropped unless `train -v`): it runs
@@ -107,6 +117,8 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     ended = nonfinite = False  # every rank ended the loop together (not a crash)
     try:
         trainer = tc.build()
+        if rank == 0:
+            record_launch(resolved)
         guard = preempt.install(trainer)
         if resolved.cfg.checkpoint.create_seed:
             trainer.checkpointer.save(curr_step=0, last_step=True)

@@ -84,6 +84,7 @@ class ApiaryTrainer(FollowMode, Trainer):
         on_nonfinite: str = TrainingConfig.on_nonfinite  # stop | skip (training.on_nonfinite; its default there)
         max_skips: int = TrainingConfig.max_skips  # skip: stop after more than this many non-finite steps in a row
         resume_hint: str = ""  # how to rerun this run (printed when it stops on a non-finite step)
+        keep_checkpoints: int = 0  # checkpoint.keep_latest_k (0: all), applied as each step completes
         batch_keys: tuple = ()  # per-token batch tensors for the loss (the data component's BATCH_KEYS)
         step_keys: tuple = ()  # per-sample batch tensors for the loss (its STEP_KEYS)
         follow_wait_timeout: float = 0.0  # > 0: the dataloader follows a growing folder (data.follow); seconds
@@ -120,9 +121,8 @@ class ApiaryTrainer(FollowMode, Trainer):
                 return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
             self.metrics_processor.log_wrapper = log_with_extras
-        self._atomic = None
-        if self.checkpointer.enable:
-            self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite)
+        self._atomic = atomic_save.install_atomic_save(self.checkpointer, before_save=self._check_state_finite,
+                                                       keep=self.config.keep_checkpoints) if self.checkpointer.enable else None
         if self._loss_set_batch is not None:  # policy losses log their clip fractions / KL / entropy
             self.metrics_processor.extra_source = self._extra_metrics
         elif isinstance(getattr(self.dataloader, "dataset", None), (contracts.FollowedData, contracts.DataStepMetrics)):
