@@ -72,3 +72,55 @@ def test_check_fails_when_a_probe_failed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(running, "_run", _fake_run(None))
     assert compare_main(["recompute=none,full", "training.steps=2", f"output_dir={tmp_path / 'ok'}", "--check"]) == 0
     assert "check passed" in capsys.readouterr().out
+
+
+def test_step_time_is_over_the_steps_since_the_previous_record(monkeypatch):
+    """#3: with logging.log_freq=3 step 1's step_time_s was its time / 3 and step 3's the time of steps 2-3
+    / 3: torchtitan divides the time since its last log by log_freq. Now by the steps actually run since
+    the previous record (or a validation, which restarts torchtitan's timer), from the first step this
+    process ran (a resume starts later)."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    from framework.report.metrics import ApiaryMetrics
+
+    monkeypatch.setattr(MetricsProcessor, "log_validation", lambda self, loss, step, extra_metrics=None: None)
+
+    def divisors(first, last, freq, validate_at=()):
+        m = object.__new__(ApiaryMetrics)
+        m.config = SimpleNamespace(log_freq=freq, total_steps=last)
+        seen = []
+        m._log = lambda step, *a, **k: seen.append((step, m.config.log_freq))
+        for s in range(first, last + 1):  # what train_step does each step: ask, then log; then validation
+            if m.should_log(s):
+                m.log(s, 0.0, 0.0, 0.0)
+            if s in validate_at:
+                m.log_validation(0.0, s)
+        assert m.config.log_freq == freq
+        return seen
+
+    assert divisors(1, 5, 3) == [(1, 1), (3, 2), (5, 2)]
+    assert divisors(1, 10, 4) == [(1, 1), (4, 3), (8, 4), (10, 2)]
+    assert divisors(7, 10, 3) == [(9, 3), (10, 1)]  # resumed after step 6: steps 7-9, then 10
+    assert divisors(1, 9, 4, validate_at=(6,)) == [(1, 1), (4, 3), (8, 2), (9, 1)]
+
+
+def test_logged_step_times_add_up_to_the_wall_clock(tmp_path, capsys):
+    """#3, measured: each record's step_time_s x the steps since the previous one is the time between the
+    records, and tokens_per_s is the tokens since then over that time."""
+    from conftest import read_metrics, train_here
+
+    res = train_here(["train", "logging.log_freq=3", "training.steps=5", "logging.tensorboard=false",
+                      f"output_dir={tmp_path / 'run'}"], tmp_path, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    recs = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 3, 5]
+    first = recs[0]
+    assert first["step_time_s"] >= 0.9 * first["first_step_wall_s"]  # step 1 alone, not a third of it
+    for prev, r in zip(recs, recs[1:]):
+        steps = r["step"] - prev["step"]
+        wall = r["elapsed_s"] - prev["elapsed_s"]
+        assert abs(r["step_time_s"] * steps - wall) <= 0.15 * wall + 0.02, (r["step"], r["step_time_s"], steps, wall)
+    for r, steps in zip(recs, (1, 2, 2)):
+        assert abs(r["tokens_per_s"] * r["step_time_s"] * steps - r["tokens"]) <= 0.01 * r["tokens"], r
