@@ -124,3 +124,35 @@ def test_logged_step_times_add_up_to_the_wall_clock(tmp_path, capsys):
         assert abs(r["step_time_s"] * steps - wall) <= 0.15 * wall + 0.02, (r["step"], r["step_time_s"], steps, wall)
     for r, steps in zip(recs, (1, 2, 2)):
         assert abs(r["tokens_per_s"] * r["step_time_s"] * steps - r["tokens"]) <= 0.01 * r["tokens"], r
+
+
+def test_summary_names_skipped_updates_and_its_best_loss_leaves_them_out(tmp_path):
+    """#4: `train optimizer.lr=1e30 training.steps=4 training.on_nonfinite=skip` skipped 3 of 4 updates, yet the
+    summary said `steps 4/4` and `best 5.7683 (step 2)`, a skipped step. Now the steps line says how many
+    updates were skipped and which, and the best loss is of a step whose update was applied."""
+    from test_summary import _rec, _run, _text
+
+    from framework.report import summary
+
+    def rec(step, loss, skipped, bad, norm=float("nan")):
+        return {**_rec(step, loss, 1.0 + step, device="cpu"), "grad_norm": norm if bad else 1.0,
+                "nonfinite": int(bad), "skipped_steps": skipped}
+
+    records = [rec(1, 5.7984, 0, False), rec(2, 5.7683, 1, True), rec(3, 5.7683, 2, True), rec(4, 5.7683, 3, True)]
+    s = summary.summarize(_run(tmp_path / "a", records, steps=4, checkpoints=(4,)))
+    assert (s["skipped_updates"], s["skipped_steps_logged"]) == (3, [2, 3, 4])
+    assert (s["loss_best"], s["loss_best_step"]) == (5.7984, 1)
+    text = " ".join(_text(s).split())
+    assert "steps 4/4 (3 of 4 updates skipped: non-finite loss or gradient norm, training.on_nonfinite=skip; " \
+           "steps 2, 3, 4; the best loss leaves them out)" in text
+    assert "best 5.7984 (step 1)" in text
+
+    # logging.log_freq=3: a skip between records is counted, not named
+    records = [rec(1, 6.0, 0, False), rec(3, 5.0, 2, True), rec(5, 5.5, 2, False)]
+    s = summary.summarize(_run(tmp_path / "b", records, steps=5, checkpoints=(5,)))
+    assert "2 of 5 updates skipped" in _text(s) and "step 3, 1 more between records" in " ".join(_text(s).split())
+    assert s["loss_best_step"] == 5
+
+    # no skips: nothing said
+    s = summary.summarize(_run(tmp_path / "c", [rec(1, 6.0, 0, False), rec(2, 5.0, 0, False)], steps=2))
+    assert s["skipped_updates"] == 0 and "updates skipped" not in _text(s)
