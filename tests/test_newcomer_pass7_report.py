@@ -156,3 +156,25 @@ def test_summary_names_skipped_updates_and_its_best_loss_leaves_them_out(tmp_pat
     # no skips: nothing said
     s = summary.summarize(_run(tmp_path / "c", [rec(1, 6.0, 0, False), rec(2, 5.0, 0, False)], steps=2))
     assert s["skipped_updates"] == 0 and "updates skipped" not in _text(s)
+
+
+def test_a_seed_run_names_its_seed_and_how_to_start_from_it(tmp_path, capsys):
+    """#5: `train checkpoint.create_seed=true output_dir=runs/seed` wrote checkpoint/step-0 and printed only its
+    header and data lines. Now it names the seed and the commands that start from it; the train command runs."""
+    import shlex
+
+    from conftest import train_here
+
+    res = train_here(["train", "checkpoint.create_seed=true", "output_dir=runs/seed", "model.n_layers=3"],
+                     tmp_path, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("seed checkpoint:"))
+    assert line.startswith("seed checkpoint: runs/seed/checkpoint/step-0 (the initial weights)")
+    assert "apiary compare KEY=A,B recipe=debug_moe model.n_layers=3 checkpoint.load_path=runs/seed/checkpoint/step-0" \
+        in line
+    cmd = line.split("Train from it: ", 1)[1].split(";", 1)[0]
+    assert cmd == "train recipe=debug_moe model.n_layers=3 checkpoint.load_path=runs/seed/checkpoint/step-0 output_dir=RUN"
+    argv = [a.replace("output_dir=RUN", "output_dir=runs/a") for a in shlex.split(cmd)]
+    res = train_here([*argv, "training.steps=1", "logging.tensorboard=false"], tmp_path, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "runs" / "a" / "metrics.jsonl").is_file() and "seed checkpoint:" not in res.stdout
