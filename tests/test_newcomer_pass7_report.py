@@ -178,3 +178,19 @@ def test_a_seed_run_names_its_seed_and_how_to_start_from_it(tmp_path, capsys):
     res = train_here([*argv, "training.steps=1", "logging.tensorboard=false"], tmp_path, capsys)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "runs" / "a" / "metrics.jsonl").is_file() and "seed checkpoint:" not in res.stdout
+
+
+def test_a_kl_term_without_ref_logprobs_names_the_tool_that_adds_them(tmp_path):
+    """#6: `train recipe=debug_grpo loss.kl_coef=1e-3` said "Add ref_logprobs to the rollouts" and named no way
+    to. Now it names `apiary logprobs MODEL ROLLOUTS --out DIR` with the rollouts this run reads."""
+    import pytest
+
+    from framework.errors import UserError
+    from framework.resolve.resolver import resolve
+
+    with pytest.raises(UserError) as e:
+        resolve("debug_grpo", ["loss.kl_coef=1e-3", f"output_dir={tmp_path / 'run'}"])
+    text = str(e.value)
+    assert "needs ref_logprobs in every rollout record" in text
+    assert "apiary logprobs MODEL " in text and "tiny_rollouts.jsonl --out DIR (docs/skills/logprobs.md)" in text
+    assert "data.path=DIR" in text and "loss.kl_coef=0" in text
