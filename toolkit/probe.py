@@ -108,6 +108,7 @@ def _first_step(trainer, dump: Path, rank: int, max_numel: int, n_params: int) -
 
     # The first half of Trainer.train_step: fetch every micro-batch, count tokens, fwd/bwd.
     trainer.optimizers.zero_grad(set_to_none=True)
+    trainer.begin_step()  # the per-step sums forward_backward_step adds to (policy losses' metrics)
     data_iterator = trainer.batch_generator(trainer.dataloader)
     groups = []
     local_valid = torch.tensor(0, dtype=torch.int64)

@@ -147,6 +147,7 @@ class Rollouts:
             ctx.summary.append(f"data: {len(index.skipped)} duplicate(s) skipped, each trained once: "
                                f"{'; '.join(index.skipped[:3])}{more}")
         ctx.shared.records_with_ref = bool(index.with_ref)  # a loss with a KL term needs them
+        ctx.shared.records_path = str(path)
 
     @staticmethod
     def summary(options: DataOptions, ctx) -> str:

@@ -1,19 +1,17 @@
 """RL policy losses for the trainer, by name: ``loss=grpo|dapo|gspo|cispo|ppo|sft``.
 
-Each is ``token_logprobs`` (fused LM head, no [tokens, vocab] logits; temperature) followed by
-the objective of the same name in ``rl.py``, on batches from the rollout loader
-(``data.format=rollouts``, see ``components/data/rollout_loader.py``). The options under
-``loss.`` are the objective's hyperparameters (defaults as in rl.py) plus ``temperature`` (use
-the sampler's) and the LM-head engine settings shared with linear_ce.
+Each is ``token_logprobs`` (fused LM head, no [tokens, vocab] logits; temperature) followed by the objective of the
+same name in ``rl.py``, on batches from the rollout loader (``data.format=rollouts``, see
+``components/data/rollout_loader.py``). The options under ``loss.`` are the objective's hyperparameters (defaults as
+in rl.py) plus ``temperature`` (use the sampler's) and the LM-head engine settings shared with linear_ce.
 
-Normalisation, so that a step's loss and gradient do not depend on how its rows are split
-over data-parallel ranks, context-parallel shards or gradient-accumulation micro-steps:
-token-level means divide by the step's trained-token count (the trainer's global valid
-tokens); sequence-level means weigh each token by 1 / |o_i| (its sequence's trained tokens,
-counted by the loader before any split) and divide by the step's sequence count (also from
-the loader); GSPO's sequence ratio all-reduces its per-sequence sums over the context-parallel
-group. The policy metrics (clip fractions, KL, entropy) are logged with the loss as means over the
-step's trained tokens, across micro-steps and data/context-parallel ranks.
+Normalisation, so that a step's loss and gradient do not depend on how its rows are split over data-parallel ranks,
+context-parallel shards or gradient-accumulation micro-steps: token-level means divide by the step's trained-token
+count (the trainer's global valid tokens); sequence-level means weigh each token by 1 / |o_i| (its sequence's trained
+tokens, counted by the loader before any split) and divide by the step's sequence count (also from the loader); GSPO's
+sequence ratio all-reduces its per-sequence sums over the context-parallel group. The policy metrics (clip fractions,
+KL, entropy) are logged with the loss as means over the step's trained tokens, across micro-steps and
+data/context-parallel ranks.
 
 Two run-level settings under ``rl.`` act here (docs/skills/tis.md): ``rl.tis_cap=C`` (truncated
 importance sampling, passed to the objective as ``tis_cap``) and ``rl.mismatch_threshold`` (the
@@ -116,7 +114,9 @@ class _Policy:
         kl = getattr(options, "kl_coef", 0.0)
         if kl and ctx.shared.records_with_ref is False:
             raise UserError(f"loss.kl_coef={kl}", "needs ref_logprobs in every rollout record.",
-                            "Add ref_logprobs to the rollouts, or set loss.kl_coef=0.")
+                            "Add them with a reference model: apiary logprobs MODEL "
+                            f"{ctx.shared.records_path or 'ROLLOUTS'} --out DIR (docs/skills/logprobs.md), then "
+                            "train with data.path=DIR; or set loss.kl_coef=0.")
 
     @classmethod
     def _check_rl(cls, ctx) -> None:

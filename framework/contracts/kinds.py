@@ -54,6 +54,9 @@ class Shared:
     records_with_ref: bool | None = None
     """RL records (a data format's check): whether they carry reference log-probs (None: not known before
     launch); a policy loss with a KL term refuses False"""
+    records_path: str | None = None
+    """RL records (a data format's check): where they are read from (data.path, or the packaged ones), which a
+    policy loss's refusal names"""
 
     def plain(self) -> dict:
         """The fields that are plain data (JSON), by name: what resolved.yaml keeps."""

@@ -204,11 +204,13 @@ class ApiaryMetrics(MetricsProcessor):
         else:
             self.gpu_peak_flops = peak
 
-    _last_logged: int | None = None  # the step this process logged last
+    _timed_from: int | None = None  # the step whose end torchtitan's timer (time_last_log) was last reset at
 
     def should_log(self, step: int) -> bool:
         """torchtitan's steps (the first, every logging.log_freq) and the last: the summary, the plot and
         a resume's records end at the step the run reached, whatever log_freq."""
+        if self._timed_from is None:  # train_step asks first, at this process's first step (after a resume too)
+            self._timed_from = step - 1
         return super().should_log(step) or step == self.config.total_steps
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
@@ -220,15 +222,15 @@ class ApiaryMetrics(MetricsProcessor):
         return self._log_on_grid(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
     def _log_on_grid(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        last, self._last_logged = self._last_logged, step
-        freq = self.config.log_freq
-        if last is None or step != self.config.total_steps or step - last in (0, freq):
-            return self._log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-        self.config.log_freq = step - last  # the last step, off the log_freq grid: torchtitan divides the
-        try:  # time since the previous record by log_freq to get step_time_s
+        """torchtitan divides the time since its timer's reset (the previous record or validation) by log_freq to
+        get step_time_s; here by the steps run since then: 1 at step 1, log_freq - 1 at the first grid step after
+        it, fewer at an off-grid last step or after a validation between records."""
+        since, freq = step - (self._timed_from if self._timed_from is not None else step - 1), self.config.log_freq
+        self.config.log_freq = max(since, 1)
+        try:
             return self._log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         finally:
-            self.config.log_freq = freq
+            self.config.log_freq, self._timed_from = freq, step
 
     def _log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if self._jsonl is not None:  # tokens of every data-parallel rank since the last record
@@ -246,7 +248,10 @@ class ApiaryMetrics(MetricsProcessor):
     def log_validation(self, loss, step, extra_metrics=None):
         if self.stage_loss_source is not None:  # a collective: every rank validates and calls this
             loss = self.stage_loss_source(loss)
-        return super().log_validation(loss=loss, step=step, extra_metrics=extra_metrics)
+        try:
+            return super().log_validation(loss=loss, step=step, extra_metrics=extra_metrics)
+        finally:
+            self._timed_from = step  # torchtitan's timer restarts here too
 
     def _build_metric_logger(self, *, config, parallel_dims, **kwargs):
         inner = super()._build_metric_logger(config=config, parallel_dims=parallel_dims, **kwargs)

@@ -17,13 +17,13 @@ The numbers (docs/skills/progress.md):
   them, or the reason there are none (no GPU; no known peak for the device; quantized GEMMs;
   records of an apiary that logged torchtitan's count as ``tflops_per_gpu``);
 * peak memory: the largest ``peak_mem_bytes``, labelled by ``peak_mem_kind``;
-* loss: the first, last and lowest (finite) training loss, and the last ``val_loss``; for an RL
+* loss: the first, last and lowest (finite, its update applied) training loss, and the last ``val_loss``; for an RL
   objective (rollout records trained by a policy loss) the loss is no measure of progress: the first and
   last only, and the mean reward of the steps' records (``data/reward_mean``) first, last and best,
   the records' lag behind the trainer (follow mode), the training-inference mismatch
   (``policy/mismatch_abs_mean``) and the time waited for records;
-* checkpoint: the last complete ``checkpoint/step-N`` (framework/train/integrity.py), or none.
-
+* checkpoint: the last complete ``checkpoint/step-N`` (framework/train/integrity.py), or none;
+* skipped updates (``training.on_nonfinite=skip``): on the steps line (framework/report/skips.py).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rich.text import Text
 from framework import contracts
 from framework.compose import registry
 from framework.errors import UserError
+from framework.report import skips
 from framework.report.export_note import routing_bias_note
 from framework.report.progress import duration, loss_text, make_console, memory_label
 from framework.report.resume_command import continuation, ranks, run_overrides
@@ -220,7 +221,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         why = "quantized GEMMs (FP8): no comparable BF16 peak"
 
     peaks = [r["peak_mem_bytes"] for r in train if _finite(r.get("peak_mem_bytes"))]
-    finite = [r for r in train if _finite(r.get("loss"))]
+    finite = [r for r in train if _finite(r.get("loss")) and skips.applied(r)]
     best = min(finite, key=lambda r: r["loss"]) if finite else None
 
     steps = integrity.complete_steps(run_dir / "checkpoint")
@@ -282,6 +283,7 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
         "loss_last": last.get("loss"),
         "loss_best": best["loss"] if best else None,
         "loss_best_step": best["step"] if best else None,
+        **skips.fields(train, launches),
         "rl_objective": _rl_objective(cfg, train),
         **_rl(train),
         "val_loss_last": vals[-1]["val_loss"] if vals else None,
@@ -312,7 +314,7 @@ def lines(s: dict) -> list[tuple[str, str]]:
     """(label, text) rows of the full summary."""
     rows = []
     of = f"/{s['total_steps']}" if s["total_steps"] is not None else ""
-    rows.append(("steps", f"{s['step']}{of}" + (f" ({s['launches']} launches)" if s["launches"] > 1 else "")))
+    rows.append(("steps", f"{s['step']}{of}" + (f" ({s['launches']} launches)" if s["launches"] > 1 else "") + skips.text(s)))
     if s["wall_time_s"] is not None:
         rows.append(("wall time", f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s, trainer build to last step)"))
     if s["tokens"] is not None:

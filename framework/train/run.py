@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import warnings
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rich.console import Console
 
 from framework.launch import lifecycle
 from framework.report import summary
+from framework.report.resume_command import run_overrides
 from framework.resolve import resume
 from framework.train import first_step, integrity, preempt
 
@@ -139,6 +141,8 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
             _drop_empty(Path(resolved.cfg.output_dir) / "comm_traces")
         if nonfinite and report:  # the step is the one that was not applied
             _report(resolved, "on a non-finite loss or gradient norm", integrity.EXIT_NONFINITE, trainer.step - 1)
+    if rank == 0 and ended and resolved.cfg.checkpoint.create_seed:
+        print(seed_line(resolved), flush=True)
     if preempt.stopped(guard):
         if report:
             _report(resolved, "by a signal", preempt.EXIT_CODE, guard.stopped_at)
@@ -159,6 +163,16 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
         lines = metrics.read_text().splitlines()
         return json.loads(lines[-1]) if lines else None
     return None
+
+
+def seed_line(resolved) -> str:
+    """What a seed run (checkpoint.create_seed=true) wrote, and the commands that start from it (docs/skills/compare.md)."""
+    seed = Path(resolved.cfg.output_dir) / "checkpoint" / "step-0"
+    recipe = (resolved.launch or {}).get("recipe") or resolved.cfg.recipe
+    keep = [o for o in run_overrides(resolved.launch) or [] if not o.lstrip("+~").startswith("checkpoint.")]
+    args = shlex.join([f"recipe={recipe}", *keep, f"checkpoint.load_path={seed}"])
+    return (f"seed checkpoint: {seed} (the initial weights). Train from it: train {args} "
+            f"output_dir=RUN; or compare variants from it: apiary compare KEY=A,B {args}")
 
 
 def _drop_empty(folder: Path) -> None:

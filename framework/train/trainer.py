@@ -24,10 +24,9 @@ all-reduce, only in runs with a listener), go to each listener; a reaction's lin
 its learned state written to the run folder (``contracts.LEARNED_FILE``) and its metrics logged.
 
 Policy metrics (clip fractions, KL, entropy) are reduced over the step's micro-steps and the
-data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also
-reports a true ``max_loss``: torchtitan divides each rank's
-loss by the tokens of its whole (unsharded) sequences, so its max over ranks is a max of CP
-shares (about loss / cp). Here each data-parallel rank's loss is summed over its CP group and
+data/context-parallel ranks, weighted by trained tokens. Under context parallelism it also reports a true
+``max_loss``: torchtitan divides each rank's loss by the tokens of its whole (unsharded) sequences, so its max
+over ranks is a max of CP shares (about loss / cp). Here each data-parallel rank's loss is summed over its CP group and
 divided by that rank's tokens, then the max is taken over data parallel.
 """
 
@@ -99,9 +98,8 @@ class ApiaryTrainer(FollowMode, Trainer):
     def __init__(self, config, **kwargs):
         _init_from_seed()
         super().__init__(config, **kwargs)
-        self._bad_loss = None
         self._skips_total = self._skips_in_row = 0
-        self._skipped_now = self._loss_was_bad = False
+        self.begin_step()
         compat.patch_clip_grad_norm()  # keeps the grad norm train_step computes (local to it) for the finite check
         self._step_optimizers, self._step_schedulers = compat.guard_trainer_steps(
             self, lambda original, *a, **k: self._guarded_optimizer_step(*a, **k),
@@ -175,14 +173,18 @@ class ApiaryTrainer(FollowMode, Trainer):
             self._wait_for_data()
             first_step.STATE.before_first_step(data_wait_s=self._waited_s)  # counted only before the first step
         first_step.STATE.step_started()  # the first step's breakdown (framework/train/first_step.py)
-        # this step's sums over its micro-steps: policy metrics x trained tokens, loss shares, tokens
+        self.begin_step()
+        out = super().train_step(data_iterator)
+        self._after_step()
+        return out
+
+    def begin_step(self) -> None:
+        """Clears this step's sums over its micro-steps (policy metrics x trained tokens, loss shares, tokens, the
+        finite checks): in train_step, and in the step-0 probe (toolkit/probe.py), which runs the micro-steps itself."""
         self._policy_sums, self._policy_tokens = {}, 0.0
         self._loss_share, self._rank_tokens, self._global_tokens = 0.0, 0, None
         self._bad_loss, self._skipped_now, self._loss_was_bad = None, False, False
         _GRAD_NORM[0] = None
-        out = super().train_step(data_iterator)
-        self._after_step()
-        return out
 
     def _after_step(self) -> None:
         """After step ``self.step`` was applied: the allocator's retries to the memory listeners, the
@@ -265,8 +267,7 @@ class ApiaryTrainer(FollowMode, Trainer):
         raise integrity.NonFiniteStop(
             f"apiary: step {self.step}: {what} is not finite (grad norm {norm_s}); no update was applied and "
             f"nothing was saved from this step ({why}). {_restart_hint(ck, self.config.resume_hint)} after a "
-            f"change: {tries}. "
-            f"Exit code {integrity.EXIT_NONFINITE}.")
+            f"change: {tries}. Exit code {integrity.EXIT_NONFINITE}.")
 
     def _check_state_finite(self) -> None:
         """Before any checkpoint is written: every model and optimizer tensor is finite (all ranks)."""

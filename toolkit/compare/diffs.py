@@ -97,13 +97,19 @@ def differences(base: dict, var: dict) -> dict:
 
 
 def check(base: dict, var: dict, tol: Tolerance) -> list[dict]:
-    """Violations of ``tol`` by ``var`` (crashes always count)."""
+    """Violations of ``tol`` by ``var`` (crashes and failed step-0 probes always count)."""
     out = []
     if var["status"] != "ok":
         out.append({"variant": var["label"], "metric": "run", "diff": None, "tol": None,
                     "message": f"{var['label']}: the run {var['status']} (exit {var['returncode']}); "
                                f"see {var['log']}"})
         return out
+    error = (var.get("probe") or {}).get("error") or ""
+    if error and not error.startswith("probe skipped"):  # nothing at step 0 was compared: the check cannot pass
+        first = error.splitlines()[0]
+        out.append({"variant": var["label"], "metric": "probe", "diff": None, "tol": None,
+                    "message": f"{var['label']}: the step-0 probe failed ({first}); see {var['log']} "
+                               f"(--no-probe compares the curves alone)"})
     if var is base or tol.step0 is None:
         return out
     if len(var["steps"]) < len(base["steps"]):
