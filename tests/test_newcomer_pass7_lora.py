@@ -32,15 +32,17 @@ from conftest import ROOT, _child_env, train_here  # noqa: E402
 LLAMA = {"name": "llama_tiny", "cls": "llama", "config": dict(  # untied head: lm_head is a target too
     vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, rope_theta=1e4, max_position_embeddings=512)}
+TIED = {"name": "llama_tied", "cls": "llama", "config": {**LLAMA["config"], "tie_word_embeddings": True}}
 TARGETS = "[q,k,v,o,mlp,lm_head]"
 
 
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
-    """A tiny transformers Llama folder and a 4-step adapter=lora run on it (model.family=llama3,
-    flavor debugmodel, publish.interval=2), trained through the console entry in this process."""
+    """A tiny transformers Llama folder (and one with its head tied to the embeddings) and a 4-step
+    adapter=lora run on the first (model.family=llama3, flavor debugmodel, publish.interval=2), trained
+    through the console entry in this process."""
     work = tmp_path_factory.mktemp("pass7_lora")
-    (work / "specs.json").write_text(json.dumps([LLAMA]))
+    (work / "specs.json").write_text(json.dumps([LLAMA, TIED]))
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "hf_reference.py"), str(work), str(work / "specs.json")],
                        capture_output=True, text=True, timeout=600, env=_child_env())
     assert p.returncode == 0, p.stderr[-3000:]
@@ -50,7 +52,7 @@ def llama_run(tmp_path_factory):
                       "training.steps=4", "training.seq_len=32", "training.local_batch=2", "publish.interval=2",
                       "logging.tensorboard=false", f"output_dir={run}"], cwd=work)
     assert got.returncode == 0, (got.stdout[-2000:], got.stderr[-3000:])
-    return {"work": work, "base": base, "run": run, "out": got.stdout}
+    return {"work": work, "base": base, "run": run, "out": got.stdout, "tied": work / "llama_tied"}
 
 
 def _run_cfg(run: Path):
@@ -203,6 +205,40 @@ def test_a_llama3_lora_run_publishes_its_adapters_as_the_export(llama_run):
         json.loads((exported / "adapter_config.json").read_text())
     first = load_file(weights / "step-0" / "adapter_model.safetensors")
     assert sorted(first) == sorted(ref) and all(not v.any() for k, v in first.items() if ".lora_B." in k)
+
+
+def test_lm_head_on_a_tied_head_is_refused_before_launch(llama_run, capsys):
+    """Found beside #1: on a base whose head is tied to the embeddings (Llama 3.2 1B/3B, small Qwen3s),
+    the lm_head adapter trained, and then the PEFT export, the merged folder and every published version
+    left it out silently (torchtitan's to_hf drops a tied lm_head.weight; measured: PEFT's logits 0.43 off
+    the trained model's). Refused before launch, naming the tie; an export of such a run names the
+    adapters it cannot place rather than dropping them."""
+    from framework.cli import train_main
+
+    work = llama_run["work"]
+    run = work / "runs" / "tied"
+    code = train_main(["adapter=lora", f"model.hf_checkpoint={llama_run['tied']}", "model.family=llama3",
+                       "model.flavor=debugmodel", "adapter.targets=[q,lm_head]", f"output_dir={run}"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert err.startswith("error apiary:") and "Traceback" not in err
+    assert "adapter.targets=lm_head on a model whose lm_head is tied to the token embeddings" in err, err
+    assert "tie_word_embeddings" in err and "Drop lm_head from adapter.targets" in err, err
+    assert not run.exists()
+
+    from omegaconf import OmegaConf
+
+    from components.adapters import export
+
+    cfg, fam = _run_cfg(llama_run["run"])
+    cfg = OmegaConf.merge(cfg, {"model": {"hf_checkpoint": str(llama_run["tied"])}})
+    config = export._family_config(fam, cfg)
+    assert config.enable_weight_tying
+    rmap = export.row_map(fam, config, export._meta(config).state_dict())
+    adapters = {"lm_head.lora_A": torch.zeros(4, 64), "lm_head.lora_B": torch.zeros(260, 4),
+                "layers.0.attention.qkv_linear.wq.lora_A": torch.zeros(4, 64),
+                "layers.0.attention.qkv_linear.wq.lora_B": torch.zeros(64, 4)}
+    assert export.unplaced(adapters, rmap) == ["lm_head.weight"]
 
 
 # ---------------------------------------------------------------- #3 the routing-bias warning

@@ -188,6 +188,25 @@ def row_map(family_mod, config, base_sd: dict) -> dict[str, list[tuple[str, torc
     return out
 
 
+def unplaced(adapters: dict, rmap: dict) -> list[str]:
+    """The adapted linears (torchtitan weight keys) whose rows land in no HF module: the family's HF
+    form has no such weight (e.g. a head tied to the embeddings, which its adapter drops), so no PEFT
+    or merged folder would carry their adapters. Launch refuses the known case; this keeps an export
+    or a publication from leaving an adapter out silently."""
+    placed = {k for parts in rmap.values() for k, _, _ in parts}
+    keys = {runtime.base_key(k)[0] for k in adapters if k.rsplit(".", 1)[1].startswith("lora_A")
+            and not k.endswith(("_w1", "_w2", "_w3"))}
+    return sorted(keys - placed)
+
+
+def _refuse_unplaced(adapters: dict, rmap: dict, where: str) -> None:
+    lost = unplaced(adapters, rmap)
+    if lost:
+        raise UserError(where, f"the adapters of {', '.join(lost)} have no place in the HF format of this model "
+                        "(no HF weight takes those rows), so the HF folder would leave them out.",
+                        "Train without those targets (adapter.targets).")
+
+
 def _peft_tensors(adapters: dict, rmap: dict, base_sd: dict, r: int, hf_modules: dict) -> tuple[dict, dict]:
     """PEFT's lora_A / lora_B of every HF linear whose rows some adapter feeds; {module: sources}."""
     by_weight: dict[str, dict] = {}
@@ -293,6 +312,7 @@ def published_form(cfg, family_mod) -> contracts.PublishedForm:
             found.update(rmap=rmap, modules={m: (sum(len(dst) for _, _, dst in parts),) for m, parts in rmap.items()})
         dtype = next(iter(sd.values())).dtype if sd else torch.float32
         adapters = {k: v.float() for k, v in sd.items()}
+        _refuse_unplaced(adapters, found["rmap"], "publish")
         tensors, sources = _peft_tensors(adapters, found["rmap"], {}, r, found["modules"])
         expert_tensors, layers = _expert_tensors(adapters, r)
         tensors.update(expert_tensors)
@@ -312,6 +332,8 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     adapters = load_adapters(family_mod, cfg, step_dir)
     out = Path(out_path)
     r, alpha = int(cfg.adapter.rank), float(cfg.adapter.alpha)
+    rmap = row_map(family_mod, config, base_sd)
+    _refuse_unplaced(adapters, rmap, _where(run_dir))
     if merged:
         with torch.no_grad():
             merged_sd = runtime.merge_into({k: v.float() for k, v in {**base_sd, **adapters}.items()}, alpha / r)
@@ -323,7 +345,6 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     if base_path is None:  # a DCP base: written beside the adapter as an HF folder, and named there
         base_path = str(write_hf(family_mod, cfg, config, base_sd, out / "base").resolve())
         note = f"; its base (from {pointer['path']}) as an HF folder in {out / 'base'}"
-    rmap = row_map(family_mod, config, base_sd)
     hf_modules = {m: (sum(len(dst) for _, _, dst in parts),) for m, parts in rmap.items()}
     tensors, sources = _peft_tensors(adapters, rmap, base_sd, r, hf_modules)
     expert_tensors, layers = _expert_tensors(adapters, r)
