@@ -4,12 +4,14 @@ Without ``--merged``: PEFT's LoRA format, as ``peft.PeftModel.from_pretrained(ba
 it onto the HF model class of the base (``adapter_config.json`` + ``adapter_model.safetensors``):
 
 - each adapted linear becomes the ``lora_A`` / ``lora_B`` of the HF module its rows land in. The
-  family's state-dict adapter is run on marker tensors (one id per output row) to find, for every
-  HF module, which torchtitan linear and row each of its rows comes from; B is carried through that
-  row map, A as it is. Where HF fuses several linears that apiary adapts separately (Qwen3.5's
-  GatedDeltaNet ``in_proj_qkv``), the module's adapter is the exact block form: A stacked, B block
-  diagonal, rank ``n x r`` and alpha ``n x alpha`` (the same alpha / rank), through PEFT's
-  ``rank_pattern`` / ``alpha_pattern``;
+  family's state-dict adapter is run on marker tensors (each weight's shape, one id per row, a layer
+  at a time: ``row_map``) to find, for every HF module, which torchtitan linear and row each of its
+  rows comes from; B is carried through that row map, A as it is (llama3's HF conversion permutes
+  wq's and wk's rows for its rotary layout: ``P W + P B A``, so lora_B's rows move with them).
+  Where HF fuses several linears that apiary adapts separately (Qwen3.5's GatedDeltaNet
+  ``in_proj_qkv``), the module's adapter is the exact block form: A stacked, B block diagonal, rank
+  ``n x r`` and alpha ``n x alpha`` (the same alpha / rank), through PEFT's ``rank_pattern`` /
+  ``alpha_pattern``;
 - routed experts (transformers' fused ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``down_proj``
   [E, D, F]) become PEFT's parameter targets (``target_parameters``, one A/B pair per expert in
   PEFT's layout): ``gate_up_proj`` gets w1's and w3's adapters in block form (rank 2r, alpha 2
@@ -149,32 +151,60 @@ def write_hf(family_mod, cfg, config, state_dict: dict, out) -> Path:
 
 def row_map(family_mod, config, base_sd: dict) -> dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]:
     """HF module -> [(torchtitan weight key, rows of that weight, rows of the HF module they land in)]
-    for every 2-D linear weight, found by converting marker tensors (one id per row) to HF."""
+    for every 2-D linear weight, found by converting marker tensors to HF: a weight's marker has its
+    shape, every element of row i holding i's id (one id per row), so an adapter that reshapes with the
+    model's widths (llama3's q/k row permutation views wq/wk as [heads, head_dim/2, 2, dim]) moves whole
+    rows as it moves the weight's. A marker is a broadcast view (no memory) until an adapter copies it;
+    the groups convert one layer at a time (``hf_export.export_groups``: an adapter fuses or splits
+    within a layer), so at most one layer's permuted weights are ever materialised (fp32 ids, exact)."""
     keys = [k for k, v in base_sd.items() if v.dim() == 2 and k.endswith(".weight") and not k.startswith("tok_embeddings")]
-    offsets, start = {}, 0
-    markers = {}
-    for k in keys:
-        n = base_sd[k].shape[0]
-        offsets[k] = (start, n)
-        markers[k] = torch.arange(start, start + n, dtype=torch.float64)[:, None]
-        start += n
-    owner = torch.empty(start, dtype=torch.long)
-    names = list(keys)
-    for i, k in enumerate(names):
-        s, n = offsets[k]
-        owner[s:s + n] = i
     out: dict[str, list] = {}
-    for hk, t in family_mod.STATE_DICT_ADAPTER(config, None).to_hf(markers).items():
-        if t.dim() != 2 or t.shape[1] != 1 or not hk.endswith(".weight"):
-            continue
-        ids = t[:, 0].round().long()
-        module = hk[: -len(".weight")]
-        for i in torch.unique(owner[ids]).tolist():
-            k = names[i]
-            hf_rows = torch.nonzero(owner[ids] == i, as_tuple=True)[0]
-            src_rows = ids[hf_rows] - offsets[k][0]
-            out.setdefault(module, []).append((k, src_rows, hf_rows))
+    adapter = family_mod.STATE_DICT_ADAPTER(config, None)
+    for group in hf_export.export_groups(keys):
+        offsets, start = {}, 0
+        for k in group:
+            offsets[k] = (start, base_sd[k].shape[0])
+            start += base_sd[k].shape[0]
+        dtype = torch.float32 if start <= 2 ** 24 else torch.float64  # every id exact
+        markers = {k: torch.arange(s, s + n, dtype=dtype)[:, None].expand(n, base_sd[k].shape[1])
+                   for k, (s, n) in offsets.items()}
+        owner = torch.empty(start, dtype=torch.long)
+        for i, k in enumerate(group):
+            s, n = offsets[k]
+            owner[s:s + n] = i
+        for hk, t in adapter.to_hf(markers).items():
+            if t.dim() != 2 or not hk.endswith(".weight") or t.shape[0] == 0:
+                continue
+            ids = t[:, 0]
+            if not torch.equal(ids, t[:, -1]):  # rows are not whole markers' rows (not a row-wise move)
+                continue
+            ids = ids.round().long()
+            module = hk[: -len(".weight")]
+            for i in torch.unique(owner[ids]).tolist():
+                k = group[i]
+                hf_rows = torch.nonzero(owner[ids] == i, as_tuple=True)[0]
+                src_rows = ids[hf_rows] - offsets[k][0]
+                out.setdefault(module, []).append((k, src_rows, hf_rows))
     return out
+
+
+def unplaced(adapters: dict, rmap: dict) -> list[str]:
+    """The adapted linears (torchtitan weight keys) whose rows land in no HF module: the family's HF
+    form has no such weight (e.g. a head tied to the embeddings, which its adapter drops), so no PEFT
+    or merged folder would carry their adapters. Launch refuses the known case; this keeps an export
+    or a publication from leaving an adapter out silently."""
+    placed = {k for parts in rmap.values() for k, _, _ in parts}
+    keys = {runtime.base_key(k)[0] for k in adapters if k.rsplit(".", 1)[1].startswith("lora_A")
+            and not k.endswith(("_w1", "_w2", "_w3"))}
+    return sorted(keys - placed)
+
+
+def _refuse_unplaced(adapters: dict, rmap: dict, where: str) -> None:
+    lost = unplaced(adapters, rmap)
+    if lost:
+        raise UserError(where, f"the adapters of {', '.join(lost)} have no place in the HF format of this model "
+                        "(no HF weight takes those rows), so the HF folder would leave them out.",
+                        "Train without those targets (adapter.targets).")
 
 
 def _peft_tensors(adapters: dict, rmap: dict, base_sd: dict, r: int, hf_modules: dict) -> tuple[dict, dict]:
@@ -282,6 +312,7 @@ def published_form(cfg, family_mod) -> contracts.PublishedForm:
             found.update(rmap=rmap, modules={m: (sum(len(dst) for _, _, dst in parts),) for m, parts in rmap.items()})
         dtype = next(iter(sd.values())).dtype if sd else torch.float32
         adapters = {k: v.float() for k, v in sd.items()}
+        _refuse_unplaced(adapters, found["rmap"], "publish")
         tensors, sources = _peft_tensors(adapters, found["rmap"], {}, r, found["modules"])
         expert_tensors, layers = _expert_tensors(adapters, r)
         tensors.update(expert_tensors)
@@ -301,6 +332,8 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     adapters = load_adapters(family_mod, cfg, step_dir)
     out = Path(out_path)
     r, alpha = int(cfg.adapter.rank), float(cfg.adapter.alpha)
+    rmap = row_map(family_mod, config, base_sd)
+    _refuse_unplaced(adapters, rmap, _where(run_dir))
     if merged:
         with torch.no_grad():
             merged_sd = runtime.merge_into({k: v.float() for k, v in {**base_sd, **adapters}.items()}, alpha / r)
@@ -312,7 +345,6 @@ def export_hf(run_dir, out_path, family_mod, merged: bool = False) -> tuple[Path
     if base_path is None:  # a DCP base: written beside the adapter as an HF folder, and named there
         base_path = str(write_hf(family_mod, cfg, config, base_sd, out / "base").resolve())
         note = f"; its base (from {pointer['path']}) as an HF folder in {out / 'base'}"
-    rmap = row_map(family_mod, config, base_sd)
     hf_modules = {m: (sum(len(dst) for _, _, dst in parts),) for m, parts in rmap.items()}
     tensors, sources = _peft_tensors(adapters, rmap, base_sd, r, hf_modules)
     expert_tensors, layers = _expert_tensors(adapters, r)

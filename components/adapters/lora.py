@@ -130,7 +130,20 @@ class LoRA:
         # checkpoint.load_path is the frozen base, loaded here at every launch (checkpointing on or off,
         # resumed or not): the framework's checks of what it loads leave it to the adapter
         ctx.shared.load_path_reader = "adapter=lora (the frozen base, loaded at every launch)"
-        widths = _widths(ctx)
+        config = _model_config(ctx)
+        widths = None
+        if config is not None:
+            from components.adapters.inspect import target_widths  # reason: start-up time (torchtitan)
+
+            widths = target_widths(config)
+        if "lm_head" in options.targets and getattr(config, "enable_weight_tying", False):
+            raise ValueError(f"adapter.targets=lm_head on a model whose lm_head is tied to the token embeddings "
+                             f"(model.family={cfg.model.family} model.flavor={cfg.model.flavor}"
+                             + (f", model.hf_checkpoint={cfg.model.hf_checkpoint}: tie_word_embeddings"
+                                if cfg.model.get("hf_checkpoint") else "") + "): HF's format holds one matrix for "
+                             "both, so the head's adapter has no place in the export or a published version, and "
+                             "folding it in (apiary export --merged, peft's merge) would change the embeddings too. "
+                             "Drop lm_head from adapter.targets, or adapt a base with an untied head")
         if widths is not None:
             missing = [t for t in options.targets if t not in widths]
             if missing:
@@ -334,19 +347,17 @@ def _trainable(options, ctx) -> str:
     return f"; {n:,} trainable parameters ({100 * n / max(f.n_params, 1):.2g}% of the base's {f.n_params:,})"
 
 
-def _widths(ctx) -> dict | None:
-    """{target: (narrowest min(in, out), where)} of this recipe's model, from its config (no weights)."""
+def _model_config(ctx):
+    """This recipe's torchtitan model config (no weights), or None where there are no facts or the
+    model's own check refuses it (it reports that itself)."""
     if ctx.facts is None:
         return None
-    from components.adapters.inspect import target_widths  # reason: start-up time (torchtitan)
-
     fam = ctx.components["model"]
     mopts = ctx.options["model"]
     try:
-        config = fam.model_spec(mopts.flavor, **fam.model_kwargs(mopts, ctx)).model
+        return fam.model_spec(mopts.flavor, **fam.model_kwargs(mopts, ctx)).model
     except UserError:
-        return None  # the model's own check reports it
-    return target_widths(config)
+        return None
 
 
 def adapter_counts(f, targets: list[str], r: int) -> dict:

@@ -52,16 +52,17 @@ class HFWriter:
     config: object  # the torchtitan model config the run builds
     adapter_cls: type  # the family's state-dict adapter (torchtitan <-> HF names)
     hf_config: dict  # config.json
-    warned: bool = False
+    warned: bool = False  # the routing-bias warning was given (once a run)
 
     def __call__(self, state_dict: dict) -> tuple[dict, dict]:
-        if not self.warned:
+        # the routing bias starts at zero (nothing is left out of the starting weights): the warning
+        # comes at the first version whose bias has moved, and only there
+        if not self.warned and any(k.endswith("expert_bias_E") and bool(v.any()) for k, v in state_dict.items()):
             self.warned = True
-            if any(k.endswith("expert_bias_E") and bool(v.any()) for k, v in state_dict.items()):
-                logging.getLogger("apiary").warning(
-                    "publish: the MoE routing bias that moe.load_balance_coeff trains is not part of the HF "
-                    "format and is left out, so a generator loading the published weights may route some "
-                    "tokens differently; train with moe.load_balance_coeff=null for routing that matches.")
+            logging.getLogger("apiary").warning(
+                "publish: the MoE routing bias that moe.load_balance_coeff trains is not part of the HF "
+                "format and is left out, so a generator loading the published weights may route some "
+                "tokens differently; train with moe.load_balance_coeff=null for routing that matches.")
         return to_hf_tensors(state_dict, self.config, self.adapter_cls), self.hf_config
 
     def to_hf(self, state_dict: dict) -> dict:
