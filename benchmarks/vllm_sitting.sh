@@ -56,6 +56,17 @@ for name in ("none", "every"):
           f"versions sent {sent}, deferred {deferred}")
 PY
 }
+# apiary logprobs' ref_logprobs against the engine's old_logprobs on the scored tokens of one shard
+logprob_diff() {
+  $PY - "$1" <<'PY'
+import json, sys
+d = []
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    d += [abs(a - b) for a, b, m in zip(r["ref_logprobs"], r["old_logprobs"], r["loss_mask"]) if m]
+print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / len(d):.3g}, max {max(d):.3g}")
+PY
+}
 case "$PART" in
 1)
   timeout 330 $PY -m pytest -q -s -p no:cacheprovider --basetemp=/tmp/pt tests/gpu/test_vllm_gpu.py 2>&1 \
@@ -88,14 +99,7 @@ PY
   # apiary logprobs on the engine's first shard, with the weights that sampled it (version 0)
   CUDA_VISIBLE_DEVICES=0 $PY -m toolkit.cli logprobs /tmp/rl/learn/weights/step-0 /tmp/rl/learn/rollouts/000000.jsonl \
     --out /tmp/lp > "$OUT/logprobs.log" 2>&1
-  $PY - /tmp/lp/000000.jsonl >> "$OUT/logprobs.log" 2>&1 <<'PY'
-import json, sys
-d = []
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    d += [abs(a - b) for a, b, m in zip(r["ref_logprobs"], r["old_logprobs"], r["loss_mask"]) if m]
-print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / len(d):.3g}, max {max(d):.3g}")
-PY
+  logprob_diff /tmp/lp/000000.jsonl >> "$OUT/logprobs.log" 2>&1
   tail -1 "$OUT/logprobs.log"
   for n in learn flat replay; do cp /tmp/rl/$n/run/metrics.jsonl "$OUT/metrics_$n.jsonl" 2>/dev/null; done
   errors /tmp/rl*/*/generator.log /tmp/rl*/*/train.log > "$OUT/rl_errors.log"
@@ -217,14 +221,7 @@ PY
   grep -vE "^W[0-9]{4} |FutureWarning|_set_allocator" /tmp/rl35/flat/train.log 2>/dev/null | tail -c 6000 > "$OUT/train_flat.log"
   $PY -m toolkit.cli logprobs /tmp/rl35/flat/weights/step-0 /tmp/rl35/flat/rollouts/000000.jsonl --out /tmp/lp35 \
     > "$OUT/logprobs.log" 2>&1
-  $PY - /tmp/lp35/000000.jsonl >> "$OUT/logprobs.log" 2>&1 <<'PY'
-import json, sys
-d = []
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    d += [abs(a - b) for a, b, m in zip(r["ref_logprobs"], r["old_logprobs"], r["loss_mask"]) if m]
-print(f"apiary logprobs vs the engine's, {len(d)} tokens: mean |diff| {sum(d) / len(d):.3g}, max {max(d):.3g}")
-PY
+  logprob_diff /tmp/lp35/000000.jsonl >> "$OUT/logprobs.log" 2>&1
   tail -2 "$OUT/logprobs.log"
   ;;
 8|9)
