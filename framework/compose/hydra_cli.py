@@ -306,12 +306,9 @@ def _tee_output(path: Path):
 
 
 # ------------------------------------------------------------------------------------ --help
-def _field_docs(cls) -> dict[str, str]:
-    """A dataclass's per-field docs (`# comment` or the string literal after the field)."""
-    return contracts.field_docs(cls)
-
-
-def _type_name(t) -> str:
+def _type_name(t, f=None) -> str:
+    if f is not None and "choices" in f.metadata:  # a schema `one_of` str key: its values
+        return "|".join(f.metadata["choices"]) + ("|null" if type(None) in typing.get_args(t) else "")
     if isinstance(t, str):
         return t.replace("Optional[", "").rstrip("]") + ("|null" if t.startswith("Optional[") else "")
     names = contracts.choices(t)
@@ -332,7 +329,7 @@ def _default(f) -> str:
 
 
 def _keys(cls, prefix: str = "") -> list[str]:
-    lines, docs = [], _field_docs(cls)
+    lines, docs = [], contracts.field_docs(cls)  # the comment on or above each field, or its string
     try:
         hints = typing.get_type_hints(cls)
     except (NameError, TypeError):
@@ -342,11 +339,11 @@ def _keys(cls, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(t):
             lines.extend(_keys(t, f"{prefix}{f.name}."))
             continue
-        if t is typing.Any or f.name == "name" and prefix:
+        if t is typing.Any or f.name == "name" and prefix and "choices" not in f.metadata:  # a group's own name
             continue
         default = _default(f)
-        head = f"{prefix}{f.name}: {_type_name(t)}" + (f" = {default}" if default else "")
-        lines.append(f"  {head:<48} {docs.get(f.name, '')}".rstrip())
+        head = f"{prefix}{f.name}: {_type_name(t, f)}" + (f" = {default}" if default else "")
+        lines.append(f"  {head:<47}  {docs.get(f.name, '')}".rstrip())  # two spaces before the doc
     return lines
 
 

@@ -49,42 +49,42 @@ def choices(cls: type | None = None, prefix: str = "") -> dict[str, tuple]:
 @dataclass
 class ModelConfig:
     family: str = MISSING  # registry.yaml kind `model`
-    flavor: str = MISSING
+    flavor: str = MISSING  # the family's named size (registry.yaml kind `model`; set by the recipe)
     n_layers: Optional[int] = None  # truncate/extend the layer stack
     vocab_size: Optional[int] = None  # override the flavor's vocabulary
     attn_backend: str = "flex"  # flex | flex_flash (Hopper or Blackwell GPUs) | varlen (CUDA)
     # inductor max-autotune + coordinate descent for flex attention: off by default (on one H200 at 32K it
     # added 136 s to a cold step 1 and changed steady tok/s by under 2%; docs/benchmarks.md)
     flex_autotune: bool = False
-    hf_checkpoint: Optional[str] = None
+    hf_checkpoint: Optional[str] = None  # HF model folder (config.json + safetensors) to start from; null: init (training.seed)
 
 
 @dataclass
 class ParallelConfig:
     gpus: Optional[int] = None  # GPU count the recipe is laid out for (--cfg job, plan); a launch uses its own
-    dp_replicate: int = 1
-    dp_shard: Optional[int] = None
-    cp: Optional[int] = None
-    ep: Optional[int] = None
-    pp: Optional[int] = None
-    tp: Optional[int] = None
+    dp_replicate: int = 1  # replicated copies of the model (HSDP's outer dim); 1: none
+    dp_shard: Optional[int] = None  # FSDP degree: ranks each parameter is sharded over
+    cp: Optional[int] = None  # context-parallel degree: ranks one sequence is split over (docs/skills/context_parallel.md)
+    ep: Optional[int] = None  # expert-parallel degree: ranks the experts are spread over
+    pp: Optional[int] = None  # pipeline-parallel degree: stages the layer stack is cut into
+    tp: Optional[int] = None  # tensor-parallel degree: ranks each matmul is split over
     # torchtitan's context-parallel load balancers, checked whatever parallel.cp (a value a later CP run
     # would refuse is never kept)
     cp_load_balancer: str = one_of("headtail", "ptrr", "none")  # headtail (balanced causal attention) | ptrr | none (contiguous)
     pp_schedule: str = "1F1B"  # torch.distributed.pipelining schedule name (framework/resolve/values.py PP_SCHEDULES)
-    pp_microbatch_size: int = 1
+    pp_microbatch_size: int = 1  # parallel.pp > 1: sequences per pipeline microbatch (divides training.local_batch)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 20
-    seq_len: int = 256
+    steps: int = 20  # optimizer steps the run trains to
+    seq_len: int = 256  # tokens per training sequence
     local_batch: int = 2  # sequences per rank per micro-step
     global_batch: Optional[int] = None  # sequences per optimizer step; None = local x data-parallel
     dtype: str = "bfloat16"  # compute (mixed-precision param) dtype: bfloat16 | float32
-    max_norm: float = 1.0
-    seed: int = 42
-    deterministic: bool = False
+    max_norm: float = 1.0  # clip the gradients' global norm to this (inf: no clipping)
+    seed: int = 42  # seeds the weights' initialisation and the random streams
+    deterministic: bool = False  # torch's deterministic algorithms (torchtitan's debug.deterministic): slower
     cache_autotuning: bool = True  # keep Triton's autotuning results on disk across launches
     kernel_cache: Optional[str] = None  # Triton + inductor caches under this path (None: their defaults)
     autotune_configs: str = one_of(
@@ -109,7 +109,7 @@ class DataConfig:
 class MoEConfig:
     comm: str = "alltoall"  # registry.yaml kind `moe_comm`
     chunk: str = "none"  # registry.yaml kind `moe_chunk`
-    load_balance_coeff: Optional[float] = 1e-3
+    load_balance_coeff: Optional[float] = 1e-3  # step of the routing bias that balances the experts' load; null: off
     routing_replay: bool = False  # route every MoE layer to the rollouts' routed_experts (docs/skills/routing_replay.md)
     # score the expert outputs without fp32 copies, same values (docs/skills/lean_combine.md); null: where it runs
     lean_combine: Optional[bool] = None
@@ -146,11 +146,11 @@ class PublishConfig:
 @dataclass
 class OptimizerConfig:
     name: str = one_of("Adam", "AdamW", default="AdamW")  # torchtitan's optimizers that take the betas, eps and weight_decay here
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = 3e-4  # peak learning rate (after warm-up)
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's denominator term
+    weight_decay: float = 0.1  # weight decay (AdamW: decoupled; Adam: L2 in the gradient); 0: none
 
 
 @dataclass
@@ -163,17 +163,17 @@ class ValidationConfig:
 
 @dataclass
 class LRConfig:
-    warmup_steps: int = 2
+    warmup_steps: int = 2  # steps of linear warm-up to optimizer.lr; 0: none
     decay_ratio: Optional[float] = None  # None: decay over all steps after warm-up
-    decay_type: str = one_of("linear", "sqrt", "cosine")  # linear | sqrt | cosine
-    min_lr_factor: float = 0.0
+    decay_type: str = one_of("linear", "sqrt", "cosine")  # the decay's shape from optimizer.lr to its floor
+    min_lr_factor: float = 0.0  # the decay's floor, as a fraction of optimizer.lr
     total_steps: Optional[int] = None  # the schedule's length; null: training.steps (later steps keep its final rate)
 
 
 @dataclass
 class CheckpointConfig:
-    enable: bool = True
-    interval: int = 10
+    enable: bool = True  # save checkpoints under OUTPUT_DIR/checkpoint (false: none)
+    interval: int = 10  # save every N steps
     resume: bool = False  # continue from the latest checkpoint of output_dir (or the recipe's latest run)
     keep_latest_k: int = 3  # complete step-N folders kept (0: all); the oldest go as each new one completes
     load_step: Optional[int] = None  # resume from this complete step instead of the latest (checkpoint.resume)
@@ -185,11 +185,11 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_freq: int = 1
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "apiary"
-    color: bool = True
+    log_freq: int = 1  # steps between metrics records
+    tensorboard: bool = True  # write TensorBoard event files in the run folder
+    wandb: bool = False  # log metrics to Weights & Biases too
+    wandb_project: str = "apiary"  # logging.wandb: the W&B project
+    color: bool = True  # colors in the console output
 
 
 @dataclass
@@ -209,7 +209,7 @@ class LayoutRule:
 class LayoutTable:
     """The 4D->2D table (seed 000) as data: applied to every unset parallel dim."""
 
-    ep_by_params: list[LayoutRule] = field(default_factory=list)
+    ep_by_params: list[LayoutRule] = field(default_factory=list)  # rules {max_params, ep}: EP by total parameters
     target_local_seq: int = 32768  # CP = global sequence / this, rounded up to a valid divisor
     pp: int = 1  # 2 is optional: peak performance, lower peak memory
     tp: int = 1  # only with a clear model or hardware reason
@@ -217,8 +217,8 @@ class LayoutTable:
 
 @dataclass
 class RecipeConfig:
-    recipe: str = DEFAULT_RECIPE
-    description: str = ""
+    recipe: str = DEFAULT_RECIPE  # the recipe composed (recipe=NAME or recipe=PATH.yaml)
+    description: str = ""  # one line on the recipe (`apiary list` shows it)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

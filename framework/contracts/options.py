@@ -46,8 +46,9 @@ def check_choices(obj: Any, prefix: str, where: str = "") -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's doc: the string literal after it (torchtitan's style) or its ``# comment``,
-    read from the class's source and its bases' (empty where the source cannot be read)."""
+    """Each field's doc: the string literal after it (torchtitan's style), or its ``# comment`` block
+    on the lines right above it followed by the comment on its own (last) line, read from the class's
+    source and its bases' (empty where the source cannot be read)."""
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         try:
@@ -61,9 +62,22 @@ def field_docs(cls: type) -> dict[str, str]:
                 continue
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
-            elif "#" in lines[stmt.end_lineno - 1]:
-                docs[stmt.target.id] = lines[stmt.end_lineno - 1].split("#", 1)[1].strip()
+                continue
+            parts = _comments_above(lines, stmt.lineno - 1)
+            if "#" in lines[stmt.end_lineno - 1]:
+                parts = [": ".join(filter(None, (" ".join(parts), lines[stmt.end_lineno - 1].split("#", 1)[1].strip())))]
+            if any(parts):
+                docs[stmt.target.id] = " ".join(parts)
     return docs
+
+
+def _comments_above(lines: list[str], index: int) -> list[str]:
+    """The texts of the unbroken run of ``#`` comment lines right above ``lines[index]``, in order."""
+    out: list[str] = []
+    while index > 0 and lines[index - 1].lstrip().startswith("#"):
+        index -= 1
+        out.insert(0, lines[index].lstrip()[1:].strip())
+    return out
 
 
 @functools.lru_cache(maxsize=None)
