@@ -28,3 +28,30 @@ def test_train_help_documents_every_key():
     assert "fp32 copies" in rows["moe.lean_combine"] and "max-autotune" in rows["model.flex_autotune"]
     # a comment above and one on the field's line: both, in order
     assert re.search(r"load balancers.*: headtail \(balanced", rows["parallel.cp_load_balancer"])
+
+
+def test_moe_chunk_training_pair_passes_check_at_its_declared_class(tmp_path, capsys):
+    """#2: docs/skills/moe_chunk.md's training pair with `--check` (`apiary compare recipe=debug_moe
+    moe.chunk=none,chunk2 ... --check`) exited 1: chunk2 declared NUMERICS `exact`, yet its expert
+    weight gradients are sums of per-chunk bf16 grouped-GEMM partials (w2 2.1e-3 norm-wise at step 0,
+    loss curve 6.9e-7 after it). chunk2 (and auto, which may chunk) now declare `bf16`, the check uses
+    that class, and it passes; the step-0 loss and logits stay bitwise."""
+    import json
+
+    from framework import contracts
+    from framework.compose import registry
+    from toolkit.compare import compare_main
+
+    declared = contracts.member(registry.resolve("moe_chunk", "chunk2"), "moe_chunk", "NUMERICS")[""]
+    assert declared == "bf16"
+    assert contracts.member(registry.resolve("moe_chunk", "auto"), "moe_chunk", "NUMERICS")[""] == "bf16"
+    out = tmp_path / "cmp"
+    rc = compare_main(["recipe=debug_moe", "moe.chunk=none,chunk2", "training.steps=2", "training.seq_len=64",
+                       "logging.tensorboard=false", f"output_dir={out}", "--check", "--jobs=1"])
+    err = capsys.readouterr().err
+    res = json.loads((out / "compare.json").read_text())
+    assert res["tolerance"]["kind"] == declared, res["kind_reason"]
+    assert rc == 0 and res["check"]["passed"], (res["check"]["failures"], err[-3000:])
+    d = res["variants"][1]["diff"]
+    assert d["step0_loss_abs"] == 0 and d["logits_max_abs"] == 0  # the forward is bitwise
+    assert 0 < d["grads_rel"] < 2e-2 and "routed_experts" in d["grads_worst_param"]  # bf16 partial sums
