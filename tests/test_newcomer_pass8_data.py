@@ -1,9 +1,12 @@
 """Newcomer pass 8 (data): a rollout shard renamed into place, before the position, while a followed
-run was stopped is named on resume (docs/skills/follow.md)."""
+run was stopped is named on resume (docs/skills/follow.md); a resume keeps the warm-up a short launch
+shortened (docs/skills/resume.md); a followed run's validation.* keys are refused first for what they are."""
 
 from __future__ import annotations
 
 from test_follow import _rows, write_shard
+
+from conftest import read_metrics, train_here
 
 
 def test_a_shard_renamed_before_the_position_while_stopped_is_named_on_resume(tmp_path, capsys):
@@ -28,3 +31,27 @@ def test_a_shard_renamed_before_the_position_while_stopped_is_named_on_resume(tm
     write_shard(tmp_path, 3, per_shard=6, first=100)  # a copy of the untrained shard, in order: trained, not a duplicate
     next(it2), next(it2)
     assert again.step_report(3)["records"] == [f"r{i}" for i in range(100, 106)]
+
+
+WARM_RECIPE = ("defaults:\n  - debug_moe\n  - _self_\ntraining:\n  seq_len: 64\n  local_batch: 2\n"
+               "lr:\n  warmup_steps: 50\n  min_lr_factor: 1.0\n")  # a long warm-up, then a constant lr
+
+
+def test_a_resume_keeps_the_warm_up_a_short_launch_shortened(tmp_path, capsys):
+    (tmp_path / "warm.yaml").write_text(WARM_RECIPE)
+    first = train_here(["train", "recipe=warm.yaml", "output_dir=run", "training.steps=3", "checkpoint.interval=3",
+                        "logging.tensorboard=false"], tmp_path, capsys)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "warm-up shortened to 2 steps" in first.stdout
+    resume_cmd = next(line.split("resume", 1)[1].split() for line in first.stdout.splitlines()
+                      if line.strip().startswith("resume ") and "checkpoint.resume=true" in line)
+    assert resume_cmd[0] == "train" and "lr.warmup_steps=2" in resume_cmd, resume_cmd
+    # another warm-up is refused, naming the one the schedule used (was: resumed into a warm-up of 5 steps)
+    other = train_here([x for x in resume_cmd if not x.startswith("lr.warmup_steps=")], tmp_path, capsys)
+    assert other.returncode == 2 and "lr.warmup_steps: 2 then, 5 now" in other.stderr, other.stderr[-2000:]
+    second = train_here(resume_cmd, tmp_path, capsys)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "warm-up shortened" not in second.stdout
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    peak = max(lrs[:3])
+    assert len(lrs) == 6 and lrs[2] == peak and all(lr >= peak * (1 - 1e-9) for lr in lrs[3:]), lrs
