@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_follow import _rows, write_shard
 
-from conftest import read_metrics, train_here
+from conftest import read_metrics, run_cli, train_here
 
 
 def test_a_shard_renamed_before_the_position_while_stopped_is_named_on_resume(tmp_path, capsys):
@@ -55,3 +55,12 @@ def test_a_resume_keeps_the_warm_up_a_short_launch_shortened(tmp_path, capsys):
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
     peak = max(lrs[:3])
     assert len(lrs) == 6 and lrs[2] == peak and all(lr >= peak * (1 - 1e-9) for lr in lrs[3:]), lrs
+
+
+def test_validation_steps_on_a_rollout_run_is_refused_for_what_it_is(tmp_path):
+    """`recipe=debug_grpo validation.steps=3` first asked for validation.interval=N, which was refused next
+    for a rollout run: the first refusal says validation does not apply and to drop the validation keys."""
+    r = run_cli(["train", "recipe=debug_grpo", "validation.steps=3", "--cfg", "job"], tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Drop the validation.* keys" in r.stderr and "validation.interval=N" not in r.stderr, r.stderr[-2000:]
+    assert "validation.steps=3" in r.stderr and "trains a policy on rollouts" in r.stderr
