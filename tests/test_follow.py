@@ -84,14 +84,14 @@ def test_rows_wait_for_a_full_step_and_never_span_shards(tmp_path):
     it = iter(ds)
     _, a = next(it)
     _, b = next(it)
-    assert ds.state_dict() == {"row": 2, "shard": "000000.jsonl", "record": 4}
+    assert ds.state_dict() == {"row": 2, "shard": "000000.jsonl", "record": 4, "listed": []}
     assert ds.step_report(1)["records"] == ["r0", "r1", "r2", "r3"]
     assert int((a != -100).sum()) > int((b != -100).sum()) > 0  # 3 sequences, then 1
     assert not ds.ready()  # nothing more until the next shard is renamed into place
     write_shard(tmp_path, 1, per_shard=7, first=4)  # rows of 3 + 3 + 1: one step, and a row left over
     assert ds.ready()
     next(it), next(it)
-    assert ds.state_dict() == {"row": 4, "shard": "000001.jsonl", "record": 6}
+    assert ds.state_dict() == {"row": 4, "shard": "000001.jsonl", "record": 6, "listed": ["000000.jsonl"]}
     assert ds.step_report(2)["records"] == ["r4", "r5", "r6", "r7", "r8", "r9"]
 
 

@@ -153,7 +153,7 @@ def test_rank_0s_resume_line_composes_nothing(tmp_path, monkeypatch):
     run._report(resolved)
     got = json.loads((d / "summary.json").read_text())["next"]["resume"]
     assert got == (f"train recipe=debug_moe output_dir={d} checkpoint.resume=true training.steps=4 loss=chunked "
-                   "optimizer.lr=2e-3 lr.total_steps=4"), got
+                   "optimizer.lr=2e-3 lr.total_steps=4 lr.warmup_steps=1"), got  # the warm-up 2 steps shortened
     assert composed == []
 
 

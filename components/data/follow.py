@@ -77,6 +77,7 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
         self._said: set[str] = set()  # warnings printed once
         self._resumed = False
         self._resumed_with: set[str] = set()  # a resumed run's shards present at its first listing
+        self._passed: set[str] | None = None  # a resumed run's: shards before its position the run had listed
 
     # -- versions ----------------------------------------------------------------------------
     def version(self, step: int) -> int:
@@ -107,6 +108,12 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
                     print(f"apiary: rollout shard {f} appeared after the trainer passed its name "
                           f"(position {first_name}); shard names must sort in the order they are written, "
                           "so it is not trained", flush=True)
+                elif not self._listed and self._passed is not None and first_name and f.name < first_name \
+                        and f.name not in self._passed:
+                    print(f"apiary: rollout shard {f} appeared while the trainer was stopped, with a name before the "
+                          f"position it resumes from ({first_name}); shard names must sort in the order they are "
+                          "written, so it is not trained (rename it to sort after the last shard to train it)",
+                          flush=True)
             if f.name < first_name:
                 continue
             recs = self._load(f)
@@ -298,11 +305,15 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
             del self._cache[name]
 
     def state_dict(self):
-        return {"row": self._g, "shard": self.pos[0], "record": self.pos[1]}
+        # the shards before the position the run listed: a resume names one renamed into place while it was stopped
+        return {"row": self._g, "shard": self.pos[0], "record": self.pos[1],
+                "listed": sorted(n for n in self._known if n < self.pos[0])}
 
     def load_state_dict(self, state):
         self._g = int(state["row"])
         self.pos = (str(state.get("shard", "")), int(state.get("record", 0)))
         self._pos_len = None  # known again once the shard is read (a resumed run reads it first)
         self._resumed = self._g > 0 or bool(self.pos[0])
+        listed = state.get("listed")  # absent in a checkpoint written before it was kept: every shard counts as listed
+        self._passed = {str(n) for n in listed} if listed is not None else None
         self._plan = None

@@ -95,7 +95,7 @@ class ShardWatch:
     what identifies each on disk, the records and shards it has passed, and the warnings it said.
     The state lives on the dataset (``FollowRows.__init__`` sets it: ``dir``, ``seq_len``, ``vocab``,
     ``routing``, ``pos``, ``with_ref``, ``with_gen`` and the ``_cache``, ``_idents``, ``_digests``,
-    ``_seen``, ``_seen_digests``, ``_known``, ``_gone``, ``_said``, ``_pos_len``, ``_resumed_with``
+    ``_seen``, ``_seen_digests``, ``_known``, ``_gone``, ``_said``, ``_pos_len``, ``_resumed_with``, ``_passed``
     it keeps); these are its methods that read the folder."""
 
     def _say(self, message: str) -> None:
@@ -155,12 +155,14 @@ class ShardWatch:
     def _history(self, listed: list[Path]) -> None:
         """A resumed run's first listing: the records of the shards before its position (trained before
         the checkpoint) are remembered by sequence_id and the shards by digest, so a copy that comes later
-        is not trained twice."""
+        is not trained twice; a shard the run had not listed before it stopped was never trained."""
         first_name, first_idx = self.pos
         self._resumed_with = {f.name for f in listed}
         for f in listed:
             if f.name > first_name:
                 break
+            if self._passed is not None and f.name != first_name and f.name not in self._passed:
+                continue  # appeared while the run was stopped: never trained (named), so a later copy trains
             if f.name == first_name:
                 recs = self._load(f) or []
                 for line, rec in recs[:first_idx]:

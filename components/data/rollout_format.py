@@ -18,6 +18,11 @@ from framework.errors import UserError
 
 _MAX_LAG = 2 ** 63 - 1  # int64: the trainer's version is a step count
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# validation.* on a rollout run: what it would do, and what to do (validation.steps: ``ignored_keys``, so that
+# framework/resolve/needs.py names this before it asks for validation.interval)
+_NO_VALIDATION = ("validation computes the language-model loss on held-out text; this run trains a policy on rollouts "
+                  "(data.format=rollouts), where it has no meaning")
+_DROP_VALIDATION = "Drop the validation.* keys (policy metrics are in metrics.jsonl as policy/*)."
 
 
 def _check_rollout_settings(d: DataOptions, ctx) -> None:
@@ -39,9 +44,7 @@ def _check_rollout_settings(d: DataOptions, ctx) -> None:
     if given:
         followed = (" (and a followed stream has no end, so no last fraction to hold out)"
                     if d.follow and v.fraction else "")
-        raise UserError(" ".join(given), "validation computes the language-model loss on held-out text; this run "
-                        f"trains a policy on rollouts (data.format=rollouts), where it has no meaning{followed}.",
-                        "Drop the validation.* keys (policy metrics are in metrics.jsonl as policy/*).")
+        raise UserError(" ".join(given), f"{_NO_VALIDATION}{followed}.", _DROP_VALIDATION)
     if not d.follow:
         return
     if d.path is None:
@@ -155,14 +158,16 @@ class Rollouts:
 
     @staticmethod
     def ignored_keys(options: DataOptions, ctx) -> dict[str, tuple[str, str]]:
-        """data.name, once data.path is set and the rollouts are not followed: the records are read from
-        data.path alone (data.name=packaged names the packaged rollouts only when data.path is unset);
-        followed, framework/resolve/needs.py's _NEEDS refuses it."""
+        """validation.steps (the other validation.* keys: _check_rollout_settings); data.name, once data.path is
+        set and the rollouts are not followed: the records are read from data.path alone (data.name=packaged
+        names the packaged rollouts only when data.path is unset); followed, framework/resolve/needs.py's
+        _NEEDS refuses it."""
+        out = {"validation.steps": (_NO_VALIDATION, _DROP_VALIDATION)}
         if options.follow or options.path is None:
-            return {}
-        return {"data.name": (f"rollouts are read from data.path={options.path} alone (data.name names a text "
-                              "dataset, or data.name=packaged the packaged rollouts when data.path is unset)",
-                              "Drop data.name (the rollouts come from data.path).")}
+            return out
+        return {**out, "data.name": (f"rollouts are read from data.path={options.path} alone (data.name names a text "
+                                     "dataset, or data.name=packaged the packaged rollouts when data.path is unset)",
+                                     "Drop data.name (the rollouts come from data.path).")}
 
     @staticmethod
     def apply(options: DataOptions, tc, ctx) -> None:

@@ -225,9 +225,10 @@ class Data(Component, Planned, Protocol):
     def summary(self, options: Any, ctx: Context) -> str: ...
 
     def ignored_keys(self, options: Any, ctx: Context) -> Mapping[str, tuple[str, str]]:
-        """Optional (None: the format reads every ``data.*`` key it is given): the ``data.*`` keys this
-        format, with these options, does not read -> (what it reads instead, what to do). ``resolve``
-        refuses such a key given on the command line (a value the recipe sets stays accepted)."""
+        """Optional (None: the format reads every ``data.*`` key it is given): the ``data.*`` keys (and
+        ``validation.*`` keys: a format with no held-out text) this format, with these options, does not
+        read -> (what it reads instead, what to do). ``resolve`` refuses such a key given on the command
+        line (a value the recipe sets stays accepted), before it asks for a setting another key needs."""
         ...
 
 

@@ -72,6 +72,15 @@ def continuation(cfg, steps: int) -> tuple[list[str], str]:
     (optimizer.lr scaled so step ``steps + 1`` uses at most the rate step ``steps`` used). The note names
     the rate the plain stretch would jump to."""
     c = OmegaConf.to_container(cfg, resolve=True)
+    warmup = resume.warmup_steps(c)  # a warm-up the launch shortened is kept (a resume refuses another one)
+    kept = [f"lr.warmup_steps={warmup}"] if warmup != int(c["lr"]["warmup_steps"]) else []
+    c["lr"]["warmup_steps"] = warmup
+    overrides, note = _continuation(c, steps)
+    return overrides + kept, note
+
+
+def _continuation(c: dict, steps: int) -> tuple[list[str], str]:
+    """``continuation`` of the run's config ``c`` (resolved, its warm-up the one the schedule used)."""
     to, lr0 = 2 * steps, float(c["optimizer"]["lr"])
 
     def next_lr(total: int, lr: float) -> float:

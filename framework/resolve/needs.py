@@ -100,12 +100,12 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                         "weights of a new run (written, then the process exits); it cannot continue a run, and "
                         "would be written into the run's checkpoints.", "Drop one of them: create the seed in a new "
                         "output_dir.")
+    _check_ignored_data_keys(cfg, given, ctx)  # first: a key the format never reads needs nothing else
     for key, needs, off, what in _NEEDS:
         if key in given and off(cfg):
             raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
                             "and this run does not have it, so the setting would be ignored.",
                             f"Add {needs}, or drop {key}.")
-    _check_ignored_data_keys(cfg, given, ctx)
     model = cfg.model
     if "model.flavor" in given and model.get("hf_checkpoint") and ctx.facts is not None:
         mod = ctx.components["model"]
@@ -126,8 +126,8 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
 
 
 def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:
-    """A ``data.*`` key given on the command line that the data format declares it does not read
-    (its ``ignored_keys``) is refused; the recipe's own value of it stays accepted."""
+    """A ``data.*`` (or ``validation.*``) key given on the command line that the data format declares it does
+    not read (its ``ignored_keys``) is refused; the recipe's own value of it stays accepted."""
     data = ctx.components.get("data")
     ignored = contracts.member(data, "data", "ignored_keys") if data is not None else None
     if ignored is None:

@@ -231,6 +231,8 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
                         f"Restore it from {configs[0]} or a copy.") from None
     new = OmegaConf.to_container(cfg, resolve=True)
     old_l, new_l = paths.absolute_leaves(leaves(saved)), leaves(new)  # a config stored before paths were absolute
+    # the warm-up the schedule used, not as written: a launch's shortened one (values.check_warmup) is kept
+    old_l["lr.warmup_steps"], new_l["lr.warmup_steps"] = warmup_steps(saved), warmup_steps(new)
     refused, changes = [], []
     for key in sorted(set(old_l) | set(new_l)):
         a, b = old_l.get(key), new_l.get(key)
@@ -242,7 +244,9 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
         else:
             refused.append((key, a, b))
     if refused:
-        listed = "; ".join(f"{k}: {_fmt(a)} then, {_fmt(b)} now" for k, a, b in refused)
+        listed = "; ".join(f"{k}: {_fmt(a)} then, {_fmt(b)} now" + (
+            " (the warm-up the schedule uses: lr.warmup_steps shortened to leave one step of its horizon; "
+            f"lr.warmup_steps={a} keeps it)" if k == "lr.warmup_steps" else "") for k, a, b in refused)
         raise UserError("checkpoint.resume=true", f"{run_dir} was trained with other settings that its checkpoint "
                         f"depends on ({listed}; compared with {saved_path.name}). A resume keeps the model, data "
                         "position, optimizer state and schedule it saved.",
