@@ -46,11 +46,14 @@ def test_a_resume_keeps_the_warm_up_a_short_launch_shortened(tmp_path, capsys):
     resume_cmd = next(line.split("resume", 1)[1].split() for line in first.stdout.splitlines()
                       if line.strip().startswith("resume ") and "checkpoint.resume=true" in line)
     assert resume_cmd[0] == "train" and "lr.warmup_steps=2" in resume_cmd, resume_cmd
-    # another warm-up is refused, naming the one the schedule used (was: resumed into a warm-up of 5 steps)
-    other = train_here([x for x in resume_cmd if not x.startswith("lr.warmup_steps=")], tmp_path, capsys)
+    # another warm-up given is refused, naming the one the schedule used (was: resumed into a warm-up of 5)
+    other = train_here([*(x for x in resume_cmd if not x.startswith("lr.warmup_steps=")), "lr.warmup_steps=5"],
+                       tmp_path, capsys)
     assert other.returncode == 2 and "lr.warmup_steps: 2 then, 5 now" in other.stderr, other.stderr[-2000:]
-    second = train_here(resume_cmd, tmp_path, capsys)
+    # a resume typed without it keeps it, as it keeps the launch's overrides
+    second = train_here([x for x in resume_cmd if not x.startswith("lr.warmup_steps=")], tmp_path, capsys)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "lr.warmup_steps=2" in second.stdout, second.stdout[-2000:]
     assert "warm-up shortened" not in second.stdout
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
     peak = max(lrs[:3])

@@ -49,10 +49,14 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     Three steps: compose (framework/compose/), the checks of this package (``checked``), the planner's
     preflight (framework/plan/)."""
     cfg = recipes.load(recipe, overrides)
-    kept = resume.kept_overrides(cfg.output_dir or outputs.latest_run_dir(cfg.recipe), overrides) \
-        if for_training and cfg.checkpoint.resume else []
+    run_dir, resuming = cfg.output_dir or outputs.latest_run_dir(cfg.recipe), for_training and cfg.checkpoint.resume
+    kept = resume.kept_overrides(run_dir, overrides) if resuming else []
     if kept:  # a resume keeps the launch's overrides, unless given again
         overrides = [*kept, *overrides]
+        cfg = recipes.load(recipe, overrides)
+    warmup = resume.kept_warmup(run_dir, cfg, overrides) if resuming else []
+    if warmup:  # and the warm-up its schedule used, when the launch shortened it
+        kept, overrides = [*kept, *warmup], [*warmup, *overrides]
         cfg = recipes.load(recipe, overrides)
     r = checked(cfg, overrides, kept, world_size=world_size, for_training=for_training)
     r.launch = {"recipe": recipe, "overrides": list(overrides)}

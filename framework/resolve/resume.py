@@ -182,6 +182,20 @@ def kept_overrides(run_dir, given: list[str]) -> list[str]:
             and not ("." in k and k.split(".", 1)[0] in regrouped)]
 
 
+def kept_warmup(run_dir, cfg, given: list[str]) -> list[str]:
+    """``["lr.warmup_steps=N"]`` when the run's newest launch used a warm-up of N steps (shortened to fit its
+    horizon) and this resume, not giving lr.warmup_steps, would use another: the schedule is the checkpoint's."""
+    configs = launch_configs(run_dir) if run_dir is not None else []
+    if not configs or "lr.warmup_steps" in {_key(o) for o in given}:
+        return []
+    try:
+        was = warmup_steps(OmegaConf.to_container(OmegaConf.load(configs[-1]), resolve=True))
+        now = warmup_steps(OmegaConf.to_container(cfg, resolve=True))
+    except Exception:  # noqa: BLE001  (an unreadable config is check()'s refusal)
+        return []
+    return [f"lr.warmup_steps={was}"] if was != now else []
+
+
 def write_launch(run_dir, launch: dict | None) -> None:
     """Append this launch's recipe and overrides to ``LAUNCHES`` (what the next resume keeps)."""
     if launch is not None:
