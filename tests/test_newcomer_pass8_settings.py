@@ -71,3 +71,52 @@ def test_sweep_dir_and_subdir_still_place_a_sweeps_jobs(workdir):
 def test_cfg_hydra_still_shows_a_given_sweep_dir(capsys, workdir):
     assert train_main(["--cfg", "hydra", "-p", "hydra.sweep", "hydra.sweep.subdir=x"]) == 0
     assert "subdir: x" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 2. checkpoint.verify with nothing to load
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_checkpoint_verify_on_a_fresh_run_is_refused(capsys, workdir, value):
+    """Was: exit 0 for checkpoint.verify=false on a run that loads nothing (load_step was already refused)."""
+    code, err = _err(capsys, [f"checkpoint.verify={value}", "--cfg", "job"])
+    assert code == 2 and "checkpoint.verify=" in err and "checkpoint.resume=true or checkpoint.load_path" in err, err
+
+
+# ---------------------------------------------------------------- 3. moe.* on a dense model
+def _non_default(field):
+    from dataclasses import MISSING  # reason: only this helper reads a dataclass field's default
+
+    from framework.compose import registry  # reason: the kinds' names, for a value other than the default
+    default = field.default if field.default is not MISSING else None
+    if field.name in ("comm", "chunk"):
+        return next(n for n in registry.names(f"moe_{field.name}") if n != default)
+    if isinstance(default, bool) or default is None and "bool" in str(field.type):
+        return str(not default).lower()
+    if isinstance(default, float) or default is None:
+        return "0.05"
+    raise AssertionError(f"moe.{field.name}: give the test a non-default value for {field.type}")
+
+
+def _moe_fields():
+    import dataclasses  # reason: the moe section's fields, so a new key is tested as it is added
+
+    from framework.compose.schema import MoEConfig  # reason: as above
+    return dataclasses.fields(MoEConfig)
+
+
+@pytest.mark.parametrize("field", _moe_fields(), ids=lambda f: f.name)
+def test_every_moe_key_on_a_dense_model_is_refused(capsys, workdir, field):
+    """Was: moe.lean_combine=true on debug_dense exit 0 (only chunk, comm, load_balance_coeff were refused)."""
+    override = f"moe.{field.name}={_non_default(field)}"
+    code, err = _err(capsys, ["recipe=debug_dense", override, "--cfg", "job"])
+    assert code == 2 and f"moe.{field.name}=" in err, (override, err)
+
+
+def test_moe_lean_combine_on_a_dense_model_names_the_dense_model(capsys, workdir):
+    code, err = _err(capsys, ["recipe=debug_dense", "moe.lean_combine=true", "--cfg", "job"])
+    assert code == 2 and "is a dense model: it has no MoE layers" in err, err
+
+
+def test_moe_keys_on_an_moe_model_are_still_accepted(capsys, workdir):
+    assert train_main(["recipe=debug_moe", "moe.lean_combine=false", "moe.load_balance_coeff=0.01",
+                       "--cfg", "job", "-p", "moe"]) == 0
+    assert "lean_combine: false" in capsys.readouterr().out
