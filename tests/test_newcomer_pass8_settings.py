@@ -2,6 +2,8 @@
 checkpoint.verify with nothing to load, moe.* keys on a dense model, `apiary plan` flags without --search,
 a misspelt build_model override, and recompute=auto's budget on a CPU run."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +12,9 @@ import textwrap
 import pytest
 
 from framework.cli import train_main
+from framework.compose import registry
+from framework.compose.schema import MoEConfig
+from toolkit.cli import apiary_main
 
 from conftest import ROOT
 
@@ -83,10 +88,7 @@ def test_checkpoint_verify_on_a_fresh_run_is_refused(capsys, workdir, value):
 
 # ---------------------------------------------------------------- 3. moe.* on a dense model
 def _non_default(field):
-    from dataclasses import MISSING  # reason: only this helper reads a dataclass field's default
-
-    from framework.compose import registry  # reason: the kinds' names, for a value other than the default
-    default = field.default if field.default is not MISSING else None
+    default = field.default if field.default is not dataclasses.MISSING else None
     if field.name in ("comm", "chunk"):
         return next(n for n in registry.names(f"moe_{field.name}") if n != default)
     if isinstance(default, bool) or default is None and "bool" in str(field.type):
@@ -96,14 +98,7 @@ def _non_default(field):
     raise AssertionError(f"moe.{field.name}: give the test a non-default value for {field.type}")
 
 
-def _moe_fields():
-    import dataclasses  # reason: the moe section's fields, so a new key is tested as it is added
-
-    from framework.compose.schema import MoEConfig  # reason: as above
-    return dataclasses.fields(MoEConfig)
-
-
-@pytest.mark.parametrize("field", _moe_fields(), ids=lambda f: f.name)
+@pytest.mark.parametrize("field", dataclasses.fields(MoEConfig), ids=lambda f: f.name)  # a new key is tested too
 def test_every_moe_key_on_a_dense_model_is_refused(capsys, workdir, field):
     """Was: moe.lean_combine=true on debug_dense exit 0 (only chunk, comm, load_balance_coeff were refused)."""
     override = f"moe.{field.name}={_non_default(field)}"
@@ -120,3 +115,22 @@ def test_moe_keys_on_an_moe_model_are_still_accepted(capsys, workdir):
     assert train_main(["recipe=debug_moe", "moe.lean_combine=false", "moe.load_balance_coeff=0.01",
                        "--cfg", "job", "-p", "moe"]) == 0
     assert "lean_combine: false" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 4. apiary plan flags that act only with another
+@pytest.mark.parametrize("argv, says", [
+    (["recipe=debug_moe", "gpus=8", "--top=2"], "--top=2: picks how many rows --search shows"),
+    (["--constants", "--json"], "--constants with --json"),
+    (["--constants", "--search"], "--constants with --search"),
+    (["--constants", "gpus=8"], "--constants with gpus=8"),
+])
+def test_plan_flag_without_the_flag_it_needs_is_refused(capsys, argv, says):
+    """Was: exit 0, `--top` without --search (and --constants with anything) silently ignored."""
+    code, err = _err(capsys, ["plan", *argv], apiary_main)
+    assert code == 2 and says in err, err
+
+
+def test_plan_top_with_search_still_ranks(capsys):
+    assert apiary_main(["plan", "recipe=debug_moe", "gpus=2", "--search", "--top=1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["search"]) == 1
