@@ -11,9 +11,11 @@ import textwrap
 
 import pytest
 
+from framework.api import build_model
 from framework.cli import train_main
 from framework.compose import registry
 from framework.compose.schema import MoEConfig
+from framework.errors import UserError
 from toolkit.cli import apiary_main
 
 from conftest import ROOT
@@ -134,3 +136,17 @@ def test_plan_top_with_search_still_ranks(capsys):
     assert apiary_main(["plan", "recipe=debug_moe", "gpus=2", "--search", "--top=1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["search"]) == 1
+
+
+# ---------------------------------------------------------------- 5. build_model with a misspelt setting
+def test_build_model_misspelt_setting_suggests_the_close_one():
+    """Was: `... model_config() got an unexpected keyword argument 'n_layer'. Drop the override (e.g.
+    hf_checkpoint) for this family.`: no did-you-mean, and an unrelated example."""
+    with pytest.raises(UserError) as e:
+        build_model("debug_moe", n_layer=2)
+    msg = str(e.value)
+    assert "Did you mean 'n_layers'?" in msg and "no model setting 'n_layer'" in msg, msg
+    assert "hf_checkpoint) for this family" not in msg
+    with pytest.raises(UserError) as e:
+        build_model("debug_moe", zzz=1)
+    assert "Drop zzz=." in str(e.value) and "n_layers" in str(e.value)
