@@ -11,11 +11,13 @@ import textwrap
 
 import pytest
 
+from framework import devices
 from framework.api import build_model
 from framework.cli import train_main
 from framework.compose import registry
 from framework.compose.schema import MoEConfig
 from framework.errors import UserError
+from framework.resolve.resolver import resolve
 from toolkit.cli import apiary_main
 
 from conftest import ROOT
@@ -150,3 +152,18 @@ def test_build_model_misspelt_setting_suggests_the_close_one():
     with pytest.raises(UserError) as e:
         build_model("debug_moe", zzz=1)
     assert "Drop zzz=." in str(e.value) and "n_layers" in str(e.value)
+
+
+# ---------------------------------------------------------------- 6. recompute=auto's budget on a CPU run
+def test_recompute_budget_on_a_cpu_run_counts_no_gpu_overheads(workdir, monkeypatch):
+    """Was: `planned 2.5 GiB (torch reserved 0.0 + CUDA context and NCCL 2.5) of 0.0 GiB ... does not fit on
+    H100 (recompute.budget_gib)`: a CPU run planned as an H100 with its CUDA context."""
+    monkeypatch.setattr(devices, "has_accelerator", lambda: False)
+    r = resolve("debug_moe", ["recompute=auto", "recompute.budget_gib=0.001", "output_dir=run"], for_training=True)
+    reason = r.ctx.derived["recompute"]["reason"]
+    assert "H100" not in reason and "H200" not in reason and "CUDA context and NCCL 2" not in reason, reason
+    assert "on this CPU run (recompute.budget_gib; no CUDA context or NCCL counted)" in reason, reason
+    assert "of 0.001 GiB" in reason, reason
+    r = resolve("debug_moe", ["recompute=auto", "recompute.budget_gib=4", "output_dir=run2"], for_training=True)
+    blocks = r.ctx.derived["recompute"]["blocks"]  # 4 GiB without the 2.5 GiB reserve: every block kept
+    assert all(not v.get("recomputed") for v in blocks.values()), blocks
