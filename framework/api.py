@@ -13,6 +13,9 @@ this process's device.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from framework import contracts, devices  # importing framework applies the device shims
@@ -56,6 +59,20 @@ def model_settings(recipe_or_flavor: str, hf_checkpoint: str | None = None, **ov
     return family, flavor, kwargs
 
 
+def _unknown_setting(recipe_or_flavor: str, family: str, mod, e: TypeError) -> UserError:
+    """A setting the family's ``model_config`` does not take: name it and the family's settings, with a
+    did-you-mean for a misspelling (``n_layer`` -> ``n_layers``)."""
+    config_fn = contracts.member(mod, "model", "model_config")
+    known = [n for n in inspect.signature(config_fn).parameters if n != "flavor"] if config_fn else []
+    bad = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+    if bad is None or not known:
+        return UserError(f"build_model({recipe_or_flavor!r})", f"{family}.model_spec does not take these settings: "
+                         f"{e}.", "Drop the setting it names for this family.")
+    takes = f"{family}'s model settings are {', '.join(known)} (and family=, flavor=)"
+    return UserError(f"build_model({recipe_or_flavor!r}, {bad[1]}=...)", f"{family} has no model setting "
+                     f"{bad[1]!r}: {takes}.", did_you_mean(bad[1], known) or f"Drop {bad[1]}=.")
+
+
 def build_model(recipe_or_flavor: str, hf_checkpoint: str | None = None, *, device: str | None = None,
                 **overrides) -> torch.nn.Module:
     """The model of a recipe or flavor: token ids [B, S] -> logits [B, S, V], fp32, one process.
@@ -73,8 +90,7 @@ def build_model(recipe_or_flavor: str, hf_checkpoint: str | None = None, *, devi
     try:
         config = mod.model_spec(flavor, **kwargs).model
     except TypeError as e:
-        raise UserError(f"build_model({recipe_or_flavor!r})", f"{family}.model_spec does not take these "
-                        f"settings: {e}.", "Drop the override (e.g. hf_checkpoint) for this family.") from None
+        raise _unknown_setting(recipe_or_flavor, family, mod, e) from None
     dev = torch.device(device or devices.device_type())
     with torch.device("meta"):
         model = config.build()

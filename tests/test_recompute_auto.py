@@ -14,8 +14,9 @@ from dataclasses import replace
 import pytest
 
 from components.recompute.policies import MARGIN
+from framework import devices
 from framework.errors import UserError
-from framework.plan import planner
+from framework.plan import planner, preflight
 from framework.plan.planner.constants import Constants, GiB
 from framework.plan.planner.estimate import Asked, ask_components, choices, run_constants, shapes_and_context, stage_memory
 from framework.resolve.resolver import resolve
@@ -24,12 +25,20 @@ BIG = ["model.n_layers=4", "training.seq_len=32768", "training.local_batch=1", "
        "parallel.dp_shard=1", "parallel.gpus=1", "data.name=packaged", "data.tokenizer=byte", "recompute=auto"]
 
 
-def _chain_totals(r, gpu_bytes: int):
+def _here():
+    """The calibration recompute=auto's budget plans with on this machine: a CPU run counts no CUDA context
+    or NCCL (framework.plan.preflight.NO_GPU_RESERVE)."""
+    return None if devices.has_accelerator() else preflight.NO_GPU_RESERVE
+
+
+def _chain_totals(r, gpu_bytes: int, run_here: bool = False):
     """Every candidate's planned total, as the planner computes it (with the constants of the run's
-    allocator and MoE combine settings, framework.plan.planner.estimate.run_constants)."""
+    allocator and MoE combine settings, framework.plan.planner.estimate.run_constants); ``run_here``:
+    as a run on this machine plans it (_here)."""
     hw = Constants().gpu("H200")
     ch = choices(r.cfg, loss=None, state=None, recompute=None, moe_chunk=None)
-    c = run_constants(r, Constants(), ch, hw)
+    base = Constants().calibrated(_here()) if run_here and _here() else Constants()
+    c = run_constants(r, base, ch, hw)
     sh, pc = shapes_and_context(r, c, hw)
     asked = ask_components(r, ch, pc, [])
     cands = asked.terms["recompute"].facts.candidates
@@ -172,13 +181,13 @@ def _auto_mix(tmp_path, monkeypatch):
 
     monkeypatch.setattr(per_block.PerBlockAC, "apply", spy)
     r = resolve("qwen35_debug_moe", ["recompute=auto"], for_training=False)
-    totals = _chain_totals(r, 0)
+    totals = _chain_totals(r, 0, run_here=True)
     i = next(k for k, (b, t) in enumerate(totals)  # a block kept, one rerunning its FFN alone, others full
              if b["attention"]["kept"] and b["linear_attention"]["ffn_rerun"] and b["linear_attention"]["recomputed"]
              and totals[k + 1][1] > t)
     budget = f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / (1 - MARGIN) / GiB:.6f}"  # between two
     r = resolve("qwen35_debug_moe", ["recompute=auto", budget], for_training=False)
-    p = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB))
+    p = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB), calibration=_here())
     blocks = p.choices["recompute_blocks"]
     kept = sum(v["kept"] for v in blocks.values())
     assert blocks == totals[i][0] and 0 < kept < r.facts.n_layers, blocks  # a mix
@@ -327,7 +336,7 @@ def test_lora_trains_an_auto_mix_bitwise_like_full(tmp_path, one_thread):
     bit on CPU."""
     lora = ["adapter=lora", "moe.load_balance_coeff=null", "training.steps=2"]
     r = resolve("qwen35_debug_moe", ["recompute=auto", *lora], for_training=False)
-    totals = _chain_totals(r, 0)
+    totals = _chain_totals(r, 0, run_here=True)
     i = next(k for k, (b, t) in enumerate(totals)
              if b["attention"]["kept"] and b["linear_attention"]["ffn_rerun"] and b["linear_attention"]["recomputed"]
              and totals[k + 1][1] > t)
@@ -486,7 +495,7 @@ def test_two_ranks_with_fsdp_and_ep_train_an_auto_mix_bitwise_like_full(tmp_path
     ranks = ["parallel.dp_shard=2", "parallel.gpus=2"]
     r = resolve("qwen35_debug_moe", ["recompute=auto", *ranks], world_size=2, for_training=False)
     assert r.layout.ep == 2 and r.layout.dp_shard == 2
-    totals = _chain_totals(r, 0)
+    totals = _chain_totals(r, 0, run_here=True)
     i = next(k for k, (b, t) in enumerate(totals)
              if b["attention"]["kept"] and b["linear_attention"]["ffn_rerun"] and b["linear_attention"]["recomputed"]
              and totals[k + 1][1] > t)

@@ -118,7 +118,7 @@ def _budget_for_a_mix():
     from components.recompute.policies import MARGIN
 
     r = resolve("qwen35_debug_moe", ["recompute=auto"], for_training=False)
-    totals = _chain_totals(r, 0)
+    totals = _chain_totals(r, 0, run_here=True)
     i = next(k for k, (b, t) in enumerate(totals) if k >= 2 and b["attention"]["kept"] and totals[k + 1][1] > t)
     return f"recompute.budget_gib={(totals[i][1] + totals[i + 1][1]) / 2 / (1 - MARGIN) / GiB:.6f}", totals[i][0]
 
@@ -166,7 +166,10 @@ def test_a_run_steps_back_after_retries_not_without_them_and_a_resume_starts_the
     # read back: the same plan starts from the learned candidate; another plan starts afresh
     r = resolve("qwen35_debug_moe", ["recompute=auto", budget, f"output_dir={loud}"], for_training=False)
     d = r.ctx.derived["recompute"]
-    fresh = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB))
+    from test_recompute_auto import _here
+
+    fresh = planner.plan(r, gpu="H100", gpu_memory_bytes=int(float(budget.split("=")[1]) * GiB),
+                         calibration=_here())
     assert d["planned"] == blocks and d["fallbacks_taken"] == 2
     assert d["blocks"] == learned["blocks"] == fresh.choices["recompute_fallbacks"][1] != blocks
     assert d["fallbacks"] == fresh.choices["recompute_fallbacks"][2:]

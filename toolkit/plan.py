@@ -88,7 +88,7 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--search", action="store_true", help="rank valid layouts (ep, cp, pp, tp, recompute, loss, "
                    "state) that fit, by estimated time per token")
-    p.add_argument("--top", type=_top, default=10, metavar="N", help="rows of --search to show (default 10)")
+    p.add_argument("--top", type=_top, default=None, metavar="N", help="rows of --search to show (default 10)")
     p.add_argument("--constants", action="store_true", help="print the planner's constants and exit")
 
 
@@ -98,9 +98,25 @@ def parser():
     return p
 
 
+def _check_flags(ns) -> None:
+    """A flag that acts only with another one, given without it, is refused (exit 2), never ignored."""
+    if ns.top is not None and not ns.search:
+        raise UserError(f"--top={ns.top}", "picks how many rows --search shows, and this plan does not search, so "
+                        "the flag would be ignored.", f"Add --search (apiary plan ... --search --top={ns.top}), or "
+                        "drop --top.")
+    if ns.constants:
+        others = [f for f, on in (("--json", ns.json), ("--search", ns.search), ("--top", ns.top is not None)) if on]
+        others += list(ns.overrides)
+        if others:
+            raise UserError(f"--constants with {' '.join(others)}", "--constants prints the planner's default "
+                            "constants and exits: it plans nothing, so the rest would be ignored.",
+                            "Run `apiary plan --constants` alone, or drop --constants.")
+
+
 def _split(ns):
+    _check_flags(ns)
     opts = dict(recipe=None, gpus=None, gpu_memory=None, gpu=None, gpus_per_node=None, json=ns.json,
-                search=ns.search, top=ns.top, constants=ns.constants)
+                search=ns.search, top=ns.top or 10, constants=ns.constants)
     calibration, overrides = {}, []
     opts["recipe"], rest = recipes.split_recipe(ns.overrides)
     for a in rest:

@@ -153,7 +153,7 @@ class AutoRecompute(_Recompute):
         margin: float = MARGIN
         """fraction of the GPU's memory left unplanned (the planner's measured under-estimate, with room)"""
         budget_gib: Optional[float] = None
-        """plan for this much GPU memory instead of the GPU's (GiB; also chooses on a GPU-less machine)"""
+        """plan for this much memory instead of the GPU's (GiB; on a CPU run without CUDA context or NCCL)"""
 
         def __post_init__(self):
             if not 0 <= self.margin < 0.5:

@@ -149,6 +149,16 @@ def _budget_target(r, for_training: bool) -> tuple[str, int | None, str] | None:
     return target_gpu(r.cfg)
 
 
+NO_GPU_RESERVE = {"cuda_context_bytes": 0.0, "nccl_bytes": 0.0}
+
+
+def _cpu_run(cfg) -> bool:
+    """The run trains on this machine's CPU: no GPU here, none named (preflight.gpu), a launcher that runs here."""
+    if cfg.preflight.gpu or not registry.resolve("launcher", str(cfg.launcher.name)).RUNS_HERE:
+        return False
+    return _local_gpu() == (None, None)
+
+
 def choose_by_budget(r, for_training: bool) -> None:
     """Components whose plan terms list candidates by memory (recompute=auto) choose one now, from
     the planner's estimate on the run's GPU (the budget its ``memory_budget`` gives instead when set); the choice
@@ -161,14 +171,18 @@ def choose_by_budget(r, for_training: bool) -> None:
     budget = memory_budget(opts)
     target = ("H200" if budget > 100 else "H100", int(budget * GiB), "recompute.budget_gib") if budget else \
         _budget_target(r, for_training)
+    cpu = bool(budget) and _cpu_run(r.cfg)
     if target is None:
         r.ctx.derived["recompute"] = {"blocks": None, "reason": "no GPU known here, so every block is recomputed "
                                       "(set gpu=H100 or gpu=H200, or recompute.budget_gib, to choose per block)"}
     else:
         kind, memory, source = target
-        p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory)
+        # a CPU run's budget is its own memory: no CUDA context or NCCL buffers (the GPU kind only sets constants
+        # the memory choice does not read), and the reason names no GPU
+        p = planner.plan(r, gpu=kind, gpu_memory_bytes=memory, calibration=NO_GPU_RESERVE if cpu else None)
+        where = f"on this CPU run ({source}; no CUDA context or NCCL counted)" if cpu else f"on {kind} ({source})"
         r.ctx.derived["recompute"] = {"blocks": p.choices.get("recompute_blocks"),
-                                      "reason": f"{p.choices.get('recompute_reason', '')} on {kind} ({source})",
+                                      "reason": f"{p.choices.get('recompute_reason', '')} {where}",
                                       "fallbacks": p.choices.get("recompute_fallbacks", [])}
         learned_choice(r, "recompute")
     blocks = r.ctx.derived["recompute"]["blocks"]

@@ -46,6 +46,9 @@ _NEEDS = [
     *((f"checkpoint.{k}", "checkpoint.enable=true", lambda c: not c.checkpoint.enable, what) for k, what in (
         ("interval", "the steps between saves"), ("keep_latest_k", "how many saved steps stay"),
         ("model_only_last", "what the last save holds"))),
+    ("checkpoint.verify", "checkpoint.resume=true or checkpoint.load_path=STEP",
+     lambda c: not c.checkpoint.resume and c.checkpoint.load_path is None,
+     "whether a loaded step must match its manifest.json"),
     ("logging.wandb_project", "logging.wandb=true", lambda c: not c.logging.wandb,
      "the W&B project the metrics go to"),
     ("parallel.pp_microbatch_size", "parallel.pp=N (N > 1)",
@@ -118,11 +121,11 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                             "config.json; the flavor only supplies defaults).",
                             "Drop model.flavor, or point model.hf_checkpoint at the model you mean.")
     if ctx.facts is not None and not ctx.facts.num_experts:
-        for key in ("moe.chunk", "moe.comm", "moe.load_balance_coeff"):
-            if key in given:
-                raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
-                                "dense model: it has no MoE layers, so the setting would be ignored.",
-                                f"Drop {key}, or choose an MoE flavor.")
+        # every moe.* key (schema.MoEConfig's fields, and any option of the moe kinds) acts on the MoE layers only
+        for key in sorted(k for k in given if k == "moe" or k.startswith("moe.")):
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
+                            "dense model: it has no MoE layers, so the setting would be ignored.",
+                            f"Drop {key}, or choose an MoE flavor.")
 
 
 def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:

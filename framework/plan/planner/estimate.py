@@ -264,9 +264,12 @@ def choose_candidate(resolved, sh: Shapes, asked: Asked, pc: PlanContext, mem_ca
         best, fits = lo, True
     chosen = cands[best]
     outside = sum(x.bytes for x in items(best) if x.name == "cuda_context_nccl" or x.group == OUTSIDE)  # not torch's
-    why = (f"planned {total(best) / GiB:,.1f} GiB (torch reserved {(total(best) - outside) / GiB:,.1f} + CUDA context "
-           f"and NCCL {outside / GiB:,.1f}) of {mem_cap / GiB:,.1f} GiB less the {rec.facts.fit_margin:.0%} "
-           f"margin ({budget / GiB:,.1f} GiB)" + ("" if fits else "; even the least memory does not fit"))
+    def gib(b: float) -> str:  # a small budget (a CPU run's) keeps its digits
+        return f"{b / GiB:,.1f}" if b >= 0.1 * GiB or not b else f"{b / GiB:.2g}"
+    split = (f" (torch reserved {gib(total(best) - outside)} + CUDA context and NCCL {gib(outside)})"
+             if outside else "")  # none counted: a CPU run's budget
+    why = (f"planned {gib(total(best))} GiB{split} of {gib(mem_cap)} GiB less the {rec.facts.fit_margin:.0%} "
+           f"margin ({gib(budget)} GiB)" + ("" if fits else "; even the least memory does not fit"))
     # the cheaper candidates, nearest first: where the run steps back to if the allocator retries
     fallbacks = [cands[j].facts.blocks for j in range(best - 1, -1, -1)]
     asked.terms["recompute"] = replace(chosen, facts=replace(chosen.facts, reason=why, fallbacks=fallbacks),
