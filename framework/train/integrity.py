@@ -92,9 +92,10 @@ def entries(folder: Path, files: list[str], algorithm: str = ALGORITHM, threads:
 
 def write_manifest(folder: Path, step: int, files: dict, model_only: bool = False, **timing) -> None:
     """``model_only``: the save holds the model's weights only (checkpoint.model_only_last's last step), no
-    optimizer, data position or step count: a resume cannot go on from it."""
-    body = {"format": 1, "step": step, "algorithm": ALGORITHM, "files": files,
-            **({"model_only": True} if model_only else {}), **{k: round(v, 6) for k, v in timing.items()}}
+    optimizer, data position or step count: a resume cannot go on from it. Written either way (a manifest
+    without it is an older apiary's, judged by its .metadata)."""
+    body = {"format": 1, "step": step, "algorithm": ALGORITHM, "files": files, "model_only": bool(model_only),
+            **{k: round(v, 6) for k, v in timing.items()}}
     tmp = Path(folder) / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
