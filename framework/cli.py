@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from framework import compat
-from framework.compose import hydra_cli, hydra_keys
+from framework.compose import hydra_cli
 from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
 from framework.launch import lifecycle, pipes, runlock, start
@@ -85,7 +85,6 @@ def train_main(argv: list[str] | None = None) -> int:
         recipe, overrides = args.recipe, args.overrides
         if _under_torchrun() and os.environ.get(ENV_RESOLVED) and not (args.multirun or args.info or args.cfg):
             return _train_worker(argv, args.verbose)  # started by `train`: the run it resolved
-        hydra_keys.check(overrides, "multirun" if args.multirun else "show" if (args.info or args.cfg) else "run")
         if args.multirun:
             if _under_torchrun():
                 raise UserError("train -m", "a sweep is started once, not by each torchrun worker.",

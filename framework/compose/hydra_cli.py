@@ -34,7 +34,7 @@ from rich.table import Table
 from rich.text import Text
 
 from framework import compat, contracts
-from framework.compose import recipe_files, recipes, registry
+from framework.compose import hydra_keys, recipe_files, recipes, registry
 from framework.compose.schema import RecipeConfig
 from framework.errors import UserError
 from framework.resolve.resolver import resolve
@@ -89,6 +89,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.package and not args.cfg:
         raise UserError(f"train --package {args.package}", "only selects what --cfg prints.",
                         f"For example: train --cfg job -p {args.package}.")
+    if not (args.help or args.hydra_help):  # hydra.* keys that would do nothing for this command
+        hydra_keys.check(overrides, "multirun" if args.multirun else "show" if (args.info or args.cfg) else "run")
     return args
 
 
