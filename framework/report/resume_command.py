@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from framework.resolve import resume
 
 # keys a resume command sets itself, or that follow from the recipe
-_NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description")
+_NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description",
+                 "checkpoint.verify")  # checkpoint.verify=false: one load's opt-in, never carried on
 
 
 def _key(override: str) -> str:

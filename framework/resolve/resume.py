@@ -40,7 +40,7 @@ FIRST = "config.yaml"
 LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": the recipe as given, "overrides": [...]}
 # overrides a resume does not keep from the launch before it: what it sets itself, or what starts a run
 NOT_KEPT = ("recipe", "output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step",
-            "checkpoint.load_path", "checkpoint.create_seed")
+            "checkpoint.load_path", "checkpoint.create_seed", "checkpoint.verify")  # verify=false: one load's opt-in
 _LAUNCH = re.compile(r"config\.resume-(\d+)\.yaml$")
 
 # prefixes (a section, or one key) whose change a resume refuses
@@ -247,6 +247,7 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
     old_l, new_l = paths.absolute_leaves(leaves(saved)), leaves(new)  # a config stored before paths were absolute
     # the warm-up the schedule used, not as written: a launch's shortened one (values.check_warmup) is kept
     old_l["lr.warmup_steps"], new_l["lr.warmup_steps"] = warmup_steps(saved), warmup_steps(new)
+    shortened = warmup_steps(saved) != int(saved["lr"]["warmup_steps"])  # the note below explains only a real one
     refused, changes = [], []
     for key in sorted(set(old_l) | set(new_l)):
         a, b = old_l.get(key), new_l.get(key)
@@ -260,7 +261,7 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
     if refused:
         listed = "; ".join(f"{k}: {_fmt(a)} then, {_fmt(b)} now" + (
             " (the warm-up the schedule uses: lr.warmup_steps shortened to leave one step of its horizon; "
-            f"lr.warmup_steps={a} keeps it)" if k == "lr.warmup_steps" else "") for k, a, b in refused)
+            f"lr.warmup_steps={a} keeps it)" if k == "lr.warmup_steps" and shortened else "") for k, a, b in refused)
         raise UserError("checkpoint.resume=true", f"{run_dir} was trained with other settings that its checkpoint "
                         f"depends on ({listed}; compared with {saved_path.name}). A resume keeps the model, data "
                         "position, optimizer state and schedule it saved.",
