@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from framework.resolve import resume
+from framework.train import integrity
 
 # keys a resume command sets itself, or that follow from the recipe
 _NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step", "recipe", "description",
@@ -104,3 +106,23 @@ def _continuation(c: dict, steps: int) -> tuple[list[str], str]:
     return [f"lr.total_steps={to}", f"optimizer.lr={scaled:g}"], (
         f"step {steps} used lr {last:.3g}; this stretches the schedule over {to} steps from that rate (optimizer.lr="
         f"{scaled:g}: lr {next_lr(to, scaled):.3g} at step {steps + 1}, then the stretched shape); {jump}")
+
+
+def from_weights(step_dir, recipe: str, out: str, overrides: list[str], quote) -> str:
+    """The command that starts a new run from a run's last step when no full step exists to resume from
+    (checkpoint.model_only_last=true saved it; a resume of it is refused, framework/train/integrity.py): a new
+    run loading its weights (checkpoint.load_path), or, for a run with an adapter, whose step holds the
+    adapters, its merged export as the new run's HF base (model.hf_checkpoint)."""
+    step_dir = Path(step_dir)
+    adapted = integrity.adapter_run(step_dir)
+    new_out = f"{out}-from-{step_dir.name}"
+    if adapted is None:
+        base, drop, first = f"checkpoint.load_path={step_dir}", ("checkpoint.load_path",), ""
+    else:
+        merged = adapted[1] / f"merged-{step_dir.name}"
+        base, drop = f"model.hf_checkpoint={merged}", ("checkpoint.load_path", "model.hf_checkpoint")
+        first = (f"apiary export {quote(str(adapted[1]))} --hf {quote(str(merged))} --merged "
+                 f"--step {step_dir.name.removeprefix('step-')}, then ")
+    kept = [o for o in overrides if _key(o) not in drop]
+    return (f"{first}train recipe={quote(recipe)} {quote(base)} output_dir={quote(new_out)}"
+            + "".join(f" {quote(o)}" for o in kept))

@@ -44,7 +44,7 @@ from framework.errors import UserError
 from framework.report import skips
 from framework.report.export_note import routing_bias_note
 from framework.report.progress import duration, loss_text, make_console, memory_label
-from framework.report.resume_command import continuation, ranks, run_overrides
+from framework.report.resume_command import continuation, from_weights, ranks, run_overrides
 from framework.resolve import resume
 from framework.train import integrity
 
@@ -233,19 +233,20 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
     out = str(run_dir)
     commands, note = {}, ""
     if checkpoint is not None:
-        overrides = run_overrides(launch)
-        unknown = overrides is None
-        overrides = overrides or []
-        to = total_steps
+        unknown = (overrides := run_overrides(launch)) is None
+        overrides, to = overrides or [], total_steps
         if stop is None and total_steps is not None:  # it finished: train on, the lr never raised at the next step
             to = 2 * total_steps                      # (a resume asks for a choice of schedule, framework/resolve/resume.py)
             if "lr" in cfg and "total_steps" in cfg.lr and "optimizer" in cfg:
                 schedule, note = continuation(cfg, total_steps)
                 overrides = [o for o in overrides if not o.startswith(tuple(x.split("=")[0] + "=" for x in schedule))] + schedule
         start, overrides = ranks(cfg, overrides)
-        commands["resume"] = (f"{start} recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
-                              f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
-                              + (" (and this run's overrides)" if unknown else ""))
+        if not any(s > 0 for s in integrity.full_steps(run_dir / "checkpoint")):  # model-only: no resume, a new run
+            commands["new run"] = from_weights(checkpoint, given, out, run_overrides(launch) or [], _quote)
+        else:
+            commands["resume"] = (f"{start} recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
+                                  f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)
+                                  + (" (and this run's overrides)" if unknown else ""))
         if no_base_on_disk(cfg) is None:
             commands["export"] = f"apiary export {_quote(out)} --hf {_quote(str(run_dir / 'hf'))}"
     if records:

@@ -189,6 +189,10 @@ def check_inputs(cfg, for_training: bool) -> None:
         raise UserError(f"checkpoint.load_path={ck.load_path}", "is not a DCP checkpoint folder (no .metadata)"
                         + (", but a run's folder" if steps else "") + ".", f"Point it at a step folder, e.g. {at}.")
     if ck.load_path is not None:
+        if (adapted := integrity.adapter_run(ck.load_path)) is not None:
+            raise UserError(f"checkpoint.load_path={ck.load_path}", f"is a step of {adapted[1]}, a run trained with "
+                            f"adapter={adapted[0]}: its model state holds the adapters (with the frozen base under the "
+                            "adapter's names), not a model a run loads.", integrity.merged_hint(ck.load_path))
         if ck.verify and not (Path(ck.load_path) / integrity.MANIFEST).is_file():
             raise UserError(f"checkpoint.load_path={ck.load_path}", f"has no {integrity.MANIFEST}, so it cannot be "
                             "verified: every step apiary saves (a seed checkpoint too) gets one as it completes; a "

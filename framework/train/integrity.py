@@ -31,6 +31,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from framework.errors import EXIT_NONFINITE, UserError
 from framework.launch import lifecycle
 
@@ -279,6 +281,31 @@ def check_step(step_dir: Path, where: str, *, unverified_ok: bool = False, pick:
         raise corrupt_error(step_dir, problem, earlier[-1] if earlier else None, where, pick, fresh)
 
 
+def adapter_run(step_dir) -> tuple[str, Path] | None:
+    """(the adapter, the run folder) when ``step_dir`` (RUN/checkpoint/step-N) is a step of a run trained with an
+    adapter (its run folder's config.yaml names one: adapter.name): its model state is the adapters (saved whole,
+    with the frozen base under the adapter's module names), which no new run loads as a model. Else None."""
+    step_dir = Path(step_dir).resolve()
+    config = step_dir.parent.parent / "config.yaml"
+    if step_dir.parent.name != "checkpoint" or not config.is_file():
+        return None
+    try:
+        name = OmegaConf.select(OmegaConf.load(config), "adapter.name", default="none")
+    except Exception:  # noqa: BLE001  (an unreadable config: nothing known)
+        return None
+    return (str(name), step_dir.parent.parent) if name not in (None, "none") else None
+
+
+def merged_hint(step_dir) -> str:
+    """What to write instead of checkpoint.load_path=STEP for an adapter run's step (``adapter_run``): its
+    adapters folded into the base as an HF folder, the base of a new run."""
+    step_dir = Path(step_dir)
+    run, step = adapter_run(step_dir)[1], step_dir.name.removeprefix("step-")
+    out = run / f"merged-step-{step}"
+    return (f"Export the adapters merged into their base, apiary export {run} --hf {out} --merged --step {step}, "
+            f"and start a new run from that folder with model.hf_checkpoint={out} (no checkpoint.load_path).")
+
+
 def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manifest: bool = True) -> int:
     """The step a resume of ``run_dir`` will load (``load_step`` or the latest complete one),
     verified against its manifest; raises UserError (exit 2) when it is missing or corrupt, or
@@ -310,7 +337,8 @@ def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manife
                         "last step so), without the optimizer state, data position and step count a resume goes "
                         "on from.", (f"Resume from the last full step with checkpoint.load_step={full[-1]}; or "
                                      if full and full[-1] > 0 else "No full step exists to resume from; ")
-                        + f"start a new run from these weights with checkpoint.load_path={dirs[step]}.")
+                        + (f"to start a new run from these weights: {merged_hint(dirs[step])}" if adapter_run(dirs[step])
+                           else f"start a new run from these weights with checkpoint.load_path={dirs[step]}."))
     step_dir = ck / f"step-{step}"
     key = str(step_dir.resolve())
     # under torchrun without apiary's launcher, global rank 0 checks for all (its exit 2 ends the others)
