@@ -42,3 +42,25 @@ def test_ce_zloss_on_text_summary_names_its_best_loss(tmp_path):
     assert s["rl_objective"] is False
     text = dict(summary.lines(s))["loss"]
     assert "best 22.0586" in text and "policy objective" not in text
+
+
+def test_follow_timeout_says_how_many_records_were_dropped_as_stale(tmp_path, capsys):
+    """was: with rl.max_lag=0 the exit-77 paragraph said only 'no rollouts for step 2 ... (data.wait_timeout=3)';
+    the 16 records read and dropped as stale appeared only in the ledger."""
+    from tests.conftest import train_here
+
+    fdir = tmp_path / "fdir"
+    fdir.mkdir()
+    for idx in (1, 2):  # 16 records of 16 tokens each: one shard fills a 4-row step of 64 tokens
+        recs = [{"input_ids": [1 + i % 7] * 16, "loss_mask": [0] + [1] * 15, "old_logprobs": [-1.0] * 16,
+                 "advantages": 0.5, "sequence_id": f"s{idx}_{i}", "policy_version": 0} for i in range(16)]
+        (fdir / f"{idx:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    res = train_here(["train", "recipe=debug_grpo_live", "data.path=fdir", "publish.dir=fw", "output_dir=runs/fol",
+                      "rl.max_lag=0", "data.wait_timeout=3", "training.steps=3", "training.seq_len=64",
+                      "logging.tensorboard=false"], tmp_path, capsys)
+    assert res.returncode == 77, res.stderr[-2000:]
+    said = "16 record(s) dropped as stale: their policy_version 0 is more than rl.max_lag=0 versions behind"
+    paragraph = next(line for line in res.stderr.splitlines() if "Exit code 77" in line)
+    assert said in paragraph and "raise rl.max_lag" in paragraph, paragraph
+    stop = json.loads((tmp_path / "runs/fol/summary.json").read_text())["stop"]
+    assert said in stop and "raise rl.max_lag" in stop, stop
