@@ -64,3 +64,23 @@ def test_follow_timeout_says_how_many_records_were_dropped_as_stale(tmp_path, ca
     assert said in paragraph and "raise rl.max_lag" in paragraph, paragraph
     stop = json.loads((tmp_path / "runs/fol/summary.json").read_text())["stop"]
     assert said in stop and "raise rl.max_lag" in stop, stop
+
+
+def _rollouts(tmp_path):
+    src = tmp_path / "ro.jsonl"
+    src.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}) + "\n")
+    return src
+
+
+def test_logprobs_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
+    """was: a second `apiary logprobs MODEL ro.jsonl --out sc10` silently replaced the first's scores."""
+    from toolkit.cli import apiary_main
+
+    src, out = _rollouts(tmp_path), tmp_path / "sc10"
+    out.mkdir()
+    (out / "ro.jsonl").write_text("first run's scores\n")
+    code = apiary_main(["logprobs", str(tmp_path / "model"), str(src), "--out", str(out)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and f"--out {out}: is not an empty folder" in err and "Choose a new folder" in err, err
+    assert (out / "ro.jsonl").read_text() == "first run's scores\n" and sorted(out.iterdir()) == [out / "ro.jsonl"]
+
