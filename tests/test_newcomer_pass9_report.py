@@ -84,3 +84,14 @@ def test_logprobs_refuses_an_out_folder_that_is_not_empty(tmp_path, capsys):
     assert code == 2 and f"--out {out}: is not an empty folder" in err and "Choose a new folder" in err, err
     assert (out / "ro.jsonl").read_text() == "first run's scores\n" and sorted(out.iterdir()) == [out / "ro.jsonl"]
 
+
+@pytest.mark.parametrize("temperature", ["inf", "1e-30", "nan", "0", "-1", "1000"])
+def test_logprobs_refuses_a_temperature_outside_its_range(tmp_path, capsys, temperature):
+    """was: inf and 1e-30 were accepted (1e-30 wrote ref_logprobs like -3.57e+29)."""
+    from toolkit.cli import apiary_main
+
+    code = apiary_main(["logprobs", str(tmp_path / "model"), str(_rollouts(tmp_path)), "--out", str(tmp_path / "o"),
+                        "--temperature", temperature])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "--temperature" in err and "must be a number from 0.001 to 100" in err, err
+    assert not (tmp_path / "o").exists()
