@@ -325,14 +325,18 @@ def _filled(rec: dict, field: str, lp: list[float], at: str) -> dict:
     return {**rec, "gen_logprobs": rec.get("old_logprobs"), "old_logprobs": lp}
 
 
+TEMPERATURE_RANGE = (1e-3, 100.0)  # --temperature: a sampler's (log-probs past it overflow or say nothing)
+
+
 def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, temperature: float = 1.0,
         batch_tokens: int = 8192, field: str = "ref_logprobs", echo=print, adapter: str | None = None,
         unverified: bool = False) -> int:
     where = f"apiary logprobs {model_path} {rollouts}"
     if field not in FIELDS:
         raise UserError(f"apiary logprobs --field {field}", f"unknown; valid: {', '.join(FIELDS)}.")
-    if not temperature > 0:
-        raise UserError(f"apiary logprobs --temperature {temperature}", "must be > 0.", "Use the sampler's temperature.")
+    if not TEMPERATURE_RANGE[0] <= temperature <= TEMPERATURE_RANGE[1]:  # nan and inf too: no sampler's temperature
+        raise UserError(f"apiary logprobs --temperature {temperature}", "must be a number from {:g} to {:g}.".format(
+            *TEMPERATURE_RANGE), "Use the sampler's temperature.")
     if batch_tokens < 1:
         raise UserError(f"apiary logprobs --batch-tokens {batch_tokens}", "must be >= 1.", "For example 8192.")
     root = Path(rollouts)
@@ -348,8 +352,10 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
     dest = Path(out)
     clash = [str(f) for f in files if _target(f, root, dest).absolute() == f.absolute()]
     if clash:
-        raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.",
-                        "Write to another folder.")
+        raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.", "Write to another folder.")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"apiary logprobs --out {out}", "is not an empty folder; scoring there would overwrite or "
+                        "mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary logprobs --out {out}", "no scored rollouts could be written")
     import torch  # reason: start-up time (the checks above need no torch)
 

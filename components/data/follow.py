@@ -90,7 +90,7 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
         """The rows of 0-based step ``k`` from ``self.pos``, or None while the shards present do not fill it."""
         version = self.version(k + 1)
         rows, cur, used = [], [], 0
-        dropped, lags, shards, missing = 0, [], [], []
+        dropped, lags, shards, missing, stale_pv = 0, [], [], [], set()
         first_name, first_idx = self.pos
         end = None
         plan = StepPlan(step=k, rows=rows, end=None)
@@ -164,6 +164,7 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
                     lag = None
                 if self.max_lag is not None and lag is not None and lag > self.max_lag:
                     dropped += 1
+                    stale_pv.add(pv)
                     if key is not None:
                         plan.consumed[key] = (f.name, line, rec)
                     continue
@@ -191,8 +192,10 @@ class FollowRows(ShardWatch, IterableDataset, Stateful):
                 end = (f.name, len(recs))
                 break
         self._listed = True
-        self._note = (f"; {dropped} record(s) dropped as more than rl.max_lag={self.max_lag} versions behind "
-                      f"the trainer's version {version}" if dropped else "")
+        pvs = f"{min(stale_pv)}" if len(stale_pv) == 1 else f"{min(stale_pv, default=0)} to {max(stale_pv, default=0)}"
+        self._note = (f"; {dropped} record(s) dropped as stale: their policy_version {pvs} is more than "
+                      f"rl.max_lag={self.max_lag} versions behind the trainer's version {version} (raise rl.max_lag, "
+                      "or have the generator sample with the trainer's newer published weights)" if dropped else "")
         if missing:
             self._note += f"; shard(s) deleted before they were read: {', '.join(missing)}"
         self._held = ""

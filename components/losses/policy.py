@@ -39,7 +39,6 @@ from framework.errors import UserError
 
 RL_DATA_HINT = "data.format=rollouts data.path=ROLLOUTS (jsonl/parquet; format in components/data/rollouts.py)"
 
-
 Norm = Literal["token", "sequence"]
 
 
@@ -77,6 +76,7 @@ class _Policy:
 
     objective = ""
     NEEDS_DATA: tuple[str, ...] = ("rollouts",)
+    POLICY_OBJECTIVE = True  # its loss is no likelihood (the summary reports the reward, no best loss)
     PLAN_CONSTANTS = linear_ce.PLAN_CONSTANTS  # planned on the fused LM-head engine
     SKILL = "rl_objectives"  # docs/skills/rl_objectives.md
     # the rl.* settings this loss acts on (framework/resolve/publishing.py refuses them set with a loss that has none)
@@ -245,7 +245,7 @@ class SFT(_Policy):
     """Also trains on text data (every label is a trained token): the same loss as ce."""
 
     objective = "sft"
-    NEEDS_DATA = ("text", "rollouts")
+    NEEDS_DATA, POLICY_OBJECTIVE = ("text", "rollouts"), False  # a likelihood, as ce
 
     @dataclass(kw_only=True)
     class Options(_Head):

@@ -67,7 +67,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Any]] = {
     "moe_chunk": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL},
     "data": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,  # without plan_terms: documents as long as a row
              "ignored_keys": None},  # reads every data.* key it is given
-    "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": ()},
+    "loss": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL, "NEEDS_DATA": None, "RL_KEYS": (), "POLICY_OBJECTIVE": False},
     "recompute": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,
                   "memory_budget": None},  # does not plan by memory budget: resolve chooses nothing
     "state": {**_SHARED_OPTIONAL, **_PLANNED_OPTIONAL,

@@ -103,10 +103,12 @@ class ModelTypeNotRead(UserError):
 class Loss(Component, Planned, Protocol):
     """kind ``loss``: sets ``tc.loss``. ``NEEDS_DATA`` names the data kinds it trains on (its own
     ``check`` holds it); ``RL_KEYS`` the ``rl.*`` settings it acts on (resolve refuses the others
-    when set). The object ``tc.loss`` builds is a ``LossFn``."""
+    when set); ``POLICY_OBJECTIVE`` whether it optimises a policy objective (its loss is no likelihood to
+    minimise: the summary reports the reward). The object ``tc.loss`` builds is a ``LossFn``."""
 
     NEEDS_DATA: ClassVar[tuple[str, ...]]  # optional: None (not declared; the loss's check decides)
     RL_KEYS: ClassVar[tuple[str, ...]]  # optional: () (acts on no rl.* setting)
+    POLICY_OBJECTIVE: ClassVar[bool]  # optional: False (a likelihood: the summary names its best loss)
 
 
 class LossFn(Protocol):

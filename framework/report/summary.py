@@ -128,16 +128,14 @@ def _quote(s) -> str:
 
 
 def _rl_objective(cfg, train: list[dict]) -> bool:
-    """Whether the run trained a policy objective (not a likelihood): its loss needs exactly the data
-    format the run read (the loss kind's ``NEEDS_DATA``; a likelihood loss takes other formats too or
-    declares none). Without a config: the run's records carry policy metrics or rewards."""
-    if cfg is not None and "data" in cfg and "loss" in cfg and cfg.loss.get("name"):
+    """Whether the run trained a policy objective (not a likelihood): the loss kind's declared
+    ``POLICY_OBJECTIVE``. Without a config: the run's records carry policy metrics or rewards."""
+    if cfg is not None and "loss" in cfg and cfg.loss.get("name"):
         try:
             loss = registry.resolve("loss", str(cfg.loss.name))
         except UserError:
             return False
-        needs = contracts.member(loss, "loss", "NEEDS_DATA")
-        return needs is not None and tuple(needs) == (str(cfg.data.get("format")),)
+        return bool(contracts.member(loss, "loss", "POLICY_OBJECTIVE"))
     return any(k.startswith("policy/") or k == "data/reward_mean" for r in train for k in r)
 
 

@@ -40,6 +40,7 @@ class FollowStop:
     why: str  # "signal" (preemption while waiting), "timeout" (data.wait_timeout) or "malformed" (a bad shard)
     exit_code: int  # preempt.EXIT_CODE (75), EXIT_DATA_TIMEOUT (77) or EXIT_USER_ERROR (2)
     message: str  # the paragraph rank 0 printed: what stopped it, the checkpoint, how to go on
+    detail: str = ""  # what the summary line adds: "; N record(s) dropped as stale ..." ("": nothing)
 
 
 def dist_rank() -> int:
@@ -107,17 +108,18 @@ class FollowMode:
                 self._stop_following("signal", "")
             if timed_out:
                 held, limit = ds.held(), f"data.wait_timeout={self.config.follow_wait_timeout:g}"
-                self._stop_following("timeout", f"not enough {ds.NOUN} for step {self.step} in {folder} after "
+                dropped = ds.waiting_note().removeprefix(f"; {held}" if held else "")  # e.g. records dropped as stale
+                self._stop_following("timeout", (f"not enough {ds.NOUN} for step {self.step} in {folder} after "
                                                  f"{waited:.0f} s ({limit}): {held}" if held else
                                                  f"no {ds.NOUN} for step {self.step} in {folder} for {waited:.0f} s "
-                                                 f"({limit})")
+                                                 f"({limit})") + dropped, detail=dropped)
             if waited >= note_at and dist_rank() == 0:
                 note_at = next_note_s(waited, tty)
                 print(f"waiting for {ds.NOUN} in {folder}: {waited:.0f} s (step {self.step}{ds.waiting_note()})",
                       flush=True)
             time.sleep(WAIT_POLL_S)
 
-    def _stop_following(self, why: str, message: str) -> None:
+    def _stop_following(self, why: str, message: str, detail: str = "") -> None:
         """Stop before step ``self.step`` ran: checkpoint the last complete step, then leave the loop
         (torchtitan's loop ends on DataloaderExhaustedError)."""
         self.step -= 1
@@ -139,7 +141,8 @@ class FollowMode:
         if why == "signal" and guard is not None:
             guard.stopped_at, guard.saved = self.step, True
             message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
-        self.follow_stop = FollowStop(why, code, f"apiary: {message}; {note}; the rollout position of step "
+        self.follow_stop = FollowStop(why, code, detail=detail,
+                                      message=f"apiary: {message}; {note}; the rollout position of step "
                                       f"{self.step} is kept"
                                       + ("; fix or remove that shard (later shards are untouched), then resume with "
                                          f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"

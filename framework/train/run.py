@@ -151,7 +151,7 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     if stop is not None:
         if report:
             why = {"signal": "by a signal while waiting for data", "malformed": "on a malformed shard of the followed data",
-                   "timeout": "waiting for data (data.wait_timeout)"}[stop.why]
+                   "timeout": f"waiting for data (data.wait_timeout{stop.detail})"}[stop.why]
             _report(resolved, why, stop.exit_code, trainer.step)
         lifecycle.write_status(stop.exit_code)
         raise SystemExit(stop.exit_code)
