@@ -202,17 +202,21 @@ def _section_choices(path: Path, seen: tuple = ()) -> dict[str, tuple[str, Path]
     return out
 
 
-def _option_of(key: str) -> str:
-    """``KIND=NAME`` for a ``KIND.OPTION`` key that an option of a component group declares (the first
-    name that has it), else ''."""
+def _option_of(key: str) -> list[str]:
+    """``KIND=NAME`` for each name of a component group whose option declares the ``KIND.OPTION`` key (every
+    owner, in the group's order), else []."""
     kind, _, leaf = key.partition(".")
     if kind not in registry.GROUP_KINDS or not leaf or "." in leaf:
-        return ""
-    for name in registry.names(kind):
-        opts = registry.options_of(kind, name)
-        if opts is not None and dataclasses.is_dataclass(opts) and leaf in {f.name for f in dataclasses.fields(opts)}:
-            return f"{kind}={name}"
-    return ""
+        return []
+    return [f"{kind}={name}" for name in registry.names(kind)
+            if dataclasses.is_dataclass(opts := registry.options_of(kind, name))
+            and leaf in {f.name for f in dataclasses.fields(opts)}]
+
+
+def owner_hint(key: str, owners: list[str], setting: str) -> str:
+    """``KEY is an option of A and B: write A SETTING or B SETTING.`` (every owner named)."""
+    return (f"{key} is an option of {' and '.join(owners)}: write "
+            f"{' or '.join(f'{o} {setting}' for o in owners)}.")
 
 
 def _schema_keys() -> list[str]:
@@ -247,13 +251,13 @@ def _unknown_key_in_file(path: Path, e: Exception) -> None:
     key = m.group(1)
     within = re.match(r"In '([^']+)'", msg)
     src = f" (set in {within.group(1)}.yaml)" if within and within.group(1) != path.stem else ""
-    owner = _option_of(key)
-    if owner:
-        kind, name = owner.split("=")
-        raise UserError(f"recipe {path}", f"sets {key!r}{src}, an option of {owner}, and the recipe chooses another "
-                        f"{kind}.", f"Choose {name} where the option is set: `{kind}: {{name: {name}, ...}}` in that "
-                        f"section, or `override /{kind}: {name}` in the `defaults:` list before _self_ "
-                        f"(or {owner} on the command line).") from None
+    owners = _option_of(key)
+    if owners:
+        kind, name = owners[0].split("=")
+        raise UserError(f"recipe {path}", f"sets {key!r}{src}, an option of {' and '.join(owners)}, and the recipe "
+                        f"chooses another {kind}.", f"Choose {name} where the option is set: `{kind}: {{name: {name}, "
+                        f"...}}` in that section, or `override /{kind}: {name}` in the `defaults:` list before _self_ "
+                        f"(or {owners[0]} on the command line).") from None
     known = [k for k in _schema_keys() if k != key]
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
