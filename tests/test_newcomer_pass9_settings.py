@@ -6,6 +6,8 @@ import textwrap
 import pytest
 
 from framework.cli import train_main
+from framework.compose.recipe_files import recipe_names
+from toolkit.cli import apiary_main
 
 
 def _err(capsys, argv, main=train_main):
@@ -21,3 +23,45 @@ def test_an_option_several_loss_names_own_names_them_all(capsys, workdir, overri
     assert code == 2, err
     assert "an option of loss=linear_ce and loss=ce_zloss" in err, err
     assert "write loss=linear_ce loss.z_loss=1e-4 or loss=ce_zloss loss.z_loss=1e-4" in err, err
+
+
+# ---------------------------------------------------------------- 1. no-effect keys set in a user's recipe file
+def _recipe(workdir, name, text):
+    (workdir / "rc").mkdir(exist_ok=True)
+    (workdir / "rc" / name).write_text(textwrap.dedent(text))
+    return f"recipe=rc/{name}"
+
+
+def test_moe_key_in_a_users_dense_recipe_file_is_refused(capsys, workdir):
+    """Was: exit 0, trained, moe.lean_combine ignored (the same key on the command line exits 2)."""
+    recipe = _recipe(workdir, "dn.yaml", "defaults: [debug_dense, _self_]\nmoe: {lean_combine: true}\n")
+    code, err = _err(capsys, [recipe, "--cfg", "job"])
+    assert code == 2 and "moe.lean_combine=True (set in recipe file" in err and "dn.yaml" in err, err
+    assert "is a dense model" in err and "Drop moe.lean_combine from" in err, err
+
+
+@pytest.mark.parametrize("extra, key", [([], "training.max_skips"), (["training.on_nonfinite=stop"], "checkpoint.verify")])
+def test_keys_without_their_partner_in_a_users_recipe_file_are_refused(capsys, workdir, extra, key):
+    """Was: exit 0 on a fresh run, max_skips and verify ignored (refused on the command line)."""
+    recipe = _recipe(workdir, "ms.yaml", "defaults: [debug_moe, _self_]\ntraining: {max_skips: 2}\n"
+                                          "checkpoint: {verify: false}\n")
+    code, err = _err(capsys, [recipe, *extra, "--cfg", "job"])
+    assert code == 2 and f"{key}=" in err and "(set in recipe file" in err and "ms.yaml" in err, err
+    assert f"drop {key} from" in err, err
+
+
+def test_a_recipe_files_key_whose_partner_the_command_line_turns_off_is_kept(capsys, workdir):
+    """A recipe may keep max_skips for the runs that skip: the command line's on_nonfinite=stop is not refused
+    for it (the command line's own keys still are)."""
+    recipe = _recipe(workdir, "sk.yaml", "defaults: [debug_moe, _self_]\ntraining: {max_skips: 2, on_nonfinite: skip}\n")
+    code, err = _err(capsys, [recipe, "training.on_nonfinite=stop", "--cfg", "job"])
+    assert code == 0, err
+
+
+def test_copies_of_the_packaged_recipes_still_resolve(capsys, workdir):
+    """`apiary cp NAME` of every packaged recipe resolves as the packaged one does (their own values kept)."""
+    for name in recipe_names():
+        assert apiary_main(["cp", name, f"cp_{name}.yaml"]) == 0
+        capsys.readouterr()
+        code, err = _err(capsys, [f"recipe=cp_{name}.yaml", "--cfg", "job"])
+        assert code == 0, (name, err)

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from framework.compose import registry
-from framework.compose.schema import RecipeConfig
+from framework.compose.schema import DEFAULT_RECIPE, RecipeConfig
 from framework.errors import UserError, did_you_mean
 
 RECIPES_DIR = registry.ROOT / "recipes"
@@ -199,6 +199,44 @@ def _section_choices(path: Path, seen: tuple = ()) -> dict[str, tuple[str, Path]
         section = data.get(kind)
         if isinstance(section, dict) and isinstance(section.get("name"), str):
             out[kind] = (section["name"], path)
+    return out
+
+
+def user_file_keys(recipe: str | None, path: Path | None = None, seen: tuple = ()) -> dict[str, Path]:
+    """Each dotted key that a recipe file of the user's own sets (``recipe=``'s file and the files it extends,
+    those outside apiary's recipes/), with the file that sets it last. A packaged recipe sets none."""
+    path = path or recipe_path(recipe or DEFAULT_RECIPE)
+    if path in seen or not path.is_file() or path.parent == RECIPES_DIR:
+        return {}
+    data = _read_yaml(path) or {}
+    out: dict[str, Path] = {}
+    for entry in data.get("defaults", []) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            extended = path.parent / f"{entry}.yaml"
+            if extended.is_file():
+                out.update(user_file_keys(None, extended, (*seen, path)))
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            out[f"{prefix}{k}"] = path
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+    walk({k: v for k, v in data.items() if k != "defaults"}, "")
+    return out
+
+
+def shipped_values() -> dict[str, list]:
+    """Each dotted key the packaged recipes (recipes/*.yaml) set, with the values they set it to."""
+    out: dict[str, list] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.setdefault(f"{prefix}{k}", []).append(v)
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        walk({k: v for k, v in (_read_yaml(p) or {}).items() if k != "defaults"}, "")
     return out
 
 
