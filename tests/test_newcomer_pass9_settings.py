@@ -65,3 +65,19 @@ def test_copies_of_the_packaged_recipes_still_resolve(capsys, workdir):
         capsys.readouterr()
         code, err = _err(capsys, [f"recipe=cp_{name}.yaml", "--cfg", "job"])
         assert code == 0, (name, err)
+
+
+# ---------------------------------------------------------------- 2. --cfg job previews a run's verdict on hydra.* keys
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--info"]])
+@pytest.mark.parametrize("override", ["hydra.verbose=true", "hydra.job.name=x", "hydra/launcher=basic",
+                                      "hydra.searchpath=[file:///tmp]", "hydra.sweep.dir=x"])
+def test_hydra_keys_a_run_refuses_are_refused_under_cfg_job_and_info(capsys, workdir, flags, override):
+    """Was: exit 0 with no note under --cfg job, while the same command as a run exits 2."""
+    code, err = _err(capsys, [override, *flags])
+    assert code == 2 and f"override {override}" in err, err
+
+
+@pytest.mark.parametrize("which", ["hydra", "all"])
+def test_cfg_hydra_and_all_still_print_a_given_hydra_key(capsys, workdir, which):
+    assert train_main(["--cfg", which, "-p", "hydra.verbose", "hydra.verbose=true"]) == 0
+    assert "True" in capsys.readouterr().out
