@@ -5,8 +5,10 @@ import textwrap
 
 import pytest
 
+from framework import devices
 from framework.cli import train_main
 from framework.compose.recipe_files import recipe_names
+from framework.resolve.resolver import resolve
 from toolkit.cli import apiary_main
 
 
@@ -81,3 +83,21 @@ def test_hydra_keys_a_run_refuses_are_refused_under_cfg_job_and_info(capsys, wor
 def test_cfg_hydra_and_all_still_print_a_given_hydra_key(capsys, workdir, which):
     assert train_main(["--cfg", which, "-p", "hydra.verbose", "hydra.verbose=true"]) == 0
     assert "True" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 3. autotune_configs on a CPU run
+def test_autotune_configs_on_a_cpu_run_is_refused(capsys, workdir, monkeypatch):
+    """Was: exit 0, `autotuned_kernels: 0`, no note: Triton does not autotune on the CPU."""
+    monkeypatch.setattr(devices, "has_accelerator", lambda: False)
+    code, err = _err(capsys, ["training.autotune_configs=all", "training.kernel_cache=kc", "training.steps=1",
+                              "training.seq_len=64"])
+    assert code == 2 and "training.autotune_configs=all" in err and "trains on the CPU" in err, err
+    assert not (workdir / "runs").exists()
+
+
+def test_autotune_configs_is_kept_where_the_run_is_not_on_this_cpu(capsys, workdir, monkeypatch):
+    """--cfg job asks no GPU, and a launch for a named GPU (preflight.gpu=H100) is not a CPU run."""
+    monkeypatch.setattr(devices, "has_accelerator", lambda: False)
+    assert train_main(["training.autotune_configs=all", "--cfg", "job"]) == 0
+    r = resolve("debug_moe", ["training.autotune_configs=all", "preflight.gpu=H100", "output_dir=run"], for_training=True)
+    assert r.cfg.training.autotune_configs == "all"
