@@ -90,7 +90,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UserError(f"train --package {args.package}", "only selects what --cfg prints.",
                         f"For example: train --cfg job -p {args.package}.")
     if not (args.help or args.hydra_help):  # hydra.* keys that would do nothing for this command
-        hydra_keys.check(overrides, "multirun" if args.multirun else "show" if (args.info or args.cfg) else "run")
+        # --cfg job and --info preview a run: the same verdict; --cfg hydra|all print Hydra's config as given
+        hydra_keys.check(overrides, "multirun" if args.multirun else "show" if args.cfg in ("hydra", "all") else "run")
     return args
 
 

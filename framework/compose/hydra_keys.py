@@ -1,7 +1,8 @@
 """Hydra's own settings on `train`'s command line (``hydra.*`` keys, ``hydra/...`` groups): each takes effect
 or is refused, never ignored.
 
-    check(overrides, mode)    # mode: "run" (one job), "multirun" (-m) or "show" (--cfg / --info)
+    check(overrides, mode)    # mode: "run" (one job; --cfg job and --info preview it), "multirun" (-m)
+                              # or "show" (--cfg hydra / --cfg all, which print Hydra's config)
 
 A single run never starts Hydra's app: apiary resolves the recipe itself and writes to output_dir, so no
 ``hydra.*`` key acts on it (``hydra.run.*`` is refused by framework.compose.recipes, with its own fix). A -m sweep runs

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from framework.compose import registry
-from framework.compose.schema import RecipeConfig
+from framework.compose.schema import DEFAULT_RECIPE, RecipeConfig
 from framework.errors import UserError, did_you_mean
 
 RECIPES_DIR = registry.ROOT / "recipes"
@@ -202,17 +202,59 @@ def _section_choices(path: Path, seen: tuple = ()) -> dict[str, tuple[str, Path]
     return out
 
 
-def _option_of(key: str) -> str:
-    """``KIND=NAME`` for a ``KIND.OPTION`` key that an option of a component group declares (the first
-    name that has it), else ''."""
+def user_file_keys(recipe: str | None, path: Path | None = None, seen: tuple = ()) -> dict[str, Path]:
+    """Each dotted key that a recipe file of the user's own sets (``recipe=``'s file and the files it extends,
+    those outside apiary's recipes/), with the file that sets it last. A packaged recipe sets none."""
+    path = path or recipe_path(recipe or DEFAULT_RECIPE)
+    if path in seen or not path.is_file() or path.parent == RECIPES_DIR:
+        return {}
+    data = _read_yaml(path) or {}
+    out: dict[str, Path] = {}
+    for entry in data.get("defaults", []) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            extended = path.parent / f"{entry}.yaml"
+            if extended.is_file():
+                out.update(user_file_keys(None, extended, (*seen, path)))
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            out[f"{prefix}{k}"] = path
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+    walk({k: v for k, v in data.items() if k != "defaults"}, "")
+    return out
+
+
+def shipped_values() -> dict[str, list]:
+    """Each dotted key the packaged recipes (recipes/*.yaml) set, with the values they set it to."""
+    out: dict[str, list] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out.setdefault(f"{prefix}{k}", []).append(v)
+    for p in sorted(RECIPES_DIR.glob("*.yaml")):
+        walk({k: v for k, v in (_read_yaml(p) or {}).items() if k != "defaults"}, "")
+    return out
+
+
+def _option_of(key: str) -> list[str]:
+    """``KIND=NAME`` for each name of a component group whose option declares the ``KIND.OPTION`` key (every
+    owner, in the group's order), else []."""
     kind, _, leaf = key.partition(".")
     if kind not in registry.GROUP_KINDS or not leaf or "." in leaf:
-        return ""
-    for name in registry.names(kind):
-        opts = registry.options_of(kind, name)
-        if opts is not None and dataclasses.is_dataclass(opts) and leaf in {f.name for f in dataclasses.fields(opts)}:
-            return f"{kind}={name}"
-    return ""
+        return []
+    return [f"{kind}={name}" for name in registry.names(kind)
+            if dataclasses.is_dataclass(opts := registry.options_of(kind, name))
+            and leaf in {f.name for f in dataclasses.fields(opts)}]
+
+
+def owner_hint(key: str, owners: list[str], setting: str) -> str:
+    """``KEY is an option of A and B: write A SETTING or B SETTING.`` (every owner named)."""
+    return (f"{key} is an option of {' and '.join(owners)}: write "
+            f"{' or '.join(f'{o} {setting}' for o in owners)}.")
 
 
 def _schema_keys() -> list[str]:
@@ -247,13 +289,13 @@ def _unknown_key_in_file(path: Path, e: Exception) -> None:
     key = m.group(1)
     within = re.match(r"In '([^']+)'", msg)
     src = f" (set in {within.group(1)}.yaml)" if within and within.group(1) != path.stem else ""
-    owner = _option_of(key)
-    if owner:
-        kind, name = owner.split("=")
-        raise UserError(f"recipe {path}", f"sets {key!r}{src}, an option of {owner}, and the recipe chooses another "
-                        f"{kind}.", f"Choose {name} where the option is set: `{kind}: {{name: {name}, ...}}` in that "
-                        f"section, or `override /{kind}: {name}` in the `defaults:` list before _self_ "
-                        f"(or {owner} on the command line).") from None
+    owners = _option_of(key)
+    if owners:
+        kind, name = owners[0].split("=")
+        raise UserError(f"recipe {path}", f"sets {key!r}{src}, an option of {' and '.join(owners)}, and the recipe "
+                        f"chooses another {kind}.", f"Choose {name} where the option is set: `{kind}: {{name: {name}, "
+                        f"...}}` in that section, or `override /{kind}: {name}` in the `defaults:` list before _self_ "
+                        f"(or {owners[0]} on the command line).") from None
     known = [k for k in _schema_keys() if k != key]
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]

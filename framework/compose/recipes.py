@@ -31,6 +31,7 @@ from framework.compose.recipe_files import (
     _option_of,
     _unknown_key_in_file,
     file_group_choices,
+    owner_hint,
     recipe_names,
     recipe_path,
 )
@@ -230,10 +231,10 @@ def _checked_values(base: DictConfig, value_overrides: list, overrides: list[str
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             siblings = [k for k in known if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
             value = raw.partition("=")[2]
-            owner = _option_of(key)
+            owners = _option_of(key)
             hits = [h for h in closest(key, siblings) or closest(key, known) if h != key]
-            if owner:
-                hint = f"{key} is an option of {owner}: write {owner} {key}={value}."
+            if owners:
+                hint = owner_hint(key, owners, f"{key}={value}")
             elif hits:
                 hint = f"Did you mean {hits[0]!r}? Write {hits[0]}={value}."
             else:
@@ -248,9 +249,9 @@ def _checked_values(base: DictConfig, value_overrides: list, overrides: list[str
             hits = closest(key, siblings) or closest(key, known)
             hint = f"Closest valid keys: {', '.join(hits)}." if hits else \
                 f"Run `train recipe={recipe} --cfg job` to list the keys."
-            owner = _option_of(key)  # an option of another name of the group: choose that name with it
-            if owner:
-                hint = f"{key} is an option of {owner}: write {owner} {raw}."
+            owners = _option_of(key)  # an option of other names of the group: choose one of them with it
+            if owners:
+                hint = owner_hint(key, owners, raw)
             raise UserError(f"override {raw}", f"unknown key {key!r} for recipe {recipe}.", hint)
         if ov.is_delete():
             deletions[raw] = _deletion(base, raw, ov)

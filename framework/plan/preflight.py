@@ -388,5 +388,10 @@ def check_plan(r, recipe, overrides, check, for_training: bool) -> None:
     checks (framework.resolve.resolver.check_candidate)."""
     choose_by_budget(r, for_training)
     r.data_summary = "\n".join(r.ctx.summary)
+    if for_training and r.cfg.training.autotune_configs != "recorded" and _cpu_run(r.cfg):  # not the default
+        raise UserError(f"training.autotune_configs={r.cfg.training.autotune_configs}", "chooses the configs Triton "
+                        "autotunes on a GPU, and this run trains on the CPU, where Triton does not autotune "
+                        "(docs/skills/kernel_cache.md), so the setting would be ignored.",
+                        "Drop it, or run it on a GPU.")
     if for_training:
         check_memory(r, recipe, overrides, check)

@@ -8,10 +8,12 @@ runs them all, once every component's check has run (they read what the checks s
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+import re
+
+from omegaconf import DictConfig, OmegaConf
 
 from framework import contracts
-from framework.compose import registry, schema
+from framework.compose import recipe_files, registry, schema
 from framework.errors import UserError
 
 
@@ -79,15 +81,36 @@ def check_rl_keys(ctx: contracts.Context) -> None:
                             "See docs/skills/tis.md.")
 
 
-def check(cfg, overrides: list[str], ctx: contracts.Context) -> None:
-    """The RL keys the loss does not act on, then every setting without effect."""
+def check(cfg, overrides: list[str], ctx: contracts.Context, recipe: str | None = None) -> None:
+    """The RL keys the loss does not act on, then every setting without effect (``recipe``: as recipe= names
+    it, for the keys a recipe file of the user's own sets)."""
     check_rl_keys(ctx)
-    check_no_effect(cfg, overrides, ctx)
+    check_no_effect(cfg, overrides, ctx, recipe)
 
 
-def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
+def _set_here(cfg, key: str, given: set[str], in_file: dict, reads: tuple[str, ...]) -> str:
+    """Whether ``key`` is set by this launch: ' (given)' on the command line; ' (set in recipe file F)' in a
+    recipe file of the user's own, to a value other than the schema's default and the packaged recipes', while
+    the command line gives none of the keys the verdict ``reads`` (a recipe may keep a value for the times its partner is on:
+    `train recipe=R checkpoint.enable=false` is not refused for R's checkpoint.interval); else ''."""
+    if key in given:
+        return " (given)"
+    if key not in in_file or any(g == r or g.startswith(f"{r}.") or r.startswith(f"{g}.") or g == r.split(".")[0]
+                                 for g in given for r in reads):
+        return ""
+    value, default = OmegaConf.select(cfg, key), OmegaConf.select(_SCHEMA, key, default=_SCHEMA)
+    if (default is not _SCHEMA and default == value) or value in recipe_files.shipped_values().get(key, []):
+        return ""  # the default, or a value a packaged recipe keeps too (a copy of one: `apiary cp`)
+    return f" (set in recipe file {in_file[key]})"
+
+
+_SCHEMA = OmegaConf.structured(schema.RecipeConfig)
+
+
+def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context, recipe: str | None = None) -> None:
     """Every setting takes effect or is refused: what would load nothing, resume nothing or be ignored."""
     ck, given = cfg.checkpoint, {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    in_file = recipe_files.user_file_keys(recipe)
     own_load = ctx.shared.load_path_reader  # a component that loads it itself (its check says)
     if ck.load_path is not None and not ck.enable and not own_load:
         raise UserError(f"checkpoint.load_path={ck.load_path} with checkpoint.enable=false", "with checkpointing off "
@@ -105,10 +128,13 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                         "output_dir.")
     _check_ignored_data_keys(cfg, given, ctx)  # first: a key the format never reads needs nothing else
     for key, needs, off, what in _NEEDS:
-        if key in given and off(cfg):
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"sets {what}, which acts only with {needs}, "
-                            "and this run does not have it, so the setting would be ignored.",
-                            f"Add {needs}, or drop {key}.")
+        where = _set_here(cfg, key, given, in_file, tuple(re.findall(r"[a-z_]+\.[a-z_]+", needs)))
+        if where and off(cfg):
+            source = where.removeprefix(" (set in recipe file ").removesuffix(")")
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}{where if where != ' (given)' else ''}",
+                            f"sets {what}, which acts only with {needs}, and this run does not have it, so the "
+                            "setting would be ignored.",
+                            f"Add {needs}, or drop {key}" + (f" from {source}." if where != " (given)" else "."))
     model = cfg.model
     if "model.flavor" in given and model.get("hf_checkpoint") and ctx.facts is not None:
         mod = ctx.components["model"]
@@ -122,10 +148,14 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context) -> None:
                             "Drop model.flavor, or point model.hf_checkpoint at the model you mean.")
     if ctx.facts is not None and not ctx.facts.num_experts:
         # every moe.* key (schema.MoEConfig's fields, and any option of the moe kinds) acts on the MoE layers only
-        for key in sorted(k for k in given if k == "moe" or k.startswith("moe.")):
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)}", f"{ctx.facts.family} {ctx.facts.flavor} is a "
-                            "dense model: it has no MoE layers, so the setting would be ignored.",
-                            f"Drop {key}, or choose an MoE flavor.")
+        file_moe = [] if any(g.startswith("model") for g in given) else \
+            [k for k in in_file if k.startswith("moe.") and k != "moe.name" and not isinstance(
+                OmegaConf.select(cfg, k), DictConfig)]
+        for key in sorted(k for k in given if k == "moe" or k.startswith("moe.")) + file_moe:
+            src = f" (set in recipe file {in_file[key]})" if key not in given else ""
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}{src}", f"{ctx.facts.family} {ctx.facts.flavor} "
+                            "is a dense model: it has no MoE layers, so the setting would be ignored.",
+                            f"Drop {key}{f' from {in_file[key]}' if src else ''}, or choose an MoE flavor.")
 
 
 def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:

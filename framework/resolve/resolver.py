@@ -58,13 +58,14 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     if warmup:  # and the warm-up its schedule used, when the launch shortened it
         kept, overrides = [*kept, *warmup], [*warmup, *overrides]
         cfg = recipes.load(recipe, overrides)
-    r = checked(cfg, overrides, kept, world_size=world_size, for_training=for_training)
+    r = checked(cfg, overrides, kept, world_size=world_size, for_training=for_training, recipe=recipe)
     r.launch = {"recipe": recipe, "overrides": list(overrides)}
     preflight.check_plan(r, recipe, overrides, check_candidate, for_training)
     return r
 
 
-def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_size, for_training: bool) -> Resolved:
+def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_size, for_training: bool,
+            recipe: str | None = None) -> Resolved:
     """The composed ``cfg`` through each checking module of this package, once, in the order their results
     need; the layout's dims written into it, its paths stored absolute. ``kept``: the overrides a resume
     kept from its launch."""
@@ -72,7 +73,7 @@ def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_siz
     world = inputs.check(cfg, for_training, world_size)  # the environment, paths, inputs; the ranks
     ctx, grad_accum = context.check(cfg, for_training, world)  # components, facts, layout, every kind's check
     ctx.summary.extend(notes)  # the schedule's notes after the components' lines
-    needs.check(cfg, overrides, ctx)
+    needs.check(cfg, overrides, ctx, recipe)
     layout = ctx.layout
     given_parallel = OmegaConf.to_container(cfg.parallel)
     OmegaConf.set_struct(cfg, False)
