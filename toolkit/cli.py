@@ -187,7 +187,7 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
                         "Give it export_hf(run_dir, out_path, *, step=None, dtype='bfloat16', shard_bytes=None), as "
                         "the shipped families have (framework/contracts/protocols.py ModelFamily).")
     dest = Path(out)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.is_dir() and any(dest.iterdir()):  # (a file: writable_folder names it)
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")

@@ -353,7 +353,7 @@ def run(model_path: str, rollouts: str, out: str, *, step: int | None = None, te
     clash = [str(f) for f in files if _target(f, root, dest).absolute() == f.absolute()]
     if clash:
         raise UserError(f"apiary logprobs --out {out}", f"would overwrite the input {clash[0]}.", "Write to another folder.")
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.is_dir() and any(dest.iterdir()):  # (a file: writable_folder names it)
         raise UserError(f"apiary logprobs --out {out}", "is not an empty folder; scoring there would overwrite or "
                         "mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary logprobs --out {out}", "no scored rollouts could be written")
