@@ -97,6 +97,11 @@ def _check_yaml(path: Path, seen: set | None = None, chain: tuple = ()) -> None:
                             f"the {kind} component (its name and options).", f"Write `{kind}: {{name: {data[kind]}}}` "
                             f"(its options beside name), or `override /{kind}: {data[kind]}` in the `defaults:` list "
                             "before _self_.")
+    if isinstance(data, dict) and "hydra" in data:  # (was: taken by Hydra's composition and silently unused)
+        raise UserError(f"recipe {path}", "has a `hydra:` section, which nothing reads: a run never starts Hydra's "
+                        "app (it writes to output_dir), and a -m sweep reads hydra.sweep.* from its command line.",
+                        "Drop the section; set output_dir=DIR for a run, or give hydra.sweep.dir=... and "
+                        "hydra.sweep.subdir=... on a `train -m` command line.")
     for entry in (data or {}).get("defaults", []) or []:
         if isinstance(entry, str) and entry != "_self_":
             extended = path.parent / f"{entry}.yaml"
