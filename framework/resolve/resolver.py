@@ -85,6 +85,9 @@ def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_siz
     OmegaConf.set_struct(cfg, True)
     # a resume: what it loads and what changed since the last launch
     resume_lines = resume.plan(cfg, ctx, step, kept) if step is not None else []
+    if step is None and for_training and cfg.checkpoint.load_path:  # a new run from saved weights says which
+        resume_lines = [f"weights: {cfg.checkpoint.load_path} (checkpoint.load_path: the model's weights only; "
+                        "a fresh optimizer, schedule and data order)"]
     return Resolved(cfg=cfg, facts=ctx.facts, layout=layout, grad_accum=grad_accum, given_parallel=given_parallel,
                     data_summary="\n".join(ctx.summary), ctx=ctx, resume_lines=resume_lines)
 
