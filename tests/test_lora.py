@@ -355,8 +355,10 @@ def test_logprobs_with_an_adapter_folder_scores_the_adapted_model(runs, capsys):
     for name, argv in (("adapter", [str(base), str(rollouts), "--adapter", str(peft_dir)]),
                        ("merged", [str(merged), str(rollouts)]), ("base", [str(base), str(rollouts)]),
                        ("run", [str(work / "lora"), str(rollouts)])):
-        assert apiary_main(["logprobs", *argv, "--out", str(work / f"lp_{name}")]) == 0
-        outs[name] = [json.loads(x)["ref_logprobs"] for x in (work / f"lp_{name}" / rollouts.name).read_text().splitlines()]
+        out = work / f"scored_{name}"  # (not lp_merged: the merged export's own folder)
+        shutil.rmtree(out, ignore_errors=True)
+        assert apiary_main(["logprobs", *argv, "--out", str(out)]) == 0
+        outs[name] = [json.loads(x)["ref_logprobs"] for x in (out / rollouts.name).read_text().splitlines()]
     flat = {k: torch.tensor([x for r in v for x in r]) for k, v in outs.items()}
     assert (flat["adapter"] - flat["merged"]).abs().max() < 1e-4
     assert torch.equal(flat["run"], flat["merged"])  # the LoRA run folder itself: its base + adapters
