@@ -1,0 +1,43 @@
+"""Newcomer pass 10: what apiary says for a LoRA step on a seeded base, a resume without recipe= of another
+recipe's run, and an lr.total_steps kept from the last launch."""
+
+
+from omegaconf import OmegaConf
+
+from framework.report.resume_command import from_weights
+
+from conftest import train_here
+
+
+# ---- h-j: seeded-base adapters, a resume's recipe, kept lr.total_steps
+def _seeded_lora_run(root, hf=None):
+    run = root / "runs" / "lora"
+    (run / "checkpoint" / "step-2").mkdir(parents=True)
+    (run / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
+    OmegaConf.save(OmegaConf.create({"recipe": "debug_moe", "adapter": {"name": "lora"},
+                                     "model": {"family": "qwen3", "flavor": "tiny_moe", "hf_checkpoint": hf},
+                                     "checkpoint": {"load_path": None}, "training": {"seed": 42}}), run / "config.yaml")
+    return run
+
+
+def test_a_seeded_lora_step_as_load_path_is_not_sent_to_a_refused_export(workdir, capsys):
+    """checkpoint.load_path=STEP of a LoRA run on the seeded base: refused, naming the base that exists on no
+    disk and what works (was: told to run apiary export --merged, which itself exits 2 for that base)."""
+    run = _seeded_lora_run(workdir)
+    r = train_here(["train", f"checkpoint.load_path={run}/checkpoint/step-2", "training.steps=1",
+                    "training.seq_len=64"], workdir, capsys)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2, err
+    assert "--merged" not in err and "apiary export" in err, err
+    assert "initialised from training.seed=42 (qwen3 tiny_moe), a base that exists on no disk" in err, err
+    assert f"output_dir={run} checkpoint.resume=true" in err and "model.hf_checkpoint=DIR" in err, err
+
+
+def test_the_summarys_new_run_line_of_a_seeded_lora_run_names_no_export(tmp_path):
+    """The summary's new-run line for a LoRA run on the seeded base says why none exists (was: an apiary export
+    --merged command that exits 2); a LoRA run on a base folder keeps its export-then-train command."""
+    run = _seeded_lora_run(tmp_path)
+    line = from_weights(run / "checkpoint" / "step-2", "debug_moe", str(run), [], str)
+    assert line.startswith("none: ") and "exists on no disk" in line and "--merged" not in line, line
+    other = _seeded_lora_run(tmp_path / "b", hf="/models/base")
+    assert "--merged --step 2, then train" in from_weights(other / "checkpoint" / "step-2", "debug_moe", str(other), [], str)
