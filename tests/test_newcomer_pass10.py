@@ -2,6 +2,8 @@
 recipe's run, and an lr.total_steps kept from the last launch."""
 
 
+import json
+
 from omegaconf import OmegaConf
 
 from framework.report.resume_command import from_weights
@@ -41,3 +43,17 @@ def test_the_summarys_new_run_line_of_a_seeded_lora_run_names_no_export(tmp_path
     assert line.startswith("none: ") and "exists on no disk" in line and "--merged" not in line, line
     other = _seeded_lora_run(tmp_path / "b", hf="/models/base")
     assert "--merged --step 2, then train" in from_weights(other / "checkpoint" / "step-2", "debug_moe", str(other), [], str)
+
+
+def test_a_resume_without_recipe_resumes_the_runs_own_recipe(workdir, capsys):
+    """checkpoint.resume=true of a debug_grpo run, no recipe= given: the run's recipe (its last launch's) is
+    resumed, its kept overrides on it (was: exit 2, `override loss.kl_coef=1e-3: unknown key 'loss.kl_coef'
+    for recipe debug_moe`, an override the user never typed applied to the default recipe)."""
+    run = workdir / "runs" / "kl"
+    run.mkdir(parents=True)
+    (run / "launches.jsonl").write_text(json.dumps({"recipe": "debug_grpo", "overrides": ["loss.kl_coef=0"]}) + "\n")
+    r = train_here(["train", "output_dir=runs/kl", "checkpoint.resume=true"], workdir, capsys)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2, err
+    assert "unknown key" not in err and "debug_moe" not in err, err
+    assert "holds no checkpoint" in err, err  # composed as debug_grpo, then refused for its empty folder

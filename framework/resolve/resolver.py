@@ -50,9 +50,9 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     preflight (framework/plan/)."""
     cfg = recipes.load(recipe, overrides)
     run_dir, resuming = cfg.output_dir or outputs.latest_run_dir(cfg.recipe), for_training and cfg.checkpoint.resume
-    kept = resume.kept_overrides(run_dir, overrides) if resuming else []
-    if kept:  # a resume keeps the launch's overrides, unless given again
-        overrides = [*kept, *overrides]
+    kept, kept_recipe = resume.kept_launch(run_dir, overrides, recipe) if resuming else ([], recipe)
+    if kept or kept_recipe != recipe:  # a resume keeps the launch's overrides, unless given again, and recipe
+        overrides, recipe = [*kept, *overrides], kept_recipe
         cfg = recipes.load(recipe, overrides)
     warmup = resume.kept_warmup(run_dir, cfg, overrides) if resuming else []
     if warmup:  # and the warm-up its schedule used, when the launch shortened it
