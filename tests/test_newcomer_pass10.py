@@ -57,3 +57,17 @@ def test_a_resume_without_recipe_resumes_the_runs_own_recipe(workdir, capsys):
     assert r.returncode == 2, err
     assert "unknown key" not in err and "debug_moe" not in err, err
     assert "holds no checkpoint" in err, err  # composed as debug_grpo, then refused for its empty folder
+
+
+def test_a_kept_lr_total_steps_is_named_as_kept_in_the_tail_refusal(workdir, capsys):
+    """A resume whose lr.total_steps=4 was kept from the last launch and whose training.steps fell back to the
+    recipe's 20: the refusal says the 4 was kept and the 20 is the recipe's (was: both shown as if typed)."""
+    run = workdir / "runs" / "mine"
+    run.mkdir(parents=True)
+    (run / "launches.jsonl").write_text(json.dumps({"recipe": "debug_moe", "overrides": ["lr.total_steps=4"]}) + "\n")
+    r = train_here(["train", "recipe=debug_moe", "output_dir=runs/mine", "checkpoint.resume=true", "training.seed=7"],
+                   workdir, capsys)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2, err
+    assert "lr.total_steps=4 (kept from the run's last launch, not typed now)" in err, err
+    assert "training.steps=20 (the recipe's) would train nothing" in err, err

@@ -69,7 +69,7 @@ def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_siz
     """The composed ``cfg`` through each checking module of this package, once, in the order their results
     need; the layout's dims written into it, its paths stored absolute. ``kept``: the overrides a resume
     kept from its launch."""
-    notes = values.check(cfg, overrides)  # ranges, choices, the schedule's fit
+    notes = values.check(cfg, overrides, kept)  # ranges, choices, the schedule's fit
     world = inputs.check(cfg, for_training, world_size)  # the environment, paths, inputs; the ranks
     ctx, grad_accum = context.check(cfg, for_training, world)  # components, facts, layout, every kind's check
     ctx.summary.extend(notes)  # the schedule's notes after the components' lines
