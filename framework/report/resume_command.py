@@ -118,6 +118,9 @@ def from_weights(step_dir, recipe: str, out: str, overrides: list[str], quote) -
     new_out = f"{out}-from-{step_dir.name}"
     if adapted is None:
         base, drop, first = f"checkpoint.load_path={step_dir}", ("checkpoint.load_path",), ""
+    elif (why := integrity.seeded_base(adapted[1])) is not None:  # nothing to export merged: say so, no command
+        return (f"none: {why}; train adapters on model.hf_checkpoint=DIR or checkpoint.load_path=STEP to start new "
+                "runs from them")
     else:
         merged = adapted[1] / f"merged-{step_dir.name}"
         base, drop = f"model.hf_checkpoint={merged}", ("checkpoint.load_path", "model.hf_checkpoint")

@@ -50,9 +50,9 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
     preflight (framework/plan/)."""
     cfg = recipes.load(recipe, overrides)
     run_dir, resuming = cfg.output_dir or outputs.latest_run_dir(cfg.recipe), for_training and cfg.checkpoint.resume
-    kept = resume.kept_overrides(run_dir, overrides) if resuming else []
-    if kept:  # a resume keeps the launch's overrides, unless given again
-        overrides = [*kept, *overrides]
+    kept, kept_recipe = resume.kept_launch(run_dir, overrides, recipe) if resuming else ([], recipe)
+    if kept or kept_recipe != recipe:  # a resume keeps the launch's overrides, unless given again, and recipe
+        overrides, recipe = [*kept, *overrides], kept_recipe
         cfg = recipes.load(recipe, overrides)
     warmup = resume.kept_warmup(run_dir, cfg, overrides) if resuming else []
     if warmup:  # and the warm-up its schedule used, when the launch shortened it
@@ -69,7 +69,7 @@ def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_siz
     """The composed ``cfg`` through each checking module of this package, once, in the order their results
     need; the layout's dims written into it, its paths stored absolute. ``kept``: the overrides a resume
     kept from its launch."""
-    notes = values.check(cfg, overrides)  # ranges, choices, the schedule's fit
+    notes = values.check(cfg, overrides, kept)  # ranges, choices, the schedule's fit
     world = inputs.check(cfg, for_training, world_size)  # the environment, paths, inputs; the ranks
     ctx, grad_accum = context.check(cfg, for_training, world)  # components, facts, layout, every kind's check
     ctx.summary.extend(notes)  # the schedule's notes after the components' lines

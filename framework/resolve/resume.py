@@ -168,6 +168,14 @@ def last_launch(run_dir) -> dict | None:
     return last if isinstance(last, dict) and isinstance(last.get("overrides"), list) else None
 
 
+def kept_launch(run_dir, given: list[str], recipe: str | None) -> tuple[list[str], str | None]:
+    """What a resume of ``run_dir`` keeps from its newest launch: its overrides (``kept_overrides``) and, where
+    no recipe= is given (``recipe`` None), its recipe as given then (else the default recipe would take
+    overrides, and a checkpoint, of another recipe)."""
+    last = last_launch(run_dir) if run_dir is not None and recipe is None else None
+    return kept_overrides(run_dir, given), (last or {}).get("recipe") or recipe
+
+
 def kept_overrides(run_dir, given: list[str]) -> list[str]:
     """The newest launch's overrides that a resume with ``given`` keeps: all but NOT_KEPT, those given
     again (the new value wins) and the keys of a component group given another option."""

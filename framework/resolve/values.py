@@ -138,26 +138,30 @@ def check_decay(cfg, overrides: list[str], notes: list[str]) -> None:
                     "or fewer lr.warmup_steps.")
 
 
-def check_tail(cfg) -> None:
+def check_tail(cfg, overrides: list[str] = (), kept: list[str] = ()) -> None:
     """Steps past the schedule's horizon (``lr.total_steps`` < ``training.steps``) keep its final
     learning rate; where that is 0 they would train nothing: refused (a fresh run or a resume alike),
-    naming the horizon that covers them."""
+    naming the horizon that covers them, and where each value came from when not typed (``kept``: a
+    resume's overrides kept from the run's last launch)."""
     total, steps = resume.horizon(cfg), int(cfg["training"]["steps"])
     if steps <= total or resume.lr_at(cfg, total + 1) != 0:
         return
-    raise UserError(f"lr.total_steps={total}", f"the learning-rate schedule ends at step {total} with lr 0 "
+    kept_note = (" (kept from the run's last launch, not typed now)"
+                 if "lr.total_steps" in {resume._key(o) for o in kept} else "")
+    steps_note = "" if "training.steps" in {resume._key(o) for o in overrides} else " (the recipe's)"
+    raise UserError(f"lr.total_steps={total}{kept_note}", f"the learning-rate schedule ends at step {total} with lr 0 "
                     f"(lr.min_lr_factor={cfg['lr']['min_lr_factor']}), so steps {total + 1}-{steps} of "
-                    f"training.steps={steps} would train nothing.",
+                    f"training.steps={steps}{steps_note} would train nothing.",
                     f"Use lr.total_steps={steps} (the schedule over every step; on a resume it stretches what "
                     f"is left of it), or training.steps={total}.")
 
 
-def check(cfg, overrides: list[str]) -> list[str]:
+def check(cfg, overrides: list[str], kept: list[str] = ()) -> list[str]:
     """Every value's range and choice, then the warm-up, the decay and the steps past the horizon; returns
-    the notes of a schedule shortened."""
+    the notes of a schedule shortened. ``kept``: the overrides a resume kept from the run's last launch."""
     check_values(cfg)
     notes: list[str] = []
     check_warmup(cfg, overrides, notes)
     check_decay(cfg, overrides, notes)
-    check_tail(cfg)
+    check_tail(cfg, overrides, kept)
     return notes

@@ -296,11 +296,32 @@ def adapter_run(step_dir) -> tuple[str, Path] | None:
     return (str(name), step_dir.parent.parent) if name not in (None, "none") else None
 
 
-def merged_hint(step_dir) -> str:
+def seeded_base(run) -> str | None:
+    """Why no merged export of adapter run ``run`` exists, or None: its adapters were trained on weights
+    initialised from training.seed (no model.hf_checkpoint, no checkpoint.load_path), a base that exists on no
+    disk, which ``apiary export`` refuses (the wording is its refusal's)."""
+    try:
+        cfg = OmegaConf.load(Path(run) / "config.yaml")
+    except Exception:  # noqa: BLE001  (an unreadable config: nothing known)
+        return None
+    if OmegaConf.select(cfg, "model.hf_checkpoint") or OmegaConf.select(cfg, "checkpoint.load_path"):
+        return None
+    return (f"the adapters were trained on weights initialised from training.seed={OmegaConf.select(cfg, 'training.seed')}"
+            f" ({OmegaConf.select(cfg, 'model.family')} {OmegaConf.select(cfg, 'model.flavor')}), a base that exists on "
+            "no disk, so apiary export refuses them (no merged folder to start a new run from)")
+
+
+def merged_hint(step_dir, resume: bool = True) -> str:
     """What to write instead of checkpoint.load_path=STEP for an adapter run's step (``adapter_run``): its
-    adapters folded into the base as an HF folder, the base of a new run."""
+    adapters folded into the base as an HF folder, the base of a new run; for adapters on a seeded base
+    (``seeded_base``), which no export folds, what works instead (``resume``: with their run's resume among it)."""
     step_dir = Path(step_dir)
     run, step = adapter_run(step_dir)[1], step_dir.name.removeprefix("step-")
+    if (why := seeded_base(run)) is not None:
+        return (f"No new run can start from these adapters: {why}. "
+                + (f"To train these adapters on, resume their run (output_dir={run} checkpoint.resume=true); to "
+                   if resume else "To ") + "carry adapters into a new run, train them on a base folder "
+                "(model.hf_checkpoint=DIR) or a saved step (checkpoint.load_path=...).")
     out = run / f"merged-step-{step}"
     return (f"Export the adapters merged into their base, apiary export {run} --hf {out} --merged --step {step}, "
             f"and start a new run from that folder with model.hf_checkpoint={out} (no checkpoint.load_path).")
@@ -337,7 +358,7 @@ def check_resume(run_dir: Path, load_step: int | None, where: str, verify_manife
                         "last step so), without the optimizer state, data position and step count a resume goes "
                         "on from.", (f"Resume from the last full step with checkpoint.load_step={full[-1]}; or "
                                      if full and full[-1] > 0 else "No full step exists to resume from; ")
-                        + (f"to start a new run from these weights: {merged_hint(dirs[step])}" if adapter_run(dirs[step])
+                        + (f"to start a new run from these weights: {merged_hint(dirs[step], False)}" if adapter_run(dirs[step])
                            else f"start a new run from these weights with checkpoint.load_path={dirs[step]}."))
     step_dir = ck / f"step-{step}"
     key = str(step_dir.resolve())
