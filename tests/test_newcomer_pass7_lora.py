@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ import torch
 from framework import devices
 
 devices.install()  # before torchtitan is imported (CPU shims), as the trainer does
+
+from test_lora import _apiary_logits  # noqa: E402  (the run's model with and without its adapters)
 
 from conftest import ROOT, _child_env, train_here  # noqa: E402
 
@@ -106,26 +107,6 @@ PEFT_SCRIPT = textwrap.dedent("""
         got["merged"] = C.from_pretrained(merged, dtype=torch.float32).eval()(tokens).logits
     torch.save(got, out)
 """)
-
-
-def _apiary_logits(run: Path, tokens):
-    """The run's model (its HF base + the latest adapters) in apiary, and with the adapters switched off."""
-    from components.adapters import export, modules, runtime
-    from components.models import hf_export
-
-    cfg, fam = _run_cfg(run)
-    spec, targets = export._spec(cfg)
-    with torch.device("meta"):
-        model = copy.deepcopy(modules.convert(export._family_config(fam, cfg), spec, targets)[0]).build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))  # the base from model.hf_checkpoint
-    model.load_state_dict(export.load_adapters(fam, cfg, hf_export.latest_step(run)), strict=False)
-    with torch.no_grad():
-        on = model(tokens)
-        with runtime.adapters_disabled(model):
-            off = model(tokens)
-    return on, off
 
 
 def test_the_peft_export_of_a_llama3_run_gives_the_runs_logits(llama_run, capsys):
