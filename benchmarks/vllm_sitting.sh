@@ -29,7 +29,11 @@
 #   PART=11: PART=10's files all at once (one pytest each), the qwen3 IPC and LoRA cases of test_vllm_gpu.py, and
 #           the tiny Qwen3.5 MoE loop at lr 0 (the control; KC=/tmp/kc35, PART=9's kernel cache on the same
 #           machine), then `apiary logprobs` on that run's first shard against the engine's own log-probs.
-#   PART=5 with NONE=0 skips the run without publication (its tok/s from an earlier sitting of the same shape).
+#   PART=5 with NONE=0 skips the run without publication (its tok/s from an earlier sitting of the same shape);
+#           BASE_OV="training.global_batch=4" adds overrides to both runs (4 sequences per optimizer step, one update
+#           per optimizer step), TNONE the run without publication's limit (default 150 s).
+#   PART=12: the LoRA case of tests/gpu/test_vllm_gpu.py alone, then the tiny Qwen3.5 MoE loop until the engine has
+#           written its first shard (version 0), and `apiary logprobs` on that shard against the engine's log-probs.
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -175,8 +179,8 @@ PY
   SEQ=${SEQ:-4096}
   $PY benchmarks/synthetic_rollouts.py --count 64 --tokens $SEQ --out /tmp/syn.jsonl > /dev/null 2>&1
   BASE=(recipe=qwen35_35b_4l_grpo_vllm data.path=/tmp/syn.jsonl data.follow=false rl.max_lag=null training.steps=12 logging.color=false
-        checkpoint.enable=false training.seq_len=$SEQ training.kernel_cache=/tmp/kc5)
-  [ "${NONE:-1}" = 0 ] || timeout 150 $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
+        checkpoint.enable=false training.seq_len=$SEQ training.kernel_cache=/tmp/kc5 ${BASE_OV:-})
+  [ "${NONE:-1}" = 0 ] || timeout ${TNONE:-150} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/none publish.interval=0 > /tmp/tp_none.log 2>&1
   cp /tmp/tp/none/metrics.jsonl "$OUT/metrics_none.jsonl" 2>/dev/null
   timeout ${TEVERY:-230} $PY -m framework.cli train "${BASE[@]}" output_dir=/tmp/tp/every publish.dir=/tmp/tp/w \
     publish.bucket_mb=${BUCKET_MB:-4096} ${EVERY_OV:-} > /tmp/tp_every.log 2>&1 &
@@ -221,6 +225,23 @@ PY
   grep -vE "^W[0-9]{4} |FutureWarning|_set_allocator" /tmp/rl35/flat/train.log 2>/dev/null | tail -c 6000 > "$OUT/train_flat.log"
   $PY -m toolkit.cli logprobs /tmp/rl35/flat/weights/step-0 /tmp/rl35/flat/rollouts/000000.jsonl --out /tmp/lp35 \
     > "$OUT/logprobs.log" 2>&1
+  logprob_diff /tmp/lp35/000000.jsonl >> "$OUT/logprobs.log" 2>&1
+  tail -2 "$OUT/logprobs.log"
+  ;;
+12)
+  timeout ${TTEST:-240} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt12 tests/gpu/test_vllm_gpu.py \
+    -k lora 2>&1 | grep -v INFO | tail -c 4000 > "$OUT/gpu_test_lora.log"
+  tail -3 "$OUT/gpu_test_lora.log"
+  d=/tmp/lp12; rm -rf $d; mkdir -p $d
+  timeout ${TLIMIT:-300} $PY -m framework.cli train recipe=qwen35_debug_grpo_vllm output_dir=$d/run data.path=$d/rollouts \
+    publish.dir=$d/weights training.steps=2 logging.color=false > $d/train.log 2>&1 &
+  tp=$!
+  timeout ${TLIMIT:-300} $PY examples/rl_loop/vllm_generator.py --weights $d/weights --out $d/rollouts --memory 0.3 --shards 1 \
+    > $d/generator.log 2>&1
+  echo "generator exit $?; $(grep -c . $d/rollouts/000000.jsonl 2>/dev/null) records in the first shard"
+  kill $tp 2>/dev/null; wait $tp 2>/dev/null
+  grep -E "vllm_generator|Error" $d/generator.log | tail -c 2000 > "$OUT/generator_lp.log"
+  $PY -m toolkit.cli logprobs $d/weights/step-0 $d/rollouts/000000.jsonl --out /tmp/lp35 > "$OUT/logprobs.log" 2>&1
   logprob_diff /tmp/lp35/000000.jsonl >> "$OUT/logprobs.log" 2>&1
   tail -2 "$OUT/logprobs.log"
   ;;
