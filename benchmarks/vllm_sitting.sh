@@ -33,7 +33,8 @@
 #           BASE_OV="training.global_batch=4" adds overrides to both runs (4 sequences per optimizer step, one update
 #           per optimizer step), TNONE the run without publication's limit (default 150 s).
 #   PART=12: the LoRA case of tests/gpu/test_vllm_gpu.py alone, then the tiny Qwen3.5 MoE loop until the engine has
-#           written its first shard (version 0), and `apiary logprobs` on that shard against the engine's log-probs.
+#           written its first shard (version 0), and `apiary logprobs` on that shard against the engine's log-probs
+#           (LORA=0 skips the LoRA case; on a fresh machine each half needs most of a call: a cold engine).
 # The stack: PYTHONPATH=/tmp/gpu-site (docs/install.md) plus nvidia-cutlass-dsl's module folder (its .pth
 # is not read from a PYTHONPATH folder; vLLM's Qwen3.5 path needs it).
 #   OUT=/some/dir PART=1 bash benchmarks/vllm_sitting.sh
@@ -229,14 +230,14 @@ PY
   tail -2 "$OUT/logprobs.log"
   ;;
 12)
-  timeout ${TTEST:-240} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt12 tests/gpu/test_vllm_gpu.py \
+  [ "${LORA:-1}" = 0 ] || timeout ${TTEST:-330} $PY -m pytest -q -s -rfE --tb=short -p no:cacheprovider --basetemp=/tmp/pt12 tests/gpu/test_vllm_gpu.py \
     -k lora 2>&1 | grep -v INFO | tail -c 4000 > "$OUT/gpu_test_lora.log"
   tail -3 "$OUT/gpu_test_lora.log"
   d=/tmp/lp12; rm -rf $d; mkdir -p $d
-  timeout ${TLIMIT:-300} $PY -m framework.cli train recipe=qwen35_debug_grpo_vllm output_dir=$d/run data.path=$d/rollouts \
+  timeout ${TLIMIT:-450} $PY -m framework.cli train recipe=qwen35_debug_grpo_vllm output_dir=$d/run data.path=$d/rollouts \
     publish.dir=$d/weights training.steps=2 logging.color=false > $d/train.log 2>&1 &
   tp=$!
-  timeout ${TLIMIT:-300} $PY examples/rl_loop/vllm_generator.py --weights $d/weights --out $d/rollouts --memory 0.3 --shards 1 \
+  timeout ${TLIMIT:-450} $PY examples/rl_loop/vllm_generator.py --weights $d/weights --out $d/rollouts --memory 0.3 --shards 1 \
     > $d/generator.log 2>&1
   echo "generator exit $?; $(grep -c . $d/rollouts/000000.jsonl 2>/dev/null) records in the first shard"
   kill $tp 2>/dev/null; wait $tp 2>/dev/null
