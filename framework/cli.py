@@ -21,6 +21,7 @@ from framework.compose import hydra_cli
 from framework.compose.schema import DEFAULT_RECIPE
 from framework.errors import UserError
 from framework.launch import lifecycle, pipes, runlock, start
+from framework.plan import preflight
 from framework.resolve.handoff import ENV_RESOLVED, load_resolved
 from framework.resolve.resolver import resolve
 from framework.train import preempt, run
@@ -41,6 +42,7 @@ def _under_torchrun() -> bool:
 def _print_cfg(r, args) -> None:
     """--cfg job|all: the resolved config (+ Hydra's section for all) and the derived layout."""
     cfg = r.cfg
+    preflight.check_gpu_only_settings(cfg)  # refused as the launch would refuse it
     if args.cfg in ("hydra", "all"):
         hydra = hydra_cli.hydra_cfg(args.recipe, args.overrides, args.resolve)
         if args.cfg == "hydra":

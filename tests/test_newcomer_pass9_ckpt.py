@@ -78,6 +78,11 @@ def test_summary_of_a_model_only_run_prints_a_new_run_not_a_resume(runs, capsys)
     p = train_here(argv, runs, capsys)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert (runs / "mo-from-step-2" / "metrics.jsonl").is_file()
+    # pass 11: the line repeats the launch's training.steps=2 (was: dropped), and the new run's own new-run line
+    # names a folder of the first run's name, not a chain (was: mo-from-step-2-from-step-1)
+    assert "training.steps=2" in shlex.split(printed)
+    again = json.loads((runs / "mo-from-step-2" / "summary.json").read_text())["next"]["new run"]
+    assert "output_dir=mo-from-step-1" in again and "training.steps=1" in shlex.split(again), again
 
 
 def test_summary_of_a_model_only_lora_run_prints_the_merged_export(runs):

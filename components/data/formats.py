@@ -96,6 +96,17 @@ def _tokenizer(o: DataOptions, tc, ctx) -> None:
         tc.tokenizer, tc.hf_assets_path = HuggingFaceTokenizer.Config(), str(o.tokenizer)
 
 
+def _check_source_keys(d: DataOptions) -> None:
+    """data.path and data.name name one source of text between them."""
+    if d.path is not None and d.name not in HUB_FREE_NAMES:
+        raise UserError(f"data.path={d.path} with data.name={d.name}", "both name a source of text (a local "
+                        "path and a HuggingFace dataset); apiary will not guess which one you meant.",
+                        f"Keep data.path and set data.name=local, or drop data.path to stream {d.name}.")
+    if d.path is None and d.name == "local":
+        raise UserError("data.name=local", "needs data.path (a jsonl / json / parquet / txt file or a folder "
+                        "of them).", "Set data.path=PATH, or data.name=packaged for the packaged corpus.")
+
+
 class Text:
     """Documents packed into training windows (packaged corpus, local files or an HF dataset)."""
 
@@ -112,6 +123,7 @@ class Text:
             raise UserError("data.follow=true", "follows a folder of RL rollout shards; it needs "
                             "data.format=rollouts (text data is read as a fixed set of files).",
                             "Add data.format=rollouts with a policy loss (loss=grpo ...), or drop data.follow.")
+        _check_source_keys(options)  # the keys alone: `train --cfg job` refuses what a launch would
         if not ctx.for_training:
             return
         if options.tokenizer != "byte":
@@ -133,13 +145,7 @@ class Text:
     def summary(options: DataOptions, ctx) -> str:
         """data.path wins over data.name; every local file parses. The line naming what trains."""
         d = options
-        if d.path is not None and d.name not in HUB_FREE_NAMES:
-            raise UserError(f"data.path={d.path} with data.name={d.name}", "both name a source of text (a local "
-                            "path and a HuggingFace dataset); apiary will not guess which one you meant.",
-                            f"Keep data.path and set data.name=local, or drop data.path to stream {d.name}.")
-        if d.path is None and d.name == "local":
-            raise UserError("data.name=local", "needs data.path (a jsonl / json / parquet / txt file or a folder "
-                            "of them).", "Set data.path=PATH, or data.name=packaged for the packaged corpus.")
+        _check_source_keys(d)
         if d.path is None and d.name not in ("packaged", "", "tiny"):
             _check_hub_reachable(str(d.name))
             return (f"data: HuggingFace dataset {d.name} (streamed; size unknown before it is read), "

@@ -114,16 +114,16 @@ class Rollouts:
         """Rollout files exist, parse, fit seq_len and the vocabulary."""
         _check_common(options, ctx)
         _check_rollout_settings(options, ctx)
+        d, cfg = options, ctx.cfg
+        path = source(d.name, d.path)
+        if path is None and not d.follow:  # the keys alone: `train --cfg job` refuses what a launch would
+            raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged "
+                            "rollouts).", "Set data.path to a rollout .jsonl/.parquet file or a folder of them.")
         if not ctx.for_training:
             return
-        d, cfg = options, ctx.cfg
         if d.follow:
             _check_follow(d, ctx)
             return
-        path = source(d.name, d.path)
-        if path is None:
-            raise UserError("data.format=rollouts", f"needs data.path (data.name={d.name} names no packaged "
-                            "rollouts).", "Set data.path to a rollout .jsonl/.parquet file or a folder of them.")
         try:
             files = rollout_files(path)
         except ValueError as e:

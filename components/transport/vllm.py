@@ -61,6 +61,15 @@ def _port_free_or_refuse(address: str) -> None:
                         "Choose a free port, or port 0 (a free one, written to engine_link.json).") from None
 
 
+def _trains_routing_bias(ctx) -> bool:
+    """The run trains the MoE routing bias (auxiliary-loss-free balancing) of a model with experts; an adapter run's
+    bias is the base's, frozen."""
+    cfg = ctx.cfg
+    if cfg.moe.load_balance_coeff is None or str(cfg.adapter.name or "none") != "none":
+        return False
+    return bool(ctx.facts is not None and ctx.facts.num_experts)
+
+
 class _InMemory:
     Options = PublishOptions
     IN_MEMORY = True
@@ -82,6 +91,10 @@ class _InMemory:
         if not math.isfinite(options.engine_timeout) or options.engine_timeout <= 0:
             raise UserError(f"publish.engine_timeout={options.engine_timeout}", "must be a finite number > 0 (seconds).",
                             "For example publish.engine_timeout=600.")
+        if ctx is not None and options.interval > 0 and _trains_routing_bias(ctx):
+            ctx.summary.append(f"publish: the MoE routing bias that moe.load_balance_coeff trains is not part of the HF "
+                               f"format, so {name} hands the engine the weights without it and the engine may route "
+                               "some tokens differently; train with moe.load_balance_coeff=null for routing that matches")
         # checked where the ranks start: a job rendered here for a cluster (launcher=slurm) is checked on its nodes;
         # a run that publishes nothing (publish.interval=0, e.g. `apiary warmup` of a loop's recipe) starts no link
         if ctx is not None and ctx.for_training and str(ctx.cfg.launcher.name) == "local" and options.interval > 0:

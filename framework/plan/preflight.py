@@ -1,19 +1,18 @@
 """Memory preflight: the planner's per-GPU estimate against the GPU, before any worker starts.
 
 ``preflight.memory=refuse`` (default): an estimate above the GPU's memory by more than the planner's
-measured error (``measured_band``: one band with context parallelism, one without) stops the launch
-(exit 2) naming the largest memory terms and the cheapest changes
-that fit (from the planner's search); an estimate within that error of the memory is a warning.
-``warn`` only warns; ``off`` skips the check. The GPU is ``preflight.gpu`` (``gpu=H200`` on the
-command line) when set, else the local accelerator. A CPU run on this machine (local launcher, no
-accelerator, no ``preflight.gpu``) is checked against the host's available memory instead: every
-rank's planned terms (activations at the run's dtype, no CUDA reserve) plus one process's fixed
-resident size, times the ranks, against MemAvailable (and a cgroup limit, when one is set).
+measured error (``measured_band``: one band with context parallelism, one without) stops the launch (exit 2)
+naming the largest memory terms and the cheapest changes that fit (from the planner's search); one within
+that error is a warning. ``warn`` only warns; ``off`` skips the check. The GPU is ``preflight.gpu``
+(``gpu=H200`` on the command line) when set, else the local accelerator. A CPU run on this machine (local
+launcher, no accelerator, no ``preflight.gpu``) is checked against the host's available memory instead: every
+rank's planned terms (activations at the run's dtype, no CUDA reserve) plus one process's fixed resident
+size, times the ranks, against MemAvailable (and a cgroup limit, when one is set).
 
     check_plan(r, recipe, overrides, check, for_training)
 
-is what resolve asks of the planner once the run is resolved: the choices components leave to the memory
-budget (``choose_by_budget``), then, for a launch, the memory preflight (``check_memory``).
+is what resolve asks of the planner once the run is resolved: the choices components leave to the memory budget
+(``choose_by_budget``), then, for a launch, the GPU-only settings and the memory preflight (``check_memory``).
 """
 
 from __future__ import annotations
@@ -382,16 +381,20 @@ def check_host_memory(r, recipe, overrides, check) -> None:
         f"measured error is {MEASURED_ERROR:.0%}), so step 1 may run out of memory.", markup=True)
 
 
+def check_gpu_only_settings(cfg) -> None:
+    """A GPU-only setting in a run that trains on this machine's CPU: refused (a launch, and `train --cfg job`)."""
+    if cfg.training.autotune_configs != "recorded" and _cpu_run(cfg):  # not the default
+        raise UserError(f"training.autotune_configs={cfg.training.autotune_configs}", "chooses the configs Triton autotunes "
+                        "on a GPU, and this run trains on the CPU, where Triton does not autotune (docs/skills/kernel_cache.md), "
+                        "so the setting would be ignored.", "Drop it, or run it on a GPU.")
+
+
 def check_plan(r, recipe, overrides, check, for_training: bool) -> None:
     """The planner's part of resolving ``r``: the components' choices by memory budget (said on the run's
     first lines, ``r.data_summary``), then for a launch the memory preflight, whose suggestions ``check``
     checks (framework.resolve.resolver.check_candidate)."""
     choose_by_budget(r, for_training)
     r.data_summary = "\n".join(r.ctx.summary)
-    if for_training and r.cfg.training.autotune_configs != "recorded" and _cpu_run(r.cfg):  # not the default
-        raise UserError(f"training.autotune_configs={r.cfg.training.autotune_configs}", "chooses the configs Triton "
-                        "autotunes on a GPU, and this run trains on the CPU, where Triton does not autotune "
-                        "(docs/skills/kernel_cache.md), so the setting would be ignored.",
-                        "Drop it, or run it on a GPU.")
     if for_training:
+        check_gpu_only_settings(r.cfg)
         check_memory(r, recipe, overrides, check)

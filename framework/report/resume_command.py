@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,6 +22,23 @@ _NOT_REPEATED = ("output_dir", "training.steps", "checkpoint.resume", "checkpoin
 
 def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
+
+
+def _new_run_dir(out: str, step: str) -> str:
+    """The new run's folder: the run's own name with ``-from-STEP`` in place of the suffixes earlier new runs
+    added (a chain of weights-only runs names the last step once, not ``-from-step-2-from-step-2``), numbered
+    when that folder exists already."""
+    stem = re.sub(r"(-from-step-\d+)+(-\d+)?$", "", out)
+    new, n = f"{stem}-from-{step}", 2
+    while new == out or Path(new).exists():
+        new, n = f"{stem}-from-{step}-{n}", n + 1
+    return new
+
+
+def launch_steps(launch: dict | None) -> list[str]:
+    """The launch's own ``training.steps=N`` (the last given), which a new run from the weights repeats."""
+    given = [o for o in (launch or {}).get("overrides") or [] if isinstance(o, str) and _key(o) == "training.steps"]
+    return given[-1:]
 
 
 def run_overrides(launch: dict | None) -> list[str] | None:
@@ -115,7 +133,7 @@ def from_weights(step_dir, recipe: str, out: str, overrides: list[str], quote) -
     adapters, its merged export as the new run's HF base (model.hf_checkpoint)."""
     step_dir = Path(step_dir)
     adapted = integrity.adapter_run(step_dir)
-    new_out = f"{out}-from-{step_dir.name}"
+    new_out = _new_run_dir(out, step_dir.name)
     if adapted is None:
         base, drop, first = f"checkpoint.load_path={step_dir}", ("checkpoint.load_path",), ""
     elif (why := integrity.seeded_base(adapted[1])) is not None:  # nothing to export merged: say so, no command

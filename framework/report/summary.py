@@ -44,7 +44,7 @@ from framework.errors import UserError
 from framework.report import skips
 from framework.report.export_note import routing_bias_note
 from framework.report.progress import duration, loss_text, make_console, memory_label
-from framework.report.resume_command import continuation, from_weights, ranks, run_overrides
+from framework.report.resume_command import continuation, from_weights, launch_steps, ranks, run_overrides
 from framework.resolve import resume
 from framework.train import integrity
 
@@ -240,7 +240,8 @@ def summarize(run_dir, stop: str | None = None, exit_code: int = 0, stopped_at: 
                 overrides = [o for o in overrides if not o.startswith(tuple(x.split("=")[0] + "=" for x in schedule))] + schedule
         start, overrides = ranks(cfg, overrides)
         if not any(s > 0 for s in integrity.full_steps(run_dir / "checkpoint")):  # model-only: no resume, a new run
-            commands["new run"] = from_weights(checkpoint, given, out, run_overrides(launch) or [], _quote)
+            commands["new run"] = from_weights(checkpoint, given, out, [*(run_overrides(launch) or []), *launch_steps(launch)],
+                                                  _quote)
         else:
             commands["resume"] = (f"{start} recipe={_quote(given)} output_dir={_quote(out)} checkpoint.resume=true "
                                   f"training.steps={to}" + "".join(f" {_quote(o)}" for o in overrides)

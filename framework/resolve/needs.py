@@ -126,7 +126,7 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context, recipe: s
                         "weights of a new run (written, then the process exits); it cannot continue a run, and "
                         "would be written into the run's checkpoints.", "Drop one of them: create the seed in a new "
                         "output_dir.")
-    _check_ignored_data_keys(cfg, given, ctx)  # first: a key the format never reads needs nothing else
+    _check_ignored_data_keys(cfg, given, ctx, in_file)  # first: a key the format never reads needs nothing else
     for key, needs, off, what in _NEEDS:
         where = _set_here(cfg, key, given, in_file, tuple(re.findall(r"[a-z_]+\.[a-z_]+", needs)))
         if where and off(cfg):
@@ -158,16 +158,18 @@ def check_no_effect(cfg, overrides: list[str], ctx: contracts.Context, recipe: s
                             f"Drop {key}{f' from {in_file[key]}' if src else ''}, or choose an MoE flavor.")
 
 
-def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context) -> None:
-    """A ``data.*`` (or ``validation.*``) key given on the command line that the data format declares it does
-    not read (its ``ignored_keys``) is refused; the recipe's own value of it stays accepted."""
+def _check_ignored_data_keys(cfg, given: set[str], ctx: contracts.Context, in_file: dict) -> None:
+    """A ``data.*`` (or ``validation.*``) key given on the command line, or set in a recipe file of the user's
+    (``_set_here``), that the data format declares it does not read (its ``ignored_keys``) is refused; a packaged
+    recipe's value of it stays accepted."""
     data = ctx.components.get("data")
     ignored = contracts.member(data, "data", "ignored_keys") if data is not None else None
     if ignored is None:
         return
     section, key = contracts.SELECT["data"]
     for name, (instead, fix) in ignored(ctx.options["data"], ctx).items():
-        if name in given:
-            raise UserError(f"{name}={OmegaConf.select(cfg, name)} with {section}.{key}={ctx.choice('data')}",
-                            f"this data format does not read {name}: {instead}, so the setting would be ignored.",
-                            fix or f"Drop {name}.")
+        if where := _set_here(cfg, name, given, in_file, ()):  # the command line, or a recipe file of the user's
+            src = where.removeprefix(" (set in recipe file ").removesuffix(")") if where != " (given)" else ""
+            raise UserError(f"{name}={OmegaConf.select(cfg, name)}{where if src else ''} with {section}.{key}="
+                            f"{ctx.choice('data')}", f"this data format does not read {name}: {instead}, so the "
+                            "setting would be ignored.", (fix or f"Drop {name}.") + (f" (in {src})" if src else ""))
