@@ -181,6 +181,9 @@ def test_readmes_qwen3_30b_line_states_todays_plan_on_80gb_gpus():
                 and "80 GB" in ln)
     quoted, pct = re.search(r"says ([\d.]+) GiB -> OOM and the preflight warns \(within the planner's (\d+)% ",
                             line).groups()
+    # the plan command as the line spells it, copyable: the torchrun line's 8 GPUs (pass 11: `gpu=H100` alone
+    # planned the recipe's 16 GPUs, 74.36 GiB -> fits)
+    assert "`apiary plan recipe=qwen3_30b_a3b_64k gpus=8 gpu=H100`" in line, line
     r = resolve("qwen3_30b_a3b_64k", [], for_training=False, world_size=8)
     p = planner.plan(r, gpu="H100")
     _, over, _ = preflight.measured_band(r.layout.cp)
