@@ -29,6 +29,14 @@ def latest_run_dir(recipe: str) -> Path | None:
     return runs[-1] if runs else None
 
 
+def sweep_jobs(recipe: str) -> list[Path]:
+    """The job folders of the recipe's sweeps (``train -m``: runs/RECIPE/multirun-TIME/N) holding a checkpoint, the
+    newest sweep first."""
+    sweeps = sorted(Path("runs", recipe).glob("multirun-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return [j for s in sweeps for j in sorted(s.iterdir(), key=lambda p: (len(p.name), p.name))
+            if j.is_dir() and checkpoint_steps(j)]
+
+
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """The complete checkpoint steps of a run (a save killed midway is never one)."""
     return integrity.complete_steps(Path(run_dir) / "checkpoint")
@@ -46,8 +54,13 @@ def check_outputs(cfg) -> int | None:
         if cfg.output_dir is None:
             latest = latest_run_dir(cfg.recipe)
             if latest is None:
+                jobs = sweep_jobs(cfg.recipe)  # a sweep's job folders are never picked for the user: one of them
                 raise UserError("checkpoint.resume=true", f"no earlier run of {cfg.recipe} with a checkpoint "
-                                f"under runs/{cfg.recipe}/.", "Pass output_dir=PATH of the run to continue.")
+                                f"under runs/{cfg.recipe}/" + (" (a sweep's jobs are in its multirun-* folders, one "
+                                                              "run each, resumed one at a time)." if jobs else "."),
+                                "Pass output_dir=PATH of the run to continue" + (
+                                    ": " + ", ".join(f"output_dir={j}" for j in jobs[:6])
+                                    + (f" (and {len(jobs) - 6} more)" if len(jobs) > 6 else "") if jobs else "") + ".")
             cfg.output_dir = str(latest)
         if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
             raise UserError(f"output_dir={cfg.output_dir}", f"is {what_is(Path(cfg.output_dir))}, not a folder, so "

@@ -13,6 +13,7 @@ facts and the layout (context.py, layout.py), the settings without effect (needs
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ class Resolved:
     resume_lines: list = field(default_factory=list)  # a resume: the step it loads, what changed (printed next)
     ctx: contracts.Context | None = None  # the components' context (check ran with it; build applies with it)
     given_parallel: dict = field(default_factory=dict)  # the parallel section as composed, before derivation
-    launch: dict | None = None  # {"recipe": as given, "overrides": [...]}: what a resume keeps (resume.LAUNCHES)
+    launch: dict | None = None  # {"recipe": as given, "overrides": [...], "cwd": ...}: what a resume keeps (resume.LAUNCHES)
 
     @property
     def output_dir(self) -> Path:
@@ -59,7 +60,7 @@ def resolve(recipe: str | None, overrides: list[str], *, world_size=None, for_tr
         kept, overrides = [*kept, *warmup], [*warmup, *overrides]
         cfg = recipes.load(recipe, overrides)
     r = checked(cfg, overrides, kept, world_size=world_size, for_training=for_training, recipe=recipe)
-    r.launch = {"recipe": recipe, "overrides": list(overrides)}
+    r.launch = {"recipe": recipe, "overrides": list(overrides), "cwd": os.getcwd()}  # cwd: what relative paths meant
     preflight.check_plan(r, recipe, overrides, check_candidate, for_training)
     return r
 
@@ -84,7 +85,7 @@ def checked(cfg: DictConfig, overrides: list[str], kept: list[str], *, world_siz
     paths.absolute_in(cfg)  # stored absolute (framework/resolve/paths.py); every check above read them as given
     OmegaConf.set_struct(cfg, True)
     # a resume: what it loads and what changed since the last launch
-    resume_lines = resume.plan(cfg, ctx, step, kept) if step is not None else []
+    resume_lines = resume.plan(cfg, ctx, step, kept, overrides) if step is not None else []
     if step is None and for_training and cfg.checkpoint.load_path:  # a new run from saved weights says which
         resume_lines = [f"weights: {cfg.checkpoint.load_path} (checkpoint.load_path: the model's weights only; "
                         "a fresh optimizer, schedule and data order)"]

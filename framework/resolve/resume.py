@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +38,12 @@ from framework.resolve import paths
 from framework.train import integrity
 
 FIRST = "config.yaml"
-LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": the recipe as given, "overrides": [...]}
+LAUNCHES = "launches.jsonl"  # one line per launch: {"recipe": as given, "overrides": [...], "cwd": the folder}
 # overrides a resume does not keep from the launch before it: what it sets itself, or what starts a run
 NOT_KEPT = ("recipe", "output_dir", "training.steps", "checkpoint.resume", "checkpoint.load_step",
             "checkpoint.load_path", "checkpoint.create_seed", "checkpoint.verify")  # verify=false: one load's opt-in
 _LAUNCH = re.compile(r"config\.resume-(\d+)\.yaml$")
+WORLD = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the parallel degrees whose product is the ranks
 
 # prefixes (a section, or one key) whose change a resume refuses
 FIXED = (
@@ -173,7 +175,27 @@ def kept_launch(run_dir, given: list[str], recipe: str | None) -> tuple[list[str
     no recipe= is given (``recipe`` None), its recipe as given then (else the default recipe would take
     overrides, and a checkpoint, of another recipe)."""
     last = last_launch(run_dir) if run_dir is not None and recipe is None else None
-    return kept_overrides(run_dir, given), (last or {}).get("recipe") or recipe
+    kept = (last or {}).get("recipe")
+    if kept and (kept.endswith((".yaml", ".yml")) or "/" in kept) and isinstance(last.get("cwd"), str) \
+            and (typed := Path(last["cwd"], kept).expanduser()).is_file():  # a recipe file named relative
+        kept = str(typed)
+    return kept_overrides(run_dir, given), kept or recipe
+
+
+def typed_in(override: str, cwd: str | None, stored: dict) -> str:
+    """A kept ``override`` of a path key (paths.KEYS, ``registry``) as the path its launch read: resolved against
+    the folder that launch ran in (``cwd``, launches.jsonl's; was: read again from the resume's folder, so a resume
+    from elsewhere found no ``my_model``), or, in a run folder of an older apiary (no cwd), as the launch's config
+    (``stored``, flat) holds it, absolute."""
+    head, sep, val = override.partition("=")
+    key = _key(override)
+    if not sep or key not in (*paths.KEYS, "registry") or val in ("", "null", *paths.NAMES.get(key, ())) \
+            or "://" in val or os.path.isabs(os.path.expanduser(val)):
+        return override
+    if cwd:
+        return f"{head}={os.path.normpath(os.path.join(cwd, os.path.expanduser(val)))}"
+    was = stored.get(key)
+    return f"{head}={was}" if isinstance(was, str) and os.path.isabs(was) else override
 
 
 def kept_overrides(run_dir, given: list[str]) -> list[str]:
@@ -185,9 +207,19 @@ def kept_overrides(run_dir, given: list[str]) -> list[str]:
     keys = {_key(o) for o in given}
     before = {_key(o): o for o in last["overrides"]}
     regrouped = {k for k in keys if "." not in k and next((o for o in given if _key(o) == k), None) != before.get(k)}
-    return [o for o, k in ((o, _key(o)) for o in last["overrides"])
+    kept = [o for o, k in ((o, _key(o)) for o in last["overrides"])
             if k not in keys and k not in NOT_KEPT and not k.startswith("hydra.")
             and not ("." in k and k.split(".", 1)[0] in regrouped)]
+    cwd = last.get("cwd") if isinstance(last.get("cwd"), str) else None
+    stored = {} if cwd or not (configs := launch_configs(run_dir)) else _flat(configs[-1])
+    return [typed_in(o, cwd, stored) for o in kept]
+
+
+def _flat(config: Path) -> dict:
+    try:
+        return leaves(OmegaConf.load(config))
+    except Exception:  # noqa: BLE001  (an unreadable config is check()'s refusal)
+        return {}
 
 
 def kept_warmup(run_dir, cfg, given: list[str]) -> list[str]:
@@ -237,9 +269,10 @@ def _fmt(v) -> str:
     return "null" if v is None else str(v)
 
 
-def check(cfg, run_dir: Path, step: int) -> ResumePlan:
+def check(cfg, run_dir: Path, step: int, given: list[str] | None = None) -> ResumePlan:
     """Compare a resume's resolved ``cfg`` with the run's newest launch config; UserError (exit 2)
-    for a FIXED or unclassified change, or a schedule change not chosen with lr.total_steps."""
+    for a FIXED or unclassified change, or a schedule change not chosen with lr.total_steps (``given``: the
+    launch's overrides, which say whether training.steps was typed)."""
     configs = launch_configs(run_dir)
     if not configs:
         raise UserError("checkpoint.resume=true", f"{run_dir} holds checkpoints but no {FIRST}, so what they were "
@@ -270,18 +303,22 @@ def check(cfg, run_dir: Path, step: int) -> ResumePlan:
         listed = "; ".join(f"{k}: {_fmt(a)} then, {_fmt(b)} now" + (
             " (the warm-up the schedule uses: lr.warmup_steps shortened to leave one step of its horizon; "
             f"lr.warmup_steps={a} keeps it)" if k == "lr.warmup_steps" and shortened else "") for k, a, b in refused)
+        was, now = (math.prod(int((c.get("parallel") or {}).get(d) or 1) for d in WORLD) for c in (saved, new))
+        ranks = (f" The parallel degrees follow the ranks: the run was trained on {was}, this launch starts {now}."
+                 if was != now and any(k.startswith("parallel.") for k, _, _ in refused) else "")
         raise UserError("checkpoint.resume=true", f"{run_dir} was trained with other settings that its checkpoint "
                         f"depends on ({listed}; compared with {saved_path.name}). A resume keeps the model, data "
-                        "position, optimizer state and schedule it saved.",
-                        "Resume with the old values, or start a new run that loads only the weights: "
+                        f"position, optimizer state and schedule it saved.{ranks}",
+                        "Resume with the old values" + (f" (nproc={was} starts the run's {was} ranks again)" if ranks
+                                                        else "") + ", or start a new run that loads only the weights: "
                         f"checkpoint.load_path={Path(run_dir) / 'checkpoint' / f'step-{step}'} "
                         "(a fresh optimizer, schedule and data order).")
     plan = ResumePlan(step=step, saved_from=saved_path, changes=changes)
-    _check_schedule(saved, new, step, plan)
+    _check_schedule(saved, new, step, plan, given)
     return plan
 
 
-def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan) -> None:
+def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan, given: list[str] | None = None) -> None:
     old_total, new_total = horizon(saved), horizon(new)
     if old_total == new_total:
         return
@@ -294,11 +331,13 @@ def _check_schedule(saved: dict, new: dict, step: int, plan: ResumePlan) -> None
                               f"{step} used lr {was:.3g}, step {nxt} uses {now:.3g}")
         return
     keep = then
-    launched = int(saved["training"]["steps"])  # a resume keeps a launch's overrides but not training.steps
+    launched, steps = int(saved["training"]["steps"]), int(new["training"]["steps"])  # training.steps is not kept
     finish = (f"training.steps={launched} finishes the run as it was launched (the schedule unchanged); or "
-              if launched > step and launched != int(new["training"]["steps"]) else "")
+              if launched > step and launched != steps else "")
+    whose = "" if given is None or "training.steps" in {_key(o) for o in given} else (  # not typed: say so
+        " (the recipe's" + (f"; the last launch's {launched} is not kept)" if launched != steps else ")"))
     raise UserError(
-        f"checkpoint.resume=true training.steps={new['training']['steps']}",
+        f"checkpoint.resume=true training.steps={steps}{whose}",
         f"the learning-rate schedule spans the run's steps: it was trained over {old_total} steps (step {step} used "
         f"lr {was:.3g}); over {new_total} steps step {nxt} would use lr {now:.3g}.",
         f"Choose one: {finish}lr.total_steps={new_total} stretches the schedule over the new steps (lr {was:.3g} -> "
@@ -326,12 +365,12 @@ def check_resume_load_path(cfg, ctx: contracts.Context, plan) -> None:
                         "drop checkpoint.resume and output_dir.")
 
 
-def plan(cfg, ctx: contracts.Context, step: int, kept: list[str]) -> list[str]:
+def plan(cfg, ctx: contracts.Context, step: int, kept: list[str], given: list[str] | None = None) -> list[str]:
     """A resume of ``cfg``'s run from ``step``: what it loads and what changed since the last launch
     (``check``), a checkpoint.load_path it would ignore refused; returns the run's resume lines, with
-    the last launch's ``kept`` overrides named."""
+    the last launch's ``kept`` overrides named (``given``: all of the launch's)."""
     run_dir = Path(cfg.output_dir)
-    p = check(cfg, run_dir, step)
+    p = check(cfg, run_dir, step, given)
     check_resume_load_path(cfg, ctx, p)
     p.verified = (run_dir / "checkpoint" / f"step-{step}" / integrity.MANIFEST).is_file()
     lines = p.lines(cfg.output_dir)

@@ -141,12 +141,15 @@ class FollowMode:
         if why == "signal" and guard is not None:
             guard.stopped_at, guard.saved = self.step, True
             message = f"stopped on a signal while waiting for {self._follow_source.NOUN}"
-        self.follow_stop = FollowStop(why, code, detail=detail,
-                                      message=f"apiary: {message}; {note}; the rollout position of step "
-                                      f"{self.step} is kept"
-                                      + ("; fix or remove that shard (later shards are untouched), then resume with "
-                                         f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed"
-                                         else "") + f". Exit code {code}.")
+        if ck.enable and self.step == 0:  # nothing to resume (a resume is refused): the same command starts over
+            then = ", so there is nothing to resume: run the same command again without checkpoint.resume" + (
+                " once the generator writes" if why == "timeout" else
+                " after fixing or removing that shard" if why == "malformed" else "")
+        else:
+            then = f"; the rollout position of step {self.step} is kept" + (
+                "; fix or remove that shard (later shards are untouched), then resume with "
+                f"{self.config.resume_hint or 'checkpoint.resume=true'}" if why == "malformed" else "")
+        self.follow_stop = FollowStop(why, code, detail=detail, message=f"apiary: {message}; {note}{then}. Exit code {code}.")
         if dist_rank() == 0:
             print(self.follow_stop.message, file=sys.stderr, flush=True)
         root = logging.getLogger()  # torchtitan's loop logs it on this exception: said above (one filter at a time)

@@ -165,8 +165,8 @@ class Guard:
         rank = os.environ.get("RANK", "0")
         if ck is None or not getattr(ck, "enable", False):
             note = "checkpointing is off: a rerun starts over"
-        elif step == 0:  # a fresh run: nothing to start from, nothing to save
-            note = "no checkpoint was written (no step trained)"
+        elif step == 0:  # a fresh run: nothing to start from, nothing to save (a resume is refused)
+            note = "no checkpoint was written (no step trained): run it again without checkpoint.resume"
         elif step == self.start_step:
             note = f"no step trained since start (step {step}); the checkpoint it started from stays"
         elif self.last_saved == step:  # the interval's save: complete once renamed to step-N
