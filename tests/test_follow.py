@@ -24,6 +24,12 @@ ARGS = ["recipe=debug_grpo", "data.follow=true", "training.local_batch=2", "chec
         "logging.tensorboard=false"]
 
 
+def _set(base: list[str], *extra: str) -> list[str]:
+    """``base`` with ``extra`` in place of the keys it sets again (`train` refuses a key given twice)."""
+    keys = {e.partition("=")[0] for e in extra}
+    return [a for a in base if a.partition("=")[0] not in keys] + list(extra)
+
+
 def write_shard(folder: Path, index: int, per_shard: int = 6, version: int | None = None, first: int | None = None,
                 bad_line: int | None = None) -> list[str]:
     """Shard ``index`` (records first..first+per_shard of the packaged set, ids r<N>), written aside
@@ -171,7 +177,7 @@ def test_kill_9_mid_stream_then_resume_trains_every_record_exactly_once(tmp_path
     trained_before = [r for rec in ledger(run) for r in rec["records"]]
     for i in range(5, 9):
         written += write_shard(data, i)
-    res = train_here(["train", *argv, "checkpoint.resume=true", "data.wait_timeout=2"], tmp_path, capsys)
+    res = train_here(["train", *_set(argv, "checkpoint.resume=true", "data.wait_timeout=2")], tmp_path, capsys)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]  # 9 shards fill the 9 steps
     assert (run / "rollouts.superseded.jsonl").is_file()  # the killed run's steps past step 2, moved aside
@@ -188,7 +194,7 @@ def test_sigterm_while_waiting_checkpoints_and_exits_75_then_resume_continues(tm
     data, run = tmp_path / "shards", tmp_path / "run"
     data.mkdir()
     write_shard(data, 0)
-    argv = [*ARGS, f"data.path={data}", f"output_dir={run}", "training.steps=4", "checkpoint.interval=10"]
+    argv = _set(ARGS, f"data.path={data}", f"output_dir={run}", "training.steps=4", "checkpoint.interval=10")
     proc = start(argv, tmp_path)
     lines = []
 
@@ -265,7 +271,7 @@ def test_malformed_shard_stops_with_the_position_kept(tmp_path, capsys):
     data.mkdir()
     write_shard(data, 0)
     write_shard(data, 1, bad_line=2)
-    argv = [*ARGS, f"data.path={data}", f"output_dir={run}", "training.steps=2", "checkpoint.interval=10"]
+    argv = _set(ARGS, f"data.path={data}", f"output_dir={run}", "training.steps=2", "checkpoint.interval=10")
     res = train_here(["train", *argv], tmp_path, capsys)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"{data / '000001.jsonl'}:2" in res.stderr and "checkpoint step-1 saved" in res.stderr
@@ -338,8 +344,8 @@ def test_two_ranks_follow_the_same_stream_as_one(tmp_path):
     data.mkdir()
     for i in range(3):
         write_shard(data, i)
-    common = [*ARGS, f"data.path={data}", "training.steps=3", "training.global_batch=2", "training.local_batch=1",
-              "data.wait_timeout=30", "checkpoint.interval=100"]
+    common = _set(ARGS, f"data.path={data}", "training.steps=3", "training.global_batch=2", "training.local_batch=1",
+              "data.wait_timeout=30", "checkpoint.interval=100")
     seed = run_cli([*common, "checkpoint.create_seed=true", f"output_dir={tmp_path / 'seed'}"], tmp_path, timeout=300)
     assert seed.returncode == 0, seed.stderr[-2000:]
     common.append(f"checkpoint.load_path={tmp_path / 'seed' / 'checkpoint' / 'step-0'}")  # the same initial weights

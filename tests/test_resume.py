@@ -243,11 +243,10 @@ def test_a_stopped_run_names_where_to_go_on_from(tmp_path):
     """The non-finite stop's advice: the last complete step and the resume command, or, when no step
     was saved, to start again (was: "resume from none (no complete step)")."""
     from framework.train import integrity
-    from framework.train.trainer import _restart_hint
 
     ck = tmp_path / "checkpoint"
-    assert "nothing to resume: run it again from the start" in _restart_hint(ck, "`train ...`")
+    assert "nothing to resume: run it again from the start" in integrity.restart_hint(ck, "`train ...`")
     (ck / "step-2").mkdir(parents=True)
     integrity.write_manifest(ck / "step-2", 2, {})
-    hint = _restart_hint(ck, "`train output_dir=x checkpoint.resume=true`")
+    hint = integrity.restart_hint(ck, "`train output_dir=x checkpoint.resume=true`")
     assert hint == f"Last good checkpoint: step-2 in {ck}. Resume from it with `train output_dir=x checkpoint.resume=true`"

@@ -69,7 +69,7 @@ def _show(name: str) -> int:
 
         return show_hf(name, console)
     if name in recipes.recipe_names() or name.endswith((".yaml", ".yml")):
-        console.print(recipes.recipe_path(name).read_text(), markup=False, end="")
+        console.print(recipes.recipe_path(name, "`apiary show {}`").read_text(), markup=False, end="")
         return 0
     _not_a_run_folder(name)
     found = [(kind, names[name]) for kind, names in registry.entries().items() if name in names]
@@ -86,6 +86,7 @@ def _show(name: str) -> int:
     raise UserError(f"apiary show {name}", "no recipe or registry name called that" + (
         f"; it is a skill page: {page.relative_to(registry.ROOT)}" if page.is_file() else "") + ".",
         "Read it, or run `apiary ls` for the names apiary show takes." if page.is_file()
+        else f"Did you mean `apiary show {name}.yaml` (a file in this folder)?" if Path(f"{name}.yaml").is_file()
         else did_you_mean(name, known) or "Run `apiary ls`.")
 
 

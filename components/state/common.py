@@ -36,10 +36,17 @@ def materialize_state(optimizers) -> None:
             g["lr"] = g.pop("_lr")
 
 
-def check_threads(requested) -> None:
-    """ValueError unless ``state.offload_threads`` is >= 0 (the backends' pre-launch checks)."""
+def check_threads(requested, offload: str = "optimizer") -> None:
+    """ValueError unless ``state.offload_threads`` is >= 0, and left at 0 (auto) unless ``state.offload`` is
+    optimizer, the one setting with a host update for the threads to run (the backends' pre-launch checks)."""
     if int(requested) < 0:
         raise ValueError(f"state.offload_threads must be >= 0 (0: auto), got {requested}")
+    if int(requested) and offload != "optimizer":
+        raise ValueError(
+            f"state.offload_threads={requested} sets the CPU threads of the host optimizer update of "
+            f"state.offload=optimizer, but this run has state.offload={offload}: "
+            + ("the optimizer runs on the device" if offload == "none" else "FSDP2 itself runs the CPU offload")
+            + ", so the setting would do nothing. Set state.offload=optimizer, or drop state.offload_threads.")
 
 
 def host_threads(requested: int = 0) -> int:

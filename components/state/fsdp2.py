@@ -70,7 +70,7 @@ class FSDP2:
 
         def __post_init__(self):
             check_choices(self, "state.", " for fsdp2")
-            check_threads(self.offload_threads)
+            check_threads(self.offload_threads, self.offload)
             if self.offload_overlap and self.offload != "optimizer":
                 raise ValueError(
                     f"state.offload_overlap=true overlaps the host optimizer update of state.offload=optimizer "

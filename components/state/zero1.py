@@ -71,7 +71,7 @@ class Zero1:
             check_choices(self, "state.", " for zero1")
             if not self.bucket_mb > 0:
                 raise ValueError(f"state.bucket_mb must be > 0, got {self.bucket_mb}")
-            check_threads(self.offload_threads)
+            check_threads(self.offload_threads, self.offload)
 
     @staticmethod
     def check(options: "Zero1.Options", ctx=None) -> None:

@@ -1,5 +1,5 @@
 """Hydra's own settings on `train`'s command line (``hydra.*`` keys, ``hydra/...`` groups): each takes effect
-or is refused, never ignored.
+or is refused, never ignored; and any key given twice with two values is refused (Hydra keeps the last).
 
     check(overrides, mode)    # mode: "run" (one job; --cfg job and --info preview it), "multirun" (-m)
                               # or "show" (--cfg hydra / --cfg all, which print Hydra's config)
@@ -23,8 +23,28 @@ def _key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
 
 
+def _given_once(overrides: list[str]) -> None:
+    """A key typed twice with two values (`training.steps=100 ... training.steps=6`; was: the last one won, no
+    line said so): refused, whatever its spelling (``key=``, ``+key=``, ``++key=``: apiary sets a key the recipe
+    has with each, and ``~key`` unsets it). The same value twice is one setting. Only one command line counts:
+    a resume keeps its last launch's overrides except the keys given again (framework/resolve/resume.py)."""
+    seen: dict[str, str] = {}
+    for raw in overrides:
+        key, sep, value = raw.lstrip("+~").partition("=")
+        value = f"~{value}" if raw.startswith("~") else value.strip()
+        if not sep and not raw.startswith("~"):
+            continue  # not an override: Hydra's parser says so
+        first = seen.setdefault(key, raw)
+        was = first.lstrip("+~").partition("=")[2].strip()
+        if (f"~{was}" if first.startswith("~") else was) != value:
+            raise UserError(f"override {key}", f"is given twice, as {first} and as {raw}; Hydra would keep the last "
+                            "one and drop the other without a word.", f"Give {key} once, with the value meant.")
+
+
 def check(overrides: list[str], mode: str) -> None:
-    """Refuse a ``hydra.*`` key or ``hydra/`` group that would have no effect in this mode (exit 2)."""
+    """Refuse a key given twice with two values, and a ``hydra.*`` key or ``hydra/`` group that would have no
+    effect in this mode (exit 2)."""
+    _given_once(overrides)
     if mode == "show":
         return
     for raw in overrides:

@@ -23,36 +23,39 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if not p.stem.startswith("_"))
 
 
-def recipe_path(name: str) -> Path:
+def recipe_path(name: str, said: str = "recipe={}") -> Path:
+    """The file ``name`` (a packaged recipe's name, or a path) names. ``said``: how the command that reads it
+    writes a recipe in its fixes (`apiary show` takes ``"`apiary show {}`"``)."""
     p = Path(name)
+    where = said.format(name).strip("`")
     if p.suffix in (".yaml", ".yml") or "/" in name:
         if not p.is_file():
             other = p.with_suffix(".yaml" if p.suffix == ".yml" else ".yml") if p.suffix else p.with_suffix(".yaml")
             if other.is_file():
-                raise UserError(f"recipe={name}", f"no recipe file at {p}. There is {other}: recipe={other}.",
+                raise UserError(where, f"no recipe file at {p}. There is {other}: {said.format(other)}.",
                                 "Copy one with `apiary cp NAME path`.")
             if (RECIPES_DIR / f"{p.stem}.yaml").is_file():  # recipe=debug_moe.yaml away from the checkout
-                raise UserError(f"recipe={name}", f"no recipe file at {p} (a path is read from this folder, "
+                raise UserError(where, f"no recipe file at {p} (a path is read from this folder, "
                                 f"{Path.cwd()}); {p.stem} is a packaged recipe, which is named without a "
-                                "path or suffix.", f"Write recipe={p.stem}, or copy it here to edit with "
+                                f"path or suffix.", f"Write {said.format(p.stem)}, or copy it here to edit with "
                                 f"`apiary cp {p.stem} {p.name}`.")
-            raise UserError(f"recipe={name}", f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
+            raise UserError(where, f"no recipe file at {p}.", "Copy one with `apiary cp NAME path`.")
         if p.suffix != ".yaml":
-            raise UserError(f"recipe={name}", f"a recipe file is read by Hydra, which finds only files named *.yaml, "
+            raise UserError(where, f"a recipe file is read by Hydra, which finds only files named *.yaml, "
                             f"and {p.name} ends in {p.suffix or 'no suffix'}.",
-                            f"Rename it: mv {p} {p.with_suffix('.yaml')}, then recipe={p.with_suffix('.yaml')}.")
+                            f"Rename it: mv {p} {p.with_suffix('.yaml')}, then {said.format(p.with_suffix('.yaml'))}.")
         return p.resolve()
     path = RECIPES_DIR / f"{name}.yaml"
     if "," in name and not path.is_file():  # was: "unknown recipe 'debug_moe,debug_dense'"
-        raise UserError(f"recipe={name}", "names several recipes; recipe= takes one, and a sweep (`train -m`) or "
+        raise UserError(where, "names several recipes; recipe= takes one, and a sweep (`train -m`) or "
                         "`apiary compare` varies keys within that one recipe.", "Run one command per recipe: "
-                        + ", then ".join(f"recipe={r}" for r in name.split(",")) + ".")
+                        + ", then ".join(said.format(r) for r in name.split(",")) + ".")
     if not path.is_file():
-        raise UserError(
-            f"recipe={name}",
-            f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}.",
-            did_you_mean(name, recipe_names()) or "Run `apiary ls` to see them.",
-        )
+        here = next((f"{name}{ext}" for ext in (".yaml", ".yml") if Path(f"{name}{ext}").is_file()), None)
+        raise UserError(  # a file beside it (`apiary cp debug_moe my_recipe.yaml`, then recipe=my_recipe)
+            where, f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}.",
+            f"Did you mean {said.format(here)} (a file in this folder)?" if here
+            else did_you_mean(name, recipe_names()) or "Run `apiary ls` to see them.")
     return path
 
 

@@ -79,12 +79,15 @@ def use_registries(path: Path, overrides: list[str]) -> None:
 
 
 def split_recipe(args: list[str]) -> tuple[str | None, list[str]]:
-    """A command line's ``recipe=NAME`` (the last one given; None without one) and its other
+    """A command line's ``recipe=NAME`` (given once, or twice alike; None without one) and its other
     arguments, in order: how `train` and every `apiary` command that takes a recipe read it."""
     recipe, rest = None, []
     for a in args:
         key, sep, val = a.partition("=")
         if key == "recipe" and sep:
+            if recipe not in (None, val):  # was: the last one won, without a word
+                raise UserError("recipe=", f"is given twice, as recipe={recipe} and as recipe={val}.",
+                                "Give recipe= once, with the recipe meant.")
             recipe = val
         else:
             rest.append(a)

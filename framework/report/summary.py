@@ -381,7 +381,7 @@ def render(s: dict, console: Console | None = None, color: bool = True) -> None:
                                     f"(exit code {s['exit_code']}); checkpoint: {s['checkpoint'] or 'none saved'}"),
                       soft_wrap=True)
         if "resume" in s["next"]:
-            after = " after a change (above)" if s["exit_code"] == integrity.EXIT_NONFINITE else ""
+            after = " after a change, if the paragraph above calls it good" if s["exit_code"] == integrity.EXIT_NONFINITE else ""
             console.print(Text(f"  resume{after}: {s['next']['resume']}"), soft_wrap=True)
         return
     console.print(Text.assemble(("run summary", bold), f"  {s['recipe'] or ''} -> {s['run_dir']}"), soft_wrap=True)

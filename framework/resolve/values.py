@@ -164,4 +164,7 @@ def check(cfg, overrides: list[str], kept: list[str] = ()) -> list[str]:
     check_warmup(cfg, overrides, notes)
     check_decay(cfg, overrides, notes)
     check_tail(cfg, overrides, kept)
+    if cfg.optimizer.lr > 1:  # a clear threshold (was: optimizer.lr=1e30 started without a word)
+        notes.append(f"optimizer: lr={cfg.optimizer.lr:g} is above 1, far above where a transformer trains (1e-5 to "
+                     "1e-3): expect non-finite steps (exit code 76, docs/troubleshooting.md)")
     return notes

@@ -382,6 +382,19 @@ class NonFiniteStop(SystemExit):
             print(message, file=sys.stderr, flush=True)
 
 
-def last_good(checkpoint_dir: Path) -> str:
-    steps = complete_steps(checkpoint_dir)
-    return f"step-{steps[-1]} in {checkpoint_dir}" if steps else f"none (no complete step in {checkpoint_dir})"
+def restart_hint(checkpoint_dir: Path, resume_hint: str, nonfinite: set | frozenset = frozenset()) -> str:
+    """Where a run stopped on a non-finite step goes on from: its newest complete step, unless the step after it
+    (computed from its weights) was non-finite (``nonfinite``: this process's such steps, skipped or stopped);
+    then the newest step before such ones, or the start (was: "Last good" for weights that gave NaN at once)."""
+    steps, again = complete_steps(checkpoint_dir), resume_hint or "checkpoint.resume=true"
+    if not steps:
+        return "No step was checkpointed before this one, so there is nothing to resume: run it again from the start"
+    good = [s for s in steps if s + 1 not in nonfinite]
+    if good and good[-1] == steps[-1]:
+        return f"Last good checkpoint: step-{steps[-1]} in {checkpoint_dir}. Resume from it with {again}"
+    said = (f"No good checkpoint to name: step {steps[-1] + 1}, computed from the weights of the newest, step-{steps[-1]} "
+            f"in {checkpoint_dir}, was not finite, so they may be damaged (a resume from it stops at once if they are)")
+    if not good:
+        return f"{said}; none was saved before that: run it again from the start (a new output_dir)"
+    pick = f"{again.rstrip('`')} checkpoint.load_step={good[-1]}" + ("`" if again.endswith("`") else "")
+    return f"{said}. The last one saved before: step-{good[-1]}. Resume from it with {pick}"

@@ -52,14 +52,6 @@ from framework.train.preempt import Guard
 _GRAD_NORM = compat.LAST_GRAD_NORM  # the last global grad norm torchtitan's clip_grad_norm_ returned
 
 
-def _restart_hint(checkpoint_dir: Path, resume_hint: str) -> str:
-    """Where a stopped run goes on from: its last complete step, or the start when it saved none."""
-    if not integrity.complete_steps(checkpoint_dir):
-        return "No step was checkpointed before this one, so there is nothing to resume: run it again from the start"
-    return (f"Last good checkpoint: {integrity.last_good(checkpoint_dir)}. Resume from it with "
-            f"{resume_hint or 'checkpoint.resume=true'}")
-
-
 def _init_from_seed() -> None:
     """The model's initial weights depend on ``training.seed`` alone: the CPU and CUDA generators'
     states right after torchtitan's ``set_determinism`` are put back just before the model's
@@ -99,6 +91,7 @@ class ApiaryTrainer(FollowMode, Trainer):
         _init_from_seed()
         super().__init__(config, **kwargs)
         self._skips_total = self._skips_in_row = 0
+        self._nonfinite: set[int] = set()  # this process's non-finite steps (skipped or stopped): integrity.restart_hint
         self.begin_step()
         compat.patch_clip_grad_norm()  # keeps the grad norm train_step computes (local to it) for the finite check
         self._step_optimizers, self._step_schedulers = compat.guard_trainer_steps(
@@ -235,6 +228,7 @@ class ApiaryTrainer(FollowMode, Trainer):
             self._skips_in_row = 0
             return self._step_optimizers(*args, **kwargs)
         what = " and ".join(w for w, b in (("the loss", loss_bad), ("the gradient norm", norm_bad)) if b)
+        self._nonfinite.add(self.step)
         if self.config.on_nonfinite == "skip" and self._skips_in_row < self.config.max_skips:
             self._skips_in_row += 1
             self._skips_total += 1
@@ -264,9 +258,10 @@ class ApiaryTrainer(FollowMode, Trainer):
             why = "training.on_nonfinite=stop"
             tries = ("lower optimizer.lr or training.max_norm (a resume may change both); or set "
                      "training.on_nonfinite=skip to skip such steps (training.max_skips in a row)")
+        hint = integrity.restart_hint(ck, self.config.resume_hint, self._nonfinite)
         raise integrity.NonFiniteStop(
             f"apiary: step {self.step}: {what} is not finite (grad norm {norm_s}); no update was applied and "
-            f"nothing was saved from this step ({why}). {_restart_hint(ck, self.config.resume_hint)} after a "
+            f"nothing was saved from this step ({why}). {hint} after a "
             f"change: {tries}. Exit code {integrity.EXIT_NONFINITE}.")
 
     def _check_state_finite(self) -> None:
@@ -293,9 +288,10 @@ class ApiaryTrainer(FollowMode, Trainer):
             if getattr(self, "_atomic", None) is not None:
                 self._atomic.finish()
             ck = Path(self.config.dump_folder) / self.config.checkpoint.folder
+            hint = integrity.restart_hint(ck, self.config.resume_hint, self._nonfinite)
             raise integrity.NonFiniteStop(
                 f"apiary: step {self.step}: the model or optimizer state holds NaN or Inf values; the checkpoint "
-                f"of this step was not written. {_restart_hint(ck, self.config.resume_hint)} after lowering "
+                f"of this step was not written. {hint} after lowering "
                 f"optimizer.lr or training.max_norm. Exit code {integrity.EXIT_NONFINITE}.")
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):

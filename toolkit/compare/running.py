@@ -104,12 +104,13 @@ def plan(o: Options) -> Plan:
             continue
         if shape or not seed_runs:
             sdir = cdir / (f"seed-{v.name}" if shape else "seed")
-            own = [a for a in v.overrides if not a.lstrip("+~").startswith("launcher")]
-            sov = own + ["launcher=local", "launcher.nproc=1", "training.global_batch=null",
-                                 "checkpoint.enable=true", "checkpoint.create_seed=true",
-                                 "checkpoint.resume=false", "checkpoint.load_path=null",
-                                 *(f"parallel.{d}=1" for d in ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp")),
-                                 f"output_dir={sdir}"]
+            fixed = ["launcher=local", "launcher.nproc=1", "training.global_batch=null", "checkpoint.enable=true",
+                     "checkpoint.create_seed=true", "checkpoint.resume=false", "checkpoint.load_path=null",
+                     *(f"parallel.{d}=1" for d in ("dp_replicate", "dp_shard", "cp", "ep", "pp", "tp")),
+                     f"output_dir={sdir}"]
+            keys = {a.partition("=")[0] for a in fixed}  # each key once: `train` refuses one given twice
+            sov = [a for a in v.overrides if not a.lstrip("+~").startswith("launcher")
+                   and a.lstrip("+~").partition("=")[0] not in keys] + fixed
             try:
                 resolve(o.recipe, sov)
             except UserError as e:
