@@ -96,8 +96,10 @@ def test_autotune_configs_on_a_cpu_run_is_refused(capsys, workdir, monkeypatch):
 
 
 def test_autotune_configs_is_kept_where_the_run_is_not_on_this_cpu(capsys, workdir, monkeypatch):
-    """--cfg job asks no GPU, and a launch for a named GPU (preflight.gpu=H100) is not a CPU run."""
+    """A launch for a named GPU (preflight.gpu=H100) is not a CPU run; `--cfg job` of a run on this CPU refuses it as
+    its launch would (was: accepted, pass 10's left item; tests/test_newcomer_pass11.py)."""
     monkeypatch.setattr(devices, "has_accelerator", lambda: False)
-    assert train_main(["training.autotune_configs=all", "--cfg", "job"]) == 0
+    assert train_main(["training.autotune_configs=all", "--cfg", "job"]) == 2
+    assert train_main(["training.autotune_configs=all", "preflight.gpu=H100", "--cfg", "job"]) == 0
     r = resolve("debug_moe", ["training.autotune_configs=all", "preflight.gpu=H100", "output_dir=run"], for_training=True)
     assert r.cfg.training.autotune_configs == "all"
