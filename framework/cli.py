@@ -161,9 +161,11 @@ def _run_job(recipe, job: list[str], output_dir: str, verbose: bool) -> int:
 def _arm() -> None:
     """`train` from the command line: a signal while starting up exits 75 at once (no
     KeyboardInterrupt traceback); once training runs, it checkpoints first (framework/train/preempt).
-    A reader that leaves (`train | head`) ends it quietly, 141, from every console (framework/launch/pipes)."""
+    A reader that leaves (`train | head`) ends it quietly, 141, from every console, or once training
+    runs stops it as SIGTERM does: a checkpoint, exit 75 (framework/launch/pipes)."""
     preempt.arm()
     pipes.stop_requested = preempt.requested  # a stopping process checkpoints before it goes quiet
+    pipes.stop_training = preempt.stop_for_closed_pipe  # a training loop stops as on SIGTERM
     compat.route_broken_pipe(pipes.on_broken_pipe)
     pipes.guard_streams()  # a plain print's closed pipe, in any thread
 

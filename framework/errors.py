@@ -15,10 +15,14 @@ EXIT_NONFINITE = 76
 # complete step was checkpointed: run it again (with checkpoint.resume=true) once the generator writes.
 EXIT_DATA_TIMEOUT = 77
 # stdout's reader left (`train --cfg job | head -2`): quiet, 128 + SIGPIPE, as a shell reports a piped command's
-# end (was: rich's exit 1 with no message).
+# end (was: rich's exit 1 with no message). A training run stops as on SIGTERM instead (checkpoint, 75).
 EXIT_BROKEN_PIPE = 141
 # A second SIGINT (Ctrl-C again): stop at once, no checkpoint (128 + SIGINT, as a shell reports it).
 EXIT_STOP_NOW = 130
+# The disk of the run folder filled up while the run trained (a checkpoint, metrics.jsonl): the half-written save
+# removed, the complete checkpoints kept; free space, then resume (EX_IOERR, sysexits.h). A full disk at launch
+# is a UserError (2): nothing started.
+EXIT_DISK_FULL = 74
 
 
 class UserError(Exception):
@@ -32,6 +36,12 @@ class UserError(Exception):
         if suggestion:
             msg += f" {suggestion}"
         super().__init__(msg)
+
+
+class DiskFull(UserError):
+    """The run folder's disk filled up while the run trained (framework/train/disk_full.py says it)."""
+
+    exit_code = EXIT_DISK_FULL
 
 
 def closest(word: str, options, n: int = 3) -> list[str]:

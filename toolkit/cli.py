@@ -27,6 +27,7 @@ from framework.cli import _fail, console
 from framework.compose import recipes, registry
 from framework.errors import UserError, did_you_mean
 from framework.launch import pipes
+from framework.report import no_step
 from framework.resolve.inputs import writable_folder
 from framework.train import autotune_table, integrity
 from toolkit import argparsing, compare, launch, logprobs, plan, warmup
@@ -156,10 +157,11 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         raise UserError(f"apiary export {run_dir}", f"holds no complete checkpoint: {', '.join(cut)} has no .metadata "
                         "(a save cut short, or a damaged step), and DCP cannot read a step without it.",
                         "Nothing can be exported from this run; train again (a fresh run in another output_dir).")
+    if step is not None and not steps:  # was: "Train with checkpoint.enable=true first", for a run that had it on
+        raise UserError(f"apiary export {run_dir} --step {step}", *no_step.refusal(run_dir))
     if step is not None and step not in steps:
         raise UserError(f"apiary export {run_dir} --step {step}", "no complete checkpoint of that step; complete: "
-                        f"{', '.join(map(str, steps)) or 'none'}.",
-                        "Pick one of those steps." if steps else "Train with checkpoint.enable=true first.")
+                        f"{', '.join(map(str, steps))}.", "Pick one of those steps.")
     if steps:  # the step every exporter takes (--step, else the latest with DCP's .metadata), checked against its manifest
         integrity.check_step(steps[max(steps) if step is None else step], f"apiary export {run_dir}",
                              unverified_ok=unverified, override="--unverified", fresh="train again",
@@ -192,6 +194,8 @@ def _export(run_dir: str, out: str, merged: bool = False, unverified: bool = Fal
         raise UserError(f"apiary export {run_dir} --hf {out}", "is not an empty folder; exporting there would "
                         "overwrite or mix with what it holds.", "Choose a new folder (it is created), or empty this one.")
     writable_folder(dest, f"apiary export {run_dir} --hf {out}", "nothing could be exported")
+    if not steps:  # none saved: why, from the run's files (was: "Train with checkpoint.enable=true first")
+        raise UserError(f"apiary export {run_dir}", *no_step.refusal(run_dir))
     from framework.train import published  # reason: start-up time (imports torch)
 
     what = ""

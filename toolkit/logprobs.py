@@ -32,6 +32,7 @@ from components.data.rollout_sources import located_records, record_where, rollo
 from framework import compat, contracts
 from framework.compose import registry
 from framework.errors import UserError
+from framework.report import no_step
 from framework.resolve.context import model_kwargs
 from framework.resolve.inputs import writable_folder
 from framework.train import integrity
@@ -126,9 +127,8 @@ def _run_model(run: Path, step: int | None, device, where: str, unverified: bool
     cfg = OmegaConf.load(run / "config.yaml")
     run_folder_paths(run, cfg, where)
     steps = integrity.complete_steps(run / "checkpoint")
-    if not steps:
-        raise UserError(where, "holds no complete checkpoint (checkpoint/step-N).",
-                        "Train with checkpointing on, or pass a HuggingFace folder.")
+    if not steps:  # was: "Train with checkpointing on", for a run that had it on (framework/report/no_step.py)
+        raise UserError(where, *no_step.refusal(run, "Or pass a HuggingFace folder."))
     if step is None:
         step = max(steps)
     elif step not in steps:

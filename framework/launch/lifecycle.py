@@ -13,8 +13,9 @@
   the parent names (``APIARY_STATUS_DIR``); torchrun itself exits 1 when it shut its workers down
   for a signal, so its code alone cannot say whether they checkpointed.
 * stdout's reader left (`train nproc=2 | head`): the parent, which watches the pipe its ranks write
-  to (``reader_gone``), kills torchrun and the ranks at once and exits 141 quietly (the ranks, quiet
-  on the closed pipe, train on until then: framework/launch/pipes.py).
+  to (``reader_gone``), stops the run as it does on SIGTERM (the ranks, quiet on the closed pipe,
+  checkpoint at the next step boundary and exit 75: framework/launch/pipes.py), and says so on
+  stderr. It was: torchrun and the ranks killed at once, exit 141, the steps since the last save lost.
 * No orphans: torchrun runs as ``python -m framework.launch.lifecycle torchrun`` (``torchrun_main``), which
   first asks for ``PR_SET_PDEATHSIG=SIGKILL`` (``die_with_parent``, checking that its parent is
   still the supervising pid), and every worker asks the same for itself, so killing the parent
@@ -35,13 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from framework.errors import EXIT_BROKEN_PIPE, EXIT_DATA_TIMEOUT, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STOP_NOW, EXIT_USER_ERROR
+from framework.errors import EXIT_DATA_TIMEOUT, EXIT_DISK_FULL, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STOP_NOW, EXIT_USER_ERROR
 
 STATUS_ENV = "APIARY_STATUS_DIR"
 SUPERVISOR_ENV = "APIARY_SUPERVISOR_PID"  # torchrun_main: the parent it must die with
+STDOUT_GONE = "stdout-gone"  # in the status folder: the parent's SIGTERM is for a closed stdout pipe
 PREEMPT_EXIT_CODE = EXIT_PREEMPTED
 # the codes a rank exits with after saying why in one paragraph (framework/errors.py)
-APIARY_EXIT_CODES = (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_DATA_TIMEOUT, EXIT_STOP_NOW)
+APIARY_EXIT_CODES = (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_NONFINITE, EXIT_DATA_TIMEOUT, EXIT_STOP_NOW, EXIT_DISK_FULL)
 STOP_NOW_EXIT_CODE = EXIT_STOP_NOW
 KILL_AFTER_S = 10.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -77,6 +79,13 @@ def write_status(code: int) -> None:
         (Path(d) / f"rank{os.environ.get('RANK', '0')}").write_text(str(int(code)))
     except OSError:
         pass
+
+
+def stdout_gone_marked() -> bool:
+    """Worker: whether the supervising parent's stop is for stdout's reader leaving (``STDOUT_GONE`` in the
+    status folder), not for a signal: the rank says so in its stop line and summary."""
+    d = os.environ.get(STATUS_ENV)
+    return bool(d) and (Path(d) / STDOUT_GONE).exists()
 
 
 def reader_gone(fd: int) -> bool:
@@ -142,7 +151,7 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
     status_dir = Path(tempfile.mkdtemp(prefix="apiary-status-"))
     env = dict(os.environ if env is None else env)
     env[STATUS_ENV] = str(status_dir)
-    state = {"first": None, "stop_now": False, "stop_at": None, "pipe_closed": False}
+    state = {"first": None, "stop_now": False, "stop_at": None}
     env[SUPERVISOR_ENV] = str(os.getpid())
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
@@ -162,10 +171,19 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
             return
         if state["first"] is None:
             state["first"] = signum
-            fwd = signal.SIGTERM if signum == signal.SIGHUP else signum
+            fwd = signal.SIGTERM if signum in (signal.SIGHUP, signal.SIGPIPE) else signum
             again = " (Ctrl-C again to stop now, without a checkpoint)" if signum == signal.SIGINT else ""
-            _say(f"apiary: got {signal.Signals(signum).name}; the ranks checkpoint at the next step boundary "
-                 f"and exit{again}")
+            if signum == signal.SIGPIPE:  # not a signal here: `train nproc=N | head` has read its lines
+                try:
+                    (status_dir / STDOUT_GONE).touch()
+                except OSError:
+                    pass
+                _say("apiary: stdout's reader left (a closed pipe: `| head`); the ranks checkpoint at the next step "
+                     f"boundary and exit {PREEMPT_EXIT_CODE}, writing their files but no more console lines (Ctrl-C "
+                     "to stop now, without a checkpoint)")
+            else:
+                _say(f"apiary: got {signal.Signals(signum).name}; the ranks checkpoint at the next step boundary "
+                     f"and exit{again}")
             try:
                 proc.send_signal(fwd)
             except OSError:
@@ -186,18 +204,15 @@ def supervise(cmd: list[str], env: dict | None = None, nproc: int = 1) -> int:
                 rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                # `train nproc=2 | head`: nothing will be read; but a stop already asked for (Ctrl-C on
-                # `train | tee log` ends tee too) lets the ranks write their checkpoint first
-                if not state["pipe_closed"] and state["first"] is None and reader_gone(1):
-                    state["pipe_closed"] = True
-                    kill_all()
+                # `train nproc=2 | head`: nothing more will be read: a stop as on SIGTERM (checkpoint, 75);
+                # a stop already asked for (Ctrl-C on `train | tee log` ends tee too) goes on as it is
+                if state["first"] is None and reader_gone(1):
+                    handler(signal.SIGPIPE, None)
                     continue
                 if state["stop_now"] and time.monotonic() - state["stop_at"] > KILL_AFTER_S:
                     _say("apiary: the ranks did not stop; killing them")
                     kill_all()
                     state["stop_at"] = float("inf")
-        if state["pipe_closed"]:
-            return EXIT_BROKEN_PIPE
         return _exit_code(rc, status_dir, state["first"], state["stop_now"], nproc)
     finally:
         for s, prev in previous.items():

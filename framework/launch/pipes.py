@@ -1,6 +1,8 @@
-"""stdout's reader left (`train | head`, `train 2>&1 | head`, `apiary ls | head`): the command ends
+"""stdout's reader left (`train | head`, `train 2>&1 | head`, `apiary ls | head`): a command ends
 quietly with ``EXIT_BROKEN_PIPE`` (141, what a shell reports for a writer ended by SIGPIPE), without a
-traceback or a message, as other command-line tools do.
+traceback or a message, as other command-line tools do; a training run stops as on SIGTERM instead
+(``stop_training``: it checkpoints at the next step boundary, writes its summary.json and exits 75),
+since ending it at its next print lost every step since its last save (was: 141, no checkpoint).
 
 * ``on_broken_pipe``, set by the `train` and `apiary` entry points through ``compat.route_broken_pipe``
   as rich's hook on the ``Console`` class (the consoles are made in many modules), makes every rich
@@ -9,11 +11,11 @@ traceback or a message, as other command-line tools do.
   Python's last flush) fails again.
 * ``guard_streams`` (the `train` entry point) does the same for a plain ``print`` in any thread (the
   sender's, the first step's notes, the publisher's): the stream goes quiet instead of raising.
-* What goes on, silenced, instead of exiting (``_goes_on``): a rank of a run a ``train`` parent
-  supervises (nproc > 1), until the parent, which watches the same pipe (``reader_gone``), stops
-  torchrun and its ranks at once and exits 141 (a rank leaving alone would make the others fail in
-  their next collective, each with a traceback); a process already stopping on a signal (it writes its
-  checkpoint first; the parent does not kill a run it is stopping); a thread other than the main one.
+* What goes on, silenced, instead of exiting (``_goes_on``): a process whose training loop runs
+  (``stop_training`` asks it to stop at the next step boundary, as SIGTERM does; every rank agrees on
+  the stop, so no rank leaves alone); a rank of a run a ``train`` parent supervises (nproc > 1), whose
+  parent, watching the same pipe (``reader_gone``), stops the run the same way; a process already
+  stopping on a signal (it writes its checkpoint first); a thread other than the main one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from framework.launch.lifecycle import STATUS_ENV, reader_gone
 def stop_requested() -> bool:
     """Whether this process is stopping gracefully (a preemption signal: it checkpoints first); the
     training entry point sets it to framework.train.preempt's ``requested``."""
+    return False
+
+
+def stop_training() -> bool:
+    """Ask this process's training loop to stop as SIGTERM would (a checkpoint at the next step boundary,
+    exit 75); False when no training loop is hooked here (nothing to save: the command ends quietly). The
+    training entry point sets it to framework.train.preempt's ``stop_for_closed_pipe``."""
     return False
 
 
@@ -65,8 +74,8 @@ def _goes_on() -> bool:
 def on_broken_pipe(console: Console) -> None:
     """``Console.on_broken_pipe`` for every console of the process (module docstring)."""
     console.quiet = True
-    if _goes_on():
-        silence()
+    silence()
+    if stop_training() or _goes_on():
         return
     quiet_exit()
 
@@ -81,7 +90,7 @@ class _Guarded:
 
     def _gone(self) -> None:
         silence()
-        if not _goes_on():
+        if not (stop_training() or _goes_on()):
             raise SystemExit(EXIT_BROKEN_PIPE)
 
     def write(self, text):

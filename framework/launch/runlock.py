@@ -28,6 +28,7 @@ from pathlib import Path
 
 from framework import contracts
 from framework.errors import UserError
+from framework.resolve import disk
 
 LOCK_NAME = "run.lock"
 ENV = "APIARY_RUN_LOCK"  # set for workers whose parent holds the lock
@@ -126,6 +127,9 @@ def acquire(output_dir, warn=None) -> RunLock:
         if out.exists() and not out.is_dir():
             raise UserError(f"output_dir={output_dir}", "is a file, not a directory.",
                             "Choose a directory for output_dir.") from None
+        if e.errno in disk.FULL_ERRNOS:
+            raise disk.full_at_launch(f"output_dir={output_dir}", out, "not even the run's lock file "
+                                      f"{path} could be made", e) from None
         raise UserError(f"output_dir={output_dir}", f"cannot hold the run's lock file {path} there "
                         f"({e.strerror or e}).", "Choose a writable directory for output_dir.") from None
     for _ in range(10):  # retry when the file was replaced between open and flock
@@ -165,10 +169,18 @@ def acquire(output_dir, warn=None) -> RunLock:
         lock = RunLock(path, fd, took_over=rec)
         if rec:
             (warn or _warn)(f"apiary: taking over the lock on {out} from {describe(rec)}: {why}.")
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, (json.dumps(_record()) + "\n").encode())
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, (json.dumps(_record()) + "\n").encode())
+            os.fsync(fd)
+        except OSError as e:  # a full disk (was: the OSError's traceback): nothing started, no lock left behind
+            lock.release()
+            if e.errno in disk.FULL_ERRNOS:
+                raise disk.full_at_launch(f"output_dir={output_dir}", out, "not even the run's lock file "
+                                          f"{path} could be written", e) from None
+            raise UserError(f"output_dir={output_dir}", f"cannot write its lock file {path} ({e.strerror or e}).",
+                            "Choose a writable directory for output_dir.") from None
         return lock
     raise UserError(f"output_dir={output_dir}", f"its lock {path} keeps changing hands.",
                     "Another run is starting on it; choose another output_dir.")

@@ -26,7 +26,7 @@ from framework.compose import recipes, registry
 from framework.errors import UserError
 from framework.launch import lifecycle, runlock
 from framework.plan.preflight import check_memory
-from framework.resolve import paths
+from framework.resolve import disk, paths
 from framework.resolve.handoff import preview_resolved, write_resolved
 from framework.resolve.inputs import world_size_env
 from framework.resolve.outputs import default_output_dir
@@ -176,6 +176,9 @@ def _launch_warnings(cls, r, dry_run: bool) -> list[str]:
     preflight = contracts.member(cls, "launcher", "preflight")
     if preflight is not None:
         warnings += preflight(r.cfg.launcher, r, dry_run=dry_run) or []
+    room = disk.checkpoint_room_warning(r)
+    if room is not None:
+        warnings.append(room)
     world = r.layout.world_size
     if r.cfg.parallel.gpus is not None and int(r.cfg.parallel.gpus) != world:
         warnings.append(f"the recipe is laid out for parallel.gpus={r.cfg.parallel.gpus}; this launch has "

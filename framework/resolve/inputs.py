@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from framework.compose import registry
 from framework.errors import UserError
+from framework.resolve import disk
 from framework.train import integrity
 
 
@@ -80,9 +81,10 @@ def what_is(path: Path) -> str:
 
 
 def writable_folder(path, key: str, what: str) -> None:
-    """``path`` (or its nearest existing parent) is a folder this process can write; else a UserError
-    naming ``key``. ``what`` says what could not be written. The probe (a temporary folder, removed at
-    once) leaves nothing behind: os.access alone says yes to root on a read-only mount. The tools'
+    """``path`` (or its nearest existing parent) is a folder this process can write, on a disk that is
+    not full; else a UserError naming ``key``. ``what`` says what could not be written. The probe (a
+    temporary folder holding one small file, removed at once) leaves nothing behind: os.access alone
+    says yes to root on a read-only mount, and a folder alone can be made on a full tmpfs. The tools'
     output folders (`apiary logprobs --out`, `apiary export --hf`) are checked here too."""
     _check_name_lengths(key, str(path))
     probe = Path(path).absolute()
@@ -94,12 +96,16 @@ def writable_folder(path, key: str, what: str) -> None:
     try:
         writable = os.access(probe, os.W_OK | os.X_OK)
         if writable:
-            tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-").cleanup()
-    except OSError:
+            with tempfile.TemporaryDirectory(dir=probe, prefix=".apiary-probe-") as d:
+                (Path(d) / "probe").write_bytes(b"apiary" * 512)
+    except OSError as e:
+        if e.errno in disk.FULL_ERRNOS:
+            raise disk.full_at_launch(key, probe, what, e) from None
         writable = False
     if not writable:
         raise UserError(key, f"{probe} is not writable by this user, so {what}.",
                         f"Choose a writable {key.split('=')[0]}, or fix the folder's permissions.")
+    disk.check_room(probe, key, what)
 
 
 # Keys naming a file or folder (null: off or the default), with what null means. A `~` at the start is

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from framework import compat
-from framework.train import integrity
+from framework.resolve import disk
+from framework.train import disk_full, integrity
 
 
 # -- the atomic save -----------------------------------------------------------------------
@@ -195,7 +196,24 @@ class AtomicSaves:
             tmp.mkdir(parents=True, exist_ok=True)
         self._barrier()
         t0 = time.perf_counter()
-        result = self._dcp_save(state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
+        try:
+            result = self._dcp_save(state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
+        except BaseException as e:  # DCP raises on every rank (its all-reduce of the ranks' write results)
+            full = None if disk.stops_here(e) else disk.full_errno(e)
+            if full is None and (disk.stops_here(e) or not disk.nearly_full(tmp)):
+                raise
+            written, room = disk_full.folder_bytes(tmp), disk.room_text(final.parent.parent, has="had")  # before any removal
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # room for the earlier save's manifest and the summary
+            try:
+                self.finish()  # an earlier save still being hashed becomes step-N, if its manifest fits
+            except Exception:
+                pass
+            removed = [f"checkpoint/{tmp.name}"]
+            if self.rank == 0:  # what stayed incomplete: never visible to a resume
+                removed += [r for r in disk_full.drop_partials(final.parent) if r not in removed]
+            raise disk_full.error(final.parent.parent, step=step, saving=step, written=written, removed=removed,
+                                  err=full, room=room) from None
         self._barrier()  # every rank's files (and DCP's .metadata) are written
         self.pending.append(_Pending(step, tmp, final, integrity.list_files(tmp), self.rank, self.world,
                                      time.perf_counter() - t0, model_only=TRAIN_STATE not in state_dict,

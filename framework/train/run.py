@@ -13,11 +13,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from framework.errors import DiskFull
 from framework.launch import lifecycle
 from framework.report import summary
 from framework.report.resume_command import run_overrides
-from framework.resolve import resume
-from framework.train import first_step, integrity, preempt
+from framework.resolve import disk, resume
+from framework.train import disk_full, first_step, integrity, preempt
 
 
 def train_here(resolved, verbose: bool = False) -> int:
@@ -96,7 +97,13 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
             print(resolved.data_summary, flush=True)  # the run's first line: what it trains on
         for line in resolved.resume_lines:  # which checkpoint was verified and is loaded
             print(line, flush=True)
-        write_run_files(resolved)
+        try:
+            write_run_files(resolved)
+        except OSError as e:  # filled up since the launch checked it
+            if e.errno not in disk.FULL_ERRNOS:
+                raise
+            raise disk.full_at_launch(f"output_dir={resolved.cfg.output_dir}", resolved.cfg.output_dir,
+                                      "the run's config.yaml and layout.json could not be written", e) from None
         if resolved.facts.source:  # which checkpoint and architecture this run loads
             Console(highlight=False, soft_wrap=True).print(f"model: {resolved.facts.source}", markup=False)
     import torch  # reason: below, with torchtitan (slow to import; only workers train)
@@ -117,6 +124,7 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     report = report and rank == 0 and not resolved.cfg.checkpoint.create_seed
     first_step.STATE.begin()  # metrics.jsonl's first record: first_step_build_s and the step's breakdown
     ended = nonfinite = False  # every rank ended the loop together (not a crash)
+    full = None  # the run folder's disk filled up (framework/train/disk_full.py)
     try:
         trainer = tc.build()
         if rank == 0:
@@ -130,9 +138,21 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
     except integrity.NonFiniteStop:
         nonfinite = True
         raise
+    except DiskFull as e:  # a checkpoint that did not fit (framework/train/atomic_save.py)
+        full = e
+        raise
+    except BaseException as e:  # another write of the run on a full disk (metrics.jsonl, a manifest): said
+        if disk.stops_here(e) or (err := disk.full_errno(e)) is None:  # below, once the trainer is closed
+            raise
+        full = (err, disk.room_text(resolved.cfg.output_dir, has="had"))  # the room before anything is removed
+        raise
     finally:
         if trainer is not None:
-            trainer.close()  # the live progress line ends here
+            try:
+                trainer.close()  # the live progress line ends here; a save still being hashed becomes step-N
+            except BaseException as e:  # on a full disk: the paragraph below says it, not a second traceback
+                if full is None or disk.stops_here(e) or disk.full_errno(e) is None:
+                    raise
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         # torchtitan's flight-recorder folder (GPU) when no rank dumped into it; kept after a crash,
@@ -141,16 +161,26 @@ def train(resolved, verbose: bool = False, report: bool = True) -> dict | None:
             _drop_empty(Path(resolved.cfg.output_dir) / "comm_traces")
         if nonfinite and report:  # the step is the one that was not applied
             _report(resolved, "on a non-finite loss or gradient norm", integrity.EXIT_NONFINITE, trainer.step - 1)
+        if isinstance(full, tuple):  # the half-written saves removed (room for summary.json), then the paragraph
+            out = Path(resolved.cfg.output_dir)
+            removed = disk_full.drop_partials(out / "checkpoint") if rank == 0 else []
+            full = disk_full.error(resolved.cfg.output_dir, step=trainer.step if trainer is not None else None,
+                                   removed=removed, err=full[0], room=full[1])
+        if full is not None and report:
+            _report(resolved, "on a full disk", disk_full.EXIT_CODE, trainer.step if trainer is not None else None)
+        if full is not None:
+            raise full from None  # in place of the OSError on its way up
     if rank == 0 and ended and resolved.cfg.checkpoint.create_seed:
         print(seed_line(resolved), flush=True)
     if preempt.stopped(guard):
         if report:
-            _report(resolved, "by a signal", preempt.EXIT_CODE, guard.stopped_at)
+            _report(resolved, preempt.stop_reason(), preempt.EXIT_CODE, guard.stopped_at)
         preempt.exit_if_stopped(guard)
     stop = trainer.follow_stop  # follow mode stopped waiting: a signal, a timeout or a bad shard (FollowStop)
     if stop is not None:
         if report:
-            why = {"signal": "by a signal while waiting for data", "malformed": "on a malformed shard of the followed data",
+            why = {"signal": f"{preempt.stop_reason()} while waiting for data",
+                   "malformed": "on a malformed shard of the followed data",
                    "timeout": f"waiting for data (data.wait_timeout{stop.detail})"}[stop.why]
             _report(resolved, why, stop.exit_code, trainer.step)
         lifecycle.write_status(stop.exit_code)
@@ -188,7 +218,9 @@ def _report(resolved, stop: str | None = None, exit_code: int = 0, step: int | N
         s = summary.summarize(resolved.cfg.output_dir, stop=stop, exit_code=exit_code, stopped_at=step,
                               launch=resolved.launch)  # what the hand-off carries: nothing composed again
         summary.write(s)
-        summary.render(s, color=bool(resolved.cfg.logging.color))
+        # stdout's reader left (`train | head`): on stderr, which a user still sees, with the resume command
+        console = Console(stderr=True, highlight=False, soft_wrap=True) if preempt.stdout_gone() else None
+        summary.render(s, console=console, color=bool(resolved.cfg.logging.color))
     except Exception as e:  # a summary must never fail a finished run
         logging.getLogger(__name__).warning("apiary: run summary skipped: %s", e)
 

@@ -65,14 +65,15 @@ def _handler(signum, frame) -> None:
         os.write(2, f"apiary: rank {rank}: second SIGINT; stopping now {what} (exit "
                     f"{STOP_NOW_EXIT_CODE})\n".encode())
         os._exit(STOP_NOW_EXIT_CODE)
+    pipe = signum == signal.SIGTERM and lifecycle.stdout_gone_marked()  # the parent's stop for a closed stdout
     if first:
-        _FLAG.signum, _FLAG.at = signum, time.time()
+        _FLAG.signum, _FLAG.at = (signal.SIGPIPE if pipe else signum), time.time()
     if not _GUARDS:  # no training loop yet: nothing to checkpoint, so stop now and ask to be rerun
         lifecycle.write_status(EXIT_CODE)
         os.write(2, f"apiary: rank {rank}: got {name} before training started; exiting with code "
                     f"{EXIT_CODE}\n".encode())
         raise SystemExit(EXIT_CODE)
-    if first:  # os.write: safe inside a signal handler (print may hold the stream's lock)
+    if first and not pipe:  # os.write: safe inside a signal handler (print may hold the stream's lock)
         again = " (Ctrl-C again to stop now)" if signum == signal.SIGINT and rank == "0" else ""
         os.write(2, f"apiary: rank {rank}: got {name}; checkpointing at the next step boundary{again}\n".encode())
 
@@ -108,6 +109,35 @@ def request(signum: int = signal.SIGUSR1) -> None:
     """Ask for a stop as a signal would (tests, or an in-process watchdog); like the signal, it
     raises SystemExit(EXIT_CODE) when no trainer is hooked yet."""
     _handler(signum, None)
+
+
+def stop_for_closed_pipe() -> bool:
+    """stdout's reader left (`train | head -3`; framework/launch/pipes.py): while a training loop is hooked
+    in this process, a stop request as SIGTERM's (a checkpoint at the next step boundary, summary.json,
+    exit 75), said once on stderr (silenced too when it is the same pipe); any thread may call it. False
+    when no trainer is hooked: nothing to save, so the caller ends the command quietly (141)."""
+    if not _GUARDS:
+        return False
+    if _FLAG.signum is None:
+        _FLAG.signum, _FLAG.at = signal.SIGPIPE, time.time()
+        try:
+            os.write(2, f"apiary: rank {os.environ.get('RANK', '0')}: stdout's reader left (a closed pipe: `| head`); "
+                        f"checkpointing at the next step boundary and exiting with code {EXIT_CODE}; metrics.jsonl "
+                        "and summary.json are still written, the console lines no more (Ctrl-C to stop now, "
+                        "without a checkpoint)\n".encode())
+        except OSError:
+            pass
+    return True
+
+
+def stdout_gone() -> bool:
+    """Whether this process stops because stdout's reader left (``stop_for_closed_pipe``)."""
+    return _FLAG.signum == signal.SIGPIPE
+
+
+def stop_reason() -> str:
+    """Why this process stopped on request, for its summary."""
+    return "because stdout's reader left (a closed pipe)" if stdout_gone() else "by a signal"
 
 
 def reset() -> None:
@@ -177,7 +207,8 @@ class Guard:
             self.saved = force_save(ck, step)
             note = f"checkpoint step-{step} saved" if self.saved else f"checkpoint step-{step} NOT saved"
         self.stopped_at = step
-        name = signal.Signals(_FLAG.signum).name if _FLAG.signum else "a signal on another rank"
+        name = ("stdout's reader left" if _FLAG.signum == signal.SIGPIPE else
+                signal.Signals(_FLAG.signum).name if _FLAG.signum else "a signal on another rank")
         print(f"apiary: rank {rank}: preempted ({name}) after step {step}; {note}; exiting with code "
               f"{EXIT_CODE} to be run again", file=sys.stderr, flush=True)
 
