@@ -260,7 +260,8 @@ def test_publication_checkpoints_and_data_in_one_folder_are_refused(capsys, work
 
     (workdir / "corpus").mkdir()
     (workdir / "corpus" / "a.jsonl").write_text('{"text": "hello world, a short document"}\n' * 50)
-    code = train_main(["recipe=debug_moe", "output_dir=run", "publish.interval=1", "publish.keep=2",
+    out = [] if any(a.startswith("output_dir=") for a in argv) else ["output_dir=run"]  # each key once
+    code = train_main(["recipe=debug_moe", *out, "publish.interval=1", "publish.keep=2",
                        "checkpoint.interval=1", "checkpoint.keep_latest_k=0", "training.steps=4", *argv])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2, err

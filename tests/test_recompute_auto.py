@@ -150,7 +150,8 @@ def _train(tmp_path, name, extra):
     from framework.cli import train_main
 
     out = tmp_path / name
-    code = train_main(["recipe=qwen35_debug_moe", "training.steps=3", "checkpoint.enable=false", "training.seed=3",
+    steps = [] if any(a.startswith("training.steps=") for a in extra) else ["training.steps=3"]  # each key once
+    code = train_main(["recipe=qwen35_debug_moe", *steps, "checkpoint.enable=false", "training.seed=3",
                        f"output_dir={out}", *extra])
     assert code == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -75,7 +75,7 @@ def _run_job(job: dict, rank: int, world: int, port: int) -> dict | None:
         # framework/resolve/resume.py); this job loads the model and optimizer only, to check they reshard
         from framework.resolve import resume
 
-        resume.check = lambda cfg, run_dir, step: resume.ResumePlan(step=step, saved_from=Path(run_dir) / "config.yaml")
+        resume.check = lambda cfg, run_dir, step, *_: resume.ResumePlan(step=step, saved_from=Path(run_dir) / "config.yaml")
     r = resolve("debug_moe", [*COMMON, *job["overrides"], f"output_dir={job['out']}", f"launcher.nproc={world}"])
     if rank == 0 and job["kind"] != "seed":
         run.write_run_files(r)
